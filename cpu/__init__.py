@@ -1,0 +1,1 @@
+"""Kernel sources shipped as package data (see DESIGN.md, repository layout)."""

@@ -1,0 +1,22 @@
+"""kvmulti: one paged-attention API and KV-cache layout for HIP, SYCL, Triton and CPU.
+
+``import kvmulti`` needs only torch: Triton, the SYCL runtime and the HIP library load lazily
+inside the backend that needs them.
+"""
+
+from .backends import AttentionConfig, BackendSelectionError, available_backends, select_backend
+from .layout import KVCacheLayout, LayoutStrides
+from .metadata import CommonAttentionMetadata
+from .ops import paged_attention, write_kv
+
+__version__ = "0.1.0"
+
+__all__ = ["AttentionConfig", "BackendSelectionError", "CommonAttentionMetadata", "KVCacheLayout", "LayoutStrides",
+           "SpeculativeRunner", "available_backends", "paged_attention", "select_backend", "write_kv"]
+
+
+def __getattr__(name: str):
+    if name == "SpeculativeRunner":
+        from .spec_decode.runner import SpeculativeRunner
+        return SpeculativeRunner
+    raise AttributeError(f"module 'kvmulti' has no attribute {name!r}")

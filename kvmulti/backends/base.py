@@ -1,0 +1,130 @@
+"""The interface every attention backend implements, and the configuration it is judged on."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..layout import KVCacheLayout
+from ..metadata import CommonAttentionMetadata
+from ..platform import platform_of
+
+ALL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """What backend selection looks at. Hashable, so selections are cached per configuration."""
+
+    platform: str
+    dtype: torch.dtype
+    head_size: int
+    head_size_v: int
+    num_kv_heads: int
+    block_size: int
+    order: str
+    sliding_window: bool = False
+    softcap: bool = False
+
+    @classmethod
+    def from_layout(cls, layout: KVCacheLayout, device: torch.device | str,
+                    sliding_window: int | None = None, softcap: float | None = None) -> "AttentionConfig":
+        return cls(platform=platform_of(device), dtype=layout.dtype, head_size=layout.head_size,
+                   head_size_v=layout.value_size, num_kv_heads=layout.num_kv_heads,
+                   block_size=layout.block_size, order=layout.order,
+                   sliding_window=sliding_window is not None, softcap=bool(softcap))
+
+
+class Backend(abc.ABC):
+    """One attention implementation over the canonical layout.
+
+    Subclasses declare their capabilities as class attributes and implement
+    :meth:`write_kv` and :meth:`paged_attention`. Inputs reaching these methods are already
+    validated by :mod:`kvmulti.ops`; backends never re-validate and never repack the cache.
+    """
+
+    name: ClassVar[str]
+    platforms: ClassVar[tuple[str, ...]]
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = ALL_DTYPES
+    head_sizes: ClassVar[tuple[int, ...] | None] = None      # None: any head size
+    max_head_size: ClassVar[int | None] = None
+    min_block_size: ClassVar[int] = 1
+    max_block_size: ClassVar[int | None] = None
+    orders: ClassVar[tuple[str, ...]] = ("NHD", "HND")
+    supports_sliding_window: ClassVar[bool] = True
+    supports_softcap: ClassVar[bool] = True
+    supports_latent: ClassVar[bool] = False
+    supports_non_causal: ClassVar[bool] = False
+
+    def unavailable_reasons(self) -> list[str]:
+        """Why this backend cannot run on this host at all (missing library, not built, ...)."""
+        return []
+
+    def platform_reasons(self, platform: str) -> list[str]:
+        """Why this backend cannot serve tensors of ``platform``."""
+        if platform not in self.platforms:
+            return [f"{self.name} runs on {', '.join(self.platforms)}, not {platform}"]
+        return []
+
+    def describe(self) -> str:
+        """One line for ``kvmulti info``: what this backend runs on here."""
+        return ", ".join(self.platforms)
+
+    def capability_reasons(self, config: AttentionConfig) -> list[str]:
+        """Why this backend's kernels cannot serve ``config`` (dtype, sizes, features)."""
+        reasons = []
+        if config.dtype not in self.dtypes:
+            reasons.append(f"dtype {config.dtype} not supported (supports {', '.join(map(str, self.dtypes))})")
+        for what, size in (("head_size", config.head_size), ("head_size_v", config.head_size_v)):
+            if size == 0:
+                continue
+            if self.head_sizes is not None and size not in self.head_sizes:
+                reasons.append(f"{what} {size} not supported (supports {list(self.head_sizes)})")
+            if self.max_head_size is not None and size > self.max_head_size:
+                reasons.append(f"{what} {size} exceeds the maximum {self.max_head_size}")
+        if config.head_size_v == 0 and not self.supports_latent:
+            reasons.append("latent caches (head_size_v=0) not supported")
+        if config.block_size < self.min_block_size:
+            reasons.append(f"block_size {config.block_size} below the minimum {self.min_block_size}")
+        if self.max_block_size is not None and config.block_size > self.max_block_size:
+            reasons.append(f"block_size {config.block_size} exceeds the maximum {self.max_block_size}")
+        if config.order not in self.orders:
+            reasons.append(f"layout order {config.order} not supported")
+        if config.sliding_window and not self.supports_sliding_window:
+            reasons.append("sliding window not supported")
+        if config.softcap and not self.supports_softcap:
+            reasons.append("softcap not supported")
+        return reasons
+
+    def not_supported_reasons(self, config: AttentionConfig) -> list[str]:
+        """Every reason this backend cannot serve ``config`` here; empty means usable."""
+        return self.unavailable_reasons() + self.platform_reasons(config.platform) + self.capability_reasons(config)
+
+    @abc.abstractmethod
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 layout: KVCacheLayout, slot_mapping: torch.Tensor) -> None:
+        """Write key [T, Hkv, head_size] / value [T, Hkv, head_size_v] to their slots; -1 skips."""
+
+    @abc.abstractmethod
+    def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
+                        metadata: CommonAttentionMetadata, scale: float, sliding_window: int | None,
+                        softcap: float | None, out: torch.Tensor) -> None:
+        """Fill rows [:num_actual_tokens] of the zeroed ``out`` [T, Hq, head_size_v] (query dtype)."""
+
+
+class UnavailableBackend(Backend):
+    """A registry entry for an implementation that is not built yet; it reports why."""
+
+    reason: ClassVar[str] = "not built yet"
+
+    def unavailable_reasons(self) -> list[str]:
+        return [self.reason]
+
+    def write_kv(self, key, value, kv_cache, layout, slot_mapping) -> None:  # pragma: no cover
+        raise RuntimeError(f"{self.name}: {self.reason}")
+
+    def paged_attention(self, query, kv_cache, layout, metadata, scale, sliding_window, softcap, out) -> None:  # pragma: no cover
+        raise RuntimeError(f"{self.name}: {self.reason}")

@@ -1,0 +1,133 @@
+"""Backend registry and selector: platform priority, env-var overrides, cached per configuration."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+from ..platform import platform_of
+from .base import AttentionConfig, Backend
+
+#: name -> (module, class); modules are imported on first use, so a missing optional
+#: dependency only ever shows up as that backend's reason.
+BACKEND_CLASSES: dict[str, tuple[str, str]] = {
+    "HIP": ("kvmulti.backends.hip", "HipBackend"),
+    "SYCL": ("kvmulti.backends.sycl", "SyclBackend"),
+    "TRITON": ("kvmulti.backends.triton", "TritonBackend"),
+    "CPU": ("kvmulti.backends.cpu", "CPUBackend"),
+}
+
+#: Backends tried, in order, when none is named. On a CPU-only host TRITON (interpreter),
+#: SYCL (OpenCL CPU device) and HIP (CPU harness) run only when named: they exist there to verify.
+PLATFORM_PRIORITY: dict[str, tuple[str, ...]] = {
+    "rocm": ("HIP", "TRITON"),
+    "xpu": ("SYCL", "TRITON"),
+    "cuda": ("TRITON",),
+    "cpu": ("CPU",),
+}
+
+ENV_BACKEND = "KVMULTI_ATTENTION_BACKEND"
+ENV_DRAFT_BACKEND = "KVMULTI_DRAFT_ATTENTION_BACKEND"
+ROLES: tuple[str, ...] = ("target", "draft")
+
+
+class BackendSelectionError(ValueError):
+    """No backend can serve a configuration, or the one named cannot; the message says why."""
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(BACKEND_CLASSES)
+
+
+def canonical_name(name: str, source: str = "backend") -> str:
+    """Upper-case ``name`` and check it is a known backend; ValueError listing valid names otherwise."""
+    if not isinstance(name, str) or name.strip().upper() not in BACKEND_CLASSES:
+        raise ValueError(f"{source}={name!r} is not a kvmulti backend; valid names: {', '.join(BACKEND_CLASSES)} "
+                         "(case-insensitive)")
+    return name.strip().upper()
+
+
+@functools.lru_cache(maxsize=None)
+def get_backend(name: str) -> Backend:
+    """The singleton instance of backend ``name``."""
+    module_name, class_name = BACKEND_CLASSES[canonical_name(name)]
+    return getattr(importlib.import_module(module_name), class_name)()
+
+
+def env_override(role: str = "target") -> tuple[str, str] | None:
+    """``(variable, backend name)`` the environment names for ``role``, validated; None when unset.
+
+    ``KVMULTI_ATTENTION_BACKEND`` applies to every model; ``KVMULTI_DRAFT_ATTENTION_BACKEND``
+    applies to draft models only and takes precedence there.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    variables = (ENV_DRAFT_BACKEND, ENV_BACKEND) if role == "draft" else (ENV_BACKEND,)
+    for var in variables:
+        value = os.environ.get(var, "")
+        if value.strip():
+            return var, canonical_name(value, var)
+    return None
+
+
+def check_environment() -> None:
+    """Raise ValueError if either override variable holds an unknown backend name."""
+    env_override("target")
+    env_override("draft")
+
+
+def select_backend(config: AttentionConfig, role: str = "target", requested: str | None = None) -> str:
+    """Name of the backend serving ``config``: ``requested``, else the env override, else priority.
+
+    A named backend that cannot serve ``config`` raises BackendSelectionError listing its reasons;
+    nothing falls back silently.
+    """
+    if requested is not None:
+        return _select_cached(config, canonical_name(requested), "backend")
+    override = env_override(role)
+    if override is not None:
+        var, name = override
+        return _select_cached(config, name, var)
+    return _select_cached(config, None, "")
+
+
+@torch.compiler.assume_constant_result
+def _select_for_compile(config: AttentionConfig, role: str, requested: str | None) -> str:
+    return select_backend(config, role, requested)
+
+
+@functools.lru_cache(maxsize=1024)
+def _select_cached(config: AttentionConfig, requested: str | None, source: str) -> str:
+    if requested is not None:
+        reasons = get_backend(requested).not_supported_reasons(config)
+        if reasons:
+            raise BackendSelectionError(f"{source}={requested} cannot serve {describe_config(config)}: "
+                                        + "; ".join(reasons))
+        return requested
+    tried = []
+    for name in PLATFORM_PRIORITY.get(config.platform, ()):
+        reasons = get_backend(name).not_supported_reasons(config)
+        if not reasons:
+            return name
+        tried.append(f"{name}: {'; '.join(reasons)}")
+    raise BackendSelectionError(f"no backend can serve {describe_config(config)}: " + " | ".join(tried))
+
+
+def describe_config(config: AttentionConfig) -> str:
+    features = [f for f, on in (("sliding window", config.sliding_window), ("softcap", config.softcap)) if on]
+    return (f"{config.platform} {str(config.dtype).removeprefix('torch.')} head_size={config.head_size}"
+            f"/{config.head_size_v} kv_heads={config.num_kv_heads} block_size={config.block_size} "
+            f"order={config.order}" + (f" with {', '.join(features)}" if features else ""))
+
+
+def available_backends(device: torch.device | str = "cpu") -> dict[str, list[str]]:
+    """``{name: []}`` for each backend usable on ``device`` here, ``{name: [reasons]}`` otherwise."""
+    platform = platform_of(device)
+    result = {}
+    for name in BACKEND_CLASSES:
+        backend = get_backend(name)
+        result[name] = backend.unavailable_reasons() + backend.platform_reasons(platform)
+    return result

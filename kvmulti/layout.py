@@ -1,0 +1,168 @@
+"""The canonical paged KV-cache layout.
+
+Every KV cache of every backend has the LOGICAL shape
+``(num_blocks, block_size, num_kv_heads, head_size + head_size_v)``: K in
+``[..., :head_size]``, V in ``[..., head_size:]``. The PHYSICAL order of the two
+middle dimensions is a property of the layout (``order``), never guessed from a
+tensor's shape:
+
+- ``NHD``: memory order (block, token, head, content), the logical order.
+- ``HND``: memory order (block, head, token, content); the tensor handed out is a
+  permuted view with the logical shape.
+
+Kernels address the cache through :class:`LayoutStrides` (named, in elements),
+so no backend can confuse the token and head strides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal, NamedTuple
+
+import torch
+
+Order = Literal["NHD", "HND"]
+ORDERS: tuple[str, ...] = ("NHD", "HND")
+
+#: ``allocator(numel, dtype, device) -> 1-D tensor`` of ``numel`` elements, used to place a
+#: cache in special memory (e.g. SYCL USM) while keeping it a torch tensor.
+Allocator = Callable[[int, torch.dtype, torch.device], torch.Tensor]
+
+
+class LayoutStrides(NamedTuple):
+    """Strides of a cache tensor in elements, by name. ``dim`` is the content stride (always 1)."""
+
+    block: int
+    token: int
+    head: int
+    dim: int
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Describes one paged KV cache: its sizes, dtype and physical order.
+
+    ``head_size_v=None`` means ``head_size_v == head_size``; ``head_size_v=0`` is a
+    latent (MLA-style) cache that holds keys only.
+    """
+
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int | None = None
+    dtype: torch.dtype = torch.float16
+    order: Order = "NHD"
+    _head_size_v: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "num_kv_heads", "head_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KVCacheLayout.{name} must be a positive int, got {value!r}")
+        hv = self.head_size if self.head_size_v is None else self.head_size_v
+        if not isinstance(hv, int) or isinstance(hv, bool) or hv < 0:
+            raise ValueError(f"KVCacheLayout.head_size_v must be an int >= 0 or None, got {self.head_size_v!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"KVCacheLayout.order must be one of {ORDERS}, got {self.order!r}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise TypeError(f"KVCacheLayout.dtype must be a floating torch.dtype, got {self.dtype!r}")
+        object.__setattr__(self, "_head_size_v", hv)
+
+    # -- sizes -------------------------------------------------------------------------------
+    @property
+    def value_size(self) -> int:
+        """Head size of V (0 for a latent cache)."""
+        return self._head_size_v
+
+    @property
+    def entry_size(self) -> int:
+        """Content elements per (token, head): head_size + head_size_v."""
+        return self.head_size + self._head_size_v
+
+    @property
+    def is_latent(self) -> bool:
+        return self._head_size_v == 0
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Logical shape (num_blocks, block_size, num_kv_heads, entry_size)."""
+        return (self.num_blocks, self.block_size, self.num_kv_heads, self.entry_size)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block (all its tokens, heads, K and V)."""
+        return self.block_size * self.num_kv_heads * self.entry_size * self.dtype.itemsize
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def expected_strides(self) -> LayoutStrides:
+        """Strides (in elements) that a cache of this layout must have."""
+        e, bs, h = self.entry_size, self.block_size, self.num_kv_heads
+        if self.order == "NHD":
+            return LayoutStrides(block=bs * h * e, token=h * e, head=e, dim=1)
+        return LayoutStrides(block=bs * h * e, token=e, head=bs * e, dim=1)
+
+    # -- tensors -----------------------------------------------------------------------------
+    def allocate(self, device: torch.device | str = "cpu", allocator: Allocator | None = None,
+                 zero: bool = True) -> torch.Tensor:
+        """Allocate a cache: a tensor of logical shape :attr:`shape` with this layout's strides."""
+        device = torch.device(device)
+        numel = self.num_blocks * self.block_size * self.num_kv_heads * self.entry_size
+        if allocator is None:
+            flat = torch.empty(numel, dtype=self.dtype, device=device)
+        else:
+            flat = allocator(numel, self.dtype, device)
+            if flat.numel() != numel or flat.dtype != self.dtype or not flat.is_contiguous():
+                raise ValueError(f"allocator returned {tuple(flat.shape)} {flat.dtype}; expected a contiguous "
+                                 f"1-D tensor of {numel} elements of {self.dtype}")
+        if zero:
+            flat.zero_()
+        if self.order == "NHD":
+            return flat.view(self.shape)
+        physical = flat.view(self.num_blocks, self.num_kv_heads, self.block_size, self.entry_size)
+        return physical.permute(0, 2, 1, 3)
+
+    def validate(self, cache: torch.Tensor, name: str = "kv_cache") -> None:
+        """Raise ValueError/TypeError naming ``name`` if ``cache`` is not a cache of this layout.
+
+        Checks type, dtype, logical shape and strides: a cache of the other order, or one made
+        for another layout, is rejected, never reinterpreted.
+        """
+        if not isinstance(cache, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
+        if cache.dtype != self.dtype:
+            raise TypeError(f"{name} has dtype {cache.dtype}, layout expects {self.dtype}")
+        if tuple(cache.shape) != self.shape:
+            raise ValueError(f"{name} has shape {tuple(cache.shape)}, layout expects {self.shape} "
+                             "(num_blocks, block_size, num_kv_heads, head_size + head_size_v)")
+        expected = self.expected_strides()
+        actual = LayoutStrides(*cache.stride())
+        if not _strides_equivalent(actual, expected, self.shape):
+            raise ValueError(f"{name} has strides {tuple(actual)}, layout order {self.order} expects "
+                             f"{tuple(expected)} (block, token, head, dim); a cache of another order or "
+                             "layout is never reinterpreted")
+
+    def strides(self, cache: torch.Tensor) -> LayoutStrides:
+        """Named strides of ``cache`` (validated against this layout), in elements."""
+        self.validate(cache)
+        return self.expected_strides()
+
+    def keys(self, cache: torch.Tensor) -> torch.Tensor:
+        """Zero-copy K view: (num_blocks, block_size, num_kv_heads, head_size)."""
+        self.validate(cache)
+        return cache[..., : self.head_size]
+
+    def values(self, cache: torch.Tensor) -> torch.Tensor:
+        """Zero-copy V view: (num_blocks, block_size, num_kv_heads, head_size_v)."""
+        if self.is_latent:
+            raise ValueError("this layout is a latent (MLA-style) cache with head_size_v=0: it holds no values")
+        self.validate(cache)
+        return cache[..., self.head_size:]
+
+
+def _strides_equivalent(actual: LayoutStrides, expected: LayoutStrides, shape: tuple[int, ...]) -> bool:
+    """Strides match where they matter: a dimension of size 1 may carry any stride."""
+    return all(size == 1 or a == e for a, e, size in zip(actual, expected, shape))

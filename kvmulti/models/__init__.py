@@ -1,0 +1,1 @@
+"""Small transformer models that run on the kvmulti API."""

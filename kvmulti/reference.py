@@ -1,0 +1,76 @@
+"""The plain-torch oracle: DESIGN.md's semantics written literally, fp32 math, loops allowed.
+
+Every backend is tested against these two functions. They favour obviousness over speed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import KVCacheLayout
+from .metadata import CommonAttentionMetadata
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
+             slot_mapping: torch.Tensor) -> None:
+    """Write token t's K/V to slot ``slot_mapping[t]``; a slot of -1 is skipped."""
+    keys = layout.keys(kv_cache)
+    values = None if layout.is_latent else layout.values(kv_cache)
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, layout.block_size)
+        keys[block, offset] = key[t]
+        if values is not None:
+            values[block, offset] = value[t]
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
+                    metadata: CommonAttentionMetadata, scale: float | None = None,
+                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Attention of each new token over its request's context read from the paged cache.
+
+    query [num_tokens, num_q_heads, head_size] -> out [num_tokens, num_q_heads, head_size_v]
+    (query dtype; rows past num_actual_tokens are zero).
+    """
+    num_q_heads = query.shape[1]
+    group = num_q_heads // layout.num_kv_heads
+    scale = layout.head_size ** -0.5 if scale is None else scale
+    keys = layout.keys(kv_cache)
+    values = keys if layout.is_latent else layout.values(kv_cache)
+    out = torch.zeros(query.shape[0], num_q_heads, layout.value_size, dtype=query.dtype, device=query.device)
+    qsl = metadata.query_start_loc_cpu.tolist()
+    for i, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
+        start, end = qsl[i], qsl[i + 1]
+        query_len = end - start
+        if query_len == 0:
+            continue
+        blocks = metadata.block_table[i].tolist()
+        # Keys before `first` are outside every query's window: their table entries may be stale.
+        first = lowest_visible_position(seq_len, query_len, sliding_window)
+        k = torch.stack([keys[blocks[p // layout.block_size], p % layout.block_size] for p in range(first, seq_len)])
+        v = torch.stack([values[blocks[p // layout.block_size], p % layout.block_size] for p in range(first, seq_len)])
+        k = k.float().repeat_interleave(group, dim=1)            # [seq, Hq, D]
+        v = v.float().repeat_interleave(group, dim=1)[..., : layout.value_size]
+        q = query[start:end].float()                             # [qlen, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap is not None and softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
+        k_pos = torch.arange(first, seq_len).unsqueeze(0)
+        visible = torch.ones(query_len, seq_len - first, dtype=torch.bool)
+        if metadata.causal:
+            visible &= k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= (q_pos - k_pos) < sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out
+
+
+def lowest_visible_position(seq_len: int, query_len: int, sliding_window: int | None) -> int:
+    """The first context position any of a request's queries can see (0 without a window)."""
+    if sliding_window is None:
+        return 0
+    return max(0, seq_len - query_len - sliding_window + 1)

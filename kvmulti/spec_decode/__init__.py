@@ -1,0 +1,1 @@
+"""Speculative decoding: runner, proposer, rejection sampler."""

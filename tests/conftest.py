@@ -1,0 +1,55 @@
+"""Vendor markers (cuda / rocm / xpu) and the session line that says which vendor suites ran."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+settings.register_profile("kvmulti", deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                            HealthCheck.data_too_large])
+settings.load_profile("kvmulti")
+
+VENDORS = ("cuda", "rocm", "xpu")
+
+
+def vendor_available(vendor: str) -> str | None:
+    """None if this host can run ``vendor``'s tests, else the reason it cannot."""
+    if vendor == "cuda":
+        ok = torch.cuda.is_available() and not torch.version.hip
+        return None if ok else "no NVIDIA GPU (torch.cuda unavailable or a ROCm build)"
+    if vendor == "rocm":
+        ok = torch.cuda.is_available() and bool(torch.version.hip)
+        return None if ok else "no AMD GPU with a ROCm build of torch"
+    ok = hasattr(torch, "xpu") and torch.xpu.is_available()
+    return None if ok else "no Intel GPU (torch.xpu unavailable)"
+
+
+_ran: dict[str, int] = {v: 0 for v in VENDORS}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for vendor in VENDORS:
+            if vendor in item.keywords:
+                reason = vendor_available(vendor)
+                if reason:
+                    item.add_marker(pytest.mark.skip(reason=f"{vendor} suite: {reason}"))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed:
+        for vendor in VENDORS:
+            if vendor in report.keywords:
+                _ran[vendor] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    parts = [f"{v}: {_ran[v]} passed" if _ran[v] else f"{v}: not run ({vendor_available(v) or 'none selected'})"
+             for v in VENDORS]
+    terminalreporter.write_line("kvmulti vendor suites -- cpu: ran; " + "; ".join(parts))
