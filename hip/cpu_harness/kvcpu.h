@@ -1,0 +1,595 @@
+// kvcpu: kvmulti's own small HIP-on-CPU harness.
+//
+// It lets the UNMODIFIED kvmulti .hip kernel sources compile with g++/clang++ and run on the CPU,
+// for verification in CPU-only CI. It is a test harness, not a performance path.
+//
+// Model
+//   * Blocks of a grid run one after another on the calling OS thread.
+//   * Every thread of a block is a fiber with its own stack (hand-written x86-64 context switch;
+//     ucontext elsewhere). Fibers run cooperatively; they only switch at barriers.
+//   * __syncthreads() is a block barrier over ALL threads of the block. A thread that exits while
+//     others wait at a barrier, or threads of one warp waiting at different barriers, leave the
+//     block without runnable fibers: the harness reports a deadlock ("non-uniform barrier") and the
+//     launch fails (hipGetLastError() != hipSuccess, kvcpu_last_error() says why).
+//   * __shfl_xor / __shfl / __shfl_down: each lane writes its value into a per-warp exchange slot,
+//     warp barrier, reads the source lane's slot, warp barrier. Every lane of the warp must take part
+//     (uniform control flow), as on a GPU wavefront.
+//   * __shared__ variables live in one ELF section ("kvcpu_shared"); dynamic shared memory is a
+//     per-launch buffer. Both are poisoned (all bytes 0xFF: NaN for floats, -1 for ints) before
+//     every block, so a thread that reads shared memory written by another thread without a
+//     __syncthreads() in between sees poison or a previous block's data, not the value it wanted.
+//   * The emulated device's warp size (32 or 64) is set with kvcpu_set_warp_size() and reported by
+//     hipDeviceGetAttribute(hipDeviceAttributeWarpSize) and warpSize.
+//   * __half / hip_bfloat16: 16-bit storage types converting through float (round to nearest even).
+//
+// Include it through hip/cpu_harness/include (which provides <hip/hip_runtime.h>, <hip/hip_fp16.h>,
+// <hip/hip_bfloat16.h>) in exactly ONE translation unit of a shared library.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <math.h>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <algorithm>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+#include <sys/mman.h>
+#include <unistd.h>
+
+#define KVMULTI_HIP_CPU_HARNESS 1
+#define __HIP_CPU_HARNESS__ 1
+
+// ----------------------------------------------------------------------------------- qualifiers
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+// Static shared memory: one copy per kernel (blocks run one at a time), kept in a dedicated section
+// so the harness can poison it before each block.
+#define __shared__ static __attribute__((section("kvcpu_shared")))
+#define HIP_DYNAMIC_SHARED(type, var) type* var = reinterpret_cast<type*>(::kvcpu::dynamic_shared());
+#define HIP_DYNAMIC_SHARED_ATTRIBUTE
+
+extern "C" char __start_kvcpu_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" char __stop_kvcpu_shared[] __attribute__((weak, visibility("hidden")));
+
+// ----------------------------------------------------------------------------------- runtime types
+struct dim3 {
+  unsigned int x, y, z;
+  constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct uint3 { unsigned int x, y, z; };
+
+typedef void* hipStream_t;
+enum hipError_t {
+  hipSuccess = 0,
+  hipErrorInvalidValue = 1,
+  hipErrorOutOfMemory = 2,
+  hipErrorInvalidConfiguration = 9,
+  hipErrorInvalidDeviceFunction = 98,
+  hipErrorLaunchFailure = 719,
+};
+enum hipDeviceAttribute_t {
+  hipDeviceAttributeWarpSize = 1,
+  hipDeviceAttributeMultiprocessorCount = 2,
+  hipDeviceAttributeMaxThreadsPerBlock = 3,
+};
+
+namespace kvcpu {
+
+// ------------------------------------------------------------------------------ context switching
+#if defined(__x86_64__)
+extern "C" void kvcpu_switch(void** save_sp, void* new_sp);
+extern "C" void kvcpu_fiber_trampoline();
+// Saves callee-saved registers + MXCSR/x87 control word on the current stack, stores the stack
+// pointer in *save_sp, switches to new_sp and restores the same from there.
+asm(R"(
+  .text
+  .weak kvcpu_switch
+  .hidden kvcpu_switch
+  .type kvcpu_switch,@function
+kvcpu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size kvcpu_switch, .-kvcpu_switch
+
+  .weak kvcpu_fiber_trampoline
+  .hidden kvcpu_fiber_trampoline
+  .type kvcpu_fiber_trampoline,@function
+kvcpu_fiber_trampoline:
+  movq %r12, %rdi
+  callq *%r13
+  ud2
+  .size kvcpu_fiber_trampoline, .-kvcpu_fiber_trampoline
+)");
+#endif
+
+struct Barrier {
+  int count = 0;
+  unsigned gen = 0;
+};
+
+struct Fiber;
+struct BlockState;
+
+struct Fiber {
+  uint3 tid{0, 0, 0};
+  int linear = 0, lane = 0, warp = 0;
+  bool done = false;
+  Barrier* waiting = nullptr;  // barrier this fiber is blocked on (nullptr = runnable)
+  unsigned wait_gen = 0;
+  char* stack = nullptr;
+  size_t stack_size = 0;
+#if defined(__x86_64__)
+  void* sp = nullptr;
+#else
+  ucontext_t ctx;
+#endif
+};
+
+struct Warp {
+  Barrier bar;
+  int size = 0;
+  uint64_t slot[64];
+};
+
+struct State {
+  // per launch
+  dim3 grid, block;
+  uint3 block_idx{0, 0, 0};
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  Barrier block_bar;
+  int nthreads = 0;
+  std::vector<unsigned char> dyn_shared;
+  std::function<void()> body;
+  Fiber* cur = nullptr;
+#if defined(__x86_64__)
+  void* sched_sp = nullptr;
+#else
+  ucontext_t sched_ctx;
+#endif
+  // device
+  int warp_size = 64;
+  int num_cus = 8;
+  // errors
+  hipError_t last_error = hipSuccess;
+  std::string last_message;
+  // stacks (reused across launches)
+  std::vector<char*> stacks;
+  size_t stack_size = 256 * 1024;
+  // scheduling order
+  std::vector<int> order;
+  uint64_t rng = 0x9E3779B97F4A7C15ull;
+  uint64_t next_random() {  // xorshift64
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+  }
+};
+
+// Namespace-scope (not function-local) on purpose: the build's linker script collects every
+// function-local static of the translation unit (= the kernels' __shared__ variables) into the
+// poisoned kvcpu_shared section.
+inline State g_state;
+inline std::mutex g_launch_mutex;
+inline State& st() { return g_state; }
+
+inline void* dynamic_shared() { return st().dyn_shared.data(); }
+inline int warp_size() { return st().warp_size; }
+
+inline void fail(hipError_t e, const std::string& msg) {
+  State& s = st();
+  if (s.last_error == hipSuccess) {
+    s.last_error = e;
+    s.last_message = msg;
+  }
+}
+
+inline void yield_to_scheduler() {
+  State& s = st();
+  Fiber* f = s.cur;
+#if defined(__x86_64__)
+  kvcpu_switch(&f->sp, s.sched_sp);
+#else
+  swapcontext(&f->ctx, &s.sched_ctx);
+#endif
+}
+
+inline void barrier_wait(Barrier& b, int expected) {
+  State& s = st();
+  const unsigned gen = b.gen;
+  if (++b.count == expected) {  // last to arrive: release everybody, keep running
+    b.count = 0;
+    ++b.gen;
+    return;
+  }
+  Fiber* f = s.cur;
+  f->waiting = &b;
+  f->wait_gen = gen;
+  while (b.gen == gen) yield_to_scheduler();
+  f->waiting = nullptr;
+}
+
+inline void syncthreads() { barrier_wait(st().block_bar, st().nthreads); }
+
+inline void fiber_main(Fiber* f) {
+  State& s = st();
+  s.body();
+  f->done = true;
+  yield_to_scheduler();
+  std::abort();  // never resumed
+}
+
+#if !defined(__x86_64__)
+inline void fiber_entry_ucontext(unsigned lo, unsigned hi) {
+  uintptr_t p = (uintptr_t)lo | ((uintptr_t)hi << 32);
+  fiber_main(reinterpret_cast<Fiber*>(p));
+}
+#endif
+
+inline char* get_stack(size_t i) {
+  State& s = st();
+  while (s.stacks.size() <= i) {
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    void* m = mmap(nullptr, s.stack_size + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return nullptr;
+    mprotect(m, page, PROT_NONE);  // guard page below the stack
+    s.stacks.push_back((char*)m + page);
+  }
+  return s.stacks[i];
+}
+
+inline void init_fiber(Fiber& f) {
+#if defined(__x86_64__)
+  uintptr_t top = ((uintptr_t)(f.stack + f.stack_size)) & ~(uintptr_t)15;
+  uint64_t* sp = reinterpret_cast<uint64_t*>(top);
+  *--sp = (uint64_t)(uintptr_t)&kvcpu_fiber_trampoline;  // return address of kvcpu_switch
+  *--sp = 0;                                              // rbp
+  *--sp = 0;                                              // rbx
+  *--sp = (uint64_t)(uintptr_t)&f;                        // r12 -> first argument
+  *--sp = (uint64_t)(uintptr_t)&fiber_main;               // r13 -> function
+  *--sp = 0;                                              // r14
+  *--sp = 0;                                              // r15
+  uint32_t csr[2] = {0x1F80u, 0x037Fu};                   // default MXCSR, x87 control word
+  --sp;
+  std::memcpy(sp, csr, 8);
+  f.sp = sp;
+#else
+  getcontext(&f.ctx);
+  f.ctx.uc_stack.ss_sp = f.stack;
+  f.ctx.uc_stack.ss_size = f.stack_size;
+  f.ctx.uc_link = nullptr;
+  uintptr_t p = (uintptr_t)&f;
+  makecontext(&f.ctx, (void (*)())fiber_entry_ucontext, 2, (unsigned)(p & 0xffffffffu), (unsigned)(p >> 32));
+#endif
+}
+
+inline void poison_shared() {
+  State& s = st();
+  const uintptr_t b = (uintptr_t)&__start_kvcpu_shared[0], e = (uintptr_t)&__stop_kvcpu_shared[0];
+  if (b && e > b) std::memset((void*)b, 0xFF, (size_t)(e - b));
+  if (!s.dyn_shared.empty()) std::memset(s.dyn_shared.data(), 0xFF, s.dyn_shared.size());
+}
+
+// Runs one block to completion. Returns false (and records the error) on a deadlock.
+inline bool run_block() {
+  State& s = st();
+  const int n = s.nthreads;
+  s.block_bar = Barrier{};
+  for (auto& w : s.warps) w.bar = Barrier{};
+  for (int i = 0; i < n; ++i) {
+    Fiber& f = s.fibers[i];
+    f.done = false;
+    f.waiting = nullptr;
+    init_fiber(f);
+  }
+  poison_shared();
+  int alive = n;
+  std::vector<int>& order = s.order;
+  order.resize(n);
+  for (int i = 0; i < n; ++i) order[i] = i;
+  while (alive > 0) {
+    bool progressed = false;
+    // Fibers run in a fresh pseudo-random order on every pass, so a read of another thread's shared
+    // memory write without a barrier in between misses it whichever of the two threads is lower.
+    for (int i = n - 1; i > 0; --i) std::swap(order[i], order[s.next_random() % (uint64_t)(i + 1)]);
+    for (int k = 0; k < n; ++k) {
+      Fiber& f = s.fibers[order[k]];
+      if (f.done) continue;
+      if (f.waiting && f.waiting->gen == f.wait_gen) continue;  // still blocked
+      s.cur = &f;
+#if defined(__x86_64__)
+      kvcpu_switch(&s.sched_sp, f.sp);
+#else
+      swapcontext(&s.sched_ctx, &f.ctx);
+#endif
+      s.cur = nullptr;
+      progressed = true;
+      if (f.done) --alive;
+    }
+    if (!progressed) {
+      int at_block = 0, at_warp = 0;
+      for (int i = 0; i < n; ++i) {
+        const Fiber& f = s.fibers[i];
+        if (f.done) continue;
+        if (f.waiting == &s.block_bar) ++at_block; else ++at_warp;
+      }
+      char buf[320];
+      std::snprintf(buf, sizeof buf,
+                    "kvcpu: deadlock in block (%u,%u,%u): %d threads exited, %d wait at __syncthreads, "
+                    "%d wait at a warp shuffle -- barrier or shuffle reached non-uniformly",
+                    s.block_idx.x, s.block_idx.y, s.block_idx.z, n - alive, at_block, at_warp);
+      fail(hipErrorLaunchFailure, buf);
+      return false;
+    }
+  }
+  return true;
+}
+
+template <typename... KArgs, typename... Args>
+inline void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t shmem, Args&&... args) {
+  std::lock_guard<std::mutex> lock(g_launch_mutex);  // one launch at a time (ctypes releases the GIL)
+  State& s = st();
+  const long long nt = (long long)block.x * block.y * block.z;
+  if (nt <= 0 || nt > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0) {
+    fail(hipErrorInvalidConfiguration, "kvcpu: invalid launch configuration");
+    return;
+  }
+  if (s.cur) {
+    fail(hipErrorInvalidValue, "kvcpu: kernel launch from device code is not supported");
+    return;
+  }
+  s.grid = grid;
+  s.block = block;
+  s.nthreads = (int)nt;
+  s.dyn_shared.assign(shmem ? shmem : 0, 0);
+  const int W = s.warp_size;
+  const int nwarps = (s.nthreads + W - 1) / W;
+  s.warps.assign(nwarps, Warp{});
+  for (int w = 0; w < nwarps; ++w) s.warps[w].size = std::min(W, s.nthreads - w * W);
+  s.fibers.assign(s.nthreads, Fiber{});
+  for (int i = 0; i < s.nthreads; ++i) {
+    Fiber& f = s.fibers[i];
+    f.linear = i;
+    f.tid = uint3{(unsigned)(i % block.x), (unsigned)((i / block.x) % block.y), (unsigned)(i / (block.x * block.y))};
+    f.lane = i % W;
+    f.warp = i / W;
+    f.stack = get_stack(i);
+    f.stack_size = s.stack_size;
+    if (!f.stack) {
+      fail(hipErrorOutOfMemory, "kvcpu: cannot allocate fiber stacks");
+      return;
+    }
+  }
+  s.body = [&]() { kernel(args...); };
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        s.block_idx = uint3{x, y, z};
+        if (!run_block()) {
+          s.body = nullptr;
+          return;
+        }
+      }
+  s.body = nullptr;
+}
+
+// ------------------------------------------------------------------------------ warp shuffles
+template <typename T>
+inline T exchange(T v, int src) {
+  static_assert(sizeof(T) <= sizeof(uint64_t), "kvcpu: shuffle of a type wider than 8 bytes");
+  State& s = st();
+  Fiber* f = s.cur;
+  Warp& w = s.warps[f->warp];
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  w.slot[f->lane] = bits;
+  barrier_wait(w.bar, w.size);
+  if (src < 0 || src >= w.size) src = f->lane;
+  T r;
+  std::memcpy(&r, &w.slot[src], sizeof(T));
+  barrier_wait(w.bar, w.size);  // nobody overwrites a slot before every lane has read
+  return r;
+}
+
+inline int lane_id() { return st().cur->lane; }
+
+}  // namespace kvcpu
+
+// ----------------------------------------------------------------------------- device built-ins
+#define threadIdx (::kvcpu::st().cur->tid)
+#define blockIdx (::kvcpu::st().block_idx)
+#define blockDim (::kvcpu::st().block)
+#define gridDim (::kvcpu::st().grid)
+#define warpSize (::kvcpu::warp_size())
+
+inline void __syncthreads() { ::kvcpu::syncthreads(); }
+inline int __lane_id() { return ::kvcpu::lane_id(); }
+
+template <typename T>
+inline T __shfl_xor(T var, int lane_mask, int width = warpSize) {
+  const int self = ::kvcpu::lane_id();
+  int index = self ^ lane_mask;
+  index = index >= ((self + width) & ~(width - 1)) ? self : index;
+  return ::kvcpu::exchange(var, index);
+}
+template <typename T>
+inline T __shfl(T var, int src_lane, int width = warpSize) {
+  const int self = ::kvcpu::lane_id();
+  const int index = (src_lane & (width - 1)) + (self & ~(width - 1));
+  return ::kvcpu::exchange(var, index);
+}
+template <typename T>
+inline T __shfl_down(T var, unsigned int delta, int width = warpSize) {
+  const int self = ::kvcpu::lane_id();
+  int index = self + (int)delta;
+  index = (int)((self & (width - 1)) + delta) >= width ? self : index;
+  return ::kvcpu::exchange(var, index);
+}
+template <typename T>
+inline T __shfl_up(T var, unsigned int delta, int width = warpSize) {
+  const int self = ::kvcpu::lane_id();
+  int index = self - (int)delta;
+  index = index < (self & ~(width - 1)) ? self : index;
+  return ::kvcpu::exchange(var, index);
+}
+
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+using std::fmaxf;
+using std::max;
+using std::min;
+using std::fminf;
+
+// ------------------------------------------------------------------------------ 16-bit types
+namespace kvcpu {
+inline uint32_t f2u(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float u2f(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+inline uint16_t float_to_half_bits(float f) {  // IEEE binary16, round to nearest even
+  const uint32_t x = f2u(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));  // inf/nan
+  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // rounds to >= 65520 -> inf
+  if (ax < 0x38800000u) {  // result is subnormal or zero: scale so that the rounding happens in float
+    const float v = u2f(ax) * 16777216.0f;  // * 2^24 ; subnormal half unit is 2^-24
+    const uint32_t m = (uint32_t)std::nearbyint(v);  // current rounding mode: nearest even
+    return (uint16_t)(sign | m);
+  }
+  uint32_t mant = ax & 0x7fffffu;
+  uint32_t exp = (ax >> 23) - 127 + 15;
+  uint32_t h = (exp << 10) | (mant >> 13);
+  const uint32_t rem = mant & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+  return (uint16_t)(sign | h);
+}
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  if (exp == 0) {
+    const float v = (float)mant * (1.0f / 16777216.0f);
+    return sign ? -v : v;
+  }
+  if (exp == 31) return u2f(sign | 0x7f800000u | (mant << 13));
+  return u2f(sign | ((exp - 15 + 127) << 23) | (mant << 13));
+}
+inline uint16_t float_to_bf16_bits(float f) {  // round to nearest even, quiet NaN
+  const uint32_t u = f2u(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline float bf16_bits_to_float(uint16_t b) { return u2f((uint32_t)b << 16); }
+}  // namespace kvcpu
+
+struct __half {
+  uint16_t x;
+  __half() = default;
+  __half(float f) : x(::kvcpu::float_to_half_bits(f)) {}
+  operator float() const { return ::kvcpu::half_bits_to_float(x); }
+};
+static_assert(sizeof(__half) == 2, "__half must be 2 bytes");
+inline float __half2float(__half h) { return (float)h; }
+inline __half __float2half(float f) { return __half(f); }
+
+struct hip_bfloat16 {
+  uint16_t data;
+  hip_bfloat16() = default;
+  explicit hip_bfloat16(float f) : data(::kvcpu::float_to_bf16_bits(f)) {}
+  operator float() const { return ::kvcpu::bf16_bits_to_float(data); }
+};
+static_assert(sizeof(hip_bfloat16) == 2, "hip_bfloat16 must be 2 bytes");
+
+// ------------------------------------------------------------------------------ host runtime API
+#define hipLaunchKernelGGL(kernel, grid, block, shmem, stream, ...) \
+  ((void)(stream), ::kvcpu::launch((kernel), dim3(grid), dim3(block), (size_t)(shmem), ##__VA_ARGS__))
+
+inline hipError_t hipGetLastError() {
+  hipError_t e = ::kvcpu::st().last_error;
+  ::kvcpu::st().last_error = hipSuccess;
+  return e;
+}
+inline hipError_t hipPeekAtLastError() { return ::kvcpu::st().last_error; }
+inline const char* hipGetErrorString(hipError_t e) {
+  switch (e) {
+    case hipSuccess: return "hipSuccess";
+    case hipErrorInvalidValue: return "hipErrorInvalidValue";
+    case hipErrorOutOfMemory: return "hipErrorOutOfMemory";
+    case hipErrorInvalidConfiguration: return "hipErrorInvalidConfiguration";
+    case hipErrorInvalidDeviceFunction: return "hipErrorInvalidDeviceFunction";
+    case hipErrorLaunchFailure: return "hipErrorLaunchFailure";
+  }
+  return "hipErrorUnknown";
+}
+inline hipError_t hipGetDevice(int* d) { *d = 0; return hipSuccess; }
+inline hipError_t hipDeviceGetAttribute(int* v, hipDeviceAttribute_t a, int /*device*/) {
+  switch (a) {
+    case hipDeviceAttributeWarpSize: *v = ::kvcpu::st().warp_size; return hipSuccess;
+    case hipDeviceAttributeMultiprocessorCount: *v = ::kvcpu::st().num_cus; return hipSuccess;
+    case hipDeviceAttributeMaxThreadsPerBlock: *v = 1024; return hipSuccess;
+  }
+  return hipErrorInvalidValue;
+}
+inline hipError_t hipStreamSynchronize(hipStream_t) { return hipSuccess; }
+inline hipError_t hipDeviceSynchronize() { return hipSuccess; }
+
+// C ABI of the emulated device, for the Python side (ctypes).
+extern "C" __attribute__((visibility("default"), weak)) int kvcpu_set_warp_size(int w) {
+  if (w != 32 && w != 64) return (int)hipErrorInvalidValue;
+  ::kvcpu::st().warp_size = w;
+  return 0;
+}
+extern "C" __attribute__((visibility("default"), weak)) int kvcpu_set_cu_count(int n) {
+  if (n < 1) return (int)hipErrorInvalidValue;
+  ::kvcpu::st().num_cus = n;
+  return 0;
+}
+// Bytes of static __shared__ memory found in the kvcpu_shared section (poisoned before each block).
+extern "C" __attribute__((visibility("default"), weak)) long long kvcpu_static_shared_bytes() {
+  return (long long)((uintptr_t)&__stop_kvcpu_shared[0] - (uintptr_t)&__start_kvcpu_shared[0]);
+}
+extern "C" __attribute__((visibility("default"), weak)) void kvcpu_set_seed(unsigned long long seed) {
+  ::kvcpu::st().rng = seed ? seed : 0x9E3779B97F4A7C15ull;
+}
+extern "C" __attribute__((visibility("default"), weak)) const char* kvcpu_last_error() {
+  return ::kvcpu::st().last_message.c_str();
+}
+extern "C" __attribute__((visibility("default"), weak)) void kvcpu_clear_error() {
+  ::kvcpu::st().last_error = hipSuccess;
+  ::kvcpu::st().last_message.clear();
+}

@@ -1,0 +1,238 @@
+// kvmulti HIP kernels: paged attention over the canonical KV-cache layout, its split-KV
+// (partitioned) variant + reduce kernel, and write_kv.
+//
+// Canonical layout (kvmulti.layout): logical shape (num_blocks, block_size, num_kv_heads,
+// head_size_k + head_size_v), K in [..., :head_size_k], V in [..., head_size_k:]. The physical order
+// of the token/head dimensions (NHD or HND) is NOT assumed: every access goes through the named
+// strides (block, token, head; dim stride is 1) in elements.
+//
+// One launch covers a whole mixed batch (varlen prefill, chunked prefill, decode, multi-token
+// verification): the grid's x dimension runs over the batch's query tokens, and each block finds its
+// request by binary search over query_start_loc. Request r's query tokens are the LAST
+// q_len = qsl[r+1]-qsl[r] positions of its seq_lens[r] tokens; a query at position p attends causally
+// to keys 0..p, and with a sliding window W only to keys p-W+1..p (blocks entirely outside the window
+// are never read: their block-table entries may be garbage).
+//
+// Block = (query token, query head, KV partition); kNumWarps*WAVE threads. The key range is streamed
+// in tiles of one key per thread with an online softmax (running max / sum, fp32 accumulation):
+//   QK: each thread computes the dot product of its key row with the (pre-scaled) query in shared mem,
+//       applies softcap c*tanh(s/c);
+//   block max/sum reductions (wave shuffles + shared memory) give every thread the same m, l;
+//   PV: each thread owns head dims d = tid, tid+NT, ... and accumulates p_i * V[i][d] over the tile
+//       (coalesced across threads).
+// All loops that contain barriers or shuffles have block-uniform trip counts.
+//
+// Split-KV ("partitioned") decode: for long contexts with too few (token, head) blocks to fill the
+// GPU, gridDim.z > 1 splits each key range into partitions of partition_size keys; each block writes
+// its partial (normalised output, max, sum) to a float workspace and paged_attention_reduce_kernel
+// combines them. The launcher (launcher.hip, kvmulti_hip_plan) decides when to split.
+#pragma once
+
+#include "kvmulti_common.h"
+
+namespace kvmulti {
+
+struct PagedAttentionParams {
+  void* out;                     // [num_tokens, Hq, HS] (strided), query dtype
+  const void* query;             // [num_tokens, Hq, HS] (strided), dim stride 1
+  const void* kv_cache;          // canonical layout, cache dtype == query dtype
+  const int* query_start_loc;    // [num_reqs + 1]
+  const int* seq_lens;           // [num_reqs]
+  const int* block_table;        // [num_reqs, bt_stride]
+  float* part_out;               // split-KV only: [num_tokens, Hq, P, HS]
+  float* part_max;               // split-KV only: [num_tokens, Hq, P]
+  float* part_sum;               // split-KV only: [num_tokens, Hq, P]
+  int64_t q_stride_token, q_stride_head;
+  int64_t o_stride_token, o_stride_head;
+  int64_t kv_stride_block, kv_stride_token, kv_stride_head;
+  int64_t bt_stride;
+  int num_reqs, num_tokens, num_q_heads, num_kv_heads, block_size;
+  int sliding_window;            // 0 = none
+  int partition_size;            // keys per partition (split-KV only)
+  int num_partitions;            // gridDim.z; 1 = no split
+  float scale;
+  float softcap;                 // 0 = none
+};
+
+struct WriteKVParams {
+  const void* key;               // [num_tokens, Hkv, head_size] (strided)
+  const void* value;             // [num_tokens, Hkv, head_size_v] (strided)
+  void* kv_cache;
+  const int64_t* slot_mapping;   // [num_tokens], -1 = skip
+  int64_t k_stride_token, k_stride_head, k_stride_dim;
+  int64_t v_stride_token, v_stride_head, v_stride_dim;
+  int64_t kv_stride_block, kv_stride_token, kv_stride_head;
+  int num_tokens, num_kv_heads, head_size, head_size_v, block_size;
+};
+
+template <typename T, int HS, int WAVE>
+__device__ __forceinline__ void paged_attention_body(const PagedAttentionParams& p) {
+  constexpr int NT = kNumWarps * WAVE;
+  constexpr int DPT = (HS + NT - 1) / NT;  // output dims per thread
+  const int tid = (int)threadIdx.x;
+  const int token = (int)blockIdx.x;
+  const int head = (int)blockIdx.y;
+  const int part = (int)blockIdx.z;
+
+  __shared__ float q_s[HS];
+  __shared__ float p_s[NT];
+  __shared__ int64_t row_s[NT];
+  __shared__ float red_s[kNumWarps];
+
+  // Request of this token: the last r with query_start_loc[r] <= token (block-uniform).
+  int lo = 0, hi = p.num_reqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.query_start_loc[mid] <= token) lo = mid; else hi = mid - 1;
+  }
+  const int req = lo;
+  const int q_begin = p.query_start_loc[req];
+  const int q_len = p.query_start_loc[req + 1] - q_begin;
+  const int pos = p.seq_lens[req] - q_len + (token - q_begin);
+  int kv_start = p.sliding_window > 0 ? max(0, pos - p.sliding_window + 1) : 0;
+  int kv_end = pos + 1;
+  if (p.num_partitions > 1) {
+    kv_start += part * p.partition_size;
+    kv_end = min(kv_end, kv_start + p.partition_size);
+  }
+  const int kv_head = head / (p.num_q_heads / p.num_kv_heads);
+  const T* cache = static_cast<const T*>(p.kv_cache) + (int64_t)kv_head * p.kv_stride_head;
+  const int* bt = p.block_table + (int64_t)req * p.bt_stride;
+  const int64_t out_idx = ((int64_t)token * p.num_q_heads + head) * p.num_partitions + part;
+
+  if (kv_start >= kv_end) {  // empty partition / no visible key (uniform): contributes nothing
+    if (p.num_partitions > 1) {
+      if (tid == 0) {
+        p.part_max[out_idx] = -FLT_MAX;
+        p.part_sum[out_idx] = 0.f;
+      }
+      for (int d = tid; d < HS; d += NT) p.part_out[out_idx * HS + d] = 0.f;
+    } else {
+      T* op = static_cast<T*>(p.out) + (int64_t)token * p.o_stride_token + (int64_t)head * p.o_stride_head;
+      for (int d = tid; d < HS; d += NT) op[d] = Cvt<T>::from(0.f);
+    }
+    return;
+  }
+
+  const T* qp = static_cast<const T*>(p.query) + (int64_t)token * p.q_stride_token + (int64_t)head * p.q_stride_head;
+  for (int d = tid; d < HS; d += NT) q_s[d] = Cvt<T>::to(qp[d]) * p.scale;
+  __syncthreads();
+
+  float m = -FLT_MAX, l = 0.f;
+  float acc[DPT];
+#pragma unroll
+  for (int j = 0; j < DPT; ++j) acc[j] = 0.f;
+
+  for (int t0 = kv_start; t0 < kv_end; t0 += NT) {  // uniform trip count
+    const int t = t0 + tid;
+    const bool valid = t < kv_end;
+    float s = -FLT_MAX;
+    if (valid) {
+      const int64_t blk = bt[t / p.block_size];
+      const int64_t row = blk * p.kv_stride_block + (int64_t)(t % p.block_size) * p.kv_stride_token;
+      row_s[tid] = row;
+      const T* kp = cache + row;
+      float dot = 0.f;
+#pragma unroll 8
+      for (int d = 0; d < HS; ++d) dot += q_s[d] * Cvt<T>::to(kp[d]);
+      if (p.softcap > 0.f) dot = p.softcap * tanhf(dot / p.softcap);
+      s = dot;
+    }
+    const float m_new = fmaxf(m, block_reduce<WAVE, kNumWarps, true>(s, red_s));
+    const float e = valid ? __expf(s - m_new) : 0.f;
+    p_s[tid] = e;
+    const float tile_sum = block_reduce<WAVE, kNumWarps, false>(e, red_s);  // also publishes p_s, row_s
+    const float alpha = __expf(m - m_new);
+    l = l * alpha + tile_sum;
+    m = m_new;
+    const int n = min(NT, kv_end - t0);
+#pragma unroll
+    for (int j = 0; j < DPT; ++j) {
+      const int d = tid + j * NT;
+      if (d < HS) {
+        float a = acc[j] * alpha;
+        for (int i = 0; i < n; ++i) a += p_s[i] * Cvt<T>::to(cache[row_s[i] + HS + d]);
+        acc[j] = a;
+      }
+    }
+    __syncthreads();  // p_s / row_s are rewritten by the next tile
+  }
+
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  if (p.num_partitions > 1) {
+    if (tid == 0) {
+      p.part_max[out_idx] = m;
+      p.part_sum[out_idx] = l;
+    }
+#pragma unroll
+    for (int j = 0; j < DPT; ++j) {
+      const int d = tid + j * NT;
+      if (d < HS) p.part_out[out_idx * HS + d] = acc[j] * inv;
+    }
+  } else {
+    T* op = static_cast<T*>(p.out) + (int64_t)token * p.o_stride_token + (int64_t)head * p.o_stride_head;
+#pragma unroll
+    for (int j = 0; j < DPT; ++j) {
+      const int d = tid + j * NT;
+      if (d < HS) op[d] = Cvt<T>::from(acc[j] * inv);
+    }
+  }
+}
+
+// grid (num_tokens, num_q_heads, num_partitions), block kNumWarps * WAVE threads, no dynamic shared memory.
+template <typename T, int HS, int WAVE>
+__global__ void __launch_bounds__(kNumWarps * WAVE) paged_attention_kernel(const PagedAttentionParams p) {
+  if constexpr (wave_matches_target<WAVE>()) paged_attention_body<T, HS, WAVE>(p);
+}
+
+// Combines the partitions of the split-KV path. grid (num_tokens, num_q_heads), any block size,
+// dynamic shared memory: num_partitions floats.
+template <typename T>
+__global__ void __launch_bounds__(256) paged_attention_reduce_kernel(const PagedAttentionParams p, int head_size) {
+  HIP_DYNAMIC_SHARED(float, w_s)
+  const int tid = (int)threadIdx.x, nt = (int)blockDim.x;
+  const int token = (int)blockIdx.x, head = (int)blockIdx.y;
+  const int P = p.num_partitions;
+  const int64_t base = ((int64_t)token * p.num_q_heads + head) * P;
+  float gmax = -FLT_MAX;
+  for (int i = 0; i < P; ++i)
+    if (p.part_sum[base + i] > 0.f) gmax = fmaxf(gmax, p.part_max[base + i]);
+  for (int i = tid; i < P; i += nt) {
+    const float s = p.part_sum[base + i];
+    w_s[i] = s > 0.f ? s * __expf(p.part_max[base + i] - gmax) : 0.f;
+  }
+  __syncthreads();
+  float total = 0.f;
+  for (int i = 0; i < P; ++i) total += w_s[i];
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  T* op = static_cast<T*>(p.out) + (int64_t)token * p.o_stride_token + (int64_t)head * p.o_stride_head;
+  for (int d = tid; d < head_size; d += nt) {
+    float o = 0.f;
+    for (int i = 0; i < P; ++i) o += w_s[i] * p.part_out[(base + i) * head_size + d];
+    op[d] = Cvt<T>::from(o * inv);
+  }
+}
+
+// Writes the new tokens' K and V into their slots. grid (num_tokens), any block size; slot -1 skipped.
+template <typename T>
+__global__ void __launch_bounds__(256) write_kv_kernel(const WriteKVParams p) {
+  const int tok = (int)blockIdx.x;
+  const int64_t slot = p.slot_mapping[tok];
+  if (slot < 0) return;  // padding token (uniform: no barriers in this kernel)
+  const int64_t blk = slot / p.block_size, off = slot % p.block_size;
+  T* dst = static_cast<T*>(p.kv_cache) + blk * p.kv_stride_block + off * p.kv_stride_token;
+  const T* key = static_cast<const T*>(p.key) + (int64_t)tok * p.k_stride_token;
+  const T* value = static_cast<const T*>(p.value) + (int64_t)tok * p.v_stride_token;
+  const int nk = p.num_kv_heads * p.head_size;
+  for (int i = (int)threadIdx.x; i < nk; i += (int)blockDim.x) {
+    const int h = i / p.head_size, d = i % p.head_size;
+    dst[h * p.kv_stride_head + d] = key[h * p.k_stride_head + d * p.k_stride_dim];
+  }
+  const int nv = p.num_kv_heads * p.head_size_v;
+  for (int i = (int)threadIdx.x; i < nv; i += (int)blockDim.x) {
+    const int h = i / p.head_size_v, d = i % p.head_size_v;
+    dst[h * p.kv_stride_head + p.head_size + d] = value[h * p.v_stride_head + d * p.v_stride_dim];
+  }
+}
+
+}  // namespace kvmulti

@@ -1,0 +1,218 @@
+// kvmulti HIP launcher: C ABI over the kernels in kvmulti_attention.hip.
+//
+// Built three ways from this one file:
+//   * ROCm host:  hipcc -O3 -shared -fPIC --offload-arch=<PYTORCH_ROCM_ARCH or the host's GPUs>
+//                 -> libkvmulti_hip.so, called from kvmulti/backends/hip.py through ctypes with torch
+//                 tensors' data_ptr()s and torch's current HIP stream;
+//   * CPU harness: g++ -x c++ -I hip/cpu_harness/include -> the same entry points running the same
+//                 kernels on CPU fibers (verification only);
+//   * nvcc -x cu -I hip/compat: compile check for NVIDIA targets.
+// Every entry point returns a hipError_t value (0 = success).
+#include "kvmulti_attention.hip"
+
+namespace {
+
+using kvmulti::PagedAttentionParams;
+using kvmulti::WriteKVParams;
+
+// Split-KV heuristic (documented in kvmulti/backends/hip.py too):
+//   * partition_size_request > 0: always split, in partitions of that many keys (tests, tuning);
+//   * partition_size_request == 0: never split;
+//   * partition_size_request < 0 (auto): split in partitions of kDefaultPartition (512) keys when the
+//     longest key span is > 2 * 512 keys AND the un-split grid (num_tokens * num_q_heads blocks) has
+//     fewer than 4 blocks per compute unit, i.e. when a few long sequences would leave most of the GPU
+//     idle while each block streams a long context. Otherwise one block per (token, head) suffices.
+constexpr int kDefaultPartition = 512;
+
+int device_wave_size(int wave) {
+  if (wave == 32 || wave == 64) return wave;
+  int dev = 0, ws = 0;
+  if (hipGetDevice(&dev) != hipSuccess) return 0;
+  if (hipDeviceGetAttribute(&ws, hipDeviceAttributeWarpSize, dev) != hipSuccess) return 0;
+  return ws;
+}
+
+int device_cu_count() {
+  int dev = 0, n = 0;
+  if (hipGetDevice(&dev) != hipSuccess) return 1;
+  if (hipDeviceGetAttribute(&n, hipDeviceAttributeMultiprocessorCount, dev) != hipSuccess || n < 1) return 1;
+  return n;
+}
+
+template <typename T, int HS, int WAVE>
+hipError_t launch_attention(const PagedAttentionParams& p, hipStream_t stream) {
+  dim3 grid((unsigned)p.num_tokens, (unsigned)p.num_q_heads, (unsigned)p.num_partitions);
+  dim3 block(kvmulti::kNumWarps * WAVE);
+  hipLaunchKernelGGL((kvmulti::paged_attention_kernel<T, HS, WAVE>), grid, block, 0, stream, p);
+  hipError_t e = hipGetLastError();
+  if (e != hipSuccess || p.num_partitions <= 1) return e;
+  dim3 rgrid((unsigned)p.num_tokens, (unsigned)p.num_q_heads);
+  hipLaunchKernelGGL((kvmulti::paged_attention_reduce_kernel<T>), rgrid, dim3(HS < 256 ? HS : 256),
+                     (size_t)p.num_partitions * sizeof(float), stream, p, HS);
+  return hipGetLastError();
+}
+
+template <typename T, int WAVE>
+hipError_t dispatch_head_size(int head_size, const PagedAttentionParams& p, hipStream_t s) {
+  switch (head_size) {
+    case 64: return launch_attention<T, 64, WAVE>(p, s);
+    case 80: return launch_attention<T, 80, WAVE>(p, s);
+    case 96: return launch_attention<T, 96, WAVE>(p, s);
+    case 128: return launch_attention<T, 128, WAVE>(p, s);
+    case 256: return launch_attention<T, 256, WAVE>(p, s);
+    default: return hipErrorInvalidValue;
+  }
+}
+
+template <typename T>
+hipError_t dispatch_wave(int wave, int head_size, const PagedAttentionParams& p, hipStream_t s) {
+  switch (wave) {
+    case 64: return dispatch_head_size<T, 64>(head_size, p, s);
+    case 32: return dispatch_head_size<T, 32>(head_size, p, s);
+    default: return hipErrorInvalidDeviceFunction;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bumped whenever an entry point's signature changes (checked by the Python side).
+__attribute__((visibility("default"))) int kvmulti_hip_abi_version() { return 1; }
+
+// Head sizes with compiled instantiations (K and V head sizes must be equal for attention).
+__attribute__((visibility("default"))) int kvmulti_hip_head_sizes(int* out, int cap) {
+  static const int hs[] = {64, 80, 96, 128, 256};
+  const int n = (int)(sizeof(hs) / sizeof(hs[0]));
+  for (int i = 0; i < n && i < cap; ++i) out[i] = hs[i];
+  return n;
+}
+
+// Wave size the kernels will use (wave: 0 = ask the current device).
+__attribute__((visibility("default"))) int kvmulti_hip_wave_size(int wave) { return device_wave_size(wave); }
+
+// Decides the split-KV configuration; see the heuristic above. Always returns 0.
+__attribute__((visibility("default"))) int kvmulti_hip_plan(int num_tokens, int num_q_heads, int max_span,
+                                                            int partition_size_request, int* partition_size,
+                                                            int* num_partitions) {
+  int ps = 0;
+  if (partition_size_request > 0) {
+    ps = partition_size_request;
+  } else if (partition_size_request < 0 && max_span > 2 * kDefaultPartition &&
+             (long long)num_tokens * num_q_heads < 4LL * device_cu_count()) {
+    ps = kDefaultPartition;
+  }
+  int np = 1;
+  if (ps > 0) np = max_span > 0 ? (max_span + ps - 1) / ps : 1;
+  if (np <= 1) {
+    np = 1;
+    ps = 0;
+  }
+  *partition_size = ps;
+  *num_partitions = np;
+  return 0;
+}
+
+// Float workspace (in floats) needed by the split-KV path.
+__attribute__((visibility("default"))) long long kvmulti_hip_workspace_floats(int num_tokens, int num_q_heads,
+                                                                             int head_size, int num_partitions) {
+  if (num_partitions <= 1) return 0;
+  return (long long)num_tokens * num_q_heads * num_partitions * (head_size + 2);
+}
+
+// dtype: 0 = float32, 1 = float16, 2 = bfloat16. Strides in elements. sliding_window 0 = none,
+// softcap 0 = none. num_partitions/partition_size from kvmulti_hip_plan; workspace: at least
+// kvmulti_hip_workspace_floats() floats on the device when num_partitions > 1.
+__attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
+    int dtype, int head_size, int wave, void* out, const void* query, const void* kv_cache,
+    const int* query_start_loc, const int* seq_lens, const int* block_table, long long q_stride_token,
+    long long q_stride_head, long long o_stride_token, long long o_stride_head, long long kv_stride_block,
+    long long kv_stride_token, long long kv_stride_head, long long bt_stride, int num_reqs, int num_tokens,
+    int num_q_heads, int num_kv_heads, int block_size, int sliding_window, float scale, float softcap,
+    int partition_size, int num_partitions, float* workspace, void* stream) {
+  if (num_tokens <= 0) return hipSuccess;
+  if (num_reqs <= 0 || num_q_heads <= 0 || num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 ||
+      block_size <= 0 || num_partitions <= 0 || (num_partitions > 1 && (partition_size <= 0 || !workspace)))
+    return hipErrorInvalidValue;
+  PagedAttentionParams p;
+  p.out = out;
+  p.query = query;
+  p.kv_cache = kv_cache;
+  p.query_start_loc = query_start_loc;
+  p.seq_lens = seq_lens;
+  p.block_table = block_table;
+  const long long np = (long long)num_tokens * num_q_heads * num_partitions;
+  p.part_out = num_partitions > 1 ? workspace : nullptr;
+  p.part_max = num_partitions > 1 ? workspace + np * head_size : nullptr;
+  p.part_sum = num_partitions > 1 ? workspace + np * (head_size + 1) : nullptr;
+  p.q_stride_token = q_stride_token;
+  p.q_stride_head = q_stride_head;
+  p.o_stride_token = o_stride_token;
+  p.o_stride_head = o_stride_head;
+  p.kv_stride_block = kv_stride_block;
+  p.kv_stride_token = kv_stride_token;
+  p.kv_stride_head = kv_stride_head;
+  p.bt_stride = bt_stride;
+  p.num_reqs = num_reqs;
+  p.num_tokens = num_tokens;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.block_size = block_size;
+  p.sliding_window = sliding_window > 0 ? sliding_window : 0;
+  p.partition_size = num_partitions > 1 ? partition_size : 0;
+  p.num_partitions = num_partitions;
+  p.scale = scale;
+  p.softcap = softcap > 0.f ? softcap : 0.f;
+  hipStream_t s = (hipStream_t)stream;
+  const int w = device_wave_size(wave);
+  switch (dtype) {
+    case 0: return dispatch_wave<float>(w, head_size, p, s);
+    case 1: return dispatch_wave<__half>(w, head_size, p, s);
+    case 2: return dispatch_wave<hip_bfloat16>(w, head_size, p, s);
+    default: return hipErrorInvalidValue;
+  }
+}
+
+__attribute__((visibility("default"))) int kvmulti_hip_write_kv(
+    int dtype, const void* key, const void* value, void* kv_cache, const long long* slot_mapping,
+    long long k_stride_token, long long k_stride_head, long long k_stride_dim, long long v_stride_token,
+    long long v_stride_head, long long v_stride_dim, long long kv_stride_block, long long kv_stride_token,
+    long long kv_stride_head, int num_tokens, int num_kv_heads, int head_size, int head_size_v, int block_size,
+    void* stream) {
+  if (num_tokens <= 0) return hipSuccess;
+  if (block_size <= 0 || num_kv_heads <= 0 || head_size <= 0 || head_size_v < 0) return hipErrorInvalidValue;
+  WriteKVParams p;
+  p.key = key;
+  p.value = value;
+  p.kv_cache = kv_cache;
+  p.slot_mapping = reinterpret_cast<const int64_t*>(slot_mapping);
+  p.k_stride_token = k_stride_token;
+  p.k_stride_head = k_stride_head;
+  p.k_stride_dim = k_stride_dim;
+  p.v_stride_token = v_stride_token;
+  p.v_stride_head = v_stride_head;
+  p.v_stride_dim = v_stride_dim;
+  p.kv_stride_block = kv_stride_block;
+  p.kv_stride_token = kv_stride_token;
+  p.kv_stride_head = kv_stride_head;
+  p.num_tokens = num_tokens;
+  p.num_kv_heads = num_kv_heads;
+  p.head_size = head_size;
+  p.head_size_v = head_size_v;
+  p.block_size = block_size;
+  hipStream_t s = (hipStream_t)stream;
+  dim3 grid((unsigned)num_tokens), block(128);
+  switch (dtype) {
+    case 0: hipLaunchKernelGGL(kvmulti::write_kv_kernel<float>, grid, block, 0, s, p); break;
+    case 1: hipLaunchKernelGGL(kvmulti::write_kv_kernel<__half>, grid, block, 0, s, p); break;
+    case 2: hipLaunchKernelGGL(kvmulti::write_kv_kernel<hip_bfloat16>, grid, block, 0, s, p); break;
+    default: return hipErrorInvalidValue;
+  }
+  return hipGetLastError();
+}
+
+__attribute__((visibility("default"))) const char* kvmulti_hip_error_string(int e) {
+  return hipGetErrorString((hipError_t)e);
+}
+
+}  // extern "C"
