@@ -12,11 +12,10 @@ import functools
 
 import torch
 
-from .backends.base import AttentionConfig
-from .backends.registry import _select_for_compile, get_backend
+from .backends.registry import get_backend, select_backend_for_layout
 from .layout import KVCacheLayout
 from .metadata import CommonAttentionMetadata
-from .validation import check_attention, check_block_values, check_slot_values, check_write
+from .validation import check_attention, check_metadata_values, check_slot_values, check_write
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor, layout: KVCacheLayout,
@@ -28,7 +27,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tens
     platform priority). Raises TypeError/ValueError naming the bad argument; the cache is untouched then.
     """
     check_write(key, value, kv_cache, layout, slot_mapping)
-    name = _select_for_compile(AttentionConfig.from_layout(layout, kv_cache.device), role, backend)
+    name = select_backend_for_layout(layout, kv_cache.device, False, False, role, backend)
     if value is None:
         value = key.new_empty((key.shape[0], layout.num_kv_heads, 0))
     torch.ops.kvmulti.write_kv(key, value, kv_cache, slot_mapping, *_layout_args(layout), name)
@@ -47,8 +46,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
     """
     check_attention(query, kv_cache, layout, metadata, scale, sliding_window, softcap)
     softcap = float(softcap) if softcap else None
-    config = AttentionConfig.from_layout(layout, kv_cache.device, sliding_window, softcap)
-    name = _select_for_compile(config, role, backend)
+    name = select_backend_for_layout(layout, kv_cache.device, sliding_window is not None, softcap is not None,
+                                     role, backend)
     if not metadata.causal and not get_backend(name).supports_non_causal:
         raise ValueError(f"backend {name} supports causal attention only (metadata.causal is False)")
     return torch.ops.kvmulti.paged_attention(
@@ -97,7 +96,7 @@ def _paged_attention_op(query: torch.Tensor, kv_cache: torch.Tensor, query_start
         slot_mapping=query_start_loc.new_empty(0, dtype=torch.int64), num_reqs=seq_lens.shape[0],
         num_actual_tokens=num_actual_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
         causal=causal, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu)
-    check_block_values(metadata, layout, sliding_window)
+    check_metadata_values(metadata, layout, sliding_window)
     out = torch.zeros(query.shape[0], query.shape[1], head_size_v, dtype=query.dtype, device=query.device)
     get_backend(backend).paged_attention(query, kv_cache, layout, metadata, scale, sliding_window, softcap, out)
     return out

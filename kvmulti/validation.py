@@ -108,11 +108,6 @@ def check_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
     if metadata.max_seq_len > metadata.block_table.shape[1] * layout.block_size:
         raise ValueError(f"block_table has {metadata.block_table.shape[1]} columns, too narrow for "
                          f"seq_len {metadata.max_seq_len} with block_size {layout.block_size}")
-    query_lens = metadata.query_lens_cpu
-    if bool((query_lens > metadata.seq_lens_cpu).any()):
-        i = int((query_lens > metadata.seq_lens_cpu).nonzero()[0])
-        raise ValueError(f"metadata: request {i} has query_len {int(query_lens[i])} > seq_len "
-                         f"{int(metadata.seq_lens_cpu[i])}")
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
@@ -122,9 +117,16 @@ def check_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         raise ValueError(f"softcap must be None or a float >= 0 (0 = off), got {softcap!r}")
 
 
-def check_block_values(metadata: CommonAttentionMetadata, layout: KVCacheLayout,
-                       sliding_window: int | None) -> None:
-    """Every block id attention will read (inside each request's window) is within the cache."""
+def check_metadata_values(metadata: CommonAttentionMetadata, layout: KVCacheLayout,
+                          sliding_window: int | None) -> None:
+    """No query_len exceeds its seq_len (host copies: always checked), and every block id attention
+    will read (inside each request's window) is within the cache (a value check, see above)."""
+    query_lens = metadata.query_lens_cpu
+    too_long = query_lens > metadata.seq_lens_cpu
+    if bool(too_long.any()):
+        i = int(too_long.nonzero()[0])
+        raise ValueError(f"metadata: request {i} has query_len {int(query_lens[i])} > seq_len "
+                         f"{int(metadata.seq_lens_cpu[i])}")
     table = metadata.block_table
     if not value_checks_enabled(table.device) or metadata.num_reqs == 0:
         return

@@ -9,6 +9,7 @@ import os
 import torch
 
 from ..platform import platform_of
+from ..layout import KVCacheLayout
 from .base import AttentionConfig, Backend
 
 #: name -> (module, class); modules are imported on first use, so a missing optional
@@ -50,10 +51,14 @@ def canonical_name(name: str, source: str = "backend") -> str:
     return name.strip().upper()
 
 
-@functools.lru_cache(maxsize=None)
 def get_backend(name: str) -> Backend:
-    """The singleton instance of backend ``name``."""
-    module_name, class_name = BACKEND_CLASSES[canonical_name(name)]
+    """The singleton instance of backend ``name`` (case-insensitive)."""
+    return _instance(canonical_name(name))
+
+
+@functools.lru_cache(maxsize=None)
+def _instance(name: str) -> Backend:
+    module_name, class_name = BACKEND_CLASSES[name]
     return getattr(importlib.import_module(module_name), class_name)()
 
 
@@ -95,7 +100,11 @@ def select_backend(config: AttentionConfig, role: str = "target", requested: str
 
 
 @torch.compiler.assume_constant_result
-def _select_for_compile(config: AttentionConfig, role: str, requested: str | None) -> str:
+def select_backend_for_layout(layout: KVCacheLayout, device: torch.device, sliding_window: bool, softcap: bool,
+                              role: str, requested: str | None) -> str:
+    """:func:`select_backend` for a cache of ``layout`` on ``device``; torch.compile treats the
+    result as a constant, so compiled graphs hold no selection logic."""
+    config = AttentionConfig.from_layout(layout, device, 1 if sliding_window else None, 1.0 if softcap else None)
     return select_backend(config, role, requested)
 
 

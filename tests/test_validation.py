@@ -1,0 +1,98 @@
+"""Every bad input gets a TypeError/ValueError naming the argument, and leaves the cache untouched."""
+
+import pytest
+import torch
+
+import kvmulti
+
+LAYOUT = kvmulti.KVCacheLayout(num_blocks=4, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32, order="HND")
+
+
+def fresh():
+    cache = LAYOUT.allocate()
+    cache.copy_(torch.randn(LAYOUT.shape))
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    md = kvmulti.CommonAttentionMetadata.from_lens([3, 1], [6, 5], table, block_size=4)
+    t = md.num_actual_tokens
+    return cache, md, torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
+
+
+def write_case(change):
+    cache, md, q, k, v = fresh()
+    args = dict(key=k, value=v, kv_cache=cache, layout=LAYOUT, slot_mapping=md.slot_mapping)
+    args.update(change(args))
+    return cache, args
+
+
+WRITE_ERRORS = {
+    "wrong dtype": (lambda a: {"key": a["key"].half()}, TypeError, "key has dtype"),
+    "wrong head size": (lambda a: {"value": torch.randn(4, 2, 6)}, ValueError, "value has head size 6"),
+    "wrong num heads": (lambda a: {"key": torch.randn(4, 3, 8)}, ValueError, "key has 3 heads"),
+    "cache of other order": (lambda a: {"kv_cache": kvmulti.KVCacheLayout(4, 4, 2, 8, dtype=torch.float32, order="NHD").allocate()},
+                             ValueError, "kv_cache has strides"),
+    "non-matching layout": (lambda a: {"layout": kvmulti.KVCacheLayout(8, 4, 2, 8, dtype=torch.float32, order="HND")},
+                            ValueError, "kv_cache has shape"),
+    "slot out of range": (lambda a: {"slot_mapping": torch.tensor([0, 1, 16, 2])}, ValueError, "slot 16"),
+    "slot below -1": (lambda a: {"slot_mapping": torch.tensor([0, -2, 1, 2])}, ValueError, "slot -2"),
+    "float slots": (lambda a: {"slot_mapping": a["slot_mapping"].float()}, TypeError, "slot_mapping must be an integer"),
+    "slots length": (lambda a: {"slot_mapping": a["slot_mapping"][:2]}, ValueError, "slot_mapping has 2 entries"),
+    "device": (lambda a: {"key": a["key"].to("meta")}, ValueError, "key is on meta"),
+    "layout type": (lambda a: {"layout": "HND"}, TypeError, "layout must be"),
+}
+
+
+@pytest.mark.parametrize("name", WRITE_ERRORS)
+def test_write_kv_rejects(name):
+    change, error, message = WRITE_ERRORS[name]
+    cache, args = write_case(change)
+    before = args["kv_cache"].clone()
+    with pytest.raises(error, match=message):
+        kvmulti.write_kv(**args)
+    assert torch.equal(args["kv_cache"], before)
+    assert args["kv_cache"] is not cache or torch.equal(cache, before)
+
+
+def replace_md(md, **fields):
+    import dataclasses
+    return dataclasses.replace(md, **fields)
+
+
+ATTN_ERRORS = {
+    "wrong dtype": (lambda a: {"query": a["query"].bfloat16()}, TypeError, "query has dtype"),
+    "wrong head size": (lambda a: {"query": torch.randn(4, 4, 16)}, ValueError, "query has head size 16"),
+    "heads not multiple": (lambda a: {"query": torch.randn(4, 3, 8)}, ValueError, "not a multiple of num_kv_heads"),
+    "cache of other order": (lambda a: {"kv_cache": kvmulti.KVCacheLayout(4, 4, 2, 8, dtype=torch.float32, order="NHD").allocate()},
+                             ValueError, "kv_cache has strides"),
+    "block id out of range": (lambda a: {"metadata": replace_md(a["metadata"], block_table=torch.tensor([[0, 9], [2, 3]], dtype=torch.int32))},
+                              ValueError, r"block_table\[0, 1\] = 9"),
+    "query_len > seq_len": (lambda a: {"metadata": replace_md(a["metadata"], seq_lens=torch.tensor([2, 5], dtype=torch.int32), seq_lens_cpu=None)},
+                            ValueError, "query_len 3 > seq_len 2"),
+    "block table too narrow": (lambda a: {"metadata": replace_md(a["metadata"], block_table=torch.tensor([[0], [2]], dtype=torch.int32))},
+                               ValueError, "too narrow"),
+    "float block table": (lambda a: {"metadata": replace_md(a["metadata"], block_table=a["metadata"].block_table.float())},
+                          TypeError, "metadata.block_table must be an integer"),
+    "int64 seq_lens": (lambda a: {"metadata": replace_md(a["metadata"], seq_lens=a["metadata"].seq_lens.long())},
+                       TypeError, "metadata.seq_lens must be an integer tensor of torch.int32"),
+    "device": (lambda a: {"query": a["query"].to("meta")}, ValueError, "query is on meta"),
+    "bad window": (lambda a: {"sliding_window": 0}, ValueError, "sliding_window"),
+    "bad softcap": (lambda a: {"softcap": -1.0}, ValueError, "softcap"),
+    "too few query rows": (lambda a: {"query": a["query"][:2]}, ValueError, "num_actual_tokens"),
+}
+
+
+@pytest.mark.parametrize("name", ATTN_ERRORS)
+def test_paged_attention_rejects(name):
+    change, error, message = ATTN_ERRORS[name]
+    cache, md, q, _, _ = fresh()
+    args = dict(query=q, kv_cache=cache, layout=LAYOUT, metadata=md)
+    args.update(change(args))
+    before = args["kv_cache"].clone()
+    with pytest.raises(error, match=message):
+        kvmulti.paged_attention(**args)
+    assert torch.equal(args["kv_cache"], before)
+
+
+def test_unknown_backend_argument():
+    cache, md, q, k, v = fresh()
+    with pytest.raises(ValueError, match="valid names: HIP, SYCL, TRITON, CPU"):
+        kvmulti.paged_attention(q, cache, LAYOUT, md, backend="CUDNN")
