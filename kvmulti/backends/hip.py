@@ -142,25 +142,39 @@ def cpu_harness_reasons() -> list[str]:
     return reasons
 
 
-def cpu_library_path() -> Path:
+def harness_library_path(main: Path, deps: list[Path], libname: str) -> Path:
     src = source_dir()
     cxx = cpu_compiler() or "g++"
-    key = _hash([src / s for s in KERNEL_SOURCES + HARNESS_SOURCES], [cxx, _compiler_version(cxx), *CPU_FLAGS])
-    return cache_root() / "hip_cpu" / key / "libkvmulti_hip_cpu.so"
+    key = _hash([main, *deps, *[src / s for s in HARNESS_SOURCES]], [cxx, _compiler_version(cxx), *CPU_FLAGS])
+    return cache_root() / "hip_cpu" / key / libname
 
 
-def build_cpu_library() -> Path:
-    """Build (once; cached by a hash of sources, flags and compiler) the CPU-harness library."""
+def build_harness_library(main: Path, deps: list[Path], libname: str, what: str) -> Path:
+    """Compile the HIP source ``main`` (+ headers ``deps``, hashed) with g++ against kvmulti's
+    HIP-on-CPU harness into a cached shared library (once per hash of sources, flags, compiler)."""
     reasons = cpu_harness_reasons()
     if reasons:
         raise HipBuildError("cannot build the HIP CPU harness: " + "; ".join(reasons))
     src = source_dir()
-    out = cpu_library_path()
+    out = harness_library_path(main, deps, libname)
     if not out.exists():
         cmd = [cpu_compiler(), *CPU_FLAGS, "-x", "c++", "-I", str(src / "cpu_harness" / "include"),
-               str(src / "launcher.hip"), "-o", "{tmp}", f"-Wl,-T,{src / 'cpu_harness' / 'kvcpu.ld'}"]
-        _locked_build(out, cmd, "the HIP kernels for the CPU harness (g++)")
+               str(main), "-o", "{tmp}", f"-Wl,-T,{src / 'cpu_harness' / 'kvcpu.ld'}"]
+        _locked_build(out, cmd, what)
     return out
+
+
+def cpu_library_path() -> Path:
+    src = source_dir()
+    return harness_library_path(src / KERNEL_SOURCES[0], [src / s for s in KERNEL_SOURCES[1:]],
+                                "libkvmulti_hip_cpu.so")
+
+
+def build_cpu_library() -> Path:
+    """Build (once; cached) the kvmulti HIP kernels against the CPU harness."""
+    src = source_dir()
+    return build_harness_library(src / KERNEL_SOURCES[0], [src / s for s in KERNEL_SOURCES[1:]],
+                                 "libkvmulti_hip_cpu.so", "the HIP kernels for the CPU harness (g++)")
 
 
 # ------------------------------------------------------------------------------------ ROCm

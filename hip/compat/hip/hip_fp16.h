@@ -1,0 +1,3 @@
+// kvmulti HIP -> CUDA compat: <hip/hip_fp16.h>
+#pragma once
+#include "hip_runtime.h"

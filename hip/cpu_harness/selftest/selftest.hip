@@ -1,0 +1,94 @@
+// Self-test kernels for kvmulti's HIP-on-CPU harness (tests/test_hip_harness.py).
+// Ordinary HIP: it also compiles with hipcc. Each kernel has a correct and a buggy variant; the
+// harness must give the right answer for the first and catch the second (wrong result or error).
+#include <hip/hip_runtime.h>
+
+namespace selftest {
+
+constexpr int N = 64;  // threads per block in the shared-memory tests
+
+// out[i] = in[i] + in[next(i)] via static shared memory; BARRIER=false omits the __syncthreads()
+// between the writes and the reads of another thread's element.
+template <bool BARRIER>
+__global__ void neighbor_sum(const float* in, float* out) {
+  __shared__ float s[N];
+  const int t = (int)threadIdx.x, base = (int)blockIdx.x * N;
+  s[t] = in[base + t];
+  if (BARRIER) __syncthreads();
+  out[base + t] = s[t] + s[(t + 1) % N];
+}
+
+// Same through dynamic shared memory, reading the PREVIOUS thread's element.
+template <bool BARRIER>
+__global__ void neighbor_sum_dynamic(const float* in, float* out) {
+  HIP_DYNAMIC_SHARED(float, s)
+  const int t = (int)threadIdx.x, n = (int)blockDim.x, base = (int)blockIdx.x * n;
+  s[t] = in[base + t];
+  if (BARRIER) __syncthreads();
+  out[base + t] = s[t] + s[(t + n - 1) % n];
+}
+
+// Barrier reached by only some threads of the block (a hang or UB on a GPU).
+__global__ void divergent_barrier(const float* in, float* out) {
+  const int t = (int)threadIdx.x;
+  if (t < 8) __syncthreads();
+  out[t] = in[t];
+}
+
+// Wave reductions with each shuffle flavour; WIDTH = the wave size being emulated.
+template <int WIDTH>
+__global__ void wave_ops(const float* in, float* out) {
+  const int t = (int)threadIdx.x, lane = t % WIDTH;
+  const int base = (int)blockIdx.x * (int)blockDim.x;
+  float v = in[base + t];
+  float sum = v;
+  for (int m = WIDTH / 2; m > 0; m >>= 1) sum += __shfl_xor(sum, m, WIDTH);
+  float down = v;
+  for (int d = WIDTH / 2; d > 0; d >>= 1) down += __shfl_down(down, d, WIDTH);  // lane 0 holds the sum
+  const float bcast = __shfl(v, WIDTH - 1 - lane, WIDTH);                    // reversed lanes
+  out[4 * (base + t) + 0] = sum;
+  out[4 * (base + t) + 1] = __shfl(down, 0, WIDTH);
+  out[4 * (base + t) + 2] = bcast;
+  out[4 * (base + t) + 3] = (float)lane;
+}
+
+// A shuffle inside a branch taken by half of the wave (non-uniform: a deadlock in the harness).
+template <int WIDTH>
+__global__ void divergent_shuffle(const float* in, float* out) {
+  const int t = (int)threadIdx.x;
+  float v = in[t];
+  if (t % WIDTH < WIDTH / 2) v = __shfl_xor(v, 1, WIDTH);
+  out[t] = v;
+}
+
+}  // namespace selftest
+
+// which: 0/1 neighbor_sum with/without barrier, 2/3 dynamic-shared variant with/without barrier,
+// 4 divergent barrier, 5 wave_ops, 6 divergent shuffle. Returns the hipError_t of the launch.
+extern "C" __attribute__((visibility("default"))) int selftest_run(int which, const float* in, float* out,
+                                                                   int blocks, int threads) {
+  const int w = warpSize;
+  switch (which) {
+    case 0: hipLaunchKernelGGL(selftest::neighbor_sum<true>, dim3(blocks), dim3(selftest::N), 0, 0, in, out); break;
+    case 1: hipLaunchKernelGGL(selftest::neighbor_sum<false>, dim3(blocks), dim3(selftest::N), 0, 0, in, out); break;
+    case 2:
+      hipLaunchKernelGGL(selftest::neighbor_sum_dynamic<true>, dim3(blocks), dim3(threads), threads * sizeof(float),
+                         0, in, out);
+      break;
+    case 3:
+      hipLaunchKernelGGL(selftest::neighbor_sum_dynamic<false>, dim3(blocks), dim3(threads), threads * sizeof(float),
+                         0, in, out);
+      break;
+    case 4: hipLaunchKernelGGL(selftest::divergent_barrier, dim3(blocks), dim3(threads), 0, 0, in, out); break;
+    case 5:
+      if (w == 64) hipLaunchKernelGGL(selftest::wave_ops<64>, dim3(blocks), dim3(threads), 0, 0, in, out);
+      else hipLaunchKernelGGL(selftest::wave_ops<32>, dim3(blocks), dim3(threads), 0, 0, in, out);
+      break;
+    case 6:
+      if (w == 64) hipLaunchKernelGGL(selftest::divergent_shuffle<64>, dim3(blocks), dim3(threads), 0, 0, in, out);
+      else hipLaunchKernelGGL(selftest::divergent_shuffle<32>, dim3(blocks), dim3(threads), 0, 0, in, out);
+      break;
+    default: return (int)hipErrorInvalidValue;
+  }
+  return (int)hipGetLastError();
+}
