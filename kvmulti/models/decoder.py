@@ -1,0 +1,192 @@
+"""The shared decoder-only transformer (Llama, Qwen2, Mistral, Gemma2, Gemma3 text).
+
+Flat layers over packed tokens: every forward takes ``input_ids`` [T] and ``positions`` [T] of a
+whole mixed batch (prefill chunks and decodes side by side) plus an :class:`AttentionContext`.
+Each attention layer writes its new K/V with ``kvmulti.write_kv`` and attends with
+``kvmulti.paged_attention`` on its OWN cache, using its KV group's metadata, layout and backend.
+Module and parameter names follow transformers, so HF checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..layout import KVCacheLayout
+from ..metadata import CommonAttentionMetadata
+from .config import FULL, SLIDING, ModelConfig
+
+
+@dataclass
+class AttentionContext:
+    """What the attention layers of one forward read: per group metadata, per layer caches."""
+
+    metadata: dict[int, CommonAttentionMetadata]     # group id -> this step's metadata
+    layer_to_group: dict[str, int]                   # layer name -> group id
+    kv_caches: dict[str, torch.Tensor]               # layer name -> its cache
+    layouts: dict[int, KVCacheLayout]                # group id -> layout
+    backends: dict[int, str]                         # group id -> backend name
+    role: str = "target"
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32; Gemma scales by ``1 + weight`` (weights stored as offsets from 1)."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False):
+        super().__init__()
+        self.eps, self.gemma = eps, gemma
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (xf * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, head_dim] of ``positions`` (fp32 math, as transformers)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on x [T, H, D] with cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer_name = f"model.layers.{layer}.self_attn"
+        self.layer_type = cfg.layer_types[layer]
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale, self.softcap = cfg.scale, cfg.attn_softcap
+        self.sliding_window = cfg.layer_window(layer)
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.gemma)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        group = ctx.layer_to_group[self.layer_name]
+        cache, layout, md, backend = ctx.kv_caches[self.layer_name], ctx.layouts[group], ctx.metadata[group], ctx.backends[group]
+        ops.write_kv(k, v, cache, layout, md.slot_mapping, backend=backend, role=ctx.role)
+        out = ops.paged_attention(q, cache, layout, md, scale=self.scale, sliding_window=self.sliding_window,
+                                  softcap=self.softcap, backend=backend, role=ctx.role)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.act = cfg.hidden_act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        if self.act == "silu":
+            gate = F.silu(gate)
+        elif self.act == "gelu":
+            gate = F.gelu(gate)
+        else:                                              # gelu_pytorch_tanh, gelu_new
+            gate = F.gelu(gate, approximate="tanh")
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; Gemma adds post-attention and pre/post-feedforward ("sandwich") norms."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.gemma = cfg.gemma
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, cfg.gemma)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, cfg.gemma)
+        if cfg.gemma:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, True)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        if self.gemma:
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. ``forward`` returns hidden states; :meth:`compute_logits` the logits."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._inv_freq: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def _rope(self, layer_type: str, positions: torch.Tensor, dtype: torch.dtype):
+        key = (layer_type, positions.device)
+        if key not in self._inv_freq:
+            self._inv_freq[key] = self.config.rope_for(layer_type).inv_freq(self.config.head_dim).to(positions.device)
+        return rope_cos_sin(self._inv_freq[key], positions, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for packed tokens ``input_ids`` [T]."""
+        x = self.model.embed_tokens(input_ids)
+        if self.config.gemma:
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+        rope = {t: self._rope(t, positions, x.dtype) for t in set(self.config.layer_types)}
+        for layer in self.model.layers:
+            x = layer(x, *rope[layer.self_attn.layer_type], ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        cap = self.config.final_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+__all__ = ["AttentionContext", "CausalLM", "FULL", "SLIDING"]
