@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -92,6 +93,7 @@ def _hash(paths: list[Path], extra: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=None)
 def _compiler_version(exe: str) -> str:
     try:
         return subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()

@@ -1,0 +1,189 @@
+"""HIP backend behaviour on a CPU host: declared capabilities, reasons, dispatch, the emulator
+warning, clear build errors, and caches written by HIP / CPU read identically by the other."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from batches import CaseSpec, assert_close_to_reference, build_case
+
+import kvmulti
+from kvmulti import reference
+from kvmulti.backends import get_backend, hip
+from kvmulti.backends.base import AttentionConfig
+from kvmulti.backends.registry import select_backend
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def _config(**kw):
+    base = dict(platform="cpu", dtype=torch.float16, head_size=128, head_size_v=128, num_kv_heads=2, block_size=16,
+                order="HND")
+    base.update(kw)
+    return AttentionConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def harness():
+    reasons = hip.cpu_harness_reasons()
+    if reasons:
+        if IN_CI:
+            pytest.fail("HIP CPU harness cannot be built in CI: " + "; ".join(reasons))
+        pytest.skip("HIP CPU harness cannot be built here: " + "; ".join(reasons))
+    backend = get_backend("HIP")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        hip.load_cpu_library()
+    return backend
+
+
+def test_declared_capabilities():
+    b = hip.HipBackend()
+    assert b.head_sizes == (64, 80, 96, 128, 256) and b.min_block_size == 1
+    assert set(b.dtypes) == {torch.float32, torch.float16, torch.bfloat16}
+    for hs in b.head_sizes:
+        for bs in (1, 3, 16, 32, 128):
+            assert not b.capability_reasons(_config(head_size=hs, head_size_v=hs, block_size=bs))
+    assert not b.capability_reasons(_config(sliding_window=True, softcap=True, order="NHD", dtype=torch.bfloat16))
+    assert any("head_size 32" in r for r in b.capability_reasons(_config(head_size=32, head_size_v=32)))
+    assert any("head_size_v 64" in r for r in b.capability_reasons(_config(head_size_v=64)))
+    assert any("latent" in r for r in b.capability_reasons(_config(head_size_v=0, num_kv_heads=1)))
+    assert any("dtype" in r for r in b.capability_reasons(_config(dtype=torch.float64)))
+
+
+def test_platform_reasons_on_this_host(harness):
+    b = hip.HipBackend()
+    assert b.platform_reasons("cpu") == []          # the CPU harness is buildable here
+    assert "not cuda" in " ".join(b.platform_reasons("cuda"))
+    assert "not xpu" in " ".join(b.platform_reasons("xpu"))
+    if not torch.version.hip:
+        assert any("ROCm build" in r for r in b.platform_reasons("rocm"))
+        assert b.unavailable_reasons() == []        # usable through the harness
+        assert b.describe().startswith("CPU harness (emulator)")
+
+
+def test_cpu_dispatch_never_picks_hip_unless_named(harness, monkeypatch):
+    config = _config()
+    monkeypatch.delenv("KVMULTI_ATTENTION_BACKEND", raising=False)
+    assert select_backend(config) == "CPU"
+    assert select_backend(config, requested="hip") == "HIP"
+    monkeypatch.setenv("KVMULTI_ATTENTION_BACKEND", "HIP")
+    assert select_backend(config) == "HIP"
+    assert kvmulti.available_backends("cpu")["HIP"] == []
+
+
+def test_emulator_warning_is_emitted_once(harness):
+    b = hip.HipBackend()
+    layout = kvmulti.KVCacheLayout(2, 4, 1, 64, dtype=torch.float32)
+    cache = layout.allocate()
+    k = torch.randn(3, 1, 64)
+    slots = torch.tensor([0, 5, -1])
+    with pytest.warns(RuntimeWarning, match="CPU harness \\(emulator\\)"):
+        b.write_kv(k, k, cache, layout, slots)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b.write_kv(k, k, cache, layout, slots)
+
+
+def test_missing_compiler_is_a_clear_reason_and_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVMULTI_HIP_CPU_CXX", "kvmulti-no-such-gxx")
+    monkeypatch.setenv("KVMULTI_CACHE_DIR", str(tmp_path))
+    reasons = hip.cpu_harness_reasons()
+    assert reasons and "g++" in reasons[0] and "kvmulti-no-such-gxx" in reasons[0]
+    b = hip.HipBackend()
+    assert b.platform_reasons("cpu") == reasons
+    if not torch.version.hip:
+        assert any(r.startswith("CPU harness:") for r in b.unavailable_reasons())
+    with pytest.raises(hip.HipBuildError, match="g\\+\\+"):
+        hip.build_cpu_library()
+
+
+def test_missing_hipcc_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(hip, "hipcc_path", lambda: None)
+    with pytest.raises(hip.HipBuildError, match="hipcc not found"):
+        hip.build_rocm_library(["gfx90a"])
+
+
+def test_rocm_arch_list_from_env(monkeypatch):
+    monkeypatch.setenv("PYTORCH_ROCM_ARCH", "gfx90a;gfx942 gfx1100")
+    assert hip.rocm_target_archs() == ["gfx90a", "gfx942", "gfx1100"]
+
+
+def test_undeclared_head_size_fails_cleanly_in_the_launcher(harness):
+    """Called directly (bypassing selection), an undeclared head size is an error, not a crash."""
+    layout = kvmulti.KVCacheLayout(2, 16, 1, 32, dtype=torch.float32)
+    cache = layout.allocate()
+    md = kvmulti.CommonAttentionMetadata.from_lens([2], [2], torch.tensor([[0]], dtype=torch.int32), 16)
+    out = torch.zeros(2, 1, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(RuntimeError, match="hipErrorInvalidValue"):
+            harness.paged_attention(torch.randn(2, 1, 32), cache, layout, md, 1.0, None, None, out)
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_caches_cross_read_between_hip_and_cpu(harness, order, dtype):
+    """A cache written by HIP equals the one written by CPU (bit for bit) and each backend's
+    attention over the OTHER's cache equals the oracle."""
+    spec = CaseSpec(order=order, block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=dtype,
+                    query_lens=(6, 1, 3), context_lens=(0, 37, 12), extra_blocks=1, sliding_window=24, softcap=15.0)
+    case = build_case(spec)
+    # K/V as non-contiguous slices of a fused qkv projection, and padding slots (-1).
+    t, h, d = case.key.shape
+    qkv = torch.empty(t, 3 * h * d, dtype=dtype)
+    qkv[:, h * d: 2 * h * d] = case.key.reshape(t, -1)
+    qkv[:, 2 * h * d:] = case.value.reshape(t, -1)
+    key, value = qkv[:, h * d: 2 * h * d].view(t, h, d), qkv[:, 2 * h * d:].view(t, h, d)
+    assert not key.is_contiguous()
+    slots = case.metadata.slot_mapping.clone()
+    slots[2] = -1
+    hip_cache, cpu_cache, ref_cache = case.cache.clone(), case.cache.clone(), case.cache.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        kvmulti.write_kv(key, value, hip_cache, case.layout, slots, backend="HIP")
+    kvmulti.write_kv(key, value, cpu_cache, case.layout, slots, backend="CPU")
+    reference.write_kv(key, value, ref_cache, case.layout, slots)
+    assert torch.equal(hip_cache, cpu_cache) and torch.equal(hip_cache, ref_cache)
+    assert hip_cache.stride() == case.cache.stride()
+    # slot -1 was skipped: that token's slot keeps the original random data
+    orig = case.metadata.slot_mapping[2].item()
+    blk, off = divmod(orig, spec.block_size)
+    assert torch.equal(hip_cache[blk, off], case.cache[blk, off])
+
+    # Full writes (no padding), then attention crosswise.
+    hip_cache, cpu_cache = case.cache.clone(), case.cache.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        kvmulti.write_kv(key, value, hip_cache, case.layout, case.metadata.slot_mapping, backend="HIP")
+        kvmulti.write_kv(key, value, cpu_cache, case.layout, case.metadata.slot_mapping, backend="CPU")
+        expected = reference.paged_attention(case.query, cpu_cache, case.layout, case.metadata,
+                                             sliding_window=spec.sliding_window, softcap=spec.softcap)
+        cpu_on_hip = kvmulti.paged_attention(case.query, hip_cache, case.layout, case.metadata,
+                                             sliding_window=spec.sliding_window, softcap=spec.softcap, backend="CPU")
+        hip_on_cpu = kvmulti.paged_attention(case.query, cpu_cache, case.layout, case.metadata,
+                                             sliding_window=spec.sliding_window, softcap=spec.softcap, backend="HIP")
+    assert_close_to_reference(cpu_on_hip, expected, dtype, "CPU attention over a HIP-written cache")
+    assert_close_to_reference(hip_on_cpu, expected, dtype, "HIP attention over a CPU-written cache")
+
+
+def test_strided_query_and_out_rows_past_num_actual_tokens(harness):
+    """A non-contiguous query (slice of fused qkv) and padded rows past num_actual_tokens stay zero."""
+    layout = kvmulti.KVCacheLayout(4, 16, 2, 64, dtype=torch.float16, order="NHD")
+    cache = layout.allocate()
+    cache.copy_(torch.randn(layout.shape).half())
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    md = kvmulti.CommonAttentionMetadata.from_lens([3, 1], [20, 9], table, 16)
+    fused = torch.randn(6, 3 * 4 * 64).half()           # 4 real tokens + 2 padding rows
+    query = fused[:, : 4 * 64].view(6, 4, 64)
+    assert not query.is_contiguous()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = kvmulti.paged_attention(query, cache, layout, md, backend="HIP")
+    expected = reference.paged_attention(query, cache, layout, md)
+    assert_close_to_reference(out[:4], expected[:4], torch.float16)
+    assert torch.count_nonzero(out[4:]) == 0
