@@ -1,0 +1,294 @@
+"""The SYCL backend (run-time compiled SYCL kernels) against the oracle, on whatever SYCL device this
+host has: Intel's OpenCL CPU device in CPU CI (intel-sycl-rt + intel-opencl-rt from PyPI)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+import kvmulti
+from batches import CaseSpec, assert_close_to_reference, batch_cases, build_case, check_against_reference
+from kvmulti import reference
+from kvmulti.backends import AttentionConfig, available_backends, get_backend, select_backend
+from kvmulti.backends import sycl as S
+
+_REASONS = S.runtime_reasons()
+pytestmark = pytest.mark.skipif(bool(_REASONS), reason=f"SYCL runtime unusable here: {'; '.join(_REASONS)}")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def sycl_backend():
+    return get_backend("SYCL")
+
+
+# ------------------------------------------------------------------------------------ oracle
+@settings(max_examples=30)
+@given(batch_cases(head_sizes=(64, 80), block_sizes=(1, 16, 32), groups=(1, 4, 8)))
+def test_sycl_matches_reference(spec):
+    check_against_reference(spec, "SYCL")
+
+
+# Every dtype x order x head size at least once, cycling block size / GQA / window / softcap, so the
+# feature grid is covered whatever hypothesis draws.
+_GRID = [(dt, order, hs) for dt in (torch.float32, torch.float16, torch.bfloat16) for order in ("NHD", "HND")
+         for hs in (64, 80)]
+
+
+@pytest.mark.parametrize("i", range(len(_GRID)))
+def test_feature_grid(i):
+    dtype, order, head_size = _GRID[i]
+    spec = CaseSpec(order=order, block_size=(1, 16, 32)[i % 3], num_kv_heads=(2, 1)[i % 2], group=(1, 4, 8)[i % 3],
+                    head_size=head_size, dtype=dtype, query_lens=(9, 1, 4, 1), context_lens=(0, 45, 20, 70),
+                    extra_blocks=i % 3, sliding_window=(None, 7, 30)[i % 3], softcap=(None, 12.5)[i % 2], seed=i)
+    check_against_reference(spec, "SYCL")
+
+
+@pytest.mark.parametrize("block_size,query_lens,context_lens", [(32, (5,), (20,)), (16, (3, 1), (0, 9)),
+                                                                (16, (1,), (31,))])
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_tiny_caches(order, block_size, query_lens, context_lens):
+    spec = CaseSpec(order=order, block_size=block_size, num_kv_heads=2, group=4, head_size=64, dtype=torch.float32,
+                    query_lens=query_lens, context_lens=context_lens)
+    case = build_case(spec)
+    assert case.layout.num_blocks <= 2          # num_blocks == 2 (and 1): no shape guessing anywhere
+    check_against_reference(spec, "SYCL")
+
+
+def test_long_prefill_many_tiles_and_chunks():
+    # query_len * group >> ROWS (several tiles per request), contexts >> KC (many key chunks)
+    spec = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=2, head_size=64, dtype=torch.float16,
+                    query_lens=(37, 1, 20), context_lens=(0, 150, 90), sliding_window=None, softcap=None)
+    check_against_reference(spec, "SYCL")
+    check_against_reference(CaseSpec(**{**spec.__dict__, "sliding_window": 33}), "SYCL")
+
+
+@pytest.mark.parametrize("group,num_kv_heads", [(3, 2), (32, 1), (24, 1)])
+def test_gqa_groups_larger_than_a_tile(group, num_kv_heads):
+    # a tile holds ROWS (token, head) rows: groups > ROWS split one token's heads over tiles
+    spec = CaseSpec(order="NHD", block_size=16, num_kv_heads=num_kv_heads, group=group, head_size=64,
+                    dtype=torch.float32, query_lens=(3, 1, 6), context_lens=(0, 25, 11), sliding_window=9,
+                    softcap=20.0)
+    check_against_reference(spec, "SYCL")
+
+
+def test_head_size_v_differs():
+    spec = CaseSpec(order="NHD", block_size=16, num_kv_heads=2, group=2, head_size=64, head_size_v=32,
+                    dtype=torch.bfloat16, query_lens=(4, 1), context_lens=(10, 40), sliding_window=17)
+    check_against_reference(spec, "SYCL")
+
+
+def test_padded_tokens_are_skipped_and_zero():
+    spec = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=torch.float32,
+                    query_lens=(5, 1), context_lens=(0, 30))
+    case = build_case(spec)
+    md, pad = case.metadata, 3
+    key = torch.cat([case.key, torch.randn(pad, *case.key.shape[1:])])
+    value = torch.cat([case.value, torch.randn(pad, *case.value.shape[1:])])
+    query = torch.cat([case.query, torch.randn(pad, *case.query.shape[1:])])
+    slots = torch.cat([md.slot_mapping, torch.full((pad,), -1, dtype=torch.int64)])
+    expected_cache = case.cache.clone()
+    reference.write_kv(case.key, case.value, expected_cache, case.layout, md.slot_mapping)
+    kvmulti.write_kv(key, value, case.cache, case.layout, slots, backend="SYCL")
+    assert torch.equal(case.cache, expected_cache)
+    out = kvmulti.paged_attention(query, case.cache, case.layout, md, backend="SYCL")
+    assert out.shape[0] == md.num_actual_tokens + pad
+    assert torch.count_nonzero(out[md.num_actual_tokens:]) == 0
+    assert_close_to_reference(out[: md.num_actual_tokens], reference.paged_attention(case.query, case.cache,
+                              case.layout, md)[: md.num_actual_tokens], spec.dtype)
+
+
+def test_strided_key_value_and_query_views():
+    # key/value/query as slices of one fused qkv tensor (non-contiguous rows)
+    spec = CaseSpec(order="NHD", block_size=16, num_kv_heads=2, group=2, head_size=64, dtype=torch.float16,
+                    query_lens=(6, 1), context_lens=(0, 19))
+    case = build_case(spec)
+    t, hq, hkv = case.query.shape[0], case.query.shape[1], 2
+    fused = torch.randn(t, hq + 2 * hkv, 64).to(torch.float16)
+    q, k, v = fused[:, :hq], fused[:, hq:hq + hkv], fused[:, hq + hkv:]
+    expected_cache = case.cache.clone()
+    reference.write_kv(k, v, expected_cache, case.layout, case.metadata.slot_mapping)
+    kvmulti.write_kv(k, v, case.cache, case.layout, case.metadata.slot_mapping, backend="SYCL")
+    assert torch.equal(case.cache, expected_cache)
+    out = kvmulti.paged_attention(q, case.cache, case.layout, case.metadata, backend="SYCL")
+    assert_close_to_reference(out, reference.paged_attention(q, case.cache, case.layout, case.metadata), spec.dtype)
+
+
+# ------------------------------------------------------------------------------------ split-KV
+@pytest.fixture
+def launches(monkeypatch):
+    """Names of the kernels launched while the test runs."""
+    seen: list[str] = []
+    orig = S.Session.launch
+
+    def record(self, bundle, kernel, *args, **kwargs):
+        seen.append(S.KERNEL_NAMES[kernel])
+        return orig(self, bundle, kernel, *args, **kwargs)
+
+    monkeypatch.setattr(S.Session, "launch", record)
+    return seen
+
+
+@pytest.mark.parametrize("dtype,window", [(torch.float32, None), (torch.bfloat16, 40), (torch.float16, None)])
+def test_split_kv_forced_matches_reference(monkeypatch, sycl_backend, launches, dtype, window):
+    monkeypatch.setattr(sycl_backend, "partition_size", 16)
+    spec = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=dtype,
+                    query_lens=(1, 1, 4, 9), context_lens=(150, 7, 60, 0), sliding_window=window, softcap=15.0)
+    check_against_reference(spec, "SYCL")
+    assert "kvm_paged_attention_split" in launches and "kvm_split_reduce" in launches
+    assert "kvm_paged_attention" not in launches
+
+
+def test_split_kv_auto_heuristic(monkeypatch, sycl_backend, launches):
+    """Long decode contexts with few work-groups take the split path by default; short ones don't."""
+    monkeypatch.setattr(sycl_backend, "partition_size", -1)
+    monkeypatch.setattr(S, "SPLIT_MIN_SPAN", 64)
+    monkeypatch.setattr(S, "DEFAULT_PARTITION_SIZE", 32)
+    spec = CaseSpec(order="NHD", block_size=32, num_kv_heads=1, group=8, head_size=64, dtype=torch.float32,
+                    query_lens=(1,), context_lens=(200,))
+    check_against_reference(spec, "SYCL")
+    assert "kvm_paged_attention_split" in launches
+    launches.clear()
+    check_against_reference(CaseSpec(**{**spec.__dict__, "context_lens": (20,)}), "SYCL")
+    assert launches == ["kvm_write_kv", "kvm_paged_attention"]
+
+
+def test_split_and_unsplit_agree(monkeypatch, sycl_backend):
+    spec = CaseSpec(order="NHD", block_size=16, num_kv_heads=2, group=2, head_size=80, dtype=torch.float32,
+                    query_lens=(1, 2, 1), context_lens=(300, 99, 64), sliding_window=120)
+    case = build_case(spec)
+    kvmulti.write_kv(case.key, case.value, case.cache, case.layout, case.metadata.slot_mapping, backend="SYCL")
+    outs = []
+    for part in (0, 32, 100):
+        monkeypatch.setattr(sycl_backend, "partition_size", part)
+        outs.append(kvmulti.paged_attention(case.query, case.cache, case.layout, case.metadata,
+                                            sliding_window=120, backend="SYCL"))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[2], outs[0], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ caches across backends
+@pytest.mark.parametrize("usm", [False, True], ids=["torch-cpu-cache", "usm-cache"])
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_cache_written_by_sycl_reads_the_same_via_cpu_and_back(order, usm):
+    spec = CaseSpec(order=order, block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=torch.bfloat16,
+                    query_lens=(7, 1, 3), context_lens=(0, 33, 12), sliding_window=25, softcap=8.0)
+    case = build_case(spec)
+    layout, md = case.layout, case.metadata
+    allocate = (lambda: layout.allocate("cpu", allocator=S.usm_allocator)) if usm else (lambda: layout.allocate("cpu"))
+    sycl_cache, cpu_cache = allocate(), layout.allocate("cpu")
+    sycl_cache.copy_(case.cache)
+    cpu_cache.copy_(case.cache)
+    if usm:
+        assert S.default_session().pointer_type(sycl_cache.data_ptr()) == S.USM_SHARED
+    ptr = sycl_cache.data_ptr()
+    kvmulti.write_kv(case.key, case.value, sycl_cache, layout, md.slot_mapping, backend="SYCL")
+    kvmulti.write_kv(case.key, case.value, cpu_cache, layout, md.slot_mapping, backend="CPU")
+    assert sycl_cache.data_ptr() == ptr and sycl_cache.stride() == cpu_cache.stride()
+    assert torch.equal(sycl_cache, cpu_cache)
+    kw = dict(sliding_window=25, softcap=8.0)
+    # SYCL-written cache read by CPU == CPU-written cache read by SYCL == CPU on CPU
+    cpu_reads_sycl = kvmulti.paged_attention(case.query, sycl_cache, layout, md, backend="CPU", **kw)
+    sycl_reads_cpu = kvmulti.paged_attention(case.query, cpu_cache, layout, md, backend="SYCL", **kw)
+    sycl_reads_sycl = kvmulti.paged_attention(case.query, sycl_cache, layout, md, backend="SYCL", **kw)
+    cpu_reads_cpu = kvmulti.paged_attention(case.query, cpu_cache, layout, md, backend="CPU", **kw)
+    assert torch.equal(cpu_reads_sycl, cpu_reads_cpu)
+    assert_close_to_reference(sycl_reads_cpu, cpu_reads_cpu, spec.dtype)
+    assert torch.equal(sycl_reads_cpu, sycl_reads_sycl)
+
+
+def test_usm_allocator_is_zero_copy_and_freed(monkeypatch):
+    freed = []
+    orig = S.Session.free
+    monkeypatch.setattr(S.Session, "free", lambda self, p: (freed.append(p), orig(self, p))[1])
+    layout = kvmulti.KVCacheLayout(num_blocks=3, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16,
+                                   order="HND")
+    cache = layout.allocate("cpu", allocator=S.usm_allocator)
+    layout.validate(cache)
+    base = cache.data_ptr()
+    assert S.default_session().pointer_type(base) == S.USM_SHARED
+    assert S.default_session().pointer_type(layout.values(cache).data_ptr()) == S.USM_SHARED
+    assert torch.count_nonzero(cache) == 0
+    keys = layout.keys(cache)
+    del cache
+    gc.collect()
+    assert freed == []                      # the view keeps the USM block alive
+    keys.fill_(1.5)
+    assert float(keys.float().sum()) == 1.5 * keys.numel()
+    del keys
+    gc.collect()
+    assert freed == [base]
+
+
+# ------------------------------------------------------------------------------------ compiler errors
+def test_broken_kernel_source_raises_with_compiler_log():
+    session = S.default_session()
+    broken = S.kernel_source().replace("const int nk = sycl::min(KC, k_hi - k0);",
+                                       "const int nk = sycl::min(KC, k_hi - kvm_no_such_identifier);")
+    assert broken != S.kernel_source()
+    opts = S.kernel_options(torch.float32, 64, 64, 32)
+    with pytest.raises(S.SyclBuildError) as info:
+        session.build(broken, opts)
+    message = str(info.value)
+    assert "kvm_no_such_identifier" in message and "error" in message
+    assert "undeclared identifier" in info.value.log
+
+
+def test_missing_build_option_is_a_compile_error():
+    with pytest.raises(S.SyclBuildError, match="KVM_DTYPE must be defined"):
+        S.default_session().build(S.kernel_source(), ["-DKVM_HEAD_SIZE=64"])
+
+
+# ------------------------------------------------------------------------------------ dispatch / environment
+def test_dispatch_on_cpu_host(monkeypatch):
+    backend = get_backend("SYCL")
+    assert backend.unavailable_reasons() == []
+    assert backend.platform_reasons("cpu") == []
+    assert backend.platform_reasons("xpu") == []
+    assert backend.platform_reasons("cuda")
+    assert available_backends("cpu")["SYCL"] == []
+    layout = kvmulti.KVCacheLayout(4, 16, 2, 64, dtype=torch.float16)
+    config = AttentionConfig.from_layout(layout, "cpu")
+    monkeypatch.delenv("KVMULTI_ATTENTION_BACKEND", raising=False)
+    assert select_backend(config) == "CPU"           # never picked on a CPU host unless named
+    assert select_backend(config, requested="sycl") == "SYCL"
+    monkeypatch.setenv("KVMULTI_ATTENTION_BACKEND", "SYCL")
+    assert select_backend(config) == "SYCL"
+    assert "opencl:cpu" in backend.describe() or "gpu" in backend.describe()
+
+
+def _run(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=240)
+
+
+def test_runtime_sets_ocl_icd_itself_and_no_device_selector():
+    env = {k: v for k, v in os.environ.items() if k not in ("OCL_ICD_FILENAMES", "ONEAPI_DEVICE_SELECTOR")}
+    code = ("import os, kvmulti.backends.sycl as s; r = s.runtime_reasons(); "
+            "print(repr(r)); print(os.environ.get('OCL_ICD_FILENAMES')); "
+            "print('ONEAPI_DEVICE_SELECTOR' in os.environ); print(len(s.list_devices()))")
+    res = _run(code, env)
+    assert res.returncode == 0, res.stderr
+    reasons, icd, selector, ndev = res.stdout.strip().splitlines()[-4:]
+    assert reasons == "[]"
+    root = S.find_runtime()[0]
+    if (root / "lib" / "libintelocl.so").exists():
+        assert icd == str(root / "lib" / "libintelocl.so")
+    assert selector == "False" and int(ndev) >= 1
+
+
+def test_import_without_runtime_reports_reasons():
+    env = {k: v for k, v in os.environ.items() if k not in ("KVMULTI_SYCL_ROOT", "CMPLR_ROOT")}
+    code = ("import sys; sys.prefix = '/nonexistent-prefix'\n"
+            "import kvmulti, kvmulti.backends.sycl as s\n"
+            "from kvmulti.backends import available_backends\n"
+            "print(available_backends('cpu')['SYCL']); print(s.SyclBackend().describe())")
+    res = _run(code, env)
+    assert res.returncode == 0, res.stderr
+    assert "SYCL runtime not found" in res.stdout and "kvmulti[sycl]" in res.stdout
