@@ -1,0 +1,385 @@
+// The paged-attention work-item kernel, written once with GCC/Clang vector extensions and compiled
+// once per ISA: kernels_avx512.cpp / kernels_avx2.cpp / kernels_generic.cpp include this file inside
+// their own namespace with KV_W (fp32 lanes: 16 / 8 / 4) defined and their target pragma in force.
+//
+// A work item = some query tokens of one request x all query heads of one KV head (GQA: one pass
+// over the KV head serves every query head reading it) x a range of key positions. Rows are
+// (token, query head) pairs; a block of up to kRowBlock rows is processed together. Keys are
+// walked in chunks of kChunk positions: block-table lookups happen only for positions inside the
+// item's range (entries outside a sliding window are never read), K/V rows are addressed through
+// the named strides (no repacking) and, for fp16/bf16, widened to fp32 in a small per-thread
+// scratch; the next chunk's rows are prefetched. Scores use fp32 FMAs; the 16 (or 8/4) per-key dot
+// product accumulators are reduced with a transposing shuffle tree, so one vector holds one score
+// per key. Online softmax (running max m, sum l) keeps O unnormalised; a work item either
+// normalises and writes `out` or, when the context is partitioned, leaves (O, m, l) for the
+// log-sum-exp merge in paged_attention.cpp.
+//
+// Requires before inclusion: <cstdint> <cstring> <cmath> <utility> <limits>, kvmulti_cpu.h,
+// <immintrin.h> on x86.
+
+#ifndef KV_W
+#error "define KV_W (fp32 lanes) before including attention_kernel.h"
+#endif
+
+typedef float vf __attribute__((vector_size(KV_W * 4)));
+typedef int32_t vi __attribute__((vector_size(KV_W * 4)));
+typedef uint32_t vu __attribute__((vector_size(KV_W * 4)));
+typedef uint16_t vh __attribute__((vector_size(KV_W * 2)));
+
+static inline vf vload(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline vf vsplat(float x) { return vf{} + x; }
+static inline vi visplat(int x) { return vi{} + x; }
+
+template <int... I> static inline vi iota_impl(std::integer_sequence<int, I...>) { return vi{I...}; }
+static inline vi viota() { return iota_impl(std::make_integer_sequence<int, KV_W>{}); }
+
+// ---- loads with widening to fp32 -----------------------------------------------------------------
+template <int DT> struct Elem { using T = uint16_t; };
+template <> struct Elem<kF32> { using T = float; };
+
+static inline vf load_bf16(const uint16_t* p) {
+  vh h;
+  __builtin_memcpy(&h, p, sizeof h);
+  vu u = __builtin_convertvector(h, vu) << 16;
+  return (vf)u;
+}
+#if KV_W == 16
+static inline vf load_f16(const uint16_t* p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+#elif KV_W == 8
+static inline vf load_f16(const uint16_t* p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#else
+static inline vf load_f16(const uint16_t* p) {
+  vf v;
+  for (int i = 0; i < KV_W; ++i) v[i] = f16_to_f32(p[i]);
+  return v;
+}
+#endif
+
+template <int DT> static inline vf load_vec(const typename Elem<DT>::T* p) {
+  if constexpr (DT == kF32) return vload(p);
+  else if constexpr (DT == kBF16) return load_bf16(p);
+  else return load_f16(p);
+}
+template <int DT> static inline float load_one(const typename Elem<DT>::T* p) {
+  if constexpr (DT == kF32) return *p;
+  else if constexpr (DT == kBF16) return bf16_to_f32(*p);
+  else return f16_to_f32(*p);
+}
+template <int DT> static inline void store_one(typename Elem<DT>::T* p, float v) {
+  if constexpr (DT == kF32) *p = v;
+  else if constexpr (DT == kBF16) *p = f32_to_bf16(v);
+  else *p = f32_to_f16(v);
+}
+// dst[0:n] = fp32(src[0:n]); dst's padding (up to a lane multiple) is left as it is (zeroed once).
+template <int DT> static inline void convert_row(const typename Elem<DT>::T* src, int n, float* dst) {
+  int d = 0;
+  for (; d + KV_W <= n; d += KV_W) vstore(dst + d, load_vec<DT>(src + d));
+  for (; d < n; ++d) dst[d] = load_one<DT>(src + d);
+}
+
+// ---- math -------------------------------------------------------------------------------------
+// exp for x <= 88 (Cephes polynomial, ~1 ulp); x is clamped below at -87.3 (callers zero masked lanes).
+static inline vf vexp(vf x) {
+  const vf lo = vsplat(-87.3365447504f), hi = vsplat(88.0f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf magic = vsplat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf t = x * 1.44269504088896341f + magic;
+  vf fx = t - magic;
+  vi n = (vi)t - (vi)magic;
+  vf r = x - fx * 0.693359375f;
+  r = r - fx * -2.12194440e-4f;
+  vf y = vsplat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  return (vf)((vi)y + (n << 23));
+}
+static inline vf vtanh(vf x) {
+  const vf zero = vsplat(0.0f);
+  vf ax = x < zero ? -x : x;
+  vf e = vexp(ax * 2.0f);
+  vf t = 1.0f - 2.0f / (e + 1.0f);
+  return x < zero ? -t : t;
+}
+static inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < KV_W; ++i) m = m > v[i] ? m : v[i];
+  return m;
+}
+static inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < KV_W; ++i) s += v[i];
+  return s;
+}
+static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// ---- transposing reduction: out[j] = sum(acc[j]) for j < KV_W --------------------------------------
+// Level H folds each 2H-lane segment of x into its low half and of y into its high half. After
+// log2(W) levels lane L holds the sum of input bitrev(L), so inputs are fed bit-reversed.
+static constexpr int lane_src(int h, int which, int i) {
+  int seg = i / (2 * h), off = i % (2 * h), base = seg * 2 * h;
+  return off < h ? base + off + (which ? h : 0) : KV_W + base + off - h + (which ? h : 0);
+}
+template <int H, int... I> static inline vf fold(vf x, vf y, std::integer_sequence<int, I...>) {
+  return __builtin_shuffle(x, y, vi{lane_src(H, 0, I)...}) + __builtin_shuffle(x, y, vi{lane_src(H, 1, I)...});
+}
+template <int H> static inline void level(vf* a, int n) {
+  for (int i = 0; i < n / 2; ++i) a[i] = fold<H>(a[2 * i], a[2 * i + 1], std::make_integer_sequence<int, KV_W>{});
+}
+static constexpr int bitrev(int x) {
+  int r = 0;
+  for (int b = 1; b < KV_W; b <<= 1, x >>= 1) r = (r << 1) | (x & 1);
+  return r;
+}
+static inline vf treduce(const vf* acc) {
+  vf a[KV_W];
+#pragma GCC unroll 16
+  for (int k = 0; k < KV_W; ++k) a[k] = acc[bitrev(k)];
+#if KV_W == 16
+  level<8>(a, 16);
+  level<4>(a, 8);
+  level<2>(a, 4);
+  level<1>(a, 2);
+#elif KV_W == 8
+  level<4>(a, 8);
+  level<2>(a, 4);
+  level<1>(a, 2);
+#elif KV_W == 4
+  level<2>(a, 4);
+  level<1>(a, 2);
+#else
+#error "KV_W must be 4, 8 or 16"
+#endif
+  return a[0];
+}
+
+// ---- one row block over one chunk -----------------------------------------------------------------
+struct ChunkCtx {
+  const float* const* kp;   // [kChunk] fp32 K rows (padded), zero rows past n
+  const float* const* vp;   // [kChunk] fp32 V rows
+  int c0, n, ng;            // first key position, valid keys, lane groups
+  int nvd, nvv, dvp;        // vectors per K / V row, padded V row length
+  bool need_mask, causal;
+  int window;
+  float softcap;
+  float* S;                 // [kRowBlock][kChunk] scores, then probabilities
+};
+
+template <int R, int NB>
+static inline void pv_block(float* O, int dvp, int dvb, const ChunkCtx& c, const float* alpha) {
+  vf acc[R][NB];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) acc[r][b] = vload(O + r * dvp + (dvb + b) * KV_W) * alpha[r];
+  for (int j = 0; j < c.n; ++j) {
+    vf v[NB];
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) v[b] = vload(c.vp[j] + (dvb + b) * KV_W);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      vf p = vsplat(c.S[r * kChunk + j]);
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) acc[r][b] += p * v[b];
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) vstore(O + r * dvp + (dvb + b) * KV_W, acc[r][b]);
+}
+
+// Q: R rows (stride dp, pre-scaled); O: R rows (stride dvp); m/l: running max / sum; pos: row positions.
+template <int R>
+static void row_block(const float* Q, int dp, float* O, float* m, float* l, const int* pos, const ChunkCtx& c) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const vi lane = viota();
+  for (int r = 0; r < R; ++r) {
+    const float* q = Q + r * dp;
+    for (int g = 0; g < c.ng; ++g) {
+      vf acc[KV_W];
+      const float* const* kp = c.kp + g * KV_W;
+#pragma GCC unroll 16
+      for (int j = 0; j < KV_W; ++j) acc[j] = vsplat(0.0f);
+      for (int d = 0; d < c.nvd; ++d) {
+        vf qv = vload(q + d * KV_W);
+#pragma GCC unroll 16
+        for (int j = 0; j < KV_W; ++j) acc[j] += qv * vload(kp[j] + d * KV_W);
+      }
+      vf s = treduce(acc);
+      if (c.softcap > 0.0f) s = c.softcap * vtanh(s * (1.0f / c.softcap));
+      if (c.need_mask) {
+        vi idx = lane + g * KV_W;
+        vi kpos = idx + c.c0;
+        vi valid = idx < c.n;
+        if (c.causal) valid &= kpos <= pos[r];
+        if (c.window > 0) valid &= (pos[r] - kpos) < c.window;
+        s = valid ? s : vsplat(ninf);
+      }
+      vstore(c.S + r * kChunk + g * KV_W, s);
+    }
+  }
+  float alpha[R];
+  for (int r = 0; r < R; ++r) {
+    float* s = c.S + r * kChunk;
+    vf mx = vsplat(ninf);
+    for (int g = 0; g < c.ng; ++g) mx = vmax(mx, vload(s + g * KV_W));
+    float mc = hmax(mx);
+    float m_new = m[r] > mc ? m[r] : mc;
+    if (m_new == ninf) {  // nothing visible yet for this row
+      alpha[r] = 1.0f;
+      for (int g = 0; g < c.ng; ++g) vstore(s + g * KV_W, vsplat(0.0f));
+      continue;
+    }
+    alpha[r] = m[r] == ninf ? 0.0f : std::exp(m[r] - m_new);
+    vf sum = vsplat(0.0f);
+    for (int g = 0; g < c.ng; ++g) {
+      vf x = vload(s + g * KV_W);
+      vf p = vexp(x - m_new);
+      p = x == vsplat(ninf) ? vsplat(0.0f) : p;
+      vstore(s + g * KV_W, p);
+      sum += p;
+    }
+    l[r] = l[r] * alpha[r] + hsum(sum);
+    m[r] = m_new;
+  }
+  int dvb = 0;
+  for (; dvb + 4 <= c.nvv; dvb += 4) pv_block<R, 4>(O, c.dvp, dvb, c, alpha);
+  switch (c.nvv - dvb) {
+    case 3: pv_block<R, 3>(O, c.dvp, dvb, c, alpha); break;
+    case 2: pv_block<R, 2>(O, c.dvp, dvb, c, alpha); break;
+    case 1: pv_block<R, 1>(O, c.dvp, dvb, c, alpha); break;
+    default: break;
+  }
+}
+
+// ---- the work item ------------------------------------------------------------------------------
+template <int DT>
+static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
+  using T = typename Elem<DT>::T;
+  const int D = P.head_size, Dv = P.head_size_v, G = P.num_q_heads / P.num_kv_heads, bs = P.block_size;
+  const int dp = int(round_up(D, KV_W)), dvp = int(round_up(Dv, KV_W));
+  const int M = it.num_tokens * G;
+  const float ninf = -std::numeric_limits<float>::infinity();
+
+  float* Qs = ws;
+  float* Os = Qs + int64_t(M) * dp;
+  float* mrow = Os + int64_t(M) * dvp;
+  float* lrow = mrow + M;
+  float* Kc = lrow + M;
+  float* Vc = Kc + kChunk * dp;
+  float* zero = Vc + kChunk * dvp;
+  float* S = zero + (dp > dvp ? dp : dvp);
+
+  const bool direct_k = DT == kF32 && D == dp, direct_v = DT == kF32 && Dv == dvp;
+  std::memset(zero, 0, sizeof(float) * (dp > dvp ? dp : dvp));
+  if (!direct_k && D != dp) std::memset(Kc, 0, sizeof(float) * kChunk * dp);
+  if (!direct_v && Dv != dvp) std::memset(Vc, 0, sizeof(float) * kChunk * dvp);
+
+  // Queries, widened, pre-scaled, padded with zeros.
+  const T* query = static_cast<const T*>(P.query);
+  for (int r = 0; r < M; ++r) {
+    int t = r / G, h = it.kv_head * G + r % G;
+    float* q = Qs + int64_t(r) * dp;
+    std::memset(q, 0, sizeof(float) * dp);
+    convert_row<DT>(query + int64_t(it.q_row0 + t) * P.q_stride_token + int64_t(h) * P.q_stride_head, D, q);
+    for (int d = 0; d < dp; d += KV_W) vstore(q + d, vload(q + d) * P.scale);
+    mrow[r] = ninf;
+    lrow[r] = 0.0f;
+  }
+  std::memset(Os, 0, sizeof(float) * int64_t(M) * dvp);
+
+  const T* cache = static_cast<const T*>(P.cache);
+  const int64_t head_off = int64_t(it.kv_head) * P.s_head;
+  const int32_t* table = P.block_table + int64_t(it.req) * P.bt_stride;
+  const int row_bytes = int((D + Dv) * sizeof(T));
+
+  // Row pointers of keys [c0, c0 + n): the block table is read only for these positions.
+  auto rows_of = [&](int c0, int n, const T** dst) {
+    int bi = c0 / bs, off = c0 % bs;
+    const T* base = cache + int64_t(table[bi]) * P.s_block + head_off;
+    for (int j = 0; j < n; ++j) {
+      dst[j] = base + int64_t(off) * P.s_token;
+      if (++off == bs && j + 1 < n) {
+        off = 0;
+        base = cache + int64_t(table[++bi]) * P.s_block + head_off;
+      }
+    }
+  };
+
+  const T* raw_a[kChunk];
+  const T* raw_b[kChunk];
+  const T** raw = raw_a;
+  const T** next = raw_b;
+  const float* kp[kChunk];
+  const float* vp[kChunk];
+  int pos[kRowBlock];
+
+  int c0 = it.k_lo;
+  if (c0 < it.k_hi) rows_of(c0, std::min(kChunk, it.k_hi - c0), raw);
+  for (; c0 < it.k_hi; c0 += kChunk) {
+    const int n = std::min(kChunk, it.k_hi - c0);
+    const int c1 = c0 + kChunk;
+    if (c1 < it.k_hi) {  // prefetch the next chunk's K/V rows
+      const int nn = std::min(kChunk, it.k_hi - c1);
+      rows_of(c1, nn, next);
+      for (int j = 0; j < nn; ++j)
+        for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(next[j]) + b);
+    }
+    for (int j = 0; j < n; ++j) {
+      if (direct_k) kp[j] = reinterpret_cast<const float*>(raw[j]);
+      else { convert_row<DT>(raw[j], D, Kc + j * dp); kp[j] = Kc + j * dp; }
+      if (direct_v) vp[j] = reinterpret_cast<const float*>(raw[j] + D);
+      else { convert_row<DT>(raw[j] + D, Dv, Vc + j * dvp); vp[j] = Vc + j * dvp; }
+    }
+    const int ng = (n + KV_W - 1) / KV_W;
+    for (int j = n; j < ng * KV_W; ++j) kp[j] = vp[j] = zero;
+
+    ChunkCtx c{kp, vp, c0, n, ng, dp / KV_W, dvp / KV_W, dvp, false, P.causal, P.window, P.softcap, S};
+    for (int m0 = 0; m0 < M; m0 += kRowBlock) {
+      const int R = std::min(kRowBlock, M - m0);
+      const int p_lo = it.pos0 + m0 / G, p_hi = it.pos0 + (m0 + R - 1) / G;
+      if (P.causal && c0 > p_hi) continue;                                // chunk after every row
+      if (P.window > 0 && p_lo - (c0 + n - 1) >= P.window) continue;      // chunk left every window
+      c.need_mask = n % KV_W != 0 || (P.causal && c0 + n - 1 > p_lo) || (P.window > 0 && p_hi - c0 >= P.window);
+      for (int r = 0; r < R; ++r) pos[r] = it.pos0 + (m0 + r) / G;
+      const float* Q = Qs + int64_t(m0) * dp;
+      float* O = Os + int64_t(m0) * dvp;
+      switch (R) {
+        case 4: row_block<4>(Q, dp, O, mrow + m0, lrow + m0, pos, c); break;
+        case 3: row_block<3>(Q, dp, O, mrow + m0, lrow + m0, pos, c); break;
+        case 2: row_block<2>(Q, dp, O, mrow + m0, lrow + m0, pos, c); break;
+        default: row_block<1>(Q, dp, O, mrow + m0, lrow + m0, pos, c); break;
+      }
+    }
+    std::swap(raw, next);
+  }
+
+  if (it.partial == nullptr) {
+    T* out = static_cast<T*>(P.out);
+    for (int r = 0; r < M; ++r) {
+      int t = r / G, h = it.kv_head * G + r % G;
+      T* dst = out + int64_t(it.q_row0 + t) * P.o_stride_token + int64_t(h) * P.o_stride_head;
+      const float* o = Os + int64_t(r) * dvp;
+      const float inv = lrow[r] > 0.0f ? 1.0f / lrow[r] : 0.0f;
+      for (int d = 0; d < Dv; ++d) store_one<DT>(dst + d, o[d] * inv);
+    }
+  } else {
+    std::memcpy(it.partial, Os, sizeof(float) * int64_t(M) * dvp);
+    std::memcpy(it.partial + int64_t(M) * dvp, mrow, sizeof(float) * M);
+    std::memcpy(it.partial + int64_t(M) * dvp + M, lrow, sizeof(float) * M);
+  }
+}
+
+static void run_item(const AttnParams& P, const WorkItem& it, float* ws) {
+  switch (P.dtype) {
+    case kF32: run_item_t<kF32>(P, it, ws); break;
+    case kF16: run_item_t<kF16>(P, it, ws); break;
+    default: run_item_t<kBF16>(P, it, ws); break;
+  }
+}

@@ -1,0 +1,300 @@
+// kvmulti native CPU paged attention: torch binding, work planning, OpenMP scheduling, the
+// log-sum-exp merge of context partitions, write_kv, and run-time ISA dispatch.
+//
+// The cache is the canonical kvmulti layout, read in place through the NAMED strides passed from
+// Python (block, token, head; content contiguous, K then V) -- never repacked or copied.
+// Work: for each request, its query tokens are cut into tiles (decode: one token; verification /
+// prefill: up to ~64 rows = tokens x query heads per KV head), each tile x KV head is a work item
+// over the key positions it can see; a long key range is split into partitions that run as
+// separate items (so few long decodes still use every thread) and are merged with a log-sum-exp
+// reduction. Items run largest first under dynamic OpenMP scheduling.
+#include <torch/extension.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kvmulti_cpu.h"
+
+namespace kvmulti_cpu {
+namespace {
+
+enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+
+bool cpu_has(Isa isa) {
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (isa == kAvx512)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == kAvx2)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+  return isa == kGeneric;
+}
+
+RunItemFn kernel_of(Isa isa) {
+  switch (isa) {
+    case kAvx512: return run_item_avx512();
+    case kAvx2: return run_item_avx2();
+    default: return run_item_generic();
+  }
+}
+int lanes_of(Isa isa) {
+  switch (isa) {
+    case kAvx512: return lanes_avx512();
+    case kAvx2: return lanes_avx2();
+    default: return lanes_generic();
+  }
+}
+const char* isa_name(int isa) { return isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2" : "generic"; }
+
+bool usable(Isa isa) { return kernel_of(isa) != nullptr && cpu_has(isa); }
+
+Isa best_isa() {
+  for (Isa isa : {kAvx512, kAvx2})
+    if (usable(isa)) return isa;
+  return kGeneric;
+}
+
+int dtype_code(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return kF32;
+    case torch::kFloat16: return kF16;
+    case torch::kBFloat16: return kBF16;
+    default: TORCH_CHECK(false, "kvmulti native CPU attention: unsupported dtype ", t.scalar_type());
+  }
+  return kF32;
+}
+
+}  // namespace
+
+// isa: -1 = best available, else 0 generic / 1 avx2 / 2 avx512 (must be usable).
+// partition_len: 0 = automatic, else keys per context partition.
+void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, torch::Tensor& out,
+                     const torch::Tensor& block_table, const torch::Tensor& query_start_loc_cpu,
+                     const torch::Tensor& seq_lens_cpu, int64_t s_block, int64_t s_token, int64_t s_head,
+                     int64_t head_size, int64_t head_size_v, int64_t num_kv_heads, int64_t block_size,
+                     double scale, int64_t window, double softcap, bool causal, int64_t partition_len,
+                     int64_t isa_req) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out need a contiguous last dimension");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1, "block_table int32, rows contiguous");
+  TORCH_CHECK(query_start_loc_cpu.scalar_type() == torch::kInt32 && seq_lens_cpu.scalar_type() == torch::kInt32, "int32 lens");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(), "dtype mismatch");
+  const Isa isa = isa_req < 0 ? best_isa() : Isa(isa_req);
+  TORCH_CHECK(usable(isa), "ISA ", isa_name(isa), " is not available here");
+  const RunItemFn run = kernel_of(isa);
+  const int lanes = lanes_of(isa);
+
+  AttnParams P;
+  P.query = query.data_ptr();
+  P.q_stride_token = query.stride(0);
+  P.q_stride_head = query.stride(1);
+  P.cache = kv_cache.data_ptr();
+  P.s_block = s_block;
+  P.s_token = s_token;
+  P.s_head = s_head;
+  P.out = out.data_ptr();
+  P.o_stride_token = out.stride(0);
+  P.o_stride_head = out.stride(1);
+  P.block_table = block_table.data_ptr<int32_t>();
+  P.bt_stride = block_table.stride(0);
+  P.head_size = int(head_size);
+  P.head_size_v = int(head_size_v);
+  P.num_q_heads = int(query.size(1));
+  P.num_kv_heads = int(num_kv_heads);
+  P.block_size = int(block_size);
+  P.dtype = dtype_code(query);
+  P.scale = float(scale);
+  P.window = window > 0 ? int(window) : 0;
+  P.softcap = softcap > 0 ? float(softcap) : 0.0f;
+  P.causal = causal;
+
+  const int G = P.num_q_heads / P.num_kv_heads;
+  const int tile_tokens = std::max(1, 64 / G);
+  const int num_reqs = int(seq_lens_cpu.size(0));
+  const int32_t* qsl = query_start_loc_cpu.data_ptr<int32_t>();
+  const int32_t* seq = seq_lens_cpu.data_ptr<int32_t>();
+  const int nthreads = std::max(1, omp_get_max_threads());
+
+  struct Tile { int req, q_row0, ntok, pos0, lo, hi; };
+  std::vector<Tile> tiles;
+  int64_t total_keys = 0;
+  for (int r = 0; r < num_reqs; ++r) {
+    const int qlen = qsl[r + 1] - qsl[r];
+    if (qlen <= 0) continue;
+    const int first = seq[r] - qlen;
+    for (int t0 = 0; t0 < qlen; t0 += tile_tokens) {
+      const int nt = std::min(tile_tokens, qlen - t0);
+      const int p0 = first + t0, p1 = p0 + nt - 1;
+      const int lo = P.window > 0 ? std::max(0, p0 - P.window + 1) : 0;
+      const int hi = causal ? p1 + 1 : seq[r];
+      tiles.push_back({r, qsl[r] + t0, nt, p0, lo, hi});
+      total_keys += int64_t(hi - lo) * P.num_kv_heads;
+    }
+  }
+  if (tiles.empty()) return;
+
+  int64_t part = partition_len;
+  if (part <= 0) {  // aim for >= 8 items per thread, partitions of at least 512 keys
+    part = std::max<int64_t>(512, (total_keys + 8 * nthreads - 1) / (8 * nthreads));
+  }
+  part = round_up(part, kChunk);
+
+  const int dvp = int(round_up(P.head_size_v, lanes));
+  std::vector<WorkItem> items;
+  struct Merge { int tile, kv_head, first_item, nparts; };
+  std::vector<Merge> merges;
+  std::vector<int64_t> part_offsets;  // per item: offset into partial buffer or -1
+  int64_t partial_floats = 0;
+  int max_rows = 0;
+  for (int ti = 0; ti < int(tiles.size()); ++ti) {
+    const Tile& t = tiles[ti];
+    const int rows = t.ntok * G;
+    max_rows = std::max(max_rows, rows);
+    const int span = t.hi - t.lo;
+    const int nparts = int((span + part - 1) / part);
+    for (int h = 0; h < P.num_kv_heads; ++h) {
+      if (nparts > 1) merges.push_back({ti, h, int(items.size()), nparts});
+      for (int p = 0; p < nparts; ++p) {
+        WorkItem it{t.req, h, t.q_row0, t.ntok, t.pos0, int(t.lo + p * part), int(std::min<int64_t>(t.hi, t.lo + (p + 1) * part)), nullptr};
+        items.push_back(it);
+        if (nparts > 1) {
+          part_offsets.push_back(partial_floats);
+          partial_floats += int64_t(rows) * (dvp + 2);
+        } else {
+          part_offsets.push_back(-1);
+        }
+      }
+    }
+  }
+  std::vector<float> partial(static_cast<size_t>(std::max<int64_t>(partial_floats, 1)));
+  for (size_t i = 0; i < items.size(); ++i)
+    if (part_offsets[i] >= 0) items[i].partial = partial.data() + part_offsets[i];
+
+  // Largest first, so dynamic scheduling balances.
+  std::vector<int> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = int(i);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return int64_t(items[a].num_tokens) * (items[a].k_hi - items[a].k_lo) >
+           int64_t(items[b].num_tokens) * (items[b].k_hi - items[b].k_lo);
+  });
+
+  const int64_t ws_floats = workspace_floats(max_rows, P.head_size, P.head_size_v, lanes);
+  const int n_items = int(items.size());
+  const int team = std::min(nthreads, n_items);
+  if (team <= 1) {
+    std::vector<float> ws(static_cast<size_t>(ws_floats) + 16);
+    for (int i = 0; i < n_items; ++i) run(P, items[order[i]], ws.data());
+  } else {
+#pragma omp parallel
+    {
+      std::vector<float> ws(static_cast<size_t>(ws_floats) + 16);
+#pragma omp for schedule(dynamic, 1)
+      for (int i = 0; i < n_items; ++i) run(P, items[order[i]], ws.data());
+    }
+  }
+
+  if (merges.empty()) return;
+  // Log-sum-exp merge of the partitions of each (tile, KV head).
+  const int Dv = P.head_size_v;
+  auto merge_one = [&](const Merge& mg) {
+    const Tile& t = tiles[mg.tile];
+    const int rows = t.ntok * G;
+    std::vector<float> acc(static_cast<size_t>(Dv));
+    for (int r = 0; r < rows; ++r) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int p = 0; p < mg.nparts; ++p) {
+        const float* base = items[mg.first_item + p].partial;
+        mx = std::max(mx, base[int64_t(rows) * dvp + r]);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      float lsum = 0.0f;
+      if (mx != -std::numeric_limits<float>::infinity()) {
+        for (int p = 0; p < mg.nparts; ++p) {
+          const float* base = items[mg.first_item + p].partial;
+          const float m = base[int64_t(rows) * dvp + r], l = base[int64_t(rows) * dvp + rows + r];
+          if (m == -std::numeric_limits<float>::infinity()) continue;
+          const float w = std::exp(m - mx);
+          lsum += l * w;
+          const float* o = base + int64_t(r) * dvp;
+          for (int d = 0; d < Dv; ++d) acc[d] += o[d] * w;
+        }
+      }
+      const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+      const int tok = r / G, h = mg.kv_head * G + r % G;
+      const int64_t off = int64_t(t.q_row0 + tok) * P.o_stride_token + int64_t(h) * P.o_stride_head;
+      if (P.dtype == kF32) {
+        float* dst = static_cast<float*>(P.out) + off;
+        for (int d = 0; d < Dv; ++d) dst[d] = acc[d] * inv;
+      } else {
+        uint16_t* dst = static_cast<uint16_t*>(P.out) + off;
+        for (int d = 0; d < Dv; ++d) dst[d] = P.dtype == kBF16 ? f32_to_bf16(acc[d] * inv) : f32_to_f16(acc[d] * inv);
+      }
+    }
+  };
+  const int n_merges = int(merges.size());
+  if (std::min(nthreads, n_merges) <= 1) {
+    for (const Merge& mg : merges) merge_one(mg);
+  } else {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int i = 0; i < n_merges; ++i) merge_one(merges[i]);
+  }
+}
+
+// Write token t's K (and V) rows to slot slot_mapping[t] through the named strides; -1 skips.
+void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
+              const torch::Tensor& slot_mapping, int64_t s_block, int64_t s_token, int64_t s_head,
+              int64_t head_size, int64_t head_size_v, int64_t block_size) {
+  TORCH_CHECK(key.stride(2) == 1 && (head_size_v == 0 || value.stride(2) == 1), "key/value need a contiguous last dim");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping int64");
+  const int64_t T = slot_mapping.size(0), H = key.size(1);
+  const int64_t es = kv_cache.element_size();
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = head_size_v ? static_cast<const char*>(value.data_ptr()) : nullptr;
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1);
+  const int64_t vs0 = head_size_v ? value.stride(0) : 0, vs1 = head_size_v ? value.stride(1) : 0;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  auto one = [&](int64_t t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) return;
+    const int64_t blk = slot / block_size, off = slot % block_size;
+    for (int64_t h = 0; h < H; ++h) {
+      char* dst = cache + (blk * s_block + off * s_token + h * s_head) * es;
+      std::memcpy(dst, k + (t * ks0 + h * ks1) * es, size_t(head_size * es));
+      if (v) std::memcpy(dst + head_size * es, v + (t * vs0 + h * vs1) * es, size_t(head_size_v * es));
+    }
+  };
+  if (T * H * (head_size + head_size_v) * es < (1 << 20) || omp_get_max_threads() <= 1) {
+    for (int64_t t = 0; t < T; ++t) one(t);
+  } else {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; ++t) one(t);
+  }
+}
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> out;
+  for (Isa isa : {kAvx512, kAvx2, kGeneric})
+    if (usable(isa)) out.push_back(isa_name(isa));
+  return out;
+}
+
+}  // namespace kvmulti_cpu
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kvmulti native CPU paged attention";
+  m.def("paged_attention", &kvmulti_cpu::paged_attention, "paged attention over the canonical layout");
+  m.def("write_kv", &kvmulti_cpu::write_kv, "write K/V rows to their slots (-1 skips)");
+  m.def("available_isas", &kvmulti_cpu::available_isas, "usable kernels here, best first");
+  m.def("best_isa", []() { return std::string(kvmulti_cpu::isa_name(kvmulti_cpu::best_isa())); });
+  m.def("num_threads", []() { return omp_get_max_threads(); });
+}

@@ -1,0 +1,202 @@
+"""The native CPU kernel (cpu/*.cpp) against the oracle, and the torch fallback beside it.
+
+The native path must really be taken: under CI=true a failed build FAILS these tests (it is not a
+skip); elsewhere they skip with the build's reason.
+"""
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+import kvmulti
+from kvmulti import cpu_native, reference
+from kvmulti.backends import cpu as cpu_backend
+from kvmulti.backends.registry import get_backend
+
+from batches import CaseSpec, batch_cases, build_case, check_against_reference, assert_close_to_reference
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.fixture(scope="module")
+def native():
+    if cpu_native.disabled_reason():
+        pytest.skip(cpu_native.disabled_reason())
+    module, reason = cpu_native.status()
+    if module is None:
+        if IN_CI:
+            pytest.fail(f"the native CPU kernel must build in CI: {reason}")
+        pytest.skip(f"native CPU kernel not built here: {reason}")
+    return module
+
+
+@contextlib.contextmanager
+def patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+@contextlib.contextmanager
+def env(name, value):
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+@contextlib.contextmanager
+def native_path():
+    """Count native calls inside the block, so each check proves the native path ran."""
+    calls = {"attention": 0, "write": 0}
+    real_attn, real_write = cpu_backend.paged_attention_native, cpu_backend.write_kv_native
+
+    def attn(*args, **kwargs):
+        calls["attention"] += 1
+        return real_attn(*args, **kwargs)
+
+    def write(*args, **kwargs):
+        calls["write"] += 1
+        return real_write(*args, **kwargs)
+
+    with patched(cpu_backend, "paged_attention_native", attn), patched(cpu_backend, "write_kv_native", write):
+        yield calls
+    assert calls["attention"] > 0 and calls["write"] > 0, f"native path not taken: {calls}"
+
+
+def check_native(spec):
+    with native_path():
+        check_against_reference(spec, "CPU")
+
+
+def test_native_builds_and_describes(native):
+    assert native.best_isa() in native.available_isas()
+    assert get_backend("CPU").describe().startswith("cpu: native (")
+
+
+@settings(max_examples=60)
+@given(batch_cases(block_sizes=(1, 16, 32, 128), head_sizes=(16, 64, 80)))
+def test_native_matches_reference(native, spec):
+    check_native(spec)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+@settings(max_examples=12)
+@given(spec=batch_cases(block_sizes=(1, 16, 128), head_sizes=(16, 80)))
+def test_other_isa_variants_match_reference(native, isa, spec):
+    if isa not in native.available_isas():
+        pytest.skip(f"{isa} not supported on this CPU")
+    with env(cpu_native.ENV_ISA, isa):
+        check_native(spec)
+
+
+@settings(max_examples=20)
+@given(batch_cases(block_sizes=(1, 16, 32), max_context=400, max_query=40))
+def test_forced_partitions_match_reference(native, spec):
+    with patched(cpu_backend, "NATIVE_PARTITION_LEN", 64):   # split every span > 64 keys
+        check_native(spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_long_context_uses_partitions(native, order, dtype):
+    # Automatic partitioning splits contexts longer than 512 keys on any thread count.
+    spec = CaseSpec(order=order, block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=dtype,
+                    query_lens=(1, 3, 1), context_lens=(3000, 2100, 700), sliding_window=None, softcap=None)
+    check_native(spec)
+    spec = CaseSpec(order=order, block_size=32, num_kv_heads=1, group=8, head_size=64, dtype=dtype,
+                    query_lens=(1, 1), context_lens=(2500, 900), sliding_window=1500, softcap=20.0)
+    check_native(spec)
+
+
+@pytest.mark.parametrize("block_size,layout_blocks", [(32, 1), (16, 2)])
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_tiny_caches(native, order, block_size, layout_blocks):
+    spec = CaseSpec(order=order, block_size=block_size, num_kv_heads=2, group=4, head_size=64, dtype=torch.float32,
+                    query_lens=(5,) if layout_blocks == 1 else (3, 1),
+                    context_lens=(20,) if layout_blocks == 1 else (0, 9))
+    assert build_case(spec).layout.num_blocks == layout_blocks
+    check_native(spec)
+
+
+def test_head_size_v_differs(native):
+    for dtype in (torch.float32, torch.bfloat16):
+        spec = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=2, head_size=64, head_size_v=32,
+                        dtype=dtype, query_lens=(4, 1), context_lens=(10, 40), sliding_window=7)
+        check_native(spec)
+
+
+def test_non_causal(native):
+    spec = CaseSpec(order="NHD", block_size=16, num_kv_heads=2, group=2, head_size=64, dtype=torch.float32,
+                    query_lens=(6, 3), context_lens=(0, 30), sliding_window=None)
+    case = build_case(spec)
+    with native_path():
+        kvmulti.write_kv(case.key, case.value, case.cache, case.layout, case.metadata.slot_mapping, backend="CPU")
+        case.metadata.causal = False
+        actual = kvmulti.paged_attention(case.query, case.cache, case.layout, case.metadata, backend="CPU")
+    expected = reference.paged_attention(case.query, case.cache, case.layout, case.metadata)
+    assert_close_to_reference(actual, expected, spec.dtype, "non-causal")
+
+
+def test_write_kv_strided_inputs_and_padding(native):
+    layout = kvmulti.KVCacheLayout(num_blocks=4, block_size=16, num_kv_heads=2, head_size=32, dtype=torch.bfloat16,
+                                   order="HND")
+    cache = layout.allocate()
+    ref_cache = cache.clone()
+    qkv = torch.randn(5, 6, 32).to(torch.bfloat16)                 # fused [q(2) | k(2) | v(2)] heads
+    key, value = qkv[:, 2:4], qkv[:, 4:6]                           # non-contiguous views
+    slots = torch.tensor([3, -1, 17, 63, -1])
+    md = kvmulti.CommonAttentionMetadata.from_lens([1], [4], torch.tensor([[0]], dtype=torch.int32), 16)
+    q = torch.randn(1, 4, 32).to(torch.bfloat16)
+    with native_path():
+        kvmulti.write_kv(key, value, cache, layout, slots, backend="CPU")
+        out = kvmulti.paged_attention(q, cache, layout, md, backend="CPU")   # reads it back
+    reference.write_kv(key, value, ref_cache, layout, slots)
+    assert torch.equal(cache, ref_cache)
+    assert_close_to_reference(out, reference.paged_attention(q, cache, layout, md), torch.bfloat16)
+
+
+# ---- the fallback -------------------------------------------------------------------------------
+@settings(max_examples=15)
+@given(batch_cases(block_sizes=(1, 16, 128)))
+def test_fallback_matches_reference(spec):
+    called = []
+    real = cpu_backend.paged_attention_torch
+    with env(cpu_native.ENV_NATIVE, "0"), patched(cpu_backend, "paged_attention_torch",
+                                                  lambda *a: (called.append(1), real(*a))):
+        check_against_reference(spec, "CPU")
+    assert called, "the torch path did not run with KVMULTI_CPU_NATIVE=0"
+
+
+def test_fallback_is_described(monkeypatch):
+    monkeypatch.setenv(cpu_native.ENV_NATIVE, "0")
+    assert get_backend("CPU").describe() == "cpu: vectorised torch: native kernel disabled by KVMULTI_CPU_NATIVE=0"
+
+
+def test_no_compiler_falls_back_with_reason(tmp_path):
+    code = ("import kvmulti; from kvmulti.backends.registry import get_backend; "
+            "print(get_backend('CPU').describe()); "
+            "import torch; print(kvmulti.available_backends('cpu')['CPU'])")
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), KVMULTI_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop(cpu_native.ENV_NATIVE, None)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("cpu: vectorised torch: no C++ compiler"), lines
+    assert lines[1] == "[]", lines   # the backend stays usable through its fallback
