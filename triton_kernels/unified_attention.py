@@ -1,0 +1,191 @@
+"""Paged attention over the canonical kvmulti KV-cache layout, in Triton.
+
+Two kernels serve every batch:
+
+* ``unified_attention_kernel``: ONE launch for a mixed batch (prefill, chunked prefill, decode,
+  multi-token verification). Grid ``(q_blocks, num_kv_heads, num_partitions)``. A program owns
+  ``block_q`` consecutive new tokens of one request and all ``G = Hq // Hkv`` query heads that
+  share one KV head, packed as the ``BLOCK_M = block_q * G`` (padded to a power of two) rows of the
+  tile, so each K/V tile is loaded once for the whole group. The program finds its request by a
+  binary search over ``query_start_loc`` (request ``i``'s q-blocks start at program
+  ``query_start_loc[i] // block_q + i``). It walks the keys in tiles of ``TILE_N`` positions;
+  per position it computes block id (through the block table) and offset in the block, so a tile
+  never assumes ``TILE_N == block_size`` and any block size >= 1 works. Keys are addressed
+  through the cache's named strides (block, token, head; content stride 1), so both NHD and HND
+  caches are read in place. Causal masking uses positions (a request's new tokens are its last
+  ``query_len`` positions); with a sliding window whole tiles before the window are skipped and
+  positions before it are never loaded (their block-table entries may be garbage). Softcap is
+  ``c * tanh(s / c)``; accumulation is fp32 (online softmax), fp32 inputs use exact ("ieee") dots.
+  Head sizes are padded to powers of two inside the kernel and masked.
+* Split-KV (``SPLIT=True``): the same kernel with the context cut in partitions of
+  ``PART_SIZE`` positions (grid dim 2); each program writes its unnormalised partial output,
+  running max and sum to a fp32 workspace, and ``reduce_partitions_kernel`` combines them.
+
+``DOT_F32`` exists for the Triton interpreter only (TRITON_INTERPRET=1), whose ``tl.dot`` on
+bf16 operands is wrong (numpy has no bf16): the operands are rounded to their real dtype first
+and then widened to fp32, so the products equal those of a bf16 tensor-core dot.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    # tanh via exp(-2|x|): exact sign, no overflow, no cancellation near 0 worth noting.
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _find_request(qsl_ptr, num_reqs, pid, block_q):
+    """Largest request index i with query_start_loc[i] // block_q + i <= pid."""
+    lo = num_reqs * 0
+    hi = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(qsl_ptr + mid) // block_q + mid
+        if first <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def unified_attention_kernel(
+    q_ptr, kv_ptr, out_ptr,
+    qsl_ptr, seq_lens_ptr, block_table_ptr,
+    part_acc_ptr, part_ml_ptr,
+    scale, softcap, window,
+    num_reqs, num_q_heads, num_qpk, block_q, block_size, head_size, head_size_v, num_parts,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_cb, stride_ct, stride_ch,
+    stride_bt, stride_bn,
+    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
+    SPLIT: tl.constexpr, PART_SIZE: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+
+    req = _find_request(qsl_ptr, num_reqs, pid, block_q)
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    q_block = pid - (q_start // block_q + req)
+    if q_block * block_q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+
+    # Rows of the tile: (new token, query head of this KV head) pairs.
+    offs_m = tl.arange(0, BLOCK_M)
+    q_local = q_block * block_q + offs_m // num_qpk
+    head = kvh * num_qpk + offs_m % num_qpk
+    row_ok = (offs_m < block_q * num_qpk) & (q_local < q_len)
+    q_pos = ctx_len + q_local
+    tok = (q_start + q_local).to(tl.int64)
+
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < head_size
+    offs_dv = tl.arange(0, HEAD_PAD_V)
+    dv_ok = offs_dv < head_size_v
+
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    # Keys this program can need: causal end of its last row, window start of its first row.
+    last_local = tl.minimum(q_len, (q_block + 1) * block_q) - 1
+    k_end = ctx_len + last_local + 1
+    k_lo = tl.where(window > 0, tl.maximum(ctx_len + q_block * block_q - window + 1, 0), 0)
+    if SPLIT:
+        k_lo = tl.maximum(k_lo, part * PART_SIZE)
+        k_end = tl.minimum(k_end, (part + 1) * PART_SIZE)
+    tile_start = (k_lo // TILE_N) * TILE_N          # whole tiles before the window are skipped
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD_V], tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    head_off = kvh.to(tl.int64) * stride_ch
+
+    for start in range(tile_start, k_end, TILE_N):
+        k_pos = start + offs_n
+        k_ok = (k_pos >= k_lo) & (k_pos < k_end)     # never touch table entries outside [k_lo, k_end)
+        blk = tl.load(bt_row + (k_pos // block_size) * stride_bn, mask=k_ok, other=0)
+        off = blk.to(tl.int64) * stride_cb + (k_pos % block_size).to(tl.int64) * stride_ct + head_off
+        k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+        v = tl.load(kv_ptr + off[:, None] + head_size + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :],
+                    other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision="ieee") * scale          # [BLOCK_M, TILE_N], fp32
+        if softcap > 0:
+            s = softcap * _tanh(s / softcap)
+        visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        visible = visible & ((window <= 0) | ((q_pos[:, None] - k_pos[None, :]) < window))
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)      # a row with nothing visible yet
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p_dot = p.to(v.dtype)
+        if DOT_F32:
+            p_dot = p_dot.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision="ieee")
+        m_i = m_new
+
+    if SPLIT:
+        row = (tok * num_q_heads + head) * num_parts + part
+        tl.store(part_acc_ptr + row[:, None] * HEAD_PAD_V + offs_dv[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+
+
+@triton.jit
+def reduce_partitions_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr,
+    num_q_heads, num_parts, head_size_v,
+    stride_ot, stride_oh, stride_od,
+    HEAD_PAD_V: tl.constexpr, PART_CHUNK: tl.constexpr,
+):
+    """out[t, h] = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p, over the partitions."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (tok * num_q_heads + head) * num_parts
+    offs_dv = tl.arange(0, HEAD_PAD_V)
+    offs_p = tl.arange(0, PART_CHUNK)
+    m_run = tl.max(tl.full([PART_CHUNK], float("-inf"), tl.float32), 0)
+    l_run = tl.sum(tl.zeros([PART_CHUNK], tl.float32), 0)
+    o = tl.zeros([HEAD_PAD_V], tl.float32)
+    for p0 in range(0, num_parts, PART_CHUNK):
+        p = p0 + offs_p
+        p_ok = p < num_parts
+        m = tl.load(part_ml_ptr + (base + p) * 2, mask=p_ok, other=float("-inf"))
+        l = tl.load(part_ml_ptr + (base + p) * 2 + 1, mask=p_ok, other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_run - m_use)
+        w = tl.exp(m - m_use)
+        l_run = l_run * alpha + tl.sum(l * w, 0)
+        a = tl.load(part_acc_ptr + (base + p)[:, None] * HEAD_PAD_V + offs_dv[None, :], mask=p_ok[:, None],
+                    other=0.0)
+        o = o * alpha + tl.sum(a * w[:, None], 0)
+        m_run = m_new
+    o = o / tl.where(l_run == 0.0, 1.0, l_run)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_dv * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=offs_dv < head_size_v)
