@@ -161,6 +161,18 @@ void *kvm_session_from_queue(void *queue) {
 
 void kvm_session_destroy(void *sess) { delete static_cast<Session *>(sess); }
 
+// Identity of the session's (context, device): kernel bundles built for one session serve every
+// session with the same key (e.g. several torch XPU streams of one device). 0 on error.
+uint64_t kvm_session_key(void *sess) {
+  uint64_t key = 0;
+  guarded([&] {
+    auto &q = static_cast<Session *>(sess)->queue;
+    key = static_cast<uint64_t>(std::hash<sycl::context>{}(q.get_context())) * 1000003u ^
+          static_cast<uint64_t>(std::hash<sycl::device>{}(q.get_device()));
+  });
+  return key;
+}
+
 int kvm_session_describe(void *sess, char *buf, size_t n) {
   std::string out;
   int rc = guarded([&] { out = describe(static_cast<Session *>(sess)->queue.get_device()); });

@@ -38,6 +38,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import os
@@ -116,7 +117,13 @@ def cache_root() -> Path:
 
 
 def kernel_source() -> str:
-    return (source_dir() / "kernels.cpp").read_text()
+    """The text of sycl/kernels.cpp (read once per process)."""
+    return _read_text(str(source_dir() / "kernels.cpp"))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_text(path: str) -> str:
+    return Path(path).read_text()
 
 
 def runtime_candidates() -> list[Path]:
@@ -253,6 +260,7 @@ class _Shim:
             "kvm_session_create": (vp, [i32]),
             "kvm_session_from_queue": (vp, [vp]),
             "kvm_session_destroy": (None, [vp]),
+            "kvm_session_key": (ctypes.c_uint64, [vp]),
             "kvm_session_describe": (i32, [vp, cp, sz]),
             "kvm_build": (vp, [vp, cp, ctypes.POINTER(cp), i32, ctypes.POINTER(cp), i32]),
             "kvm_bundle_destroy": (None, [vp]),
@@ -298,6 +306,10 @@ class Runtime:
         self._default: Session | None = None
         self._queues: dict[int, Session] = {}
         self._lock = threading.RLock()
+        #: kernel bundles per (context/device key, source hash, options): shared by sessions on
+        #: different queues of one context and device
+        self.bundles: dict[tuple, int] = {}
+        self.build_lock = threading.Lock()
 
     def default_device_index(self) -> int:
         """``KVMULTI_SYCL_DEVICE`` resolved to an index (-1: GPUs first, then CPUs)."""
@@ -341,16 +353,16 @@ class Session:
         f = self.shim.text(self.shim.lib.kvm_session_describe, handle).split("\t")
         self.device = DeviceInfo(-1, f[0], f[1], f[2], f[3], int(f[4]), int(f[5]), int(f[6]), f[7] == "1",
                                  f[8] == "1", f[9] == "1")
-        self._bundles: dict[tuple, int] = {}
-        self._lock = threading.Lock()
+        self.key = int(self.shim.lib.kvm_session_key(handle))
 
     # -- kernels -----------------------------------------------------------------------------
     def build(self, source: str, options: list[str], names: tuple[str, ...] = KERNEL_NAMES) -> int:
         """Compile ``source`` with ``options`` for this device (cached per session); a bundle handle."""
-        key = (hashlib.sha256(source.encode()).hexdigest(), tuple(options), tuple(names))
-        with self._lock:
-            if key in self._bundles:
-                return self._bundles[key]
+        key = (self.key, hashlib.sha256(source.encode()).hexdigest(), tuple(options), tuple(names))
+        bundles = self.runtime.bundles
+        with self.runtime.build_lock:
+            if key in bundles:
+                return bundles[key]
             t0 = time.perf_counter()
             opts = (ctypes.c_char_p * max(1, len(options)))(*[o.encode() for o in options])
             nms = (ctypes.c_char_p * len(names))(*[n.encode() for n in names])
@@ -364,7 +376,7 @@ class Session:
                 print(f"kvmulti: compiled SYCL kernels ({' '.join(options)}) for {self.device.name} in "
                       f"{elapsed:.1f} s; kept in the persistent cache {os.environ.get('SYCL_CACHE_DIR', '')}",
                       file=sys.stderr, flush=True)
-            self._bundles[key] = handle
+            bundles[key] = handle
             return handle
 
     def launch(self, bundle: int, kernel: int, global_size: int, local_size: int, args: list[tuple[int, object]],
@@ -601,6 +613,7 @@ class SyclBackend(Backend):
         env = os.environ.get("KVMULTI_SYCL_PARTITION_SIZE", "").strip()
         self.partition_size = partition_size if partition_size is not None else (int(env) if env else -1)
         self._warned_staging = False
+        self._bundles: dict[tuple, int] = {}
 
     # -- availability ------------------------------------------------------------------------
     def unavailable_reasons(self) -> list[str]:
@@ -637,8 +650,14 @@ class SyclBackend(Backend):
         return xpu_session(device) if device.type == "xpu" else default_session()
 
     def bundle(self, session: Session, layout: KVCacheLayout) -> int:
-        kc = choose_kc(layout.head_size, layout.value_size, session.device.local_mem)
-        return session.build(kernel_source(), kernel_options(layout.dtype, layout.head_size, layout.value_size, kc))
+        """The kernels for ``layout``'s dtype and head sizes on ``session``'s device (built on first use)."""
+        key = (session.key, layout.dtype, layout.head_size, layout.value_size)
+        handle = self._bundles.get(key)
+        if handle is None:
+            kc = choose_kc(layout.head_size, layout.value_size, session.device.local_mem)
+            opts = kernel_options(layout.dtype, layout.head_size, layout.value_size, kc)
+            handle = self._bundles[key] = session.build(kernel_source(), opts)
+        return handle
 
     def _staging(self, session: Session, kv_cache: torch.Tensor) -> _Staging:
         staging = _Staging(session)
