@@ -22,7 +22,9 @@ constexpr int kNumWarps = 4;
 // from the emulated device's warp size). Kernels are templated on WAVE; an instantiation whose WAVE
 // differs from the target's wave size compiles to an empty body (it can never be launched there:
 // the launcher dispatches on hipDeviceAttributeWarpSize).
-#if defined(__HIP_DEVICE_COMPILE__) && defined(__AMDGCN_WAVEFRONT_SIZE)
+#if defined(__HIP_DEVICE_COMPILE__) && defined(__AMDGCN_WAVEFRONT_SIZE__)
+#define KVMULTI_DEVICE_WAVE __AMDGCN_WAVEFRONT_SIZE__
+#elif defined(__HIP_DEVICE_COMPILE__) && defined(__AMDGCN_WAVEFRONT_SIZE)
 #define KVMULTI_DEVICE_WAVE __AMDGCN_WAVEFRONT_SIZE
 #elif defined(__CUDA_ARCH__)
 #define KVMULTI_DEVICE_WAVE 32

@@ -187,3 +187,11 @@ def test_strided_query_and_out_rows_past_num_actual_tokens(harness):
     expected = reference.paged_attention(query, cache, layout, md)
     assert_close_to_reference(out[:4], expected[:4], torch.float16)
     assert torch.count_nonzero(out[4:]) == 0
+
+
+def test_declared_head_sizes_match_the_compiled_instantiations(harness):
+    import ctypes
+    lib = hip.load_cpu_library()
+    sizes = (ctypes.c_int * 16)()
+    count = lib.kvmulti_hip_head_sizes(sizes, 16)
+    assert tuple(sizes[:count]) == hip.HEAD_SIZES == harness.head_sizes

@@ -125,14 +125,14 @@ MIXED = dict(block_sizes=(1, 16, 32), head_sizes=(64, 128), groups=(1, 4, 8), kv
              max_reqs=4, max_context=70, max_query=12)
 
 
-@settings(max_examples=30)
+@settings(max_examples=40)
 @given(spec=batch_cases(**MIXED), wave=st.sampled_from([32, 64]))
 def test_hip_kernels_match_reference(hip_backend, spec, wave):
     _run_case(hip_backend, spec, wave=wave, partition_size=0)
     assert hip_backend.last_num_partitions == 1
 
 
-@settings(max_examples=20)
+@settings(max_examples=25)
 @given(spec=batch_cases(**MIXED), wave=st.sampled_from([32, 64]), partition=st.sampled_from([5, 16, 48]))
 def test_partitioned_decode_matches_reference(hip_backend, spec, wave, partition):
     """Split-KV path (forced with a small partition size) + its reduce kernel."""

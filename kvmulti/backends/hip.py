@@ -56,7 +56,6 @@ HARNESS_SOURCES = ("cpu_harness/kvcpu.h", "cpu_harness/kvcpu.ld", "cpu_harness/i
                    "cpu_harness/include/hip/hip_runtime_api.h")
 CPU_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-fdata-sections",
              "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas")
-ROCM_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared")
 
 
 class HipBuildError(RuntimeError):
@@ -199,13 +198,15 @@ def rocm_target_archs() -> list[str]:
     archs = [a.strip() for a in env.split(";") if a.strip()]
     if not archs and torch.version.hip and torch.cuda.is_available():
         archs = sorted({device_arch(i) for i in range(torch.cuda.device_count())} - {""})
+    if not archs and torch.version.hip:
+        archs = _build_rocm_module().host_archs()
     return archs
 
 
 def rocm_library_path(archs: list[str]) -> Path:
     src = source_dir()
     hipcc = hipcc_path() or "hipcc"
-    key = _hash([src / s for s in KERNEL_SOURCES], [hipcc, _compiler_version(hipcc), *ROCM_FLAGS, *archs])
+    key = _hash([src / s for s in (*KERNEL_SOURCES, "build_rocm.py")], [hipcc, _compiler_version(hipcc), *archs])
     return cache_root() / "hip_rocm" / key / "libkvmulti_hip.so"
 
 
@@ -225,8 +226,17 @@ def library_archs(lib: Path) -> list[str] | None:
     return None
 
 
+def _build_rocm_module():
+    """hip/build_rocm.py (standalone: also the install-time builder), loaded from the sources."""
+    path = source_dir() / "build_rocm.py"
+    spec = importlib.util.spec_from_file_location("kvmulti_hip_build_rocm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def build_rocm_library(archs: list[str] | None = None, out: Path | None = None) -> Path:
-    """Build the ROCm library with hipcc for ``archs`` (default: rocm_target_archs())."""
+    """Build the ROCm library with hipcc for ``archs`` (default: rocm_target_archs()), cached."""
     hipcc = hipcc_path()
     if hipcc is None:
         raise HipBuildError("hipcc not found (install ROCm's hipcc or set ROCM_PATH): cannot build the HIP kernels")
@@ -237,9 +247,9 @@ def build_rocm_library(archs: list[str] | None = None, out: Path | None = None) 
     src = source_dir()
     out = out or rocm_library_path(archs)
     if not out.exists():
-        env = dict(os.environ, HIP_PLATFORM="amd")
-        cmd = [hipcc, *ROCM_FLAGS, *[f"--offload-arch={a}" for a in archs], str(src / "launcher.hip"), "-o", "{tmp}"]
-        _locked_build(out, cmd, f"the HIP kernels with hipcc for {', '.join(archs)}", env=env)
+        cmd = _build_rocm_module().command(hipcc, archs, Path("{tmp}"), src / "launcher.hip")
+        _locked_build(out, cmd, f"the HIP kernels with hipcc for {', '.join(archs)}",
+                      env=dict(os.environ, HIP_PLATFORM="amd"))
     out.with_suffix(".json").write_text(json.dumps({"archs": archs}))
     return out
 
