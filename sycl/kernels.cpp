@@ -61,13 +61,13 @@ constexpr int E = D + DV;               // content elements per (token, head)
 constexpr int ROWS = KVM_ROWS;
 constexpr int KC = KVM_KC;
 constexpr int WG = KVM_WG;
-constexpr int KSTRIDE = D + 1;          // padded K rows in local memory (fewer bank conflicts)
+constexpr int KCP = KC + 1;             // padded row of the transposed K tile (fewer bank conflicts)
 constexpr int ACC_PER = (ROWS * DV + WG - 1) / WG;
 
 // Local-memory carve-up of the float scratch (the host sizes the accessor with the same numbers).
 constexpr int LM_Q = 0;                         // [ROWS][D]   scaled queries
-constexpr int LM_K = LM_Q + ROWS * D;           // [KC][KSTRIDE] keys of the chunk
-constexpr int LM_V = LM_K + KC * KSTRIDE;       // [KC][DV]    values of the chunk
+constexpr int LM_K = LM_Q + ROWS * D;           // [D][KCP]    keys of the chunk, transposed
+constexpr int LM_V = LM_K + D * KCP;            // [KC][DV]    values of the chunk
 constexpr int LM_S = LM_V + KC * DV;            // [ROWS][KC]  scores, then probabilities
 constexpr int LM_M = LM_S + ROWS * KC;          // [ROWS] running max
 constexpr int LM_L = LM_M + ROWS;               // [ROWS] running sum
@@ -111,7 +111,8 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
                                   const int32_t *tiles, elem_t *out, int64_t o_st, int64_t o_sh, float *part_acc,
                                   float *part_ml, int32_t num_parts, int32_t part_size, int32_t num_kv_heads,
                                   int32_t group, int32_t block_size, float scale, int32_t window, float softcap,
-                                  float *lm, int32_t *lblk) {
+                                  sycl::decorated_local_ptr<float> lm,
+                                  sycl::decorated_local_ptr<int64_t> loff) {
   auto it = syclext::this_work_item::get_nd_item<1>();
   auto wg = it.get_group();
   auto sg = it.get_sub_group();
@@ -158,8 +159,9 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
     }
   }
 
-  float *q_lm = lm + LM_Q, *k_lm = lm + LM_K, *v_lm = lm + LM_V, *s_lm = lm + LM_S;
-  float *m_lm = lm + LM_M, *l_lm = lm + LM_L, *a_lm = lm + LM_A;
+  // Typed local-space pointers (not generic ones): local memory accesses stay local on every device.
+  auto q_lm = lm + LM_Q, k_lm = lm + LM_K, v_lm = lm + LM_V, s_lm = lm + LM_S;
+  auto m_lm = lm + LM_M, l_lm = lm + LM_L, a_lm = lm + LM_A;
 
   // Scaled queries of the tile -> local memory (rows past nrows are zero).
   for (int idx = lid; idx < ROWS * D; idx += WG) {
@@ -186,44 +188,37 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
 
   for (int k0 = k_lo; k0 < k_hi; k0 += KC) {
     const int nk = sycl::min(KC, k_hi - k0);
-    // Block ids of the chunk's keys: only positions in [k_lo, k_hi) are looked up.
-    for (int j = lid; j < KC; j += WG) lblk[j] = j < nk ? bt[(k0 + j) / block_size] : 0;
+    // Cache offsets of the chunk's keys: only block-table entries of positions in [k_lo, k_hi) are read.
+    for (int j = lid; j < KC; j += WG) {
+      const int pos = k0 + j;
+      loff[j] = j < nk ? static_cast<int64_t>(bt[pos / block_size]) * s_block +
+                             static_cast<int64_t>(pos % block_size) * s_token + head_off
+                       : 0;
+    }
     sycl::group_barrier(wg);
 
     for (int idx = lid; idx < KC * D; idx += WG) {
       const int j = idx / D, d = idx - j * D;
-      float v = 0.f;
-      if (j < nk) {
-        const int pos = k0 + j;
-        v = to_f(cache[static_cast<int64_t>(lblk[j]) * s_block + static_cast<int64_t>(pos % block_size) * s_token +
-                       head_off + d]);
-      }
-      k_lm[j * KSTRIDE + d] = v;
+      k_lm[d * KCP + j] = j < nk ? to_f(cache[loff[j] + d]) : 0.f;
     }
     for (int idx = lid; idx < KC * DV; idx += WG) {
       const int j = idx / DV, d = idx - j * DV;
-      float v = 0.f;
-      if (j < nk) {
-        const int pos = k0 + j;
-        v = to_f(cache[static_cast<int64_t>(lblk[j]) * s_block + static_cast<int64_t>(pos % block_size) * s_token +
-                       head_off + D + d]);
-      }
-      v_lm[idx] = v;
+      v_lm[idx] = j < nk ? to_f(cache[loff[j] + D + d]) : 0.f;
     }
     sycl::group_barrier(wg);
 
     // Score tile: causal + sliding-window mask, softcap.
-    for (int idx = lid; idx < ROWS * KC; idx += WG) {
+    for (int idx = lid; idx < nrows * KC; idx += WG) {
       const int r = idx / KC, j = idx - r * KC;
       const int kpos = k0 + j;
       const int qpos = ctx + (f0 + r) / group;
       float s = NEG_INF;
-      if (r < nrows && j < nk && kpos <= qpos && (window <= 0 || qpos - kpos < window)) {
-        const float *qr = q_lm + r * D;
-        const float *kr = k_lm + j * KSTRIDE;
+      if (j < nk && kpos <= qpos && (window <= 0 || qpos - kpos < window)) {
+        const auto qr = q_lm + r * D;    // same row for neighbouring work-items: broadcast
+        const auto kc = k_lm + j;         // neighbouring work-items read neighbouring keys
         float dot = 0.f;
 #pragma unroll 8
-        for (int d = 0; d < D; ++d) dot += qr[d] * kr[d];
+        for (int d = 0; d < D; ++d) dot += qr[d] * kc[d * KCP];
         if (softcap > 0.f) dot = softcap * sycl::tanh(dot / softcap);
         s = dot;
       }
@@ -232,7 +227,7 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
     sycl::group_barrier(wg);
 
     // Online softmax: one row per sub-group, sub-group reductions over the chunk's columns.
-    for (int r = sg_id; r < ROWS; r += n_sg) {
+    for (int r = sg_id; r < nrows; r += n_sg) {
       float cmax = NEG_INF;
       for (int j = lane; j < KC; j += sg_size) cmax = sycl::fmax(cmax, s_lm[r * KC + j]);
       cmax = sycl::reduce_over_group(sg, cmax, sycl::maximum<float>());
@@ -259,9 +254,9 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
 #pragma unroll
     for (int e = 0; e < ACC_PER; ++e) {
       const int idx = lid + e * WG;
-      if (idx < ROWS * DV) {
+      if (idx < nrows * DV) {
         const int r = idx / DV, d = idx - r * DV;
-        const float *pr = s_lm + r * KC;
+        const auto pr = s_lm + r * KC;
         float a = acc[e] * a_lm[r];
         for (int j = 0; j < nk; ++j) a += pr[j] * v_lm[j * DV + d];
         acc[e] = a;
@@ -295,7 +290,7 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
 // ---------------------------------------------------------------------------------------------
 // Kernels. Grid: nd_range<1>(num_tiles * num_kv_heads [* num_parts] * WG, WG).
 // tiles: int32 [num_tiles][2] = (request, first flattened row), built by the host.
-// lm: float[LM_FLOATS] local scratch, lblk: int32[KC] local block ids.
+// lm: float[LM_FLOATS] local scratch, loff: int64[KC] local cache offsets of the chunk's keys.
 
 extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 void kvm_paged_attention(const elem_t *query, int64_t q_st, int64_t q_sh, const elem_t *cache, int64_t s_block,
@@ -303,12 +298,12 @@ void kvm_paged_attention(const elem_t *query, int64_t q_st, int64_t q_sh, const 
                          const int32_t *seq_lens, const int32_t *query_start_loc, const int32_t *tiles, elem_t *out,
                          int64_t o_st, int64_t o_sh, int32_t num_kv_heads, int32_t group, int32_t block_size,
                          float scale, int32_t window, float softcap, sycl::local_accessor<float, 1> lm,
-                         sycl::local_accessor<int32_t, 1> lblk) {
+                         sycl::local_accessor<int64_t, 1> loff) {
   attention_body<false>(query, q_st, q_sh, cache, s_block, s_token, s_head, block_table, bt_stride, seq_lens,
                         query_start_loc, tiles, out, o_st, o_sh, nullptr, nullptr, 1, 0, num_kv_heads, group,
                         block_size, scale, window, softcap,
-                        lm.get_multi_ptr<sycl::access::decorated::no>().get(),
-                        lblk.get_multi_ptr<sycl::access::decorated::no>().get());
+                        lm.get_multi_ptr<sycl::access::decorated::yes>(),
+                        loff.get_multi_ptr<sycl::access::decorated::yes>());
 }
 
 // Split-KV variant: grid has num_parts work-groups per (tile, KV head); partition p covers keys
@@ -321,12 +316,12 @@ void kvm_paged_attention_split(const elem_t *query, int64_t q_st, int64_t q_sh, 
                                const int32_t *tiles, float *part_acc, float *part_ml, int32_t num_parts,
                                int32_t part_size, int32_t num_kv_heads, int32_t group, int32_t block_size,
                                float scale, int32_t window, float softcap, sycl::local_accessor<float, 1> lm,
-                               sycl::local_accessor<int32_t, 1> lblk) {
+                               sycl::local_accessor<int64_t, 1> loff) {
   attention_body<true>(query, q_st, q_sh, cache, s_block, s_token, s_head, block_table, bt_stride, seq_lens,
                        query_start_loc, tiles, nullptr, 0, 0, part_acc, part_ml, num_parts, part_size,
                        num_kv_heads, group, block_size, scale, window, softcap,
-                       lm.get_multi_ptr<sycl::access::decorated::no>().get(),
-                       lblk.get_multi_ptr<sycl::access::decorated::no>().get());
+                       lm.get_multi_ptr<sycl::access::decorated::yes>(),
+                       loff.get_multi_ptr<sycl::access::decorated::yes>());
 }
 
 // Combine the partitions of one (token, query head) per work-group:

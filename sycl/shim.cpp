@@ -216,7 +216,7 @@ void *kvm_build(void *sess, const char *source, const char **opts, int nopts, co
 void kvm_bundle_destroy(void *bundle) { delete static_cast<Bundle *>(bundle); }
 
 // Kernel argument kinds for kvm_launch.
-enum ArgKind : int32_t { ARG_PTR = 0, ARG_I32 = 1, ARG_I64 = 2, ARG_F32 = 3, ARG_LOCAL_F32 = 4, ARG_LOCAL_I32 = 5 };
+enum ArgKind : int32_t { ARG_PTR = 0, ARG_I32 = 1, ARG_I64 = 2, ARG_F32 = 3, ARG_LOCAL_F32 = 4, ARG_LOCAL_I32 = 5, ARG_LOCAL_I64 = 6 };
 
 // Launch kernel `index` of `bundle` over nd_range<1>(global, local). Argument i has kind kinds[i]
 // and value values[i] (pointer value, integer, float bits; element count for a local accessor).
@@ -244,6 +244,7 @@ int kvm_launch(void *sess, void *bundle, int index, size_t global, size_t local,
           }
           case ARG_LOCAL_F32: h.set_arg(i, sycl::local_accessor<float, 1>(sycl::range<1>(v), h)); break;
           case ARG_LOCAL_I32: h.set_arg(i, sycl::local_accessor<int32_t, 1>(sycl::range<1>(v), h)); break;
+          case ARG_LOCAL_I64: h.set_arg(i, sycl::local_accessor<int64_t, 1>(sycl::range<1>(v), h)); break;
           default: throw std::runtime_error("bad kernel argument kind " + std::to_string(kinds[i]));
         }
       }

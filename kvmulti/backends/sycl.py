@@ -60,7 +60,7 @@ from ..metadata import CommonAttentionMetadata
 from .base import Backend
 
 #: Bumped when the C ABI of shim.cpp changes (part of the shim's cache key).
-SHIM_ABI = 1
+SHIM_ABI = 2
 SHIM_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-DSYCL_DISABLE_FSYCL_SYCLHPP_WARNING", "-w")
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 KERNEL_NAMES = ("kvm_paged_attention", "kvm_paged_attention_split", "kvm_split_reduce", "kvm_write_kv")
@@ -78,7 +78,7 @@ DEFAULT_PARTITION_SIZE = 512
 SPLIT_MIN_SPAN = 1024
 SPLIT_WG_PER_CU = 4
 
-ARG_PTR, ARG_I32, ARG_I64, ARG_F32, ARG_LOCAL_F32, ARG_LOCAL_I32 = range(6)
+ARG_PTR, ARG_I32, ARG_I64, ARG_F32, ARG_LOCAL_F32, ARG_LOCAL_I32, ARG_LOCAL_I64 = range(7)
 USM_UNKNOWN, USM_HOST, USM_DEVICE, USM_SHARED = range(4)
 
 
@@ -547,12 +547,12 @@ class _Staging:
 # ------------------------------------------------------------------------------------ planning
 def lm_floats(head_size: int, head_size_v: int, kc: int) -> int:
     """Floats of local scratch kernels.cpp carves up (LM_FLOATS there)."""
-    return ROWS * head_size + kc * (head_size + 1) + kc * head_size_v + ROWS * kc + 3 * ROWS
+    return ROWS * head_size + head_size * (kc + 1) + kc * head_size_v + ROWS * kc + 3 * ROWS
 
 
 def choose_kc(head_size: int, head_size_v: int, local_mem: int) -> int:
     for kc in KC_CHOICES:
-        if 4 * (lm_floats(head_size, head_size_v, kc) + kc) <= local_mem - 1024:
+        if 4 * lm_floats(head_size, head_size_v, kc) + 8 * kc <= local_mem - 1024:
             return kc
     raise SyclError(f"head sizes {head_size}/{head_size_v} need more local memory than the device has ({local_mem} B)")
 
@@ -733,7 +733,7 @@ class SyclBackend(Backend):
         try:
             ptr = (lambda t, written=False: t.data_ptr() if t.numel() else 0) if on_xpu else staging.ptr
             kc = choose_kc(layout.head_size, layout.value_size, session.device.local_mem)
-            local = [(ARG_LOCAL_F32, lm_floats(layout.head_size, layout.value_size, kc)), (ARG_LOCAL_I32, kc)]
+            local = [(ARG_LOCAL_F32, lm_floats(layout.head_size, layout.value_size, kc)), (ARG_LOCAL_I64, kc)]
             common = [(ARG_PTR, ptr(query)), (ARG_I64, query.stride(0)), (ARG_I64, query.stride(1)),
                       (ARG_PTR, ptr(kv_cache)), (ARG_I64, s.block), (ARG_I64, s.token), (ARG_I64, s.head),
                       (ARG_PTR, ptr(block_table)), (ARG_I64, block_table.stride(0)),
