@@ -278,6 +278,13 @@ class BlockTables:
         self.first[row] = last_free_col
         return last_free_col - start
 
+    def rows_to_release(self, rows: np.ndarray, num_computed: np.ndarray, margin: int = 0) -> np.ndarray:
+        """Indices into ``rows`` whose :meth:`release_out_of_window` would free something (vectorised)."""
+        if self.window is None:
+            return np.zeros(0, dtype=np.int64)
+        cols = np.minimum((num_computed - self.window + 1 - margin) // self.block_size, self.held[rows])
+        return np.nonzero(cols > self.first[rows])[0]
+
     def visible_from(self, row: int) -> int:
         """First position whose block this row still holds."""
         return int(self.first[row]) * self.block_size

@@ -37,18 +37,46 @@ DEFAULT_KV_MEMORY_BYTES = 64 * 2**20
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "ModelRunner", "OutOfBlocksError", "Request", "StepBatch"]
 
 
-@dataclass
 class Request:
-    """A request's state in one runner."""
+    """A request's state in one runner (read-only view: change it through the runner).
 
-    req_id: Hashable
-    row: int                        # its row in every group's block tables
-    tokens: list[int]               # every known token (prompt + generated so far)
-    num_computed: int = 0           # tokens whose K/V are in the cache
+    Lengths live in the runner's per-row arrays, so a step reads them vectorised.
+    """
+
+    __slots__ = ("req_id", "row", "tokens", "_rows")
+
+    def __init__(self, req_id: Hashable, row: int, tokens: list[int], rows: "_RowArrays"):
+        self.req_id, self.row, self.tokens, self._rows = req_id, row, tokens, rows
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose K/V are in the cache."""
+        return int(self._rows.computed[self.row])
 
     @property
     def num_pending(self) -> int:
         return len(self.tokens) - self.num_computed
+
+    def __repr__(self) -> str:
+        return f"Request({self.req_id!r}, tokens={len(self.tokens)}, computed={self.num_computed})"
+
+
+class _RowArrays:
+    """Per-row lengths of a runner's requests: computed tokens, known tokens, last token."""
+
+    def __init__(self, rows: int = 8):
+        self.computed = np.zeros(rows, dtype=np.int64)
+        self.length = np.zeros(rows, dtype=np.int64)
+        self.last_token = np.zeros(rows, dtype=np.int64)
+
+    def ensure(self, row: int) -> None:
+        if row >= len(self.computed):
+            grow = max(row + 1, 2 * len(self.computed)) - len(self.computed)
+            for name in ("computed", "length", "last_token"):
+                setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow, dtype=np.int64)]))
+
+    def set(self, row: int, tokens: list[int], computed: int) -> None:
+        self.computed[row], self.length[row], self.last_token[row] = computed, len(tokens), tokens[-1]
 
 
 @dataclass
@@ -57,6 +85,7 @@ class StepBatch:
 
     req_ids: list
     query_lens: list[int]
+    rows: np.ndarray                                # int64 [R], the requests' block-table rows
     input_ids: torch.Tensor                         # int64 [T]
     positions: torch.Tensor                         # int64 [T]
     metadata: dict[int, CommonAttentionMetadata]    # group id -> metadata
@@ -105,6 +134,8 @@ class ModelRunner:
         self.pools = {g.group_id: BlockPool(self.layouts[g.group_id].num_blocks) for g in groups}
         self.tables = {g.group_id: BlockTables(g, self.pools[g.group_id]) for g in groups}
         self.requests: dict[Hashable, Request] = {}
+        self._rows = _RowArrays()
+        self._row_of: dict[Hashable, int] = {}
         self._free_rows: list[int] = []
         self.num_steps = 0
         self.forward_time_s = 0.0
@@ -146,14 +177,20 @@ class ModelRunner:
             row = len(self.requests)
         for table in self.tables.values():
             table.add_row(row)
-        self.requests[req_id] = Request(req_id, row, tokens)
+        self._rows.ensure(row)
+        self._rows.set(row, tokens, 0)
+        self.requests[req_id] = Request(req_id, row, tokens, self._rows)
+        self._row_of[req_id] = row
 
     def append_tokens(self, req_id: Hashable, tokens: Sequence[int]) -> None:
-        self.requests[req_id].tokens.extend(self._check_tokens(tokens, req_id))
+        req = self.requests[req_id]
+        req.tokens.extend(self._check_tokens(tokens, req_id))
+        self._rows.set(req.row, req.tokens, req.num_computed)
 
     def remove_request(self, req_id: Hashable) -> None:
         """Forget a request and return all its blocks to the pools."""
         req = self.requests.pop(req_id)
+        del self._row_of[req_id]
         for table in self.tables.values():
             table.release(req.row)
         self._free_rows.append(req.row)
@@ -179,7 +216,7 @@ class ModelRunner:
                         f"{needed_from} in sliding group {gid}, whose blocks before {table.visible_from(req.row)} "
                         f"were freed; create the runner with rollback_tokens >= the rollback distance")
         del req.tokens[length:]
-        req.num_computed = computed
+        self._rows.set(req.row, req.tokens, computed)
         for table in self.tables.values():
             table.truncate(req.row, length)
 
@@ -225,83 +262,115 @@ class ModelRunner:
         ``schedule`` maps request -> number of its pending tokens to compute now. ``num_logits``:
         how many of each request's LAST scheduled positions need logits (None: 1 where the chunk
         reaches the request's last known token, else 0).
-        """
-        reqs = [self.requests[rid] for rid in schedule]
-        qlens = [int(n) for n in schedule.values()]
-        if not reqs:
-            raise ValueError("empty schedule")
-        for req, n in zip(reqs, qlens):
-            if not 1 <= n <= req.num_pending:
-                raise ValueError(f"request {req.req_id!r}: {n} tokens scheduled, {req.num_pending} pending")
-        self._allocate(reqs, qlens)
 
-        r = len(reqs)
-        q = np.array(qlens, dtype=np.int64)
-        ctx = np.fromiter((req.num_computed for req in reqs), dtype=np.int64, count=r)
+        Vectorised over requests (numpy on the host, one copy to the device per tensor): the
+        groups of one runner share its ``query_start_loc`` / ``seq_lens`` tensors and differ in
+        ``block_table`` / ``slot_mapping``; nothing is shared with another runner.
+        """
+        r = len(schedule)
+        if not r:
+            raise ValueError("empty schedule")
+        req_ids = list(schedule)
+        q = np.fromiter(schedule.values(), dtype=np.int64, count=r)
+        rows = np.fromiter(map(self._row_of.__getitem__, req_ids), dtype=np.int64, count=r)
+        ctx = self._rows.computed[rows]
+        pending = self._rows.length[rows] - ctx
+        slack = np.minimum(q - 1, pending - q)               # < 0: nothing or too much scheduled
+        if slack.min() < 0:
+            i = int(np.nonzero(slack < 0)[0][0])
+            raise ValueError(f"request {req_ids[i]!r}: {int(q[i])} tokens scheduled, {int(pending[i])} pending")
         seq = ctx + q
-        rows = np.fromiter((req.row for req in reqs), dtype=np.int64, count=r)
+        self._allocate(req_ids, rows, seq)
+
         qsl = np.zeros(r + 1, dtype=np.int64)
         np.cumsum(q, out=qsl[1:])
         t = int(qsl[-1])
         if t == r:                                            # all decodes
-            req_of_token, positions = np.arange(r), ctx
-            ids = [req.tokens[req.num_computed] for req in reqs]
+            req_of_token, positions = None, ctx
+            if (pending == 1).all():
+                ids = self._rows.last_token[rows]             # pure decode: the last known tokens
+            else:
+                ids = np.array([self.requests[rid].tokens[c] for rid, c in zip(req_ids, ctx.tolist())],
+                               dtype=np.int64)
         else:
             req_of_token = np.repeat(np.arange(r), q)
             positions = np.arange(t) - qsl[:-1][req_of_token] + ctx[req_of_token]
-            ids = [tok for req, n in zip(reqs, qlens) for tok in req.tokens[req.num_computed:req.num_computed + n]]
+            ids = np.array([tok for rid, c, n in zip(req_ids, ctx.tolist(), q.tolist())
+                            for tok in self.requests[rid].tokens[c:c + n]], dtype=np.int64)
+        token_rows = rows if req_of_token is None else rows[req_of_token]
 
-        metadata = {gid: self._group_metadata(table, rows, qsl, seq, positions, req_of_token, max(qlens))
-                    for gid, table in self.tables.items()}
+        qsl32 = torch.from_numpy(qsl.astype(np.int32))
+        seq32 = torch.from_numpy(seq.astype(np.int32))
+        on_cpu = self.device.type == "cpu"
+        qsl_dev, seq_dev = (qsl32, seq32) if on_cpu else (self._to_device(qsl32), self._to_device(seq32))
+        max_q, max_seq = (1 if t == r else int(q.max())), int(seq.max())
+        metadata, split = {}, {}
+        for gid, table in self.tables.items():
+            bs = table.block_size
+            if bs not in split:
+                split[bs] = np.divmod(positions, bs)
+            col, offset = split[bs]
+            width = table.table.shape[1]
+            block_table = table.table[rows, : -(-max_seq // bs)]                 # fancy index: a fresh copy
+            slots = table.table.ravel().take(token_rows * width + col).astype(np.int64) * bs + offset
+            metadata[gid] = CommonAttentionMetadata(
+                query_start_loc=qsl_dev, seq_lens=seq_dev, block_table=self._to_device(torch.from_numpy(block_table)),
+                slot_mapping=self._to_device(torch.from_numpy(slots)), num_reqs=r, num_actual_tokens=t,
+                max_query_len=max_q, max_seq_len=max_seq, causal=True, query_start_loc_cpu=qsl32,
+                seq_lens_cpu=seq32)
 
-        if num_logits is None:
-            m = [1 if req.num_pending == n else 0 for req, n in zip(reqs, qlens)]
+        if num_logits is None and t == r and (pending == 1).all():
+            m = None                                          # decodes: one logit row each
+        elif num_logits is None:
+            m = (pending == q).astype(np.int64)
         elif isinstance(num_logits, Mapping):
-            m = [int(num_logits.get(req.req_id, 0)) for req in reqs]
+            m = np.array([int(num_logits.get(rid, 0)) for rid in req_ids], dtype=np.int64)
         else:
-            m = [int(num_logits)] * r
-        if any(not 0 <= mi <= n for mi, n in zip(m, qlens)):
+            m = np.full(r, int(num_logits), dtype=np.int64)
+        if m is not None and bool(((m < 0) | (m > q)).any()):
             raise ValueError("num_logits must be between 0 and the scheduled tokens of each request")
-        if all(mi == 1 for mi in m):
+        if m is None or bool((m == 1).all()):
             logits_idx = qsl[1:] - 1
         else:
-            logits_idx = np.concatenate([np.arange(qsl[i + 1] - mi, qsl[i + 1]) for i, mi in enumerate(m)]
+            logits_idx = np.concatenate([np.arange(qsl[i + 1] - mi, qsl[i + 1]) for i, mi in enumerate(m.tolist())]
                                         + [np.zeros(0, dtype=np.int64)])
-        dev = self.device
-        return StepBatch(req_ids=list(schedule), query_lens=qlens,
-                         input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-                         positions=torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)).to(dev),
-                         metadata=metadata, logits_indices=torch.from_numpy(logits_idx.astype(np.int64)).to(dev),
-                         num_logits=m)
+        return StepBatch(req_ids=req_ids, query_lens=q.tolist(), rows=rows,
+                         input_ids=self._to_device(torch.from_numpy(ids)),
+                         positions=self._to_device(torch.from_numpy(np.ascontiguousarray(positions))),
+                         metadata=metadata, logits_indices=self._to_device(torch.from_numpy(logits_idx)),
+                         num_logits=[1] * r if m is None else m.tolist())
 
-    def _allocate(self, reqs: list[Request], qlens: list[int]) -> None:
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+
+    def _allocate(self, req_ids: list, rows: np.ndarray, seq: np.ndarray) -> None:
         """Allocate every scheduled request's new blocks, or raise for the first that cannot get
         them -- before allocating anything, so no request is changed by a failed step."""
+        plans = []
         for gid, table in self.tables.items():
-            free = table.pool.num_free
-            for req, n in zip(reqs, qlens):
-                need = table.blocks_needed(req.row, req.num_computed + n)
-                if need > free:
-                    raise OutOfBlocksError(req.req_id, gid, need, free, table.pool.num_blocks)
-                free -= need
-        for table in self.tables.values():
-            for req, n in zip(reqs, qlens):
-                table.ensure(req.row, req.num_computed + n, req.req_id)
+            need = -(-seq // table.block_size) - table.held[rows]
+            np.maximum(need, 0, out=need)
+            total = int(need.sum())
+            if total == 0:
+                continue
+            if total > table.pool.num_free:
+                i = int(np.nonzero(np.cumsum(need) > table.pool.num_free)[0][0])
+                free = table.pool.num_free - int(need[:i].sum())
+                raise OutOfBlocksError(req_ids[i], gid, int(need[i]), free, table.pool.num_blocks)
+            plans.append((table, np.nonzero(need)[0]))
+        for table, idx in plans:
+            for i in idx.tolist():
+                table.ensure(int(rows[i]), int(seq[i]), req_ids[i])
 
-    def _group_metadata(self, table: BlockTables, rows, qsl, seq, positions, req_of_token,
-                        max_query_len: int) -> CommonAttentionMetadata:
-        bs = table.block_size
-        max_seq = int(seq.max())
-        block_table = table.table[rows, : -(-max_seq // bs)]                # fancy index: a fresh copy
-        slots = block_table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        qsl_t = torch.from_numpy(qsl.astype(np.int32))
-        seq_t = torch.from_numpy(seq.astype(np.int32))
-        dev = self.device
-        return CommonAttentionMetadata(
-            query_start_loc=qsl_t.to(dev), seq_lens=seq_t.to(dev),
-            block_table=torch.from_numpy(block_table).to(dev), slot_mapping=torch.from_numpy(slots).to(dev),
-            num_reqs=len(rows), num_actual_tokens=int(qsl[-1]), max_query_len=max_query_len, max_seq_len=max_seq,
-            causal=True, query_start_loc_cpu=qsl_t, seq_lens_cpu=seq_t)
+    def commit(self, batch: StepBatch) -> None:
+        """Mark the batch's tokens computed; sliding groups free blocks that left every window."""
+        rows = batch.rows
+        self._rows.computed[rows] += batch.query_lens
+        computed = self._rows.computed[rows]
+        for table in self.tables.values():
+            if table.window is not None:
+                for i in table.rows_to_release(rows, computed, self.rollback_tokens).tolist():
+                    table.release_out_of_window(int(rows[i]), int(computed[i]), self.rollback_tokens)
 
     def attention_context(self, batch: StepBatch) -> AttentionContext:
         return AttentionContext(batch.metadata, self.layer_to_group, self.kv_caches, self.layouts, self.backends,
@@ -320,11 +389,7 @@ class ModelRunner:
         batch = self.prepare(schedule, num_logits)
         hidden = self.model(batch.input_ids, batch.positions, self.attention_context(batch))
         logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
-        for rid, n in zip(batch.req_ids, batch.query_lens):
-            req = self.requests[rid]
-            req.num_computed += n
-            for table in self.tables.values():
-                table.release_out_of_window(req.row, req.num_computed, self.rollback_tokens)
+        self.commit(batch)
         self.num_steps += 1
         self.forward_time_s += time.perf_counter() - start
         return logits

@@ -202,10 +202,10 @@ def test_runners_share_no_tensors(models):
         return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
 
     assert not storages(a, ba) & storages(b, bb)
-    # Within a runner, each group's metadata has its own tensors too.
+    # Within a runner, the groups share query_start_loc / seq_lens but not their block tables or slots.
     m0, m1 = ba.metadata.values()
     assert m0.block_table.data_ptr() != m1.block_table.data_ptr()
-    assert m0.query_start_loc.data_ptr() != m1.query_start_loc.data_ptr()
+    assert m0.slot_mapping.data_ptr() != m1.slot_mapping.data_ptr()
 
 
 def test_scheduler_puts_decodes_first_and_chunks_prefills(models):
