@@ -144,7 +144,7 @@ class ModelRunner:
     def attention_specs(self, block_size: int | Mapping[str, int]) -> dict[str, AttentionSpec]:
         """One spec per attention layer (by layer name), block size chosen by attention kind."""
         cfg, specs = self.config, {}
-        for i, attn in enumerate(self.model.attention_layers()):
+        for attn in self.model.attention_layers():
             kind = "full" if attn.sliding_window is None else "sliding"
             bs = block_size[kind] if isinstance(block_size, Mapping) else block_size
             specs[attn.layer_name] = AttentionSpec(block_size=bs, num_kv_heads=cfg.num_key_value_heads,
@@ -285,9 +285,10 @@ class ModelRunner:
         qsl = np.zeros(r + 1, dtype=np.int64)
         np.cumsum(q, out=qsl[1:])
         t = int(qsl[-1])
-        if t == r:                                            # all decodes
+        pure_decode = t == r and bool((pending == 1).all())
+        if t == r:                                            # one token per request
             req_of_token, positions = None, ctx
-            if (pending == 1).all():
+            if pure_decode:
                 ids = self._rows.last_token[rows]             # pure decode: the last known tokens
             else:
                 ids = np.array([self.requests[rid].tokens[c] for rid, c in zip(req_ids, ctx.tolist())],
@@ -319,7 +320,7 @@ class ModelRunner:
                 max_query_len=max_q, max_seq_len=max_seq, causal=True, query_start_loc_cpu=qsl32,
                 seq_lens_cpu=seq32)
 
-        if num_logits is None and t == r and (pending == 1).all():
+        if num_logits is None and pure_decode:
             m = None                                          # decodes: one logit row each
         elif num_logits is None:
             m = (pending == q).astype(np.int64)
@@ -348,11 +349,11 @@ class ModelRunner:
         them -- before allocating anything, so no request is changed by a failed step."""
         plans = []
         for gid, table in self.tables.items():
-            need = -(-seq // table.block_size) - table.held[rows]
+            need = (seq + (table.block_size - 1)) // table.block_size - table.held[rows]
+            if need.max() <= 0:
+                continue                                      # the common decode case
             np.maximum(need, 0, out=need)
             total = int(need.sum())
-            if total == 0:
-                continue
             if total > table.pool.num_free:
                 i = int(np.nonzero(np.cumsum(need) > table.pool.num_free)[0][0])
                 free = table.pool.num_free - int(need[:i].sum())
@@ -375,6 +376,20 @@ class ModelRunner:
     def attention_context(self, batch: StepBatch) -> AttentionContext:
         return AttentionContext(batch.metadata, self.layer_to_group, self.kv_caches, self.layouts, self.backends,
                                 self.role)
+
+    def run(self, new_tokens: Mapping[Hashable, Sequence[int]],
+            num_logits: int | Mapping[Hashable, int] | None = None) -> torch.Tensor:
+        """Append ``new_tokens[req]`` to each request, then compute ALL its pending tokens in one
+        forward (e.g. the last sampled token + k draft tokens = k + 1 verification positions).
+
+        ``num_logits`` as in :meth:`prepare` (None: one, the last position). If the step fails
+        (OutOfBlocksError) the appended tokens stay pending; nothing was computed.
+        """
+        for rid, tokens in new_tokens.items():
+            if tokens:
+                self.append_tokens(rid, tokens)
+        schedule = {rid: self.requests[rid].num_pending for rid in new_tokens}
+        return self.forward(schedule, num_logits)
 
     @torch.inference_mode()
     def forward(self, schedule: Mapping[Hashable, int],

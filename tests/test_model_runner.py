@@ -168,9 +168,11 @@ def test_verify_and_rollback(models, family):
     runner.truncate("r", len(prompt) + 1)                                # accept one token
     assert runner.requests["r"].num_computed == len(prompt) + 1
     other = [40, 41, 42, 43, 44]
-    runner.append_tokens("r", other)
-    logits = runner.forward({"r": 5}, 5)
+    logits = runner.run({"r": other}, 5)                                 # append + compute the pending 5
     torch.testing.assert_close(logits, hf_logits(model, prompt + guess[:1] + other)[-5:], **TOL)
+    runner.truncate("r", len(prompt) + 3)                                # keep 2 of them, one new token
+    logits = runner.run({"r": [7]})
+    torch.testing.assert_close(logits[0], hf_logits(model, prompt + guess[:1] + other[:2] + [7])[-1], **TOL)
     with pytest.raises(ValueError, match="cannot truncate"):
         runner.truncate("r", 10_000)
 
@@ -285,3 +287,15 @@ def test_decode_with_joins_on_a_draft_role_runner(models):
     for g, p in zip(got, PROMPTS):
         torch.testing.assert_close(g, hf_logits(model, p), **TOL)
     assert run_full_prefill(runner, PROMPTS)[0].shape == (len(PROMPTS[0]), 320)
+
+
+def test_bad_prompt_leaves_no_request_behind(models):
+    _, path = models["llama"]
+    runner = SpeculativeRunner(path, block_size=4, num_blocks=16)
+    with pytest.raises(ValueError, match="empty prompt"):
+        runner.generate([PROMPTS[1], []], max_new_tokens=3)
+    with pytest.raises(ValueError, match="token ids must be in 0..319"):
+        runner.generate([[5, 320]], max_new_tokens=3)
+    assert not runner.target.requests and runner.target.num_free_blocks() == {0: 16}
+    assert runner.generate([PROMPTS[1]], max_new_tokens=3) == SpeculativeRunner(
+        path, block_size=4, num_blocks=16).generate([PROMPTS[1]], max_new_tokens=3)

@@ -181,14 +181,13 @@ class SpeculativeRunner:
         failures: dict[int, Exception] = {}
         if max_new_tokens == 0:
             return outputs, failures
-        index = {}
-        for i, tokens in enumerate(token_lists):
-            rid = (call, i)
-            runner.add_request(rid, tokens)
-            index[rid] = i
+        index = {(call, i): i for i in range(len(token_lists))}
         generators = {rid: request_generator(seed, i) for rid, i in index.items()}
-        live = set(index)
+        live = set()
         try:
+            for rid, i in index.items():
+                runner.add_request(rid, token_lists[i])
+                live.add(rid)
             while live:
                 schedule = runner.schedule()
                 done = [rid for rid, n in schedule.items() if runner.requests[rid].num_pending == n]
