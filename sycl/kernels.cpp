@@ -133,7 +133,7 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
   const int q0 = query_start_loc[req];
   const int qlen = query_start_loc[req + 1] - q0;
   const int seq = seq_lens[req];
-  const int ctx = seq - qlen;                        // position of the request's first new token - 0
+  const int ctx = seq - qlen;                        // position of the request's first new token
   const int nrows = sycl::min(ROWS, qlen * group - f0);
   const int p_first = ctx + f0 / group;
   const int p_last = ctx + (f0 + nrows - 1) / group;

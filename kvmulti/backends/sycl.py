@@ -351,7 +351,8 @@ class Session:
     def __init__(self, runtime: Runtime, handle: int):
         self.runtime, self.shim, self.handle = runtime, runtime.shim, handle
         f = self.shim.text(self.shim.lib.kvm_session_describe, handle).split("\t")
-        self.device = DeviceInfo(-1, f[0], f[1], f[2], f[3], int(f[4]), int(f[5]), int(f[6]), f[7] == "1",
+        index = next((d.index for d in runtime.devices if (d.backend, d.type, d.name) == (f[0], f[1], f[2])), -1)
+        self.device = DeviceInfo(index, f[0], f[1], f[2], f[3], int(f[4]), int(f[5]), int(f[6]), f[7] == "1",
                                  f[8] == "1", f[9] == "1")
         self.key = int(self.shim.lib.kvm_session_key(handle))
 
@@ -770,3 +771,34 @@ class SyclBackend(Backend):
 def list_devices() -> list[DeviceInfo]:
     """The SYCL devices the runtime sees (empty when it is unavailable)."""
     return [] if runtime_reasons() else list(get_runtime().devices)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvmulti.backends.sycl [info | build [--dtypes fp32,fp16,bf16] [--head-sizes 64,128]]``:
+    show the runtime and devices, or build the shim and pre-compile kernels into the persistent cache."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m kvmulti.backends.sycl", description=main.__doc__)
+    ap.add_argument("command", choices=("info", "build"), nargs="?", default="info")
+    ap.add_argument("--dtypes", default="fp32,fp16,bf16")
+    ap.add_argument("--head-sizes", default="64,128")
+    args = ap.parse_args(argv)
+    backend = SyclBackend()
+    print(f"SYCL backend: {backend.describe()}")
+    reasons = backend.unavailable_reasons()
+    if reasons:
+        print("unavailable: " + "; ".join(reasons))
+        return 1
+    session = default_session()
+    print(f"default device: {session.device.line()}")
+    if args.command == "build":
+        names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+        for dt in args.dtypes.split(","):
+            for hs in args.head_sizes.split(","):
+                t0 = time.perf_counter()
+                backend.bundle(session, KVCacheLayout(1, 16, 1, int(hs), dtype=names[dt.strip()]))
+                print(f"kernels {dt} head_size={hs}: {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
