@@ -50,6 +50,7 @@ struct PagedAttentionParams {
   int sliding_window;            // 0 = none
   int partition_size;            // keys per partition (split-KV only)
   int num_partitions;            // gridDim.z; 1 = no split
+  int kv_aligned16;              // cache base 16-byte aligned: K rows are read in 16-byte chunks
   float scale;
   float softcap;                 // 0 = none
 };
@@ -131,10 +132,7 @@ __device__ __forceinline__ void paged_attention_body(const PagedAttentionParams&
       const int64_t blk = bt[t / p.block_size];
       const int64_t row = blk * p.kv_stride_block + (int64_t)(t % p.block_size) * p.kv_stride_token;
       row_s[tid] = row;
-      const T* kp = cache + row;
-      float dot = 0.f;
-#pragma unroll 8
-      for (int d = 0; d < HS; ++d) dot += q_s[d] * Cvt<T>::to(kp[d]);
+      float dot = dot_row<T, HS>(q_s, cache + row, p.kv_aligned16 != 0);
       if (p.softcap > 0.f) dot = p.softcap * tanhf(dot / p.softcap);
       s = dot;
     }
@@ -181,7 +179,7 @@ __device__ __forceinline__ void paged_attention_body(const PagedAttentionParams&
 
 // grid (num_tokens, num_q_heads, num_partitions), block kNumWarps * WAVE threads, no dynamic shared memory.
 template <typename T, int HS, int WAVE>
-__global__ void __launch_bounds__(kNumWarps * WAVE) paged_attention_kernel(const PagedAttentionParams p) {
+__global__ void __launch_bounds__(kNumWarps * WAVE, 1) paged_attention_kernel(const PagedAttentionParams p) {
   if constexpr (wave_matches_target<WAVE>()) paged_attention_body<T, HS, WAVE>(p);
 }
 

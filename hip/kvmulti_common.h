@@ -51,6 +51,50 @@ template <> struct Cvt<hip_bfloat16> {
   __device__ __forceinline__ static hip_bfloat16 from(float x) { return hip_bfloat16(x); }
 };
 
+// 16 bytes of a row: 4 floats or 8 halves / bf16s, read with one vector load.
+struct alignas(16) Chunk16 {
+  uint32_t w[4];
+};
+template <typename T> struct ChunkElem;
+template <> struct ChunkElem<float> {
+  static constexpr int N = 4;
+  __device__ __forceinline__ static float get(const Chunk16& c, int j) { return __uint_as_float(c.w[j]); }
+};
+template <> struct ChunkElem<__half> {
+  static constexpr int N = 8;
+  __device__ __forceinline__ static float get(const Chunk16& c, int j) {
+    return __half2float(__ushort_as_half((unsigned short)((c.w[j >> 1] >> (16 * (j & 1))) & 0xffffu)));
+  }
+};
+template <> struct ChunkElem<hip_bfloat16> {
+  static constexpr int N = 8;
+  __device__ __forceinline__ static float get(const Chunk16& c, int j) {
+    return __uint_as_float(((c.w[j >> 1] >> (16 * (j & 1))) & 0xffffu) << 16);
+  }
+};
+
+// Dot product of a (pre-scaled, fp32) query in shared memory with one K row of HS elements.
+// aligned (16-byte aligned row; the usual case, see kv_aligned16) reads the row in 16-byte chunks,
+// otherwise element by element.
+template <typename T, int HS>
+__device__ __forceinline__ float dot_row(const float* __restrict__ q, const T* __restrict__ row, bool aligned) {
+  constexpr int N = ChunkElem<T>::N;
+  float acc = 0.f;
+  if (HS % N == 0 && aligned) {
+    const Chunk16* chunks = reinterpret_cast<const Chunk16*>(row);
+#pragma unroll 2
+    for (int i = 0; i < HS / N; ++i) {
+      const Chunk16 c = chunks[i];
+#pragma unroll
+      for (int j = 0; j < N; ++j) acc += q[i * N + j] * ChunkElem<T>::get(c, j);
+    }
+  } else {
+#pragma unroll 8
+    for (int d = 0; d < HS; ++d) acc += q[d] * Cvt<T>::to(row[d]);
+  }
+  return acc;
+}
+
 // Butterfly reductions inside one wave. Every lane of the wave must call them (uniform control flow).
 template <int WAVE>
 __device__ __forceinline__ float wave_sum(float v) {

@@ -161,6 +161,11 @@ __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
   p.sliding_window = sliding_window > 0 ? sliding_window : 0;
   p.partition_size = num_partitions > 1 ? partition_size : 0;
   p.num_partitions = num_partitions;
+  // Row offsets are multiples of the strides (for the canonical layout: of the entry size,
+  // 2 * head_size elements), so K rows are 16-byte aligned when the base and the strides are.
+  const long long esz = dtype == 0 ? 4 : 2;
+  p.kv_aligned16 = ((uintptr_t)kv_cache % 16 == 0 && (kv_stride_block * esz) % 16 == 0 &&
+                    (kv_stride_token * esz) % 16 == 0 && (kv_stride_head * esz) % 16 == 0) ? 1 : 0;
   p.scale = scale;
   p.softcap = softcap > 0.f ? softcap : 0.f;
   hipStream_t s = (hipStream_t)stream;

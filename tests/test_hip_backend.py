@@ -195,3 +195,20 @@ def test_declared_head_sizes_match_the_compiled_instantiations(harness):
     sizes = (ctypes.c_int * 16)()
     count = lib.kvmulti_hip_head_sizes(sizes, 16)
     assert tuple(sizes[:count]) == hip.HEAD_SIZES == harness.head_sizes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_misaligned_cache_uses_the_scalar_path(harness, dtype):
+    """A cache whose base is not 16-byte aligned (a view into a larger buffer) is read element-wise."""
+    layout = kvmulti.KVCacheLayout(6, 16, 2, 64, dtype=dtype, order="HND")
+    cache = layout.allocate(allocator=lambda n, dt, dev: torch.empty(n + 1, dtype=dt, device=dev)[1:])
+    assert cache.data_ptr() % 16 != 0
+    cache.copy_(torch.randn(layout.shape).to(dtype))
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    md = kvmulti.CommonAttentionMetadata.from_lens([4, 1], [40, 33], table, 16)
+    query = torch.randn(5, 4, 64).to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = kvmulti.paged_attention(query, cache, layout, md, softcap=9.0, backend="HIP")
+    expected = reference.paged_attention(query, cache, layout, md, softcap=9.0)
+    assert_close_to_reference(out, expected, dtype)

@@ -525,6 +525,10 @@ struct __half {
 };
 static_assert(sizeof(__half) == 2, "__half must be 2 bytes");
 inline float __half2float(__half h) { return (float)h; }
+inline __half __ushort_as_half(unsigned short b) { __half h; h.x = b; return h; }
+inline unsigned short __half_as_ushort(__half h) { return h.x; }
+inline float __uint_as_float(unsigned int u) { return ::kvcpu::u2f(u); }
+inline unsigned int __float_as_uint(float f) { return ::kvcpu::f2u(f); }
 inline __half __float2half(float f) { return __half(f); }
 
 struct hip_bfloat16 {
