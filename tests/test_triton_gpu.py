@@ -19,6 +19,7 @@ import kvmulti
 from kvmulti import reference
 from kvmulti.backends import get_backend
 from kvmulti.backends import triton as triton_backend
+from kvmulti.backends.base import AttentionConfig
 
 VENDORS = [pytest.param("cuda", marks=pytest.mark.cuda, id="cuda"),
            pytest.param("rocm", marks=pytest.mark.rocm, id="rocm")]
@@ -28,8 +29,7 @@ def gpu(vendor: str) -> str:
     if triton_backend.interpreting():
         pytest.fail("TRITON_INTERPRET=1 is set on a GPU host: the GPU suite must run compiled kernels")
     reasons = get_backend("TRITON").not_supported_reasons(
-        kvmulti.backends.base.AttentionConfig.from_layout(
-            kvmulti.KVCacheLayout(4, 16, 2, 64, dtype=torch.float16), "cuda"))
+        AttentionConfig.from_layout(kvmulti.KVCacheLayout(4, 16, 2, 64, dtype=torch.float16), "cuda"))
     assert not reasons, reasons
     return "cuda"
 
