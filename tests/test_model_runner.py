@@ -299,3 +299,15 @@ def test_bad_prompt_leaves_no_request_behind(models):
     assert not runner.target.requests and runner.target.num_free_blocks() == {0: 16}
     assert runner.generate([PROMPTS[1]], max_new_tokens=3) == SpeculativeRunner(
         path, block_size=4, num_blocks=16).generate([PROMPTS[1]], max_new_tokens=3)
+
+
+def test_runner_sized_from_a_memory_budget(models):
+    _, path = models["gemma3"]
+    budget = 3 * 2**20
+    runner = ModelRunner(path, block_size={"full": 4, "sliding": 8}, memory_bytes=budget)
+    counts = {lay.num_blocks for lay in runner.layouts.values()}
+    assert len(counts) == 1 and counts.pop() > 1
+    used = runner.kv_cache_config.memory_bytes()
+    assert used <= budget and sum(c.numel() * c.element_size() for c in runner.kv_caches.values()) == used
+    per_block = sum(g.spec.page_size_bytes * len(g.layer_names) for g in runner.kv_cache_config.groups)
+    assert budget - used < per_block
