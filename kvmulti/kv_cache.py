@@ -23,7 +23,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .layout import KVCacheLayout, Order
+from .layout import Allocator, KVCacheLayout, Order
 
 #: Block-table value of a block that was never allocated or was given back (sliding window).
 NO_BLOCK = -1
@@ -161,9 +161,13 @@ class KVCacheConfig:
         return sum(lay.page_size_bytes * lay.num_blocks * len(g.layer_names)
                    for g, lay in zip(self.groups, self.layouts))
 
-    def allocate_caches(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """One zeroed cache tensor per layer, from its group's layout."""
-        return {name: lay.allocate(device) for g, lay in zip(self.groups, self.layouts) for name in g.layer_names}
+    def allocate_caches(self, device: torch.device | str = "cpu",
+                        allocators: Mapping[int, Allocator | None] | None = None) -> dict[str, torch.Tensor]:
+        """One zeroed cache tensor per layer, from its group's layout (and the group's allocator,
+        e.g. SYCL USM memory, when ``allocators`` names one)."""
+        allocators = allocators or {}
+        return {name: lay.allocate(device, allocators.get(g.group_id))
+                for g, lay in zip(self.groups, self.layouts) for name in g.layer_names}
 
     def describe(self) -> str:
         lines = []

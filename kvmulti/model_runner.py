@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from .backends.base import AttentionConfig
-from .backends.registry import ROLES, select_backend
+from .backends.registry import ROLES, get_backend, select_backend
 from .kv_cache import AttentionSpec, BlockPool, BlockTables, KVCacheConfig, OutOfBlocksError
-from .layout import KVCacheLayout
+from .layout import Allocator, KVCacheLayout
 from .metadata import CommonAttentionMetadata
 from .models.decoder import AttentionContext, CausalLM
 from .models.loader import load_model
@@ -93,6 +93,21 @@ class StepBatch:
     num_logits: list[int] = field(default_factory=list)
 
 
+def cache_allocator(backend: str, device: torch.device) -> Allocator | None:
+    """The allocator a backend wants its caches in on ``device`` (None: plain torch memory).
+
+    A backend may provide ``cache_allocator(device)``; SYCL on a CPU host needs USM shared memory
+    to use the cache in place (a plain CPU tensor would be staged through USM on every call).
+    """
+    hook = getattr(get_backend(backend), "cache_allocator", None)
+    if hook is not None:
+        return hook(device)
+    if backend == "SYCL" and device.type == "cpu":
+        from .backends.sycl import usm_allocator
+        return usm_allocator
+    return None
+
+
 class ModelRunner:
     """Runs one model over paged KV caches for a changing set of requests.
 
@@ -129,8 +144,9 @@ class ModelRunner:
         groups = self.kv_cache_config.groups
         self.layer_to_group = self.kv_cache_config.layer_to_group()
         self.layouts: dict[int, KVCacheLayout] = {g.group_id: lay for g, lay in zip(groups, self.kv_cache_config.layouts)}
-        self.kv_caches = self.kv_cache_config.allocate_caches(self.device)
         self.backends = {g.group_id: self._select(g.group_id, g.spec, backend) for g in groups}
+        self.kv_caches = self.kv_cache_config.allocate_caches(
+            self.device, {gid: cache_allocator(name, self.device) for gid, name in self.backends.items()})
         self.pools = {g.group_id: BlockPool(self.layouts[g.group_id].num_blocks) for g in groups}
         self.tables = {g.group_id: BlockTables(g, self.pools[g.group_id]) for g in groups}
         self.requests: dict[Hashable, Request] = {}

@@ -178,10 +178,12 @@ def test_cpu_backend_always_runs():
     assert "CPU" in BACKENDS
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_greedy_generation_matches_transformers(hf_models, family):
+def test_greedy_generation_matches_transformers(hf_models, family, backend):
     model, path = hf_models[family]
-    runner = SpeculativeRunner(path, block_size={"full": 4, "sliding": 8}, num_blocks=128)
+    runner = SpeculativeRunner(path, target_backend=backend, block_size={"full": 4, "sliding": 8}, num_blocks=128)
+    assert set(runner.target.backends.values()) == {backend}
     prompts = PROMPTS[:3]
     got = runner.generate(prompts, max_new_tokens=12, temperature=0.0)
     for p, g in zip(prompts, got):
