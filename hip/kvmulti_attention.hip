@@ -13,13 +13,15 @@
 // to keys 0..p, and with a sliding window W only to keys p-W+1..p (blocks entirely outside the window
 // are never read: their block-table entries may be garbage).
 //
-// Block = (query token, query head, KV partition); kNumWarps*WAVE threads. The key range is streamed
-// in tiles of one key per thread with an online softmax (running max / sum, fp32 accumulation):
-//   QK: each thread computes the dot product of its key row with the (pre-scaled) query in shared mem,
-//       applies softcap c*tanh(s/c);
-//   block max/sum reductions (wave shuffles + shared memory) give every thread the same m, l;
+// Block = (query token, up to kMaxGroupRows=8 query heads of one GQA group, KV partition);
+// kNumWarps*WAVE threads. Every K/V element a block reads serves all of its query heads. The key
+// range is streamed in tiles of one key per thread with an online softmax per head (running max /
+// sum, fp32 accumulation):
+//   QK: each thread reads its key row once (16-byte loads when aligned) and computes the dot products
+//       with the block's (pre-scaled) query rows in shared memory, applies softcap c*tanh(s/c);
+//   block max/sum reductions (wave shuffles + shared memory) give every thread the same m, l per head;
 //   PV: each thread owns head dims d = tid, tid+NT, ... and accumulates p_i * V[i][d] over the tile
-//       (coalesced across threads).
+//       for every head (V reads coalesced across threads).
 // All loops that contain barriers or shuffles have block-uniform trip counts.
 //
 // Split-KV ("partitioned") decode: for long contexts with too few (token, head) blocks to fill the
@@ -70,15 +72,22 @@ template <typename T, int HS, int WAVE>
 __device__ __forceinline__ void paged_attention_body(const PagedAttentionParams& p) {
   constexpr int NT = kNumWarps * WAVE;
   constexpr int DPT = (HS + NT - 1) / NT;  // output dims per thread
+  constexpr int G = kMaxGroupRows;
   const int tid = (int)threadIdx.x;
   const int token = (int)blockIdx.x;
-  const int head = (int)blockIdx.y;
   const int part = (int)blockIdx.z;
+  // This block's query heads: up to G consecutive heads of one GQA group (they share the KV head,
+  // so every K/V element read serves all of them).
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int chunks = (group + G - 1) / G;
+  const int kv_head = (int)blockIdx.y / chunks;
+  const int head0 = kv_head * group + ((int)blockIdx.y % chunks) * G;
+  const int rows = min(G, kv_head * group + group - head0);  // block-uniform
 
-  __shared__ float q_s[HS];
-  __shared__ float p_s[NT];
+  __shared__ float q_s[G][HS];
+  __shared__ float p_s[G][NT];
   __shared__ int64_t row_s[NT];
-  __shared__ float red_s[kNumWarps];
+  __shared__ float red_s[G][kNumWarps];
 
   // Request of this token: the last r with query_start_loc[r] <= token (block-uniform).
   int lo = 0, hi = p.num_reqs - 1;
@@ -96,88 +105,124 @@ __device__ __forceinline__ void paged_attention_body(const PagedAttentionParams&
     kv_start += part * p.partition_size;
     kv_end = min(kv_end, kv_start + p.partition_size);
   }
-  const int kv_head = head / (p.num_q_heads / p.num_kv_heads);
   const T* cache = static_cast<const T*>(p.kv_cache) + (int64_t)kv_head * p.kv_stride_head;
   const int* bt = p.block_table + (int64_t)req * p.bt_stride;
-  const int64_t out_idx = ((int64_t)token * p.num_q_heads + head) * p.num_partitions + part;
+  // split-KV partial results of row r live at (part_idx0 + r * num_partitions)
+  const int64_t part_idx0 = ((int64_t)token * p.num_q_heads + head0) * p.num_partitions + part;
+  T* const out0 = static_cast<T*>(p.out) + (int64_t)token * p.o_stride_token + (int64_t)head0 * p.o_stride_head;
 
   if (kv_start >= kv_end) {  // empty partition / no visible key (uniform): contributes nothing
-    if (p.num_partitions > 1) {
-      if (tid == 0) {
-        p.part_max[out_idx] = -FLT_MAX;
-        p.part_sum[out_idx] = 0.f;
+    for (int i = tid; i < rows * HS; i += NT) {
+      const int r = i / HS, d = i % HS;
+      if (p.num_partitions > 1) {
+        const int64_t idx = part_idx0 + (int64_t)r * p.num_partitions;
+        if (d == 0) {
+          p.part_max[idx] = -FLT_MAX;
+          p.part_sum[idx] = 0.f;
+        }
+        p.part_out[idx * HS + d] = 0.f;
+      } else {
+        out0[r * p.o_stride_head + d] = Cvt<T>::from(0.f);
       }
-      for (int d = tid; d < HS; d += NT) p.part_out[out_idx * HS + d] = 0.f;
-    } else {
-      T* op = static_cast<T*>(p.out) + (int64_t)token * p.o_stride_token + (int64_t)head * p.o_stride_head;
-      for (int d = tid; d < HS; d += NT) op[d] = Cvt<T>::from(0.f);
     }
     return;
   }
 
-  const T* qp = static_cast<const T*>(p.query) + (int64_t)token * p.q_stride_token + (int64_t)head * p.q_stride_head;
-  for (int d = tid; d < HS; d += NT) q_s[d] = Cvt<T>::to(qp[d]) * p.scale;
+  const T* q0 = static_cast<const T*>(p.query) + (int64_t)token * p.q_stride_token + (int64_t)head0 * p.q_stride_head;
+  for (int i = tid; i < rows * HS; i += NT) {
+    const int r = i / HS, d = i % HS;
+    q_s[r][d] = Cvt<T>::to(q0[r * p.q_stride_head + d]) * p.scale;
+  }
   __syncthreads();
 
-  float m = -FLT_MAX, l = 0.f;
-  float acc[DPT];
+  float m[G], l[G], acc[G][DPT];
 #pragma unroll
-  for (int j = 0; j < DPT; ++j) acc[j] = 0.f;
+  for (int r = 0; r < G; ++r) {
+    m[r] = -FLT_MAX;
+    l[r] = 0.f;
+#pragma unroll
+    for (int j = 0; j < DPT; ++j) acc[r][j] = 0.f;
+  }
+  const bool aligned = p.kv_aligned16 != 0;
 
   for (int t0 = kv_start; t0 < kv_end; t0 += NT) {  // uniform trip count
     const int t = t0 + tid;
     const bool valid = t < kv_end;
-    float s = -FLT_MAX;
+    float s[G];
+#pragma unroll
+    for (int r = 0; r < G; ++r) s[r] = -FLT_MAX;
     if (valid) {
       const int64_t blk = bt[t / p.block_size];
       const int64_t row = blk * p.kv_stride_block + (int64_t)(t % p.block_size) * p.kv_stride_token;
       row_s[tid] = row;
-      float dot = dot_row<T, HS>(q_s, cache + row, p.kv_aligned16 != 0);
-      if (p.softcap > 0.f) dot = p.softcap * tanhf(dot / p.softcap);
-      s = dot;
+      dot_rows<T, HS, G>(&q_s[0][0], cache + row, aligned, rows, s);
+      if (p.softcap > 0.f) {
+#pragma unroll
+        for (int r = 0; r < G; ++r) s[r] = p.softcap * tanhf(s[r] / p.softcap);
+      }
     }
-    const float m_new = fmaxf(m, block_reduce<WAVE, kNumWarps, true>(s, red_s));
-    const float e = valid ? __expf(s - m_new) : 0.f;
-    p_s[tid] = e;
-    const float tile_sum = block_reduce<WAVE, kNumWarps, false>(e, red_s);  // also publishes p_s, row_s
-    const float alpha = __expf(m - m_new);
-    l = l * alpha + tile_sum;
-    m = m_new;
+    float m_new[G], e[G], alpha[G];
+#pragma unroll
+    for (int r = 0; r < G; ++r) m_new[r] = s[r];
+    block_reduce_rows<WAVE, kNumWarps, true, G>(m_new, rows, red_s);
+#pragma unroll
+    for (int r = 0; r < G; ++r) {
+      m_new[r] = fmaxf(m[r], m_new[r]);
+      e[r] = valid ? __expf(s[r] - m_new[r]) : 0.f;
+      if (r < rows) p_s[r][tid] = e[r];
+    }
+    block_reduce_rows<WAVE, kNumWarps, false, G>(e, rows, red_s);  // also publishes p_s, row_s
+#pragma unroll
+    for (int r = 0; r < G; ++r) {
+      alpha[r] = __expf(m[r] - m_new[r]);
+      l[r] = l[r] * alpha[r] + e[r];
+      m[r] = m_new[r];
+    }
     const int n = min(NT, kv_end - t0);
 #pragma unroll
     for (int j = 0; j < DPT; ++j) {
       const int d = tid + j * NT;
       if (d < HS) {
-        float a = acc[j] * alpha;
-        for (int i = 0; i < n; ++i) a += p_s[i] * Cvt<T>::to(cache[row_s[i] + HS + d]);
-        acc[j] = a;
+#pragma unroll
+        for (int r = 0; r < G; ++r) acc[r][j] *= alpha[r];
+        for (int i = 0; i < n; ++i) {
+          const float v = Cvt<T>::to(cache[row_s[i] + HS + d]);
+#pragma unroll
+          for (int r = 0; r < G; ++r)
+            if (r < rows) acc[r][j] += p_s[r][i] * v;
+        }
       }
     }
     __syncthreads();  // p_s / row_s are rewritten by the next tile
   }
 
-  const float inv = l > 0.f ? 1.f / l : 0.f;
-  if (p.num_partitions > 1) {
-    if (tid == 0) {
-      p.part_max[out_idx] = m;
-      p.part_sum[out_idx] = l;
-    }
 #pragma unroll
-    for (int j = 0; j < DPT; ++j) {
-      const int d = tid + j * NT;
-      if (d < HS) p.part_out[out_idx * HS + d] = acc[j] * inv;
-    }
-  } else {
-    T* op = static_cast<T*>(p.out) + (int64_t)token * p.o_stride_token + (int64_t)head * p.o_stride_head;
+  for (int r = 0; r < G; ++r) {
+    if (r >= rows) continue;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    if (p.num_partitions > 1) {
+      const int64_t idx = part_idx0 + (int64_t)r * p.num_partitions;
+      if (tid == 0) {
+        p.part_max[idx] = m[r];
+        p.part_sum[idx] = l[r];
+      }
 #pragma unroll
-    for (int j = 0; j < DPT; ++j) {
-      const int d = tid + j * NT;
-      if (d < HS) op[d] = Cvt<T>::from(acc[j] * inv);
+      for (int j = 0; j < DPT; ++j) {
+        const int d = tid + j * NT;
+        if (d < HS) p.part_out[idx * HS + d] = acc[r][j] * inv;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < DPT; ++j) {
+        const int d = tid + j * NT;
+        if (d < HS) out0[r * p.o_stride_head + d] = Cvt<T>::from(acc[r][j] * inv);
+      }
     }
   }
 }
 
-// grid (num_tokens, num_q_heads, num_partitions), block kNumWarps * WAVE threads, no dynamic shared memory.
+// grid (num_tokens, num_kv_heads * ceil(group / kMaxGroupRows), num_partitions), block kNumWarps * WAVE
+// threads, no dynamic shared memory.
 template <typename T, int HS, int WAVE>
 __global__ void __launch_bounds__(kNumWarps * WAVE, 1) paged_attention_kernel(const PagedAttentionParams p) {
   if constexpr (wave_matches_target<WAVE>()) paged_attention_body<T, HS, WAVE>(p);

@@ -16,6 +16,8 @@ namespace kvmulti {
 
 // Threads per attention block = kNumWarps * WAVE (256 on CDNA wave64, 128 on RDNA wave32 / NVIDIA).
 constexpr int kNumWarps = 4;
+// Query heads of one GQA group handled by one attention block (a larger group uses several blocks).
+constexpr int kMaxGroupRows = 8;
 
 // Wave size of the code being generated: 64 on CDNA (gfx9), 32 on RDNA (gfx10+/gfx11 default wave32)
 // and NVIDIA; 0 on host passes and on the CPU harness (where the launcher picks the instantiation
@@ -73,26 +75,35 @@ template <> struct ChunkElem<hip_bfloat16> {
   }
 };
 
-// Dot product of a (pre-scaled, fp32) query in shared memory with one K row of HS elements.
-// aligned (16-byte aligned row; the usual case, see kv_aligned16) reads the row in 16-byte chunks,
-// otherwise element by element.
-template <typename T, int HS>
-__device__ __forceinline__ float dot_row(const float* __restrict__ q, const T* __restrict__ row, bool aligned) {
+// Dot products of up to G (pre-scaled, fp32) query rows in shared memory (q: [G][HS]) with one K
+// row of HS elements, read once; rows [0, rows) are computed into s[]. aligned (16-byte aligned
+// row; the usual case, see kv_aligned16) reads the row in 16-byte chunks, else element by element.
+template <typename T, int HS, int G>
+__device__ __forceinline__ void dot_rows(const float* __restrict__ q, const T* __restrict__ row, bool aligned,
+                                         int rows, float (&s)[G]) {
   constexpr int N = ChunkElem<T>::N;
-  float acc = 0.f;
+#pragma unroll
+  for (int r = 0; r < G; ++r) s[r] = 0.f;
   if (HS % N == 0 && aligned) {
     const Chunk16* chunks = reinterpret_cast<const Chunk16*>(row);
-#pragma unroll 2
     for (int i = 0; i < HS / N; ++i) {
       const Chunk16 c = chunks[i];
 #pragma unroll
-      for (int j = 0; j < N; ++j) acc += q[i * N + j] * ChunkElem<T>::get(c, j);
+      for (int j = 0; j < N; ++j) {
+        const float k = ChunkElem<T>::get(c, j);
+#pragma unroll
+        for (int r = 0; r < G; ++r)
+          if (r < rows) s[r] += q[r * HS + i * N + j] * k;
+      }
     }
   } else {
-#pragma unroll 8
-    for (int d = 0; d < HS; ++d) acc += q[d] * Cvt<T>::to(row[d]);
+    for (int d = 0; d < HS; ++d) {
+      const float k = Cvt<T>::to(row[d]);
+#pragma unroll
+      for (int r = 0; r < G; ++r)
+        if (r < rows) s[r] += q[r * HS + d] * k;
+    }
   }
-  return acc;
 }
 
 // Butterfly reductions inside one wave. Every lane of the wave must call them (uniform control flow).
@@ -123,6 +134,32 @@ __device__ __forceinline__ float block_reduce(float v, float* red) {
   for (int i = 1; i < NUM_WARPS; ++i) r = IS_MAX ? fmaxf(r, red[i]) : r + red[i];
   __syncthreads();  // red[] may be rewritten by the next reduction
   return r;
+}
+
+// Block-wide reduction of G values per thread at once (rows [0, rows) used; rows must be
+// block-uniform). red: G x NUM_WARPS floats of shared memory. Two barriers; publishes every
+// shared-memory write made before it.
+template <int WAVE, int NUM_WARPS, bool IS_MAX, int G>
+__device__ __forceinline__ void block_reduce_rows(float (&v)[G], int rows, float (*red)[NUM_WARPS]) {
+  const int tid = (int)threadIdx.x;
+#pragma unroll
+  for (int r = 0; r < G; ++r) {
+    if (r < rows) {  // uniform across the block: every lane reaches the same shuffles
+      const float w = IS_MAX ? wave_max<WAVE>(v[r]) : wave_sum<WAVE>(v[r]);
+      if (tid % WAVE == 0) red[r][tid / WAVE] = w;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < G; ++r) {
+    if (r < rows) {
+      float x = red[r][0];
+#pragma unroll
+      for (int i = 1; i < NUM_WARPS; ++i) x = IS_MAX ? fmaxf(x, red[r][i]) : x + red[r][i];
+      v[r] = x;
+    }
+  }
+  __syncthreads();  // red[][] may be rewritten by the next reduction
 }
 
 }  // namespace kvmulti

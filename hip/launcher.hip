@@ -19,9 +19,10 @@ using kvmulti::WriteKVParams;
 //   * partition_size_request > 0: always split, in partitions of that many keys (tests, tuning);
 //   * partition_size_request == 0: never split;
 //   * partition_size_request < 0 (auto): split in partitions of kDefaultPartition (512) keys when the
-//     longest key span is > 2 * 512 keys AND the un-split grid (num_tokens * num_q_heads blocks) has
-//     fewer than 4 blocks per compute unit, i.e. when a few long sequences would leave most of the GPU
-//     idle while each block streams a long context. Otherwise one block per (token, head) suffices.
+//     longest key span is > 2 * 512 keys AND the un-split grid (num_tokens x num_kv_heads x
+//     ceil(group / 8) blocks) has fewer than 4 blocks per compute unit, i.e. when a few long sequences
+//     would leave most of the GPU idle while each block streams a long context. Otherwise one block per
+//     (token, head group) suffices.
 constexpr int kDefaultPartition = 512;
 
 int device_wave_size(int wave) {
@@ -41,7 +42,9 @@ int device_cu_count() {
 
 template <typename T, int HS, int WAVE>
 hipError_t launch_attention(const PagedAttentionParams& p, hipStream_t stream) {
-  dim3 grid((unsigned)p.num_tokens, (unsigned)p.num_q_heads, (unsigned)p.num_partitions);
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int chunks = (group + kvmulti::kMaxGroupRows - 1) / kvmulti::kMaxGroupRows;
+  dim3 grid((unsigned)p.num_tokens, (unsigned)(p.num_kv_heads * chunks), (unsigned)p.num_partitions);
   dim3 block(kvmulti::kNumWarps * WAVE);
   hipLaunchKernelGGL((kvmulti::paged_attention_kernel<T, HS, WAVE>), grid, block, 0, stream, p);
   hipError_t e = hipGetLastError();
@@ -78,7 +81,7 @@ hipError_t dispatch_wave(int wave, int head_size, const PagedAttentionParams& p,
 extern "C" {
 
 // Bumped whenever an entry point's signature changes (checked by the Python side).
-__attribute__((visibility("default"))) int kvmulti_hip_abi_version() { return 1; }
+__attribute__((visibility("default"))) int kvmulti_hip_abi_version() { return 2; }
 
 // Head sizes with compiled instantiations (K and V head sizes must be equal for attention).
 __attribute__((visibility("default"))) int kvmulti_hip_head_sizes(int* out, int cap) {
@@ -92,14 +95,16 @@ __attribute__((visibility("default"))) int kvmulti_hip_head_sizes(int* out, int 
 __attribute__((visibility("default"))) int kvmulti_hip_wave_size(int wave) { return device_wave_size(wave); }
 
 // Decides the split-KV configuration; see the heuristic above. Always returns 0.
-__attribute__((visibility("default"))) int kvmulti_hip_plan(int num_tokens, int num_q_heads, int max_span,
-                                                            int partition_size_request, int* partition_size,
-                                                            int* num_partitions) {
+__attribute__((visibility("default"))) int kvmulti_hip_plan(int num_tokens, int num_q_heads, int num_kv_heads,
+                                                            int max_span, int partition_size_request,
+                                                            int* partition_size, int* num_partitions) {
   int ps = 0;
+  const int group = num_kv_heads > 0 ? num_q_heads / num_kv_heads : 1;
+  const long long blocks = (long long)num_tokens * num_kv_heads *
+                           ((group + kvmulti::kMaxGroupRows - 1) / kvmulti::kMaxGroupRows);
   if (partition_size_request > 0) {
     ps = partition_size_request;
-  } else if (partition_size_request < 0 && max_span > 2 * kDefaultPartition &&
-             (long long)num_tokens * num_q_heads < 4LL * device_cu_count()) {
+  } else if (partition_size_request < 0 && max_span > 2 * kDefaultPartition && blocks < 4LL * device_cu_count()) {
     ps = kDefaultPartition;
   }
   int np = 1;

@@ -46,7 +46,7 @@ def test_amd_targets_compile_werror_without_spills(tmp_path):
     # The hipcc-built library exports the C ABI the backend binds (no GPU needed for these calls).
     lib = hip._bind(ctypes.CDLL(str(tmp_path / cc.AMD_LIBRARY)), harness=False)
     ps, parts = ctypes.c_int(), ctypes.c_int()
-    assert lib.kvmulti_hip_plan(4, 8, 100, 16, ctypes.byref(ps), ctypes.byref(parts)) == 0
+    assert lib.kvmulti_hip_plan(4, 8, 2, 100, 16, ctypes.byref(ps), ctypes.byref(parts)) == 0
     assert (ps.value, parts.value) == (16, 7)
     assert lib.kvmulti_hip_wave_size(64) == 64 and lib.kvmulti_hip_wave_size(32) == 32
     sizes = (ctypes.c_int * 8)()

@@ -181,3 +181,12 @@ def test_long_contexts_span_several_tiles(hip_backend, wave, dtype):
     spec = CaseSpec(order="NHD", block_size=32, num_kv_heads=1, group=4, head_size=128, dtype=dtype,
                     query_lens=(2, 1), context_lens=(400, 330), sliding_window=290)
     _run_case(hip_backend, spec, wave=wave, partition_size=0)
+
+
+@pytest.mark.parametrize("group", [12, 16])
+def test_gqa_groups_larger_than_one_block(hip_backend, group):
+    """Groups of more than 8 query heads per KV head are split over several blocks (8 + 4, 8 + 8)."""
+    spec = CaseSpec(order="NHD", block_size=16, num_kv_heads=2, group=group, head_size=64, dtype=torch.float32,
+                    query_lens=(4, 1), context_lens=(30, 150), sliding_window=100, softcap=25.0)
+    _run_case(hip_backend, spec, wave=32, partition_size=0)
+    _run_case(hip_backend, spec, wave=64, partition_size=32)

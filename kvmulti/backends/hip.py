@@ -15,8 +15,9 @@ Two ways to run the same kernel sources, through the same C ABI (``hip/launcher.
   only when named (``KVMULTI_ATTENTION_BACKEND=HIP`` or ``backend="HIP"``) and warns once.
 
 Split-KV heuristic (``kvmulti_hip_plan`` in launcher.hip): with ``partition_size=-1`` (default) the
-key range of each (token, head) is split into partitions of 512 keys, combined by a reduce kernel,
-when the longest visible span exceeds 1024 keys and tokens x query-heads < 4 x compute units; 0
+key range of each (token, head group) is split into partitions of 512 keys, combined by a reduce
+kernel, when the longest visible span exceeds 1024 keys and the un-split grid (tokens x KV heads x
+ceil(group / 8) blocks) has fewer than 4 blocks per compute unit; 0
 never splits; a positive value always splits with that partition size (tests, tuning). Set it per
 instance (``HipBackend(partition_size=...)``) or with ``KVMULTI_HIP_PARTITION_SIZE``.
 """
@@ -46,7 +47,7 @@ from .base import AttentionConfig, Backend
 
 #: Head sizes with compiled kernel instantiations (hip/launcher.hip dispatch_head_size).
 HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 128, 256)
-ABI_VERSION = 1
+ABI_VERSION = 2
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 #: Sources that make up the libraries (hashed into the cache key).
@@ -262,7 +263,7 @@ def _bind(lib: ctypes.CDLL, harness: bool) -> ctypes.CDLL:
     lib.kvmulti_hip_abi_version.restype = _I
     if lib.kvmulti_hip_abi_version() != ABI_VERSION:
         raise HipBuildError(f"{lib._name}: ABI version {lib.kvmulti_hip_abi_version()} != {ABI_VERSION}; rebuild it")
-    lib.kvmulti_hip_plan.argtypes = [_I, _I, _I, _I, ctypes.POINTER(_I), ctypes.POINTER(_I)]
+    lib.kvmulti_hip_plan.argtypes = [_I, _I, _I, _I, _I, ctypes.POINTER(_I), ctypes.POINTER(_I)]
     lib.kvmulti_hip_plan.restype = _I
     lib.kvmulti_hip_workspace_floats.argtypes = [_I, _I, _I, _I]
     lib.kvmulti_hip_workspace_floats.restype = _LL
@@ -447,7 +448,8 @@ class HipBackend(Backend):
         max_span = metadata.max_seq_len if not sliding_window else min(metadata.max_seq_len, sliding_window)
         request = self.partition_size if partition_size is None else int(partition_size)
         ps, npart = _I(0), _I(1)
-        lib.kvmulti_hip_plan(num_tokens, hq, max_span, request, ctypes.byref(ps), ctypes.byref(npart))
+        lib.kvmulti_hip_plan(num_tokens, hq, layout.num_kv_heads, max_span, request, ctypes.byref(ps),
+                             ctypes.byref(npart))
         ws_floats = lib.kvmulti_hip_workspace_floats(num_tokens, hq, layout.head_size, npart.value)
         workspace = torch.empty(max(ws_floats, 1), dtype=torch.float32, device=query.device)
         with _device_guard(kv_cache.device):
