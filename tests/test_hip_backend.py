@@ -212,3 +212,10 @@ def test_misaligned_cache_uses_the_scalar_path(harness, dtype):
         out = kvmulti.paged_attention(query, cache, layout, md, softcap=9.0, backend="HIP")
     expected = reference.paged_attention(query, cache, layout, md, softcap=9.0)
     assert_close_to_reference(out, expected, dtype)
+
+
+def test_named_prebuilt_library_must_exist(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVMULTI_HIP_LIBRARY", str(tmp_path / "missing.so"))
+    assert hip.prebuilt_rocm_library() == tmp_path / "missing.so"
+    if torch.version.hip and torch.cuda.is_available():
+        assert any("does not exist" in r for r in hip.HipBackend().platform_reasons("rocm"))

@@ -347,7 +347,10 @@ class HipBackend(Backend):
                 reasons.append("no ROCm GPU visible to torch")
             else:
                 lib = prebuilt_rocm_library()
-                if lib is not None:
+                if lib is not None and not lib.exists():
+                    reasons.append(f"KVMULTI_HIP_LIBRARY={lib} does not exist")
+                    built = None
+                elif lib is not None:
                     built = library_archs(lib)
                 else:
                     if hipcc_path() is None:
