@@ -216,7 +216,10 @@ class BlockTables:
     Row ``r`` holds the logical blocks of the request in row ``r``; column ``j`` covers positions
     ``j * block_size .. (j + 1) * block_size - 1``. ``held[r]`` counts the leading columns that
     were ever allocated (entries freed by the sliding window are :data:`NO_BLOCK`); ``first[r]``
-    is the first column still holding a block.
+    is the first column still holding a block. Two derived arrays keep per-step checks
+    vectorised: ``capacity[r] = held[r] * block_size`` (positions covered) and, for sliding
+    groups, ``release_at[r]``: the computed length (before the rollback margin) from which
+    column ``first[r]`` lies outside every future window.
     """
 
     def __init__(self, group: KVCacheGroup, pool: BlockPool, max_rows: int = 8, max_cols: int = 8):
@@ -226,6 +229,13 @@ class BlockTables:
         self.table = np.full((max_rows, max_cols), NO_BLOCK, dtype=np.int32)
         self.held = np.zeros(max_rows, dtype=np.int64)
         self.first = np.zeros(max_rows, dtype=np.int64)
+        self.capacity = np.zeros(max_rows, dtype=np.int64)
+        self.release_at = np.zeros(max_rows, dtype=np.int64)
+
+    def _set(self, row: int, held: int, first: int) -> None:
+        self.held[row], self.first[row], self.capacity[row] = held, first, held * self.block_size
+        if self.window is not None:
+            self.release_at[row] = (first + 1) * self.block_size + self.window - 1
 
     def _grow(self, rows: int, cols: int) -> None:
         r, c = self.table.shape
@@ -235,13 +245,15 @@ class BlockTables:
                       dtype=np.int32)
         new[:r, :c] = self.table
         self.table = new
-        if new.shape[0] > r:
-            self.held = np.concatenate([self.held, np.zeros(new.shape[0] - r, dtype=np.int64)])
-            self.first = np.concatenate([self.first, np.zeros(new.shape[0] - r, dtype=np.int64)])
+        extra = new.shape[0] - r
+        if extra:
+            for name in ("held", "first", "capacity", "release_at"):
+                setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, dtype=np.int64)]))
 
     def add_row(self, row: int) -> None:
         """Make room for row ``row`` (a new request); it holds no blocks."""
         self._grow(row + 1, 1)
+        self._set(row, 0, 0)
 
     def blocks_needed(self, row: int, num_tokens: int) -> int:
         """New blocks row ``row`` needs to hold positions 0 .. num_tokens - 1."""
@@ -260,7 +272,7 @@ class BlockTables:
         start = int(self.held[row])
         self._grow(row + 1, start + need)
         self.table[row, start:start + need] = self.pool.allocate(need)
-        self.held[row] = start + need
+        self._set(row, start + need, int(self.first[row]))
 
     def release_out_of_window(self, row: int, num_computed: int, margin: int = 0) -> int:
         """Sliding groups: give back blocks entirely before ``num_computed - window + 1 - margin``.
@@ -276,18 +288,16 @@ class BlockTables:
         start = int(self.first[row])
         if last_free_col <= start:
             return 0
-        freed = self.table[row, start:last_free_col]
-        self.pool.free(int(b) for b in freed)
+        self.pool.free(int(b) for b in self.table[row, start:last_free_col])
         self.table[row, start:last_free_col] = NO_BLOCK
-        self.first[row] = last_free_col
+        self._set(row, int(self.held[row]), last_free_col)
         return last_free_col - start
 
     def rows_to_release(self, rows: np.ndarray, num_computed: np.ndarray, margin: int = 0) -> np.ndarray:
-        """Indices into ``rows`` whose :meth:`release_out_of_window` would free something (vectorised)."""
+        """Indices into ``rows`` whose :meth:`release_out_of_window` may free something (vectorised)."""
         if self.window is None:
             return np.zeros(0, dtype=np.int64)
-        cols = np.minimum((num_computed - self.window + 1 - margin) // self.block_size, self.held[rows])
-        return np.nonzero(cols > self.first[rows])[0]
+        return np.nonzero(num_computed - margin >= self.release_at[rows])[0]
 
     def visible_from(self, row: int) -> int:
         """First position whose block this row still holds."""
@@ -302,16 +312,14 @@ class BlockTables:
         start = max(keep, int(self.first[row]))
         self.pool.free(int(b) for b in self.table[row, start:held])
         self.table[row, keep:held] = NO_BLOCK
-        self.held[row] = keep
-        self.first[row] = min(int(self.first[row]), keep)
+        self._set(row, keep, min(int(self.first[row]), keep))
 
     def release(self, row: int) -> None:
         """Give back every block of the row (request finished)."""
         held, start = int(self.held[row]), int(self.first[row])
         self.pool.free(int(b) for b in self.table[row, start:held])
         self.table[row, :held] = NO_BLOCK
-        self.held[row] = 0
-        self.first[row] = 0
+        self._set(row, 0, 0)
 
     def num_held(self, row: int) -> int:
         return int(self.held[row] - self.first[row])

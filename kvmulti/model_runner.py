@@ -84,7 +84,7 @@ class StepBatch:
     """The inputs of one forward: packed tokens, positions, per-group metadata, logits rows."""
 
     req_ids: list
-    query_lens: list[int]
+    query_lens: np.ndarray                          # int64 [R]
     rows: np.ndarray                                # int64 [R], the requests' block-table rows
     input_ids: torch.Tensor                         # int64 [T]
     positions: torch.Tensor                         # int64 [T]
@@ -291,18 +291,20 @@ class ModelRunner:
         rows = np.fromiter(map(self._row_of.__getitem__, req_ids), dtype=np.int64, count=r)
         ctx = self._rows.computed[rows]
         pending = self._rows.length[rows] - ctx
-        slack = np.minimum(q - 1, pending - q)               # < 0: nothing or too much scheduled
-        if slack.min() < 0:
-            i = int(np.nonzero(slack < 0)[0][0])
+        t = int(q.sum())
+        if t == r:                                            # one token per request (if all q >= 1)
+            low, high = int(pending.min()), int(pending.max())
+            valid, pure_decode = low >= 1 and int(q.min()) >= 1, high == 1
+        else:
+            valid, pure_decode = int(q.min()) >= 1 and int((pending - q).min()) >= 0, False
+        if not valid:
+            i = int(np.nonzero((q < 1) | (q > pending))[0][0])
             raise ValueError(f"request {req_ids[i]!r}: {int(q[i])} tokens scheduled, {int(pending[i])} pending")
         seq = ctx + q
         self._allocate(req_ids, rows, seq)
 
-        qsl = np.zeros(r + 1, dtype=np.int64)
-        np.cumsum(q, out=qsl[1:])
-        t = int(qsl[-1])
-        pure_decode = t == r and bool((pending == 1).all())
-        if t == r:                                            # one token per request
+        if t == r:
+            qsl = np.arange(r + 1, dtype=np.int64)
             req_of_token, positions = None, ctx
             if pure_decode:
                 ids = self._rows.last_token[rows]             # pure decode: the last known tokens
@@ -310,11 +312,13 @@ class ModelRunner:
                 ids = np.array([self.requests[rid].tokens[c] for rid, c in zip(req_ids, ctx.tolist())],
                                dtype=np.int64)
         else:
+            qsl = np.zeros(r + 1, dtype=np.int64)
+            np.cumsum(q, out=qsl[1:])
             req_of_token = np.repeat(np.arange(r), q)
             positions = np.arange(t) - qsl[:-1][req_of_token] + ctx[req_of_token]
             ids = np.array([tok for rid, c, n in zip(req_ids, ctx.tolist(), q.tolist())
                             for tok in self.requests[rid].tokens[c:c + n]], dtype=np.int64)
-        token_rows = rows if req_of_token is None else rows[req_of_token]
+        token_index = np.arange(r) if req_of_token is None else req_of_token   # token -> its batch row
 
         qsl32 = torch.from_numpy(qsl.astype(np.int32))
         seq32 = torch.from_numpy(seq.astype(np.int32))
@@ -327,9 +331,10 @@ class ModelRunner:
             if bs not in split:
                 split[bs] = np.divmod(positions, bs)
             col, offset = split[bs]
-            width = table.table.shape[1]
             block_table = table.table[rows, : -(-max_seq // bs)]                 # fancy index: a fresh copy
-            slots = table.table.ravel().take(token_rows * width + col).astype(np.int64) * bs + offset
+            slots = block_table[token_index, col].astype(np.int64)
+            slots *= bs
+            slots += offset
             metadata[gid] = CommonAttentionMetadata(
                 query_start_loc=qsl_dev, seq_lens=seq_dev, block_table=self._to_device(torch.from_numpy(block_table)),
                 slot_mapping=self._to_device(torch.from_numpy(slots)), num_reqs=r, num_actual_tokens=t,
@@ -351,7 +356,7 @@ class ModelRunner:
         else:
             logits_idx = np.concatenate([np.arange(qsl[i + 1] - mi, qsl[i + 1]) for i, mi in enumerate(m.tolist())]
                                         + [np.zeros(0, dtype=np.int64)])
-        return StepBatch(req_ids=req_ids, query_lens=q.tolist(), rows=rows,
+        return StepBatch(req_ids=req_ids, query_lens=q, rows=rows,
                          input_ids=self._to_device(torch.from_numpy(ids)),
                          positions=self._to_device(torch.from_numpy(np.ascontiguousarray(positions))),
                          metadata=metadata, logits_indices=self._to_device(torch.from_numpy(logits_idx)),
@@ -365,9 +370,9 @@ class ModelRunner:
         them -- before allocating anything, so no request is changed by a failed step."""
         plans = []
         for gid, table in self.tables.items():
-            need = (seq + (table.block_size - 1)) // table.block_size - table.held[rows]
-            if need.max() <= 0:
+            if (seq <= table.capacity[rows]).all():
                 continue                                      # the common decode case
+            need = (seq + (table.block_size - 1)) // table.block_size - table.held[rows]
             np.maximum(need, 0, out=need)
             total = int(need.sum())
             if total > table.pool.num_free:
@@ -382,8 +387,8 @@ class ModelRunner:
     def commit(self, batch: StepBatch) -> None:
         """Mark the batch's tokens computed; sliding groups free blocks that left every window."""
         rows = batch.rows
-        self._rows.computed[rows] += batch.query_lens
-        computed = self._rows.computed[rows]
+        computed = self._rows.computed[rows] + batch.query_lens
+        self._rows.computed[rows] = computed
         for table in self.tables.values():
             if table.window is not None:
                 for i in table.rows_to_release(rows, computed, self.rollback_tokens).tolist():

@@ -222,6 +222,13 @@ def test_scheduler_puts_decodes_first_and_chunks_prefills(models):
     assert runner.schedule(30) == {"d": 1, "p1": 19, "p2": 10}
     with pytest.raises(ValueError, match="4 tokens scheduled, 1 pending"):
         runner.forward({"d": 4})
+    with pytest.raises(ValueError, match="0 tokens scheduled, 1 pending"):
+        runner.forward({"d": 0, "p1": 1})
+    with pytest.raises(ValueError, match="'p2': 0 tokens scheduled, 12 pending"):
+        runner.forward({"d": 1, "p1": 1, "p2": 0})
+    with pytest.raises(ValueError, match="empty schedule"):
+        runner.forward({})
+    assert runner.requests["d"].num_computed == 3 and runner.num_free_blocks() == {0: 63}
 
 
 def test_sampling_is_seeded_per_request(models):
