@@ -18,7 +18,7 @@ skip blocks outside the window).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -326,11 +326,3 @@ class BlockTables:
 
     def row_blocks(self, row: int) -> list[int]:
         return self.table[row, : int(self.held[row])].tolist()
-
-
-def slot_mapping_for(table: np.ndarray, rows: np.ndarray, positions: np.ndarray, req_of_token: np.ndarray,
-                     block_size: int) -> np.ndarray:
-    """Slots (block * block_size + offset) of ``positions`` [T] of requests in ``rows[req_of_token]``."""
-    blocks = table[rows[req_of_token], positions // block_size].astype(np.int64)
-    return blocks * block_size + positions % block_size
-

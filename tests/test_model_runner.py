@@ -274,6 +274,8 @@ def test_byte_level_str_prompts(tmp_path):
 
 
 def test_speculative_runner_argument_checks(models):
+    import kvmulti
+    assert kvmulti.SpeculativeRunner is SpeculativeRunner
     _, path = models["llama"]
     for k in (0, 33, 2.5):
         with pytest.raises(ValueError, match="num_speculative_tokens"):

@@ -18,7 +18,7 @@ from torch import nn
 from .. import ops
 from ..layout import KVCacheLayout
 from ..metadata import CommonAttentionMetadata
-from .config import FULL, SLIDING, ModelConfig
+from .config import ModelConfig
 
 
 @dataclass
@@ -189,4 +189,4 @@ class CausalLM(nn.Module):
         return logits
 
 
-__all__ = ["AttentionContext", "CausalLM", "FULL", "SLIDING"]
+__all__ = ["AttentionContext", "CausalLM"]
