@@ -31,11 +31,14 @@ def _require_gxx():
         pytest.skip("HIP CPU harness cannot be built here: " + "; ".join(reasons))
 
 
-@pytest.fixture(scope="module")
-def selftest_lib():
+@pytest.fixture(scope="module", params=["asm-switch", "ucontext"])
+def selftest_lib(request):
+    """The self-test kernels built with the harness, once per context-switch implementation."""
     _require_gxx()
     src = hip.source_dir() / "cpu_harness" / "selftest" / "selftest.hip"
-    path = hip.build_harness_library(src, [], "libkvcpu_selftest.so", "the CPU-harness self-test kernels")
+    flags = ("-DKVCPU_FORCE_UCONTEXT",) if request.param == "ucontext" else ()
+    path = hip.build_harness_library(src, [], f"libkvcpu_selftest_{request.param}.so",
+                                     "the CPU-harness self-test kernels", extra_flags=flags)
     lib = ctypes.CDLL(str(path))
     lib.selftest_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.selftest_run.restype = ctypes.c_int

@@ -40,7 +40,14 @@
 #include <string>
 #include <vector>
 
-#if !defined(__x86_64__)
+// Context switch: hand-written for x86-64 (fast: no signal-mask syscall); ucontext elsewhere, or
+// everywhere with -DKVCPU_FORCE_UCONTEXT (the self-test builds both).
+#if defined(__x86_64__) && !defined(KVCPU_FORCE_UCONTEXT)
+#define KVCPU_ASM_SWITCH 1
+#else
+#define KVCPU_ASM_SWITCH 0
+#endif
+#if !KVCPU_ASM_SWITCH
 #include <ucontext.h>
 #endif
 #include <sys/mman.h>
@@ -90,7 +97,7 @@ enum hipDeviceAttribute_t {
 namespace kvcpu {
 
 // ------------------------------------------------------------------------------ context switching
-#if defined(__x86_64__)
+#if KVCPU_ASM_SWITCH
 extern "C" void kvcpu_switch(void** save_sp, void* new_sp);
 extern "C" void kvcpu_fiber_trampoline();
 // Saves callee-saved registers + MXCSR/x87 control word on the current stack, stores the stack
@@ -151,7 +158,7 @@ struct Fiber {
   unsigned wait_gen = 0;
   char* stack = nullptr;
   size_t stack_size = 0;
-#if defined(__x86_64__)
+#if KVCPU_ASM_SWITCH
   void* sp = nullptr;
 #else
   ucontext_t ctx;
@@ -175,7 +182,7 @@ struct State {
   std::vector<unsigned char> dyn_shared;
   std::function<void()> body;
   Fiber* cur = nullptr;
-#if defined(__x86_64__)
+#if KVCPU_ASM_SWITCH
   void* sched_sp = nullptr;
 #else
   ucontext_t sched_ctx;
@@ -221,7 +228,7 @@ inline void fail(hipError_t e, const std::string& msg) {
 inline void yield_to_scheduler() {
   State& s = st();
   Fiber* f = s.cur;
-#if defined(__x86_64__)
+#if KVCPU_ASM_SWITCH
   kvcpu_switch(&f->sp, s.sched_sp);
 #else
   swapcontext(&f->ctx, &s.sched_ctx);
@@ -253,7 +260,7 @@ inline void fiber_main(Fiber* f) {
   std::abort();  // never resumed
 }
 
-#if !defined(__x86_64__)
+#if !KVCPU_ASM_SWITCH
 inline void fiber_entry_ucontext(unsigned lo, unsigned hi) {
   uintptr_t p = (uintptr_t)lo | ((uintptr_t)hi << 32);
   fiber_main(reinterpret_cast<Fiber*>(p));
@@ -273,7 +280,7 @@ inline char* get_stack(size_t i) {
 }
 
 inline void init_fiber(Fiber& f) {
-#if defined(__x86_64__)
+#if KVCPU_ASM_SWITCH
   uintptr_t top = ((uintptr_t)(f.stack + f.stack_size)) & ~(uintptr_t)15;
   uint64_t* sp = reinterpret_cast<uint64_t*>(top);
   *--sp = (uint64_t)(uintptr_t)&kvcpu_fiber_trampoline;  // return address of kvcpu_switch
@@ -331,7 +338,7 @@ inline bool run_block() {
       if (f.done) continue;
       if (f.waiting && f.waiting->gen == f.wait_gen) continue;  // still blocked
       s.cur = &f;
-#if defined(__x86_64__)
+#if KVCPU_ASM_SWITCH
       kvcpu_switch(&s.sched_sp, f.sp);
 #else
       swapcontext(&s.sched_ctx, &f.ctx);

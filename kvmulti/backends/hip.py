@@ -144,23 +144,25 @@ def cpu_harness_reasons() -> list[str]:
     return reasons
 
 
-def harness_library_path(main: Path, deps: list[Path], libname: str) -> Path:
+def harness_library_path(main: Path, deps: list[Path], libname: str, extra_flags: tuple[str, ...] = ()) -> Path:
     src = source_dir()
     cxx = cpu_compiler() or "g++"
-    key = _hash([main, *deps, *[src / s for s in HARNESS_SOURCES]], [cxx, _compiler_version(cxx), *CPU_FLAGS])
+    key = _hash([main, *deps, *[src / s for s in HARNESS_SOURCES]],
+                [cxx, _compiler_version(cxx), *CPU_FLAGS, *extra_flags])
     return cache_root() / "hip_cpu" / key / libname
 
 
-def build_harness_library(main: Path, deps: list[Path], libname: str, what: str) -> Path:
+def build_harness_library(main: Path, deps: list[Path], libname: str, what: str,
+                          extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the HIP source ``main`` (+ headers ``deps``, hashed) with g++ against kvmulti's
     HIP-on-CPU harness into a cached shared library (once per hash of sources, flags, compiler)."""
     reasons = cpu_harness_reasons()
     if reasons:
         raise HipBuildError("cannot build the HIP CPU harness: " + "; ".join(reasons))
     src = source_dir()
-    out = harness_library_path(main, deps, libname)
+    out = harness_library_path(main, deps, libname, extra_flags)
     if not out.exists():
-        cmd = [cpu_compiler(), *CPU_FLAGS, "-x", "c++", "-I", str(src / "cpu_harness" / "include"),
+        cmd = [cpu_compiler(), *CPU_FLAGS, *extra_flags, "-x", "c++", "-I", str(src / "cpu_harness" / "include"),
                str(main), "-o", "{tmp}", f"-Wl,-T,{src / 'cpu_harness' / 'kvcpu.ld'}"]
         _locked_build(out, cmd, what)
     return out
