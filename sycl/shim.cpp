@@ -89,7 +89,8 @@ std::string describe(const sycl::device &d) {
      << d.get_info<sycl::info::device::max_compute_units>() << '\t'
      << d.get_info<sycl::info::device::max_work_group_size>() << '\t'
      << d.get_info<sycl::info::device::local_mem_size>() << '\t' << (can_compile_sycl(d) ? 1 : 0) << '\t'
-     << (d.has(sycl::aspect::fp16) ? 1 : 0) << '\t' << (d.has(sycl::aspect::usm_shared_allocations) ? 1 : 0);
+     << (d.has(sycl::aspect::fp16) ? 1 : 0) << '\t' << (d.has(sycl::aspect::usm_shared_allocations) ? 1 : 0) << '\t'
+     << (d.has(sycl::aspect::usm_system_allocations) ? 1 : 0);
   return os.str();
 }
 
@@ -108,7 +109,8 @@ extern "C" {
 const char *kvm_last_error() { return g_error.c_str(); }
 
 // One line per SYCL device: backend, type, name, driver, compute units, max work-group size,
-// local memory bytes, can compile SYCL source (0/1), fp16 (0/1), USM shared (0/1); tab separated.
+// local memory bytes, can compile SYCL source (0/1), fp16 (0/1), USM shared (0/1), system allocations
+// usable by kernels (0/1: plain malloc'd host memory, e.g. torch CPU tensors); tab separated.
 // Returns the full length (call again with a larger buffer if it did not fit), -1 on error.
 int kvm_list_devices(char *buf, size_t n) {
   std::string out;

@@ -7,6 +7,7 @@ import gc
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -175,21 +176,43 @@ def test_split_and_unsplit_agree(monkeypatch, sycl_backend):
 
 
 # ------------------------------------------------------------------------------------ caches across backends
-@pytest.mark.parametrize("usm", [False, True], ids=["torch-cpu-cache", "usm-cache"])
+@pytest.fixture
+def usm_mallocs(monkeypatch):
+    """Sizes of the USM allocations made while the test runs."""
+    sizes: list[int] = []
+    orig = S.Session.malloc_shared
+    monkeypatch.setattr(S.Session, "malloc_shared", lambda self, n: (sizes.append(n), orig(self, n))[1])
+    return sizes
+
+
+@pytest.mark.filterwarnings("ignore:SYCL backend. the KV cache is a plain CPU tensor")
+@pytest.mark.parametrize("mode", ["host-memory", "staged", "usm-cache"])
 @pytest.mark.parametrize("order", ["NHD", "HND"])
-def test_cache_written_by_sycl_reads_the_same_via_cpu_and_back(order, usm):
+def test_cache_written_by_sycl_reads_the_same_via_cpu_and_back(monkeypatch, sycl_backend, usm_mallocs, order, mode):
+    """host-memory: plain torch CPU tensors used in place (device with usm_system_allocations);
+    staged: plain CPU tensors copied through USM; usm-cache: a USM cache used in place while the
+    other arguments are staged."""
+    monkeypatch.setattr(sycl_backend, "stage_cpu_tensors", None if mode == "host-memory" else True)
+    monkeypatch.setattr(sycl_backend, "_warned_staging", False)
     spec = CaseSpec(order=order, block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=torch.bfloat16,
                     query_lens=(7, 1, 3), context_lens=(0, 33, 12), sliding_window=25, softcap=8.0)
     case = build_case(spec)
     layout, md = case.layout, case.metadata
-    allocate = (lambda: layout.allocate("cpu", allocator=S.usm_allocator)) if usm else (lambda: layout.allocate("cpu"))
-    sycl_cache, cpu_cache = allocate(), layout.allocate("cpu")
+    usm = mode == "usm-cache"
+    sycl_cache = layout.allocate("cpu", allocator=S.usm_allocator) if usm else layout.allocate("cpu")
+    cpu_cache = layout.allocate("cpu")
     sycl_cache.copy_(case.cache)
     cpu_cache.copy_(case.cache)
     if usm:
         assert S.default_session().pointer_type(sycl_cache.data_ptr()) == S.USM_SHARED
-    ptr = sycl_cache.data_ptr()
-    kvmulti.write_kv(case.key, case.value, sycl_cache, layout, md.slot_mapping, backend="SYCL")
+    ptr, cache_bytes = sycl_cache.data_ptr(), sycl_cache.numel() * sycl_cache.element_size()
+    usm_mallocs.clear()
+    if mode == "staged":
+        with pytest.warns(UserWarning, match="copies it through USM"):
+            kvmulti.write_kv(case.key, case.value, sycl_cache, layout, md.slot_mapping, backend="SYCL")
+    else:
+        kvmulti.write_kv(case.key, case.value, sycl_cache, layout, md.slot_mapping, backend="SYCL")
+    write_mallocs = list(usm_mallocs)
     kvmulti.write_kv(case.key, case.value, cpu_cache, layout, md.slot_mapping, backend="CPU")
     assert sycl_cache.data_ptr() == ptr and sycl_cache.stride() == cpu_cache.stride()
     assert torch.equal(sycl_cache, cpu_cache)
@@ -197,11 +220,29 @@ def test_cache_written_by_sycl_reads_the_same_via_cpu_and_back(order, usm):
     # SYCL-written cache read by CPU == CPU-written cache read by SYCL == CPU on CPU
     cpu_reads_sycl = kvmulti.paged_attention(case.query, sycl_cache, layout, md, backend="CPU", **kw)
     sycl_reads_cpu = kvmulti.paged_attention(case.query, cpu_cache, layout, md, backend="SYCL", **kw)
+    usm_mallocs.clear()
     sycl_reads_sycl = kvmulti.paged_attention(case.query, sycl_cache, layout, md, backend="SYCL", **kw)
+    mallocs = write_mallocs + usm_mallocs           # the SYCL calls on sycl_cache
     cpu_reads_cpu = kvmulti.paged_attention(case.query, cpu_cache, layout, md, backend="CPU", **kw)
     assert torch.equal(cpu_reads_sycl, cpu_reads_cpu)
     assert_close_to_reference(sycl_reads_cpu, cpu_reads_cpu, spec.dtype)
     assert torch.equal(sycl_reads_cpu, sycl_reads_sycl)
+    if mode == "staged":
+        assert any(n >= cache_bytes for n in mallocs)          # the cache went through USM
+    elif mode == "usm-cache":
+        assert mallocs and all(n < cache_bytes for n in mallocs)   # ... but a USM cache never does
+    elif S.default_session().device.usm_system:
+        assert mallocs == []                                   # nothing staged at all
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_staged_path_matches_reference(monkeypatch, sycl_backend, dtype):
+    monkeypatch.setattr(sycl_backend, "stage_cpu_tensors", True)
+    spec = CaseSpec(order="NHD", block_size=32, num_kv_heads=2, group=4, head_size=80, dtype=dtype,
+                    query_lens=(6, 1, 2), context_lens=(0, 70, 15), sliding_window=21, softcap=9.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_against_reference(spec, "SYCL")
 
 
 def test_usm_allocator_is_zero_copy_and_freed(monkeypatch):

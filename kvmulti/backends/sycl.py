@@ -15,10 +15,12 @@ How it runs (no SYCL compiler needed, only the runtime from PyPI and g++):
   ``~/.cache/kvmulti/sycl/kernels``): a cold compile takes seconds, a cache hit a fraction of one.
   A kernel compile error raises :class:`SyclBuildError` carrying the compiler's log.
 * Memory: on an XPU host torch XPU tensors are USM device pointers; the kernels run on torch's
-  current XPU queue with those pointers (nothing is copied). On a CPU host the OpenCL CPU device
-  needs USM: allocate the cache with ``layout.allocate("cpu", allocator=usm_allocator)`` (a zero-copy
-  torch tensor in USM shared memory); any plain torch CPU tensor is staged through USM by the
-  backend (and copied back when written) -- correct, but a plain-CPU cache is copied every call.
+  current XPU queue with those pointers (nothing is copied). Torch CPU tensors: a cache allocated
+  with ``layout.allocate("cpu", allocator=usm_allocator)`` is a zero-copy torch tensor in USM shared
+  memory that any SYCL device uses in place. Plain torch CPU tensors are used in place by a device
+  that reports ``aspect::usm_system_allocations`` (Intel's OpenCL CPU device does), and otherwise
+  staged through a USM copy by the backend (copied back when written; a plain-CPU cache is then
+  copied every call, with a one-time warning). ``KVMULTI_SYCL_STAGE=1`` forces staging, ``0`` never.
 
 Environment: the backend points the OpenCL ICD loader at ``<runtime>/lib/libintelocl.so`` itself
 (``OCL_ICD_FILENAMES``, only when the user has not set it) before the runtime loads, and never sets
@@ -60,7 +62,7 @@ from ..metadata import CommonAttentionMetadata
 from .base import Backend
 
 #: Bumped when the C ABI of shim.cpp changes (part of the shim's cache key).
-SHIM_ABI = 2
+SHIM_ABI = 3
 SHIM_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-DSYCL_DISABLE_FSYCL_SYCLHPP_WARNING", "-w")
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 KERNEL_NAMES = ("kvm_paged_attention", "kvm_paged_attention_split", "kvm_split_reduce", "kvm_write_kv")
@@ -233,18 +235,24 @@ class DeviceInfo:
     can_compile: bool
     fp16: bool
     usm_shared: bool
+    usm_system: bool    # kernels may use plain host memory (torch CPU tensors) directly
 
     def line(self) -> str:
         ok = "kernel compiler ok" if self.can_compile else "cannot compile SYCL source"
-        return f"[{self.index}] {self.backend}:{self.type} {self.name} (driver {self.driver}, {ok})"
+        mem = ", uses host memory directly" if self.usm_system else ""
+        return f"[{self.index}] {self.backend}:{self.type} {self.name} (driver {self.driver}, {ok}{mem})"
+
+
+def _device_info(index: int, f: list[str]) -> DeviceInfo:
+    return DeviceInfo(index, f[0], f[1], f[2], f[3], int(f[4]), int(f[5]), int(f[6]), f[7] == "1", f[8] == "1",
+                      f[9] == "1", f[10] == "1")
 
 
 def _parse_devices(text: str) -> list[DeviceInfo]:
     out = []
     for i, line in enumerate(l for l in text.splitlines() if l.strip()):
         f = line.split("\t")
-        out.append(DeviceInfo(i, f[0], f[1], f[2], f[3], int(f[4]), int(f[5]), int(f[6]), f[7] == "1", f[8] == "1",
-                              f[9] == "1"))
+        out.append(_device_info(i, f))
     return out
 
 
@@ -352,8 +360,7 @@ class Session:
         self.runtime, self.shim, self.handle = runtime, runtime.shim, handle
         f = self.shim.text(self.shim.lib.kvm_session_describe, handle).split("\t")
         index = next((d.index for d in runtime.devices if (d.backend, d.type, d.name) == (f[0], f[1], f[2])), -1)
-        self.device = DeviceInfo(index, f[0], f[1], f[2], f[3], int(f[4]), int(f[5]), int(f[6]), f[7] == "1",
-                                 f[8] == "1", f[9] == "1")
+        self.device = _device_info(index, f)
         self.key = int(self.shim.lib.kvm_session_key(handle))
 
     # -- kernels -----------------------------------------------------------------------------
@@ -508,18 +515,21 @@ def usm_allocator(numel: int, dtype: torch.dtype, device: torch.device | str = "
 
 
 class _Staging:
-    """Pointers the device can use for torch tensors: USM tensors as they are, plain CPU tensors
-    through a USM shared copy with the same strides (copied back on finish when written)."""
+    """Pointers the device can use for torch CPU tensors: USM tensors as they are; plain CPU tensors
+    as they are when ``stage`` is False (a device with usm_system_allocations, such as Intel's
+    OpenCL CPU device, reads host memory directly), else through a USM shared copy with the same
+    strides (copied back on finish when written)."""
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, stage: bool = True):
         self.session = session
+        self.stage = stage
         self.allocs: list[int] = []
         self.writeback: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def ptr(self, t: torch.Tensor | None, written: bool = False) -> int:
         if t is None or t.numel() == 0:
             return 0
-        if self.session.is_usm(t):
+        if not self.stage or self.session.is_usm(t):
             return t.data_ptr()
         if any(s < 0 for s in t.stride()):
             raise SyclError("negative strides are not supported")
@@ -610,9 +620,14 @@ class SyclBackend(Backend):
     name = "SYCL"
     platforms = ("xpu",)
 
-    def __init__(self, partition_size: int | None = None):
+    def __init__(self, partition_size: int | None = None, stage_cpu_tensors: bool | None = None):
         env = os.environ.get("KVMULTI_SYCL_PARTITION_SIZE", "").strip()
         self.partition_size = partition_size if partition_size is not None else (int(env) if env else -1)
+        #: None: stage plain CPU tensors through USM only on devices that cannot use host memory
+        #: (no usm_system_allocations); True/False forces it (KVMULTI_SYCL_STAGE=1/0).
+        env = os.environ.get("KVMULTI_SYCL_STAGE", "").strip()
+        self.stage_cpu_tensors = stage_cpu_tensors if stage_cpu_tensors is not None else (
+            None if not env else env not in ("0", "false", "no"))
         self._warned_staging = False
         self._bundles: dict[tuple, int] = {}
 
@@ -624,8 +639,8 @@ class SyclBackend(Backend):
         if platform == "xpu":
             return []
         if platform == "cpu":
-            # CPU tensors run on the default SYCL device (the OpenCL CPU device on a CPU-only host),
-            # staged through USM; only for verification: the cpu priority list never picks SYCL.
+            # CPU tensors run on the default SYCL device (the OpenCL CPU device on a CPU-only host);
+            # only for verification: the cpu priority list never picks SYCL.
             if runtime_reasons():
                 return ["no usable SYCL runtime/device for CPU tensors"]
             try:
@@ -661,8 +676,9 @@ class SyclBackend(Backend):
         return handle
 
     def _staging(self, session: Session, kv_cache: torch.Tensor) -> _Staging:
-        staging = _Staging(session)
-        if not self._warned_staging and kv_cache.device.type == "cpu" and not session.is_usm(kv_cache):
+        stage = self.stage_cpu_tensors
+        staging = _Staging(session, stage=not session.device.usm_system if stage is None else stage)
+        if staging.stage and not self._warned_staging and not session.is_usm(kv_cache):
             self._warned_staging = True
             warnings.warn("SYCL backend: the KV cache is a plain CPU tensor, so every call copies it through USM "
                           "memory; allocate it with layout.allocate('cpu', "
