@@ -6,32 +6,33 @@ cannot pass. The launches compiled here are the ones the backend builds
 (``launch.attention_launches`` / ``launch.write_kv_launches``) for representative batches over
 every dtype x head-size padding x path, plus corner batches; their signatures, constexprs and
 alignment attributes are derived from the launch arguments exactly as ``@triton.jit`` does at
-run time (so an int argument equal to 1 is compiled as a constexpr, as on a GPU). The kernels are
-loaded from their source files as fresh JIT functions with the interpreter off, so this module
-also runs in a process that set TRITON_INTERPRET=1.
+run time (so an int argument equal to 1 is compiled as a constexpr, as on a GPU).
+
+The compilation runs in a subprocess (this file as a script, one per target) with
+TRITON_INTERPRET unset: once ``triton.language`` has been imported with the interpreter on (as
+test_triton_backend.py does on CPU hosts), Triton's own library functions are interpreter
+objects and nothing compiles in that process any more.
+
+    python tests/test_triton_compile.py sm90 results.json     # what the test runs
 """
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import os
-import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.compiler.compiler import make_backend  # noqa: E402
 
-import kvmulti.triton_kernels  # noqa: E402
 from kvmulti.triton_kernels import launch  # noqa: E402
 
 from batches import CaseSpec, build_case  # noqa: E402
 
-KERNEL_DIR = pathlib.Path(kvmulti.triton_kernels.__file__).parent
 TARGETS = {
     # name: (target, asm key, text that must be in it, binary key, shared-memory limit in bytes)
     "sm90": (GPUTarget("cuda", 90, 32), "ptx", ".target sm_90", "cubin", 227 * 1024),
@@ -39,30 +40,6 @@ TARGETS = {
 }
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 DTYPE_NAMES = {F32: "fp32", F16: "fp16", BF16: "bf16"}
-
-
-def _load_jit(module_file: str):
-    """A fresh copy of a kernel module whose @triton.jit functions are JITFunctions."""
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"
-    try:
-        spec = importlib.util.spec_from_file_location(f"_kvmulti_compile_copy_{module_file[:-3]}",
-                                                      KERNEL_DIR / module_file)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-    return module
-
-
-_attn = _load_jit("unified_attention.py")
-_write = _load_jit("write_kv.py")
-JIT_KERNELS = {"unified_attention": _attn.unified_attention_kernel,
-               "reduce_partitions": _attn.reduce_partitions_kernel,
-               "write_kv": _write.write_kv_kernel}
 
 
 # ---------------------------------------------------------------- the batches whose launches we compile
@@ -98,8 +75,8 @@ def _batches() -> list[tuple[str, CaseSpec, bool | None, int]]:
 
 
 def _launches():
-    """Unique (name, Launch) pairs over all batches, deduplicated by their JIT specialisation."""
-    seen, result = set(), []
+    """(name, Launch) for every launch of every batch (the worker deduplicates by specialisation)."""
+    result = []
     for name, spec, split, part in _batches():
         case = build_case(spec)
         md, layout = case.metadata, case.layout
@@ -119,16 +96,13 @@ def _launches():
         for ln in attn + writes:
             if "DOT_F32" in ln.args:
                 ln.args["DOT_F32"] = False        # the interpreter-only flag is off on GPUs
-            key = (ln.kernel, repr(_specialise(ln, make_backend(TARGETS["sm90"][0]))))
-            if key not in seen:
-                seen.add(key)
-                result.append((f"{ln.kernel}-{name}", ln))
+            result.append((f"{ln.kernel}-{name}", ln))
     return result
 
 
-def _specialise(ln: launch.Launch, backend):
+def _specialise(fn, ln: launch.Launch, backend):
     """signature, constexprs, attrs for ``ln`` as the JIT computes them from the arguments."""
-    fn = JIT_KERNELS[ln.kernel]
+    from triton._C.libtriton import native_specialize_impl
     signature, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
         value = ln.args[p.name]
@@ -145,15 +119,15 @@ def _specialise(ln: launch.Launch, backend):
     return signature, constexprs, attrs
 
 
-LAUNCHES = _launches()
 
 
 def test_launch_set_covers_every_tile_choice():
     """Every (dtype, head pad, BLOCK_M, TILE_N, path) the planner picks for head sizes <= 256 and
     GQA groups <= 16 is among the compiled launches; all three kernels are there."""
+    launches = _launches()
     compiled = {(ln.args["kv_ptr"].dtype, ln.args["HEAD_PAD"], ln.args["HEAD_PAD_V"], ln.args["BLOCK_M"],
-                 ln.args["TILE_N"], ln.args["SPLIT"]) for _, ln in LAUNCHES if ln.kernel == "unified_attention"}
-    assert {ln.kernel for _, ln in LAUNCHES} == set(JIT_KERNELS)
+                 ln.args["TILE_N"], ln.args["SPLIT"]) for _, ln in launches if ln.kernel == "unified_attention"}
+    assert {ln.kernel for _, ln in launches} == set(launch.KERNELS)
     for dtype in (F32, F16, BF16):
         for hs in (8, 16, 24, 40, 64, 80, 96, 128, 160, 256):
             for group in (1, 2, 3, 4, 8, 16):
@@ -165,17 +139,65 @@ def test_launch_set_covers_every_tile_choice():
                     assert key in compiled, key
 
 
-@pytest.mark.parametrize("target_name", list(TARGETS))
-@pytest.mark.parametrize("ln", [ln for _, ln in LAUNCHES], ids=[name for name, _ in LAUNCHES])
-def test_cross_compiles(ln, target_name):
+def compile_all(target_name: str) -> list[dict]:
+    """Compile every distinct specialisation for one target (run in a process without the interpreter)."""
+    import triton.runtime.jit
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
     target, asm_key, marker, binary_key, shared_limit = TARGETS[target_name]
     backend = make_backend(target)
-    signature, constexprs, attrs = _specialise(ln, backend)
-    compiled = triton.compile(ASTSource(JIT_KERNELS[ln.kernel], signature, constexprs, attrs), target=target,
-                              options={"num_warps": ln.num_warps, "num_stages": ln.num_stages})
-    asm = compiled.asm[asm_key]
-    assert isinstance(asm, str) and marker in asm, f"no {asm_key} for {target_name}"
-    binary = compiled.asm[binary_key]
-    assert isinstance(binary, bytes) and len(binary) > 0
-    assert compiled.metadata.shared <= shared_limit, (
-        f"needs {compiled.metadata.shared} B of shared memory on {target_name} (limit {shared_limit})")
+    seen, results = set(), []
+    for name, ln in _launches():
+        fn = launch.KERNELS[ln.kernel]
+        assert isinstance(fn, triton.runtime.jit.JITFunction), f"{ln.kernel} is {type(fn).__name__}"
+        signature, constexprs, attrs = _specialise(fn, ln, backend)
+        key = (ln.kernel, repr(signature), repr(sorted(constexprs.items())), repr(sorted(attrs.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        result = {"name": name, "kernel": ln.kernel, "problem": None, "shared": None,
+                  "constexprs": {p.name: repr(v) for (i,), v in constexprs.items() for p in [fn.params[i]]}}
+        try:
+            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                      options={"num_warps": ln.num_warps, "num_stages": ln.num_stages})
+            asm, binary = compiled.asm.get(asm_key), compiled.asm.get(binary_key)
+            result["shared"] = compiled.metadata.shared
+            if not (isinstance(asm, str) and marker in asm):
+                result["problem"] = f"no {asm_key} mentioning {marker!r}"
+            elif not (isinstance(binary, bytes) and binary):
+                result["problem"] = f"no {binary_key} binary"
+            elif compiled.metadata.shared > shared_limit:
+                result["problem"] = f"needs {compiled.metadata.shared} B shared memory (limit {shared_limit})"
+        except Exception as exc:   # reported per specialisation by the test
+            result["problem"] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
+        results.append(result)
+    return results
+
+
+@pytest.mark.parametrize("target_name", list(TARGETS))
+def test_cross_compiles(target_name, tmp_path):
+    out = tmp_path / f"{target_name}.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__, target_name, str(out)], env=env, capture_output=True,
+                          text=True, timeout=1800)
+    assert done.returncode == 0 and out.exists(), done.stdout[-2000:] + done.stderr[-4000:]
+    results = json.loads(out.read_text())
+    # Every dtype x head pad x {prefill, decode, split} launch, its reduce and write, plus corners.
+    assert len(results) >= 3 * 5 * 5, len(results)
+    assert {r["kernel"] for r in results} == set(launch.KERNELS)
+    for dt in ("fp32", "fp16", "bf16"):
+        for hs in (16, 32, 64, 80, 256):
+            for kind in ("mixed", "decode", "split"):
+                assert any(r["name"] == f"unified_attention-{dt}_hs{hs}_{kind}" for r in results), (dt, hs, kind)
+    failed = [f"{r['name']} {r['constexprs']}: {r['problem']}" for r in results if r["problem"]]
+    assert not failed, f"{len(failed)} of {len(results)} specialisations fail on {target_name}:\n" + "\n".join(failed)
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "run the compile worker without TRITON_INTERPRET"
+    target_arg, out_path = sys.argv[1], sys.argv[2]
+    all_results = compile_all(target_arg)
+    with open(out_path, "w") as fh:
+        json.dump(all_results, fh, indent=1)
+    bad = sum(1 for r in all_results if r["problem"])
+    print(f"{target_arg}: {len(all_results)} specialisations compiled, {bad} with problems")

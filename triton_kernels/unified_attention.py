@@ -33,29 +33,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _tanh(x):
-    # tanh via exp(-2|x|): exact sign, no overflow, no cancellation near 0 worth noting.
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
-
-
-@triton.jit
-def _find_request(qsl_ptr, num_reqs, pid, block_q):
-    """Largest request index i with query_start_loc[i] // block_q + i <= pid."""
-    lo = num_reqs * 0
-    hi = num_reqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        first = tl.load(qsl_ptr + mid) // block_q + mid
-        if first <= pid:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-@triton.jit
 def unified_attention_kernel(
     q_ptr, kv_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
@@ -73,7 +50,17 @@ def unified_attention_kernel(
     kvh = tl.program_id(1)
     part = tl.program_id(2)
 
-    req = _find_request(qsl_ptr, num_reqs, pid, block_q)
+    # The request of this program: the largest i with query_start_loc[i] // block_q + i <= pid.
+    # (Binary search inline: a nested @triton.jit call makes the 3.x interpreter leave triton.language
+    # patched, which breaks compiling later in the same process.)
+    req = num_reqs * 0
+    hi = num_reqs - 1
+    while req < hi:
+        mid = (req + hi + 1) // 2
+        if tl.load(qsl_ptr + mid) // block_q + mid <= pid:
+            req = mid
+        else:
+            hi = mid - 1
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
     q_block = pid - (q_start // block_q + req)
@@ -128,7 +115,10 @@ def unified_attention_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision="ieee") * scale          # [BLOCK_M, TILE_N], fp32
         if softcap > 0:
-            s = softcap * _tanh(s / softcap)
+            # softcap * tanh(s / softcap), tanh via exp(-2|x|): no overflow, exact sign.
+            e = tl.exp(-2.0 * tl.abs(s / softcap))
+            t = (1.0 - e) / (1.0 + e)
+            s = softcap * tl.where(s < 0, -t, t)
         visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         visible = visible & ((window <= 0) | ((q_pos[:, None] - k_pos[None, :]) < window))
         s = tl.where(visible, s, float("-inf"))

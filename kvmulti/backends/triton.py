@@ -85,9 +85,13 @@ class TritonBackend(Backend):
         return super().platform_reasons(platform)
 
     def describe(self) -> str:
+        version = ""
+        if not _import_reasons():
+            import triton
+            version = f"triton {triton.__version__}: "
         if interpreting():
-            return "interpreter (TRITON_INTERPRET=1): CPU tensors, for verification"
-        return ", ".join(self.platforms)
+            return version + "interpreter (TRITON_INTERPRET=1): CPU tensors, for verification"
+        return version + ", ".join(self.platforms)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
                  slot_mapping: torch.Tensor) -> None:
