@@ -637,6 +637,9 @@ class SyclBackend(Backend):
 
     def platform_reasons(self, platform: str) -> list[str]:
         if platform == "xpu":
+            if not hasattr(torch, "xpu") or not hasattr(torch.xpu.Stream, "sycl_queue"):
+                return ["this torch build exposes no torch.xpu.Stream.sycl_queue (the SYCL backend runs on "
+                        "torch's XPU queue)"]
             return []
         if platform == "cpu":
             # CPU tensors run on the default SYCL device (the OpenCL CPU device on a CPU-only host);
@@ -660,6 +663,11 @@ class SyclBackend(Backend):
         rt = get_runtime()
         devices = "; ".join(d.line() for d in rt.devices) or "no SYCL devices"
         return f"xpu (cpu when named); {runtime_version()} at {root}; SYCL devices: {devices}"
+
+    def cache_allocator(self, device: torch.device | str):
+        """The allocator a KV cache for this backend on ``device`` should use (``layout.allocate(device,
+        allocator=...)``): USM shared memory for CPU tensors, torch's own allocator (None) on XPU."""
+        return usm_allocator if torch.device(device).type == "cpu" else None
 
     # -- sessions ----------------------------------------------------------------------------
     def session_for(self, device: torch.device) -> Session:
