@@ -9,8 +9,12 @@ and greedy generation must equal ``generate(do_sample=False)`` token for token.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -176,6 +180,29 @@ def test_logits_match_transformers(hf_models, family, backend):
 
 def test_cpu_backend_always_runs():
     assert "CPU" in BACKENDS
+
+
+GPU_HOST = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+@pytest.mark.skipif("TRITON" in BACKENDS, reason="TRITON is usable in this process: parametrised above")
+@pytest.mark.skipif(GPU_HOST, reason="GPU host: TRITON runs compiled kernels, parametrised above when usable")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_interpreter_in_a_fresh_process():
+    """The Triton interpreter must be chosen before anything imports triton.language (importing
+    kvmulti's ops does), so when this process was started without TRITON_INTERPRET=1 the TRITON
+    parity tests of this module run in a fresh process that has it."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    # Every family's logits (all three modes); greedy generation for the two sliding-window
+    # families (the interpreter is slow: about two minutes for these eight on 2 cores).
+    select = "TRITON and (logits or gemma3 or mistral) and not fresh_process"
+    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-k", select, "-p", "no:cacheprovider"],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__))
+    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    counts = [line for line in proc.stdout.splitlines() if re.search(r"\d+ passed", line)][-1]
+    assert int(re.search(r"(\d+) passed", counts).group(1)) == len(FAMILIES) + 2, tail
+    assert "skipped" not in counts and "failed" not in counts, tail
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
