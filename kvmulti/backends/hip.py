@@ -453,8 +453,8 @@ class HipBackend(Backend):
         max_span = metadata.max_seq_len if not sliding_window else min(metadata.max_seq_len, sliding_window)
         request = self.partition_size if partition_size is None else int(partition_size)
         ps, npart = _I(0), _I(1)
-        lib.kvmulti_hip_plan(num_tokens, hq, layout.num_kv_heads, max_span, request, ctypes.byref(ps),
-                             ctypes.byref(npart))
+        _check(lib, lib.kvmulti_hip_plan(num_tokens, hq, layout.num_kv_heads, max_span, request, ctypes.byref(ps),
+                                         ctypes.byref(npart)), "plan", kv_cache.device.type == "cpu")
         ws_floats = lib.kvmulti_hip_workspace_floats(num_tokens, hq, layout.head_size, npart.value)
         workspace = torch.empty(max(ws_floats, 1), dtype=torch.float32, device=query.device)
         with _device_guard(kv_cache.device):
