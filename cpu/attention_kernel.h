@@ -17,6 +17,20 @@
 // Requires before inclusion: <cstdint> <cstring> <cmath> <utility> <limits>, kvmulti_cpu.h,
 // <immintrin.h> on x86.
 
+// bf16 probabilities x bf16 V with vdpbf16ps: off -- on this machine it measured no faster than
+// widening V to fp32, and rounding P to bf16 made the error ~8x larger (still inside tolerance).
+#ifndef KV_BF16_PV
+#define KV_BF16_PV 0
+#endif
+#ifndef KV_PREFETCH_STRIDE
+#define KV_PREFETCH_STRIDE 64
+#endif
+#ifndef KV_PREFETCH_LOCALITY
+#define KV_PREFETCH_LOCALITY 3
+#endif
+#ifndef KV_PREFETCH
+#define KV_PREFETCH 1
+#endif
 #ifndef KV_W
 #error "define KV_W (fp32 lanes) before including attention_kernel.h"
 #endif
@@ -38,12 +52,22 @@ static inline vi viota() { return iota_impl(std::make_integer_sequence<int, KV_W
 template <int DT> struct Elem { using T = uint16_t; };
 template <> struct Elem<kF32> { using T = float; };
 
+#if KV_W == 16
+static inline vf load_bf16(const uint16_t* p) {
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+}
+#elif KV_W == 8
+static inline vf load_bf16(const uint16_t* p) {
+  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+}
+#else
 static inline vf load_bf16(const uint16_t* p) {
   vh h;
   __builtin_memcpy(&h, p, sizeof h);
   vu u = __builtin_convertvector(h, vu) << 16;
   return (vf)u;
 }
+#endif
 #if KV_W == 16
 static inline vf load_f16(const uint16_t* p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 #elif KV_W == 8
@@ -160,27 +184,154 @@ static inline vf treduce(const vf* acc) {
 
 // ---- one row block over one chunk -----------------------------------------------------------------
 struct ChunkCtx {
-  const float* const* kp;   // [kChunk] fp32 K rows (padded), zero rows past n
-  const float* const* vp;   // [kChunk] fp32 V rows
+  const float* const* kp;   // [kChunk] fp32 K rows (padded), zero rows past n (unused on the bf16-dot path)
+  const uint16_t* const* kb; // [kChunk] bf16 K rows in the cache (bf16-dot path only)
+  const void* const* vp;    // [kChunk] V rows: in the cache (read with widening) or fp32 scratch
   int c0, n, ng;            // first key position, valid keys, lane groups
   int nvd, nvv, dvp;        // vectors per K / V row, padded V row length
   bool need_mask, causal;
   int window;
   float softcap;
+  float qk_scale;           // applied to raw scores (1 where Q is pre-scaled)
+  int v_dtype;              // element type behind vp
+  uint16_t* Pb;             // bf16 probabilities [kRowBlock][kChunk] (bf16 P.V path), else null
   float* S;                 // [kRowBlock][kChunk] scores, then probabilities
 };
 
-template <int R, int NB>
+// Keys per QK group: two rows share every K load; their 2 x KG per-key accumulators reduce into
+// one vector (low half: first row, high half: second row).
+constexpr int KG = KV_W / 2;
+
+static inline void store_halves(vf s, float* s0, float* s1) {
+  float tmp[KV_W];
+  vstore(tmp, s);
+  for (int j = 0; j < KG; ++j) s0[j] = tmp[j];
+  if (s1)
+    for (int j = 0; j < KG; ++j) s1[j] = tmp[KG + j];
+}
+
+// Raw scores of rows q0, q1 (fp32, padded) against the chunk's keys; s1 may be null.
+static inline void qk_pair(const float* q0, const float* q1, const ChunkCtx& c, float* s0, float* s1) {
+  const int ngk = (c.n + KG - 1) / KG;
+  for (int g = 0; g < ngk; ++g) {
+    vf acc[KV_W];
+#pragma GCC unroll 16
+    for (int j = 0; j < KV_W; ++j) acc[j] = vsplat(0.0f);
+    const float* kp[KG];
+#pragma GCC unroll 8
+    for (int j = 0; j < KG; ++j) kp[j] = c.kp[g * KG + j];
+    for (int d = 0; d < c.nvd; ++d) {
+      const vf a = vload(q0 + d * KV_W), b = vload(q1 + d * KV_W);
+#pragma GCC unroll 8
+      for (int j = 0; j < KG; ++j) {
+        const vf k = vload(kp[j] + d * KV_W);
+        acc[j] += a * k;
+        acc[KG + j] += b * k;
+      }
+    }
+    store_halves(treduce(acc), s0 + g * KG, s1 ? s1 + g * KG : nullptr);
+  }
+}
+
+#if defined(KV_BF16DOT)
+// bf16 x bf16 -> fp32 dot products straight from the cache (vdpbf16ps: exact products, fp32 sums).
+// q0/q1: bf16 rows (head_size a multiple of 32).
+static inline void qk_pair_bf16(const uint16_t* q0, const uint16_t* q1, int head_size, const ChunkCtx& c, float* s0,
+                                float* s1) {
+  const int ngk = (c.n + KG - 1) / KG;
+  for (int g = 0; g < ngk; ++g) {
+    __m512 acc[KV_W];
+#pragma GCC unroll 16
+    for (int j = 0; j < KV_W; ++j) acc[j] = _mm512_setzero_ps();
+    const uint16_t* kb[KG];
+#pragma GCC unroll 8
+    for (int j = 0; j < KG; ++j) kb[j] = c.kb[g * KG + j];
+    for (int d = 0; d < head_size; d += 32) {
+      const __m512bh a = (__m512bh)_mm512_loadu_si512(q0 + d), b = (__m512bh)_mm512_loadu_si512(q1 + d);
+#pragma GCC unroll 8
+      for (int j = 0; j < KG; ++j) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(kb[j] + d);
+        acc[j] = _mm512_dpbf16_ps(acc[j], a, k);
+        acc[KG + j] = _mm512_dpbf16_ps(acc[KG + j], b, k);
+      }
+    }
+    vf v[KV_W];
+#pragma GCC unroll 16
+    for (int j = 0; j < KV_W; ++j) v[j] = (vf)acc[j];
+    store_halves(treduce(v), s0 + g * KG, s1 ? s1 + g * KG : nullptr);
+  }
+}
+
+// O += P.V with bf16 probabilities and bf16 V straight from the cache (vdpbf16ps, fp32 sums): two
+// keys per instruction, their V rows interleaved with unpacklo/hi. O rows are kept in a permuted
+// order inside each 32-wide group (see unpermute_bf16_pv) and restored when the item ends.
+template <int R, int NC>
+static inline void pv_bf16_block(float* O, int dvp, int d0, const ChunkCtx& c, const float* alpha) {
+  __m512 acc[R][2 * NC];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int q = 0; q < 2 * NC; ++q)
+      acc[r][q] = _mm512_mul_ps(_mm512_loadu_ps(O + r * dvp + d0 + q * 16), _mm512_set1_ps(alpha[r]));
+  for (int j = 0; j < c.n; j += 2) {
+    const uint16_t* v0 = static_cast<const uint16_t*>(c.vp[j]) + d0;
+    const uint16_t* v1 = static_cast<const uint16_t*>(c.vp[j + 1]) + d0;
+    __m512i lo[NC], hi[NC];
+#pragma GCC unroll 4
+    for (int q = 0; q < NC; ++q) {
+      const __m512i a = _mm512_loadu_si512(v0 + q * 32), b = _mm512_loadu_si512(v1 + q * 32);
+      lo[q] = _mm512_unpacklo_epi16(a, b);
+      hi[q] = _mm512_unpackhi_epi16(a, b);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, c.Pb + r * kChunk + j, 4);
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int q = 0; q < NC; ++q) {
+        acc[r][2 * q] = _mm512_dpbf16_ps(acc[r][2 * q], p, (__m512bh)lo[q]);
+        acc[r][2 * q + 1] = _mm512_dpbf16_ps(acc[r][2 * q + 1], p, (__m512bh)hi[q]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int q = 0; q < 2 * NC; ++q) _mm512_storeu_ps(O + r * dvp + d0 + q * 16, acc[r][q]);
+}
+
+template <int R>
+static inline void pv_bf16(float* O, const ChunkCtx& c, const float* alpha) {
+  int d0 = 0;
+  for (; d0 + 64 <= c.dvp; d0 += 64) pv_bf16_block<R, 2>(O, c.dvp, d0, c, alpha);
+  if (d0 < c.dvp) pv_bf16_block<R, 1>(O, c.dvp, d0, c, alpha);
+}
+
+// Element i of a permuted 32-group holds dimension perm32(i).
+static inline int perm32(int i) { return i < 16 ? (i / 4) * 8 + i % 4 : ((i - 16) / 4) * 8 + 4 + (i - 16) % 4; }
+static inline void unpermute_bf16_pv(float* row, int dvp) {
+  float tmp[32];
+  for (int g = 0; g < dvp; g += 32) {
+    for (int i = 0; i < 32; ++i) tmp[perm32(i)] = row[g + i];
+    std::memcpy(row + g, tmp, sizeof tmp);
+  }
+}
+#endif
+
+template <int R, int NB, int VT>
 static inline void pv_block(float* O, int dvp, int dvb, const ChunkCtx& c, const float* alpha) {
+  using TV = typename Elem<VT>::T;
   vf acc[R][NB];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) acc[r][b] = vload(O + r * dvp + (dvb + b) * KV_W) * alpha[r];
   for (int j = 0; j < c.n; ++j) {
+    const TV* vrow = static_cast<const TV*>(c.vp[j]) + dvb * KV_W;
     vf v[NB];
 #pragma GCC unroll 4
-    for (int b = 0; b < NB; ++b) v[b] = vload(c.vp[j] + (dvb + b) * KV_W);
+    for (int b = 0; b < NB; ++b) v[b] = load_vec<VT>(vrow + b * KV_W);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       vf p = vsplat(c.S[r * kChunk + j]);
@@ -194,24 +345,41 @@ static inline void pv_block(float* O, int dvp, int dvb, const ChunkCtx& c, const
     for (int b = 0; b < NB; ++b) vstore(O + r * dvp + (dvb + b) * KV_W, acc[r][b]);
 }
 
+template <int R, int VT>
+static inline void pv_all(float* O, const ChunkCtx& c, const float* alpha) {
+  int dvb = 0;
+  for (; dvb + 4 <= c.nvv; dvb += 4) pv_block<R, 4, VT>(O, c.dvp, dvb, c, alpha);
+  switch (c.nvv - dvb) {
+    case 3: pv_block<R, 3, VT>(O, c.dvp, dvb, c, alpha); break;
+    case 2: pv_block<R, 2, VT>(O, c.dvp, dvb, c, alpha); break;
+    case 1: pv_block<R, 1, VT>(O, c.dvp, dvb, c, alpha); break;
+    default: break;
+  }
+}
+
 // Q: R rows (stride dp, pre-scaled); O: R rows (stride dvp); m/l: running max / sum; pos: row positions.
 template <int R>
-static void row_block(const float* Q, int dp, float* O, float* m, float* l, const int* pos, const ChunkCtx& c) {
+static inline void row_block(const float* Q, const uint16_t* Qb, int dp, float* O, float* m, float* l, const int* pos,
+                      const ChunkCtx& c) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const vi lane = viota();
+  for (int r = 0; r < R; r += 2) {
+    const bool pair = r + 1 < R;
+    float* s0 = c.S + r * kChunk;
+    float* s1 = pair ? s0 + kChunk : nullptr;
+#if defined(KV_BF16DOT)
+    if (Qb) {
+      qk_pair_bf16(Qb + r * dp, Qb + (pair ? r + 1 : r) * dp, dp, c, s0, s1);
+      continue;
+    }
+#endif
+    qk_pair(Q + r * dp, Q + (pair ? r + 1 : r) * dp, c, s0, s1);
+  }
   for (int r = 0; r < R; ++r) {
-    const float* q = Q + r * dp;
+    float* srow = c.S + r * kChunk;
     for (int g = 0; g < c.ng; ++g) {
-      vf acc[KV_W];
-      const float* const* kp = c.kp + g * KV_W;
-#pragma GCC unroll 16
-      for (int j = 0; j < KV_W; ++j) acc[j] = vsplat(0.0f);
-      for (int d = 0; d < c.nvd; ++d) {
-        vf qv = vload(q + d * KV_W);
-#pragma GCC unroll 16
-        for (int j = 0; j < KV_W; ++j) acc[j] += qv * vload(kp[j] + d * KV_W);
-      }
-      vf s = treduce(acc);
+      vf s = vload(srow + g * KV_W);
+      if (c.qk_scale != 1.0f) s *= c.qk_scale;
       if (c.softcap > 0.0f) s = c.softcap * vtanh(s * (1.0f / c.softcap));
       if (c.need_mask) {
         vi idx = lane + g * KV_W;
@@ -221,7 +389,7 @@ static void row_block(const float* Q, int dp, float* O, float* m, float* l, cons
         if (c.window > 0) valid &= (pos[r] - kpos) < c.window;
         s = valid ? s : vsplat(ninf);
       }
-      vstore(c.S + r * kChunk + g * KV_W, s);
+      vstore(srow + g * KV_W, s);
     }
   }
   float alpha[R];
@@ -234,6 +402,9 @@ static void row_block(const float* Q, int dp, float* O, float* m, float* l, cons
     if (m_new == ninf) {  // nothing visible yet for this row
       alpha[r] = 1.0f;
       for (int g = 0; g < c.ng; ++g) vstore(s + g * KV_W, vsplat(0.0f));
+#if defined(KV_BF16DOT)
+      if (c.Pb) std::memset(c.Pb + r * kChunk, 0, sizeof(uint16_t) * c.ng * KV_W);
+#endif
       continue;
     }
     alpha[r] = m[r] == ninf ? 0.0f : std::exp(m[r] - m_new);
@@ -243,18 +414,24 @@ static void row_block(const float* Q, int dp, float* O, float* m, float* l, cons
       vf p = vexp(x - m_new);
       p = x == vsplat(ninf) ? vsplat(0.0f) : p;
       vstore(s + g * KV_W, p);
+#if defined(KV_BF16DOT)
+      if (c.Pb) _mm256_storeu_si256((__m256i*)(c.Pb + r * kChunk + g * KV_W), (__m256i)_mm512_cvtneps_pbh((__m512)p));
+#endif
       sum += p;
     }
     l[r] = l[r] * alpha[r] + hsum(sum);
     m[r] = m_new;
   }
-  int dvb = 0;
-  for (; dvb + 4 <= c.nvv; dvb += 4) pv_block<R, 4>(O, c.dvp, dvb, c, alpha);
-  switch (c.nvv - dvb) {
-    case 3: pv_block<R, 3>(O, c.dvp, dvb, c, alpha); break;
-    case 2: pv_block<R, 2>(O, c.dvp, dvb, c, alpha); break;
-    case 1: pv_block<R, 1>(O, c.dvp, dvb, c, alpha); break;
-    default: break;
+#if defined(KV_BF16DOT)
+  if (c.Pb) {
+    pv_bf16<R>(O, c, alpha);
+    return;
+  }
+#endif
+  switch (c.v_dtype) {
+    case kBF16: pv_all<R, kBF16>(O, c, alpha); break;
+    case kF16: pv_all<R, kF16>(O, c, alpha); break;
+    default: pv_all<R, kF32>(O, c, alpha); break;
   }
 }
 
@@ -275,8 +452,16 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   float* Vc = Kc + kChunk * dp;
   float* zero = Vc + kChunk * dvp;
   float* S = zero + (dp > dvp ? dp : dvp);
+  uint16_t* Qb = nullptr;   // bf16 queries (unscaled) for the bf16-dot path
+  uint16_t* Pb = nullptr;   // bf16 probabilities for the bf16 P.V path
+#if defined(KV_BF16DOT)
+  if (DT == kBF16 && D % 32 == 0) Qb = reinterpret_cast<uint16_t*>(S + 2 * kRowBlock * kChunk);
+#if KV_BF16_PV
+  if (DT == kBF16 && Dv % 32 == 0) Pb = reinterpret_cast<uint16_t*>(S + kRowBlock * kChunk);
+#endif
+#endif
 
-  const bool direct_k = DT == kF32 && D == dp, direct_v = DT == kF32 && Dv == dvp;
+  const bool direct_k = (DT == kF32 && D == dp) || Qb != nullptr, direct_v = Dv == dvp;
   std::memset(zero, 0, sizeof(float) * (dp > dvp ? dp : dvp));
   if (!direct_k && D != dp) std::memset(Kc, 0, sizeof(float) * kChunk * dp);
   if (!direct_v && Dv != dvp) std::memset(Vc, 0, sizeof(float) * kChunk * dvp);
@@ -287,7 +472,9 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     int t = r / G, h = it.kv_head * G + r % G;
     float* q = Qs + int64_t(r) * dp;
     std::memset(q, 0, sizeof(float) * dp);
-    convert_row<DT>(query + int64_t(it.q_row0 + t) * P.q_stride_token + int64_t(h) * P.q_stride_head, D, q);
+    const T* src = query + int64_t(it.q_row0 + t) * P.q_stride_token + int64_t(h) * P.q_stride_head;
+    convert_row<DT>(src, D, q);
+    if (Qb) std::memcpy(Qb + int64_t(r) * dp, src, sizeof(uint16_t) * D);
     for (int d = 0; d < dp; d += KV_W) vstore(q + d, vload(q + d) * P.scale);
     mrow[r] = ninf;
     lrow[r] = 0.0f;
@@ -317,7 +504,8 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   const T** raw = raw_a;
   const T** next = raw_b;
   const float* kp[kChunk];
-  const float* vp[kChunk];
+  const void* vp[kChunk];
+  const uint16_t* kb[kChunk];
   int pos[kRowBlock];
 
   int c0 = it.k_lo;
@@ -325,22 +513,31 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   for (; c0 < it.k_hi; c0 += kChunk) {
     const int n = std::min(kChunk, it.k_hi - c0);
     const int c1 = c0 + kChunk;
-    if (c1 < it.k_hi) {  // prefetch the next chunk's K/V rows
-      const int nn = std::min(kChunk, it.k_hi - c1);
+    int nn = 0;
+    if (c1 < it.k_hi) {  // the next chunk's K/V rows, prefetched while this chunk is widened
+      nn = std::min(kChunk, it.k_hi - c1);
       rows_of(c1, nn, next);
-      for (int j = 0; j < nn; ++j)
-        for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(next[j]) + b);
     }
     for (int j = 0; j < n; ++j) {
-      if (direct_k) kp[j] = reinterpret_cast<const float*>(raw[j]);
+#if KV_PREFETCH
+      if (j < nn)
+        for (int b = 0; b < row_bytes; b += KV_PREFETCH_STRIDE) __builtin_prefetch(reinterpret_cast<const char*>(next[j]) + b, 0, KV_PREFETCH_LOCALITY);
+#endif
+      if (Qb) kb[j] = reinterpret_cast<const uint16_t*>(raw[j]);
+      else if (direct_k) kp[j] = reinterpret_cast<const float*>(raw[j]);
       else { convert_row<DT>(raw[j], D, Kc + j * dp); kp[j] = Kc + j * dp; }
-      if (direct_v) vp[j] = reinterpret_cast<const float*>(raw[j] + D);
+      if (direct_v) vp[j] = raw[j] + D;
       else { convert_row<DT>(raw[j] + D, Dv, Vc + j * dvp); vp[j] = Vc + j * dvp; }
     }
     const int ng = (n + KV_W - 1) / KV_W;
-    for (int j = n; j < ng * KV_W; ++j) kp[j] = vp[j] = zero;
+    for (int j = n; j < ng * KV_W; ++j) {
+      kp[j] = zero;
+      vp[j] = zero;
+      kb[j] = reinterpret_cast<const uint16_t*>(zero);
+    }
 
-    ChunkCtx c{kp, vp, c0, n, ng, dp / KV_W, dvp / KV_W, dvp, false, P.causal, P.window, P.softcap, S};
+    ChunkCtx c{kp, kb, vp, c0, n, ng, dp / KV_W, dvp / KV_W, dvp, false, P.causal, P.window, P.softcap,
+               Qb ? P.scale : 1.0f, direct_v ? DT : int(kF32), Pb, S};
     for (int m0 = 0; m0 < M; m0 += kRowBlock) {
       const int R = std::min(kRowBlock, M - m0);
       const int p_lo = it.pos0 + m0 / G, p_hi = it.pos0 + (m0 + R - 1) / G;
@@ -351,15 +548,19 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
       const float* Q = Qs + int64_t(m0) * dp;
       float* O = Os + int64_t(m0) * dvp;
       switch (R) {
-        case 4: row_block<4>(Q, dp, O, mrow + m0, lrow + m0, pos, c); break;
-        case 3: row_block<3>(Q, dp, O, mrow + m0, lrow + m0, pos, c); break;
-        case 2: row_block<2>(Q, dp, O, mrow + m0, lrow + m0, pos, c); break;
-        default: row_block<1>(Q, dp, O, mrow + m0, lrow + m0, pos, c); break;
+        case 4: row_block<4>(Q, Qb ? Qb + int64_t(m0) * dp : nullptr, dp, O, mrow + m0, lrow + m0, pos, c); break;
+        case 3: row_block<3>(Q, Qb ? Qb + int64_t(m0) * dp : nullptr, dp, O, mrow + m0, lrow + m0, pos, c); break;
+        case 2: row_block<2>(Q, Qb ? Qb + int64_t(m0) * dp : nullptr, dp, O, mrow + m0, lrow + m0, pos, c); break;
+        default: row_block<1>(Q, Qb ? Qb + int64_t(m0) * dp : nullptr, dp, O, mrow + m0, lrow + m0, pos, c); break;
       }
     }
     std::swap(raw, next);
   }
 
+#if defined(KV_BF16DOT)
+  if (Pb)
+    for (int r = 0; r < M; ++r) unpermute_bf16_pv(Os + int64_t(r) * dvp, dvp);
+#endif
   if (it.partial == nullptr) {
     T* out = static_cast<T*>(P.out);
     for (int r = 0; r < M; ++r) {

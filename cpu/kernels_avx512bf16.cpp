@@ -1,0 +1,32 @@
+// The attention kernel compiled for avx512 + avx512bf16 (16 fp32 lanes; bf16 dot products); see attention_kernel.h.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include "kvmulti_cpu.h"
+
+namespace kvmulti_cpu {
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c,bmi2")
+namespace avx512bf16 {
+#define KV_W 16
+#define KV_BF16DOT 1
+#include "attention_kernel.h"
+#undef KV_W
+#undef KV_BF16DOT
+}  // namespace avx512bf16
+#pragma GCC pop_options
+RunItemFn run_item_avx512bf16() { return &avx512bf16::run_item; }
+int lanes_avx512bf16() { return 16; }
+#else
+RunItemFn run_item_avx512bf16() { return nullptr; }  // compiled only with GCC on x86
+int lanes_avx512bf16() { return 16; }
+#endif
+}  // namespace kvmulti_cpu
