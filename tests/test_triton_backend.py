@@ -281,7 +281,8 @@ def test_backend_reports_interpreter_and_cpu_rules(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert backend.platform_reasons("cpu") == []
     assert "interpreter" in backend.describe()
-    assert backend.unavailable_reasons() == []
+    if triton_backend.interpreting() and not torch.cuda.is_available():
+        assert backend.unavailable_reasons() == []
     # Never chosen by default on a CPU tensor, even while interpreting: the cpu priority is CPU only.
     config = AttentionConfig(platform="cpu", dtype=F16, head_size=64, head_size_v=64, num_kv_heads=2,
                              block_size=16, order="NHD")
@@ -306,6 +307,37 @@ def test_no_driver_reason_without_interpreter(monkeypatch):
         assert reasons and "no active GPU driver" in reasons[0]
     finally:
         triton_backend._driver_reasons.cache_clear()
+
+
+def test_interpreter_mode_change_is_reported(monkeypatch):
+    from kvmulti.triton_kernels import unified_attention
+    interpreted = type(unified_attention.unified_attention_kernel).__name__ == "InterpretedFunction"
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if interpreted else "1")
+    reasons = get_backend("TRITON").unavailable_reasons()
+    assert any("were loaded with TRITON_INTERPRET" in r for r in reasons), reasons
+
+
+def test_interpreter_works_when_triton_was_imported_first():
+    """`import kvmulti` imports triton (through torch's custom-op machinery) before a test can set
+    TRITON_INTERPRET=1; the kernels must still run under the interpreter then."""
+    code = ("import os, sys\n"
+            "sys.path.insert(0, os.path.join(os.getcwd(), 'tests'))\n"
+            "os.environ.pop('TRITON_INTERPRET', None)\n"
+            "import kvmulti, torch\n"
+            "import triton.language\n"
+            "os.environ['TRITON_INTERPRET'] = '1'\n"
+            "from batches import CaseSpec, check_against_reference\n"
+            "for split in ('0', '1'):\n"
+            "    os.environ['KVMULTI_TRITON_SPLIT_KV'] = split\n"
+            "    check_against_reference(CaseSpec(order='HND', block_size=4, num_kv_heads=2, group=2, head_size=16,\n"
+            "        dtype=torch.bfloat16, query_lens=(3, 1), context_lens=(2, 9), sliding_window=6, softcap=5.0),\n"
+            "        'TRITON')\n"
+            "print('ok')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
 
 
 def test_import_without_triton_reports_reason():

@@ -31,6 +31,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Row max / row sum as ``tl.reduce`` over Triton's own combine functions: exactly what tl.max /
+# tl.sum lower to for fp32 inputs; zeros as tl.full. Not tl.max / tl.sum / tl.zeros themselves:
+# those are @triton.jit functions of triton.language, and when triton was imported before
+# TRITON_INTERPRET=1 was set (importing kvmulti imports torch's custom-op machinery, which imports
+# triton) the interpreter cannot call them. The kernels below use only builtins and these.
+_MAX = tl.standard._elementwise_max
+_SUM = tl.standard._sum_combine
+
 
 @triton.jit
 def unified_attention_kernel(
@@ -50,9 +58,9 @@ def unified_attention_kernel(
     kvh = tl.program_id(1)
     part = tl.program_id(2)
 
-    # The request of this program: the largest i with query_start_loc[i] // block_q + i <= pid.
-    # (Binary search inline: a nested @triton.jit call makes the 3.x interpreter leave triton.language
-    # patched, which breaks compiling later in the same process.)
+    # The request of this program: the largest i with query_start_loc[i] // block_q + i <= pid
+    # (binary search over query_start_loc; request i's q-blocks are programs
+    # query_start_loc[i] // block_q + i ... + ceil(query_len_i / block_q) - 1).
     req = num_reqs * 0
     hi = num_reqs - 1
     while req < hi:
@@ -97,8 +105,8 @@ def unified_attention_kernel(
     tile_start = (k_lo // TILE_N) * TILE_N          # whole tiles before the window are skipped
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD_V], tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_PAD_V], 0.0, tl.float32)
     offs_n = tl.arange(0, TILE_N)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     head_off = kvh.to(tl.int64) * stride_ch
@@ -123,11 +131,11 @@ def unified_attention_kernel(
         visible = visible & ((window <= 0) | ((q_pos[:, None] - k_pos[None, :]) < window))
         s = tl.where(visible, s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)      # a row with nothing visible yet
         alpha = tl.exp(m_i - m_use)
         p = tl.exp(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
         p_dot = p.to(v.dtype)
         if DOT_F32:
             p_dot = p_dot.to(tl.float32)
@@ -159,22 +167,22 @@ def reduce_partitions_kernel(
     base = (tok * num_q_heads + head) * num_parts
     offs_dv = tl.arange(0, HEAD_PAD_V)
     offs_p = tl.arange(0, PART_CHUNK)
-    m_run = tl.max(tl.full([PART_CHUNK], float("-inf"), tl.float32), 0)
-    l_run = tl.sum(tl.zeros([PART_CHUNK], tl.float32), 0)
-    o = tl.zeros([HEAD_PAD_V], tl.float32)
+    m_run = tl.reduce(tl.full([PART_CHUNK], float("-inf"), tl.float32), 0, _MAX)
+    l_run = tl.reduce(tl.full([PART_CHUNK], 0.0, tl.float32), 0, _SUM)
+    o = tl.full([HEAD_PAD_V], 0.0, tl.float32)
     for p0 in range(0, num_parts, PART_CHUNK):
         p = p0 + offs_p
         p_ok = p < num_parts
         m = tl.load(part_ml_ptr + (base + p) * 2, mask=p_ok, other=float("-inf"))
         l = tl.load(part_ml_ptr + (base + p) * 2 + 1, mask=p_ok, other=0.0)
-        m_new = tl.maximum(m_run, tl.max(m, 0))
+        m_new = tl.maximum(m_run, tl.reduce(m, 0, _MAX))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_run - m_use)
         w = tl.exp(m - m_use)
-        l_run = l_run * alpha + tl.sum(l * w, 0)
+        l_run = l_run * alpha + tl.reduce(l * w, 0, _SUM)
         a = tl.load(part_acc_ptr + (base + p)[:, None] * HEAD_PAD_V + offs_dv[None, :], mask=p_ok[:, None],
                     other=0.0)
-        o = o * alpha + tl.sum(a * w[:, None], 0)
+        o = o * alpha + tl.reduce(a * w[:, None], 0, _SUM)
         m_run = m_new
     o = o / tl.where(l_run == 0.0, 1.0, l_run)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_dv * stride_od,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 
 import torch
 
@@ -50,6 +51,20 @@ def _driver_reasons() -> tuple[str, ...]:
     return ()
 
 
+def _mode_reasons() -> list[str]:
+    """The kernels are interpreted or compiled as TRITON_INTERPRET said when they were imported;
+    a later change of the variable cannot take effect in this process."""
+    module = sys.modules.get("kvmulti.triton_kernels.unified_attention")
+    if module is None:
+        return []
+    interpreted = type(module.unified_attention_kernel).__name__ == "InterpretedFunction"
+    if interpreted == interpreting():
+        return []
+    was, now = ("set", "unset") if interpreted else ("unset", "set")
+    return [f"the Triton kernels were loaded with TRITON_INTERPRET {was} and it is now {now}; set it before "
+            "the first TRITON call (ideally before starting Python)"]
+
+
 def split_kv_override() -> bool | None:
     value = os.environ.get(ENV_SPLIT_KV, "").strip().lower()
     if value in ("", "auto"):
@@ -73,9 +88,11 @@ class TritonBackend(Backend):
 
     def unavailable_reasons(self) -> list[str]:
         reasons = list(_import_reasons())
-        if reasons or interpreting():
+        if reasons:
             return reasons
-        return list(_driver_reasons())
+        if not interpreting():
+            reasons += _driver_reasons()
+        return reasons + _mode_reasons()
 
     def platform_reasons(self, platform: str) -> list[str]:
         if platform == "cpu":
