@@ -217,7 +217,9 @@ class ModelRunner:
         Tokens past ``length`` are forgotten, ``num_computed`` drops to at most ``length`` and blocks
         past those covering ``length`` positions go back to the pools; slots of rolled-back
         positions are simply overwritten later. Sliding-window groups can roll back only as far
-        as the blocks they still hold (``rollback_tokens``): ValueError otherwise, nothing changed.
+        as the blocks they still hold: ``rollback_tokens`` behind the LONGEST computed length the
+        request has reached (enough for speculative decoding, whose accepted length only grows);
+        further back is a ValueError and nothing changes.
         """
         req = self.requests[req_id]
         if not 1 <= length <= len(req.tokens):

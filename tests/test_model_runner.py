@@ -8,6 +8,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmulti.kv_cache import OutOfBlocksError
 from kvmulti.metadata import CommonAttentionMetadata
@@ -320,3 +322,62 @@ def test_runner_sized_from_a_memory_budget(models):
     assert used <= budget and sum(c.numel() * c.element_size() for c in runner.kv_caches.values()) == used
     per_block = sum(g.spec.page_size_bytes * len(g.layer_names) for g in runner.kv_cache_config.groups)
     assert budget - used < per_block
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_random_schedules_match_transformers(models, data):
+    """Random joins, token budgets (chunked prefill next to decodes), appends, rollbacks and
+    finishes: every logit row equals transformers' logits for the tokens it was computed on."""
+    family = data.draw(st.sampled_from(["llama", "gemma3"]), label="family")
+    model, path = models[family]
+    runner = ModelRunner(path, block_size={"full": 4, "sliding": 2}, num_blocks=96, rollback_tokens=3)
+    n = data.draw(st.integers(1, 4), label="requests")
+    prompts = [data.draw(st.lists(st.integers(3, 319), min_size=1, max_size=14), label=f"prompt{i}") for i in range(n)]
+    joins = [data.draw(st.integers(0, 5), label=f"join{i}") for i in range(n)]
+    rows: dict[int, list] = {i: [] for i in range(n)}
+    high: dict[int, int] = {}                       # longest computed length per request
+    checked = 0
+
+    def check(rid):
+        nonlocal checked
+        ref = hf_logits(model, runner.requests[rid].tokens)
+        for pos, row in rows[rid]:
+            torch.testing.assert_close(row, ref[pos], **TOL)
+        checked += len(rows[rid])
+        rows[rid].clear()
+
+    step = 0
+    while step < 60 and (runner.requests or step <= max(joins)):
+        for i in range(n):
+            if joins[i] == step:
+                runner.add_request(i, prompts[i])
+        step += 1
+        if not runner.requests:
+            continue
+        schedule = runner.schedule(data.draw(st.integers(1, 12), label="budget"))
+        start = {rid: runner.requests[rid].num_computed for rid in schedule}
+        logits = runner.forward(schedule, num_logits=dict(schedule))
+        for (rid, count), chunk in zip(schedule.items(), logits.split(list(schedule.values()))):
+            rows[rid] += [(start[rid] + j, chunk[j]) for j in range(count)]
+            high[rid] = max(high.get(rid, 0), start[rid] + count)
+        for rid in [r for r in runner.requests if runner.requests[r].num_pending == 0]:
+            action = data.draw(st.sampled_from(["append", "append", "rollback", "finish"]), label="action")
+            tokens = runner.requests[rid].tokens
+            if action == "finish" or len(tokens) > 40:
+                check(rid)
+                runner.remove_request(rid)
+            elif action == "rollback" and len(tokens) > 3 and len(tokens) > high[rid] - 3:
+                # At most rollback_tokens (3) behind the longest computed length, as in speculative
+                # decoding (accepted lengths only grow); further back is refused (tested elsewhere).
+                check(rid)
+                back = data.draw(st.integers(1, 3), label="back")
+                runner.truncate(rid, max(len(tokens) - back, high[rid] - 3))
+                runner.append_tokens(rid, data.draw(st.lists(st.integers(3, 319), min_size=1, max_size=4)))
+            else:
+                runner.append_tokens(rid, [data.draw(st.integers(3, 319), label="token")])
+    for rid in list(runner.requests):
+        check(rid)
+        runner.remove_request(rid)
+    assert checked >= sum(len(p) for p in prompts)
+    assert runner.num_free_blocks() == {gid: 96 for gid in runner.pools}
