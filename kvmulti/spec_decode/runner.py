@@ -116,15 +116,15 @@ class SpeculativeRunner:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
         self.num_speculative_tokens = k
+        if draft is not None:
+            raise NotImplementedError("speculative decoding with a draft model is not implemented yet "
+                                      "(kvmulti issue 7); use draft=None for target-only generation")
         runner_args = dict(device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                            memory_bytes=memory_bytes, max_num_batched_tokens=max_num_batched_tokens)
         # A speculative target rolls back up to k + 1 positions: keep that much sliding-window history.
         self.target = ModelRunner(target, role="target", backend=target_backend,
                                   rollback_tokens=0 if draft is None else k + 1, **runner_args)
-        self.draft: ModelRunner | None = None
-        if draft is not None:
-            raise NotImplementedError("speculative decoding with a draft model is not implemented yet "
-                                      "(kvmulti issue 7); use draft=None for target-only generation")
+        self.draft: ModelRunner | None = None      # issue 7: ModelRunner(draft, role="draft", rollback_tokens=k + 1)
         self.vocab = ByteVocab.from_config(self.target.config.byte_vocab)
         eos = self.target.config.eos_token_ids or (() if self.vocab is None or self.vocab.eos is None
                                                    else (self.vocab.eos,))
