@@ -13,15 +13,16 @@
 // to keys 0..p, and with a sliding window W only to keys p-W+1..p (blocks entirely outside the window
 // are never read: their block-table entries may be garbage).
 //
-// Block = (query token, up to kMaxGroupRows=8 query heads of one GQA group, KV partition);
-// kNumWarps*WAVE threads. Every K/V element a block reads serves all of its query heads. The key
-// range is streamed in tiles of one key per thread with an online softmax per head (running max /
-// sum, fp32 accumulation):
+// Block = (up to 8 "rows" = query (token, head) pairs sharing one KV head and one request -- the
+// heads of a GQA group x consecutive query tokens, see RowMap --, KV partition); kNumWarps*WAVE
+// threads. Every K/V element a block reads serves all of its rows. The union of the rows' key ranges
+// is streamed in tiles of one key per thread with an online softmax per row (running max / sum, fp32
+// accumulation), each row masking the keys outside its own causal / window / partition range:
 //   QK: each thread reads its key row once (16-byte loads when aligned) and computes the dot products
 //       with the block's (pre-scaled) query rows in shared memory, applies softcap c*tanh(s/c);
-//   block max/sum reductions (wave shuffles + shared memory) give every thread the same m, l per head;
+//   block max/sum reductions (wave shuffles + shared memory) give every thread the same m, l per row;
 //   PV: each thread owns head dims d = tid, tid+NT, ... and accumulates p_i * V[i][d] over the tile
-//       for every head (V reads coalesced across threads).
+//       for every row (V reads coalesced across threads).
 // All loops that contain barriers or shuffles have block-uniform trip counts.
 //
 // Split-KV ("partitioned") decode: for long contexts with too few (token, head) blocks to fill the
@@ -68,26 +69,44 @@ struct WriteKVParams {
   int num_tokens, num_kv_heads, head_size, head_size_v, block_size;
 };
 
+// Which (query token, query head) pairs -- "rows" -- one attention block computes. All rows of a
+// block share one KV head and one request, so every K/V element the block reads serves all of them:
+// heads_per_block = min(group, R) heads of one GQA group x tokens_per_block = R / heads_per_block
+// consecutive query tokens of one request (R = kMaxRows = 8). Block (x, y): x is the first query token
+// of its token tile (blocks whose token does not start a tile exit at once), y = kv_head * chunks + chunk.
+struct RowMap {
+  int heads_per_block, tokens_per_block, chunks;
+  __host__ __device__ RowMap(int num_q_heads, int num_kv_heads) {
+    const int group = num_q_heads / num_kv_heads;
+    heads_per_block = group < kMaxRows ? group : kMaxRows;
+    tokens_per_block = kMaxRows / heads_per_block;
+    chunks = (group + heads_per_block - 1) / heads_per_block;
+  }
+};
+
+// Keys [x, y) visible to a query at position pos within partition part (x >= y: none).
+__device__ __forceinline__ void key_range(const PagedAttentionParams& p, int pos, int part, int& x, int& y) {
+  x = p.sliding_window > 0 ? max(0, pos - p.sliding_window + 1) : 0;
+  y = pos + 1;
+  if (p.num_partitions > 1) {
+    x += part * p.partition_size;
+    y = min(y, x + p.partition_size);
+  }
+}
+
 template <typename T, int HS, int WAVE>
 __device__ __forceinline__ void paged_attention_body(const PagedAttentionParams& p) {
   constexpr int NT = kNumWarps * WAVE;
   constexpr int DPT = (HS + NT - 1) / NT;  // output dims per thread
-  constexpr int G = kMaxGroupRows;
+  constexpr int R = kMaxRows;
   const int tid = (int)threadIdx.x;
   const int token = (int)blockIdx.x;
   const int part = (int)blockIdx.z;
-  // This block's query heads: up to G consecutive heads of one GQA group (they share the KV head,
-  // so every K/V element read serves all of them).
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int chunks = (group + G - 1) / G;
-  const int kv_head = (int)blockIdx.y / chunks;
-  const int head0 = kv_head * group + ((int)blockIdx.y % chunks) * G;
-  const int rows = min(G, kv_head * group + group - head0);  // block-uniform
 
-  __shared__ float q_s[G][HS];
-  __shared__ float p_s[G][NT];
+  __shared__ float q_s[R][HS];
+  __shared__ float p_s[R][NT];
   __shared__ int64_t row_s[NT];
-  __shared__ float red_s[G][kNumWarps];
+  __shared__ float red_s[R][kNumWarps];
 
   // Request of this token: the last r with query_start_loc[r] <= token (block-uniform).
   int lo = 0, hi = p.num_reqs - 1;
@@ -97,47 +116,64 @@ __device__ __forceinline__ void paged_attention_body(const PagedAttentionParams&
   }
   const int req = lo;
   const int q_begin = p.query_start_loc[req];
-  const int q_len = p.query_start_loc[req + 1] - q_begin;
-  const int pos = p.seq_lens[req] - q_len + (token - q_begin);
-  int kv_start = p.sliding_window > 0 ? max(0, pos - p.sliding_window + 1) : 0;
-  int kv_end = pos + 1;
-  if (p.num_partitions > 1) {
-    kv_start += part * p.partition_size;
-    kv_end = min(kv_end, kv_start + p.partition_size);
+  const int q_end = p.query_start_loc[req + 1];
+  const RowMap map(p.num_q_heads, p.num_kv_heads);
+  if ((token - q_begin) % map.tokens_per_block != 0) return;  // another block covers this token (uniform)
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int kv_head = (int)blockIdx.y / map.chunks;
+  const int head0 = kv_head * group + ((int)blockIdx.y % map.chunks) * map.heads_per_block;
+  const int nheads = min(map.heads_per_block, kv_head * group + group - head0);
+  const int ntok = min(map.tokens_per_block, q_end - token);
+  const int rows = nheads * ntok;  // row r = (token + r / nheads, head0 + r % nheads); block-uniform
+  const int pos0 = p.seq_lens[req] - (q_end - q_begin) + (token - q_begin);  // position of `token`
+
+  // Rows of token tq (= r / nheads) see keys [x, y) = key_range(tq): causal, sliding window, this
+  // block's partition. The union [kv_lo, kv_hi) over the block's tokens is contiguous (ranges shift by
+  // at most one key per token) and every key in it is visible to some row, so its block-table entry is
+  // real. Ranges are recomputed per token inside the loops (a few scalar ops) rather than kept in
+  // 2 x 8 scalar registers, which made gfx90a spill.
+  int kv_lo = 0x7fffffff, kv_hi = 0;
+  for (int tq = 0; tq < ntok; ++tq) {
+    int x, y;
+    key_range(p, pos0 + tq, part, x, y);
+    if (x < y) {
+      kv_lo = min(kv_lo, x);
+      kv_hi = max(kv_hi, y);
+    }
   }
   const T* cache = static_cast<const T*>(p.kv_cache) + (int64_t)kv_head * p.kv_stride_head;
   const int* bt = p.block_table + (int64_t)req * p.bt_stride;
-  // split-KV partial results of row r live at (part_idx0 + r * num_partitions)
-  const int64_t part_idx0 = ((int64_t)token * p.num_q_heads + head0) * p.num_partitions + part;
-  T* const out0 = static_cast<T*>(p.out) + (int64_t)token * p.o_stride_token + (int64_t)head0 * p.o_stride_head;
 
-  if (kv_start >= kv_end) {  // empty partition / no visible key (uniform): contributes nothing
+  if (kv_lo >= kv_hi) {  // no row sees a key in this partition (uniform): contributes nothing
     for (int i = tid; i < rows * HS; i += NT) {
       const int r = i / HS, d = i % HS;
+      const int tok = token + r / nheads, head = head0 + r % nheads;
       if (p.num_partitions > 1) {
-        const int64_t idx = part_idx0 + (int64_t)r * p.num_partitions;
+        const int64_t idx = ((int64_t)tok * p.num_q_heads + head) * p.num_partitions + part;
         if (d == 0) {
           p.part_max[idx] = -FLT_MAX;
           p.part_sum[idx] = 0.f;
         }
         p.part_out[idx * HS + d] = 0.f;
       } else {
-        out0[r * p.o_stride_head + d] = Cvt<T>::from(0.f);
+        static_cast<T*>(p.out)[(int64_t)tok * p.o_stride_token + (int64_t)head * p.o_stride_head + d] =
+            Cvt<T>::from(0.f);
       }
     }
     return;
   }
 
-  const T* q0 = static_cast<const T*>(p.query) + (int64_t)token * p.q_stride_token + (int64_t)head0 * p.q_stride_head;
   for (int i = tid; i < rows * HS; i += NT) {
     const int r = i / HS, d = i % HS;
-    q_s[r][d] = Cvt<T>::to(q0[r * p.q_stride_head + d]) * p.scale;
+    const int tok = token + r / nheads, head = head0 + r % nheads;
+    const T* q = static_cast<const T*>(p.query) + (int64_t)tok * p.q_stride_token + (int64_t)head * p.q_stride_head;
+    q_s[r][d] = Cvt<T>::to(q[d]) * p.scale;
   }
   __syncthreads();
 
-  float m[G], l[G], acc[G][DPT];
+  float m[R], l[R], acc[R][DPT];
 #pragma unroll
-  for (int r = 0; r < G; ++r) {
+  for (int r = 0; r < R; ++r) {
     m[r] = -FLT_MAX;
     l[r] = 0.f;
 #pragma unroll
@@ -145,50 +181,65 @@ __device__ __forceinline__ void paged_attention_body(const PagedAttentionParams&
   }
   const bool aligned = p.kv_aligned16 != 0;
 
-  for (int t0 = kv_start; t0 < kv_end; t0 += NT) {  // uniform trip count
+  for (int t0 = kv_lo; t0 < kv_hi; t0 += NT) {  // uniform trip count
     const int t = t0 + tid;
-    const bool valid = t < kv_end;
-    float s[G];
+    float s[R];
+    unsigned visible = 0u;  // bit r: key t is in row r's range
 #pragma unroll
-    for (int r = 0; r < G; ++r) s[r] = -FLT_MAX;
-    if (valid) {
-      const int64_t blk = bt[t / p.block_size];
+    for (int r = 0; r < R; ++r) s[r] = -FLT_MAX;
+    if (t < kv_hi) {
+      const int64_t blk = bt[t / p.block_size];  // t is visible to some row: its block is real
       const int64_t row = blk * p.kv_stride_block + (int64_t)(t % p.block_size) * p.kv_stride_token;
       row_s[tid] = row;
-      dot_rows<T, HS, G>(&q_s[0][0], cache + row, aligned, rows, s);
-      if (p.softcap > 0.f) {
+      dot_rows<T, HS, R>(&q_s[0][0], cache + row, aligned, rows, s);
+      // Tokens tq (rows tq * nheads ...) whose key_range(pos0 + tq, part) holds t: an interval
+      // [lo_tq, hi_tq], in closed form (ranges are nondecreasing in tq).
+      const int W = p.sliding_window, ps = p.partition_size;
+      const int tp = p.num_partitions > 1 ? t - part * ps : t;  // t relative to the partition start
+      int lo_tq = t - pos0;                                      // causal: t <= pos0 + tq
+      int hi_tq = tp < 0 ? -1 : (W > 0 ? tp - pos0 + W - 1 : ntok - 1);
+      if (p.num_partitions > 1 && tp >= ps) {                   // t >= start + ps for small tq
+        if (W > 0) lo_tq = max(lo_tq, tp - ps - pos0 + W);
+        else hi_tq = -1;
+      }
+      lo_tq = max(lo_tq, 0);
+      hi_tq = min(hi_tq, ntok - 1);
+      if (lo_tq <= hi_tq)
+        visible = ((1u << ((hi_tq + 1) * nheads)) - 1u) & ~((1u << (lo_tq * nheads)) - 1u);
 #pragma unroll
-        for (int r = 0; r < G; ++r) s[r] = p.softcap * tanhf(s[r] / p.softcap);
+      for (int r = 0; r < R; ++r) {
+        if (p.softcap > 0.f) s[r] = p.softcap * tanhf(s[r] / p.softcap);
+        if (!((visible >> r) & 1u)) s[r] = -FLT_MAX;  // masked for this row
       }
     }
-    float m_new[G], e[G], alpha[G];
+    float m_new[R], e[R], alpha[R];
 #pragma unroll
-    for (int r = 0; r < G; ++r) m_new[r] = s[r];
-    block_reduce_rows<WAVE, kNumWarps, true, G>(m_new, rows, red_s);
+    for (int r = 0; r < R; ++r) m_new[r] = s[r];
+    block_reduce_rows<WAVE, kNumWarps, true, R>(m_new, rows, red_s);
 #pragma unroll
-    for (int r = 0; r < G; ++r) {
+    for (int r = 0; r < R; ++r) {
       m_new[r] = fmaxf(m[r], m_new[r]);
-      e[r] = valid ? __expf(s[r] - m_new[r]) : 0.f;
+      e[r] = ((visible >> r) & 1u) ? __expf(s[r] - m_new[r]) : 0.f;
       if (r < rows) p_s[r][tid] = e[r];
     }
-    block_reduce_rows<WAVE, kNumWarps, false, G>(e, rows, red_s);  // also publishes p_s, row_s
+    block_reduce_rows<WAVE, kNumWarps, false, R>(e, rows, red_s);  // also publishes p_s, row_s
 #pragma unroll
-    for (int r = 0; r < G; ++r) {
-      alpha[r] = __expf(m[r] - m_new[r]);
+    for (int r = 0; r < R; ++r) {
+      alpha[r] = __expf(m[r] - m_new[r]);  // 1 while a row has seen no key yet (both -FLT_MAX)
       l[r] = l[r] * alpha[r] + e[r];
       m[r] = m_new[r];
     }
-    const int n = min(NT, kv_end - t0);
+    const int n = min(NT, kv_hi - t0);
 #pragma unroll
     for (int j = 0; j < DPT; ++j) {
       const int d = tid + j * NT;
       if (d < HS) {
 #pragma unroll
-        for (int r = 0; r < G; ++r) acc[r][j] *= alpha[r];
+        for (int r = 0; r < R; ++r) acc[r][j] *= alpha[r];
         for (int i = 0; i < n; ++i) {
           const float v = Cvt<T>::to(cache[row_s[i] + HS + d]);
 #pragma unroll
-          for (int r = 0; r < G; ++r)
+          for (int r = 0; r < R; ++r)
             if (r < rows) acc[r][j] += p_s[r][i] * v;
         }
       }
@@ -197,11 +248,12 @@ __device__ __forceinline__ void paged_attention_body(const PagedAttentionParams&
   }
 
 #pragma unroll
-  for (int r = 0; r < G; ++r) {
+  for (int r = 0; r < R; ++r) {
     if (r >= rows) continue;
+    const int tok = token + r / nheads, head = head0 + r % nheads;
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
     if (p.num_partitions > 1) {
-      const int64_t idx = part_idx0 + (int64_t)r * p.num_partitions;
+      const int64_t idx = ((int64_t)tok * p.num_q_heads + head) * p.num_partitions + part;
       if (tid == 0) {
         p.part_max[idx] = m[r];
         p.part_sum[idx] = l[r];
@@ -212,17 +264,18 @@ __device__ __forceinline__ void paged_attention_body(const PagedAttentionParams&
         if (d < HS) p.part_out[idx * HS + d] = acc[r][j] * inv;
       }
     } else {
+      T* o = static_cast<T*>(p.out) + (int64_t)tok * p.o_stride_token + (int64_t)head * p.o_stride_head;
 #pragma unroll
       for (int j = 0; j < DPT; ++j) {
         const int d = tid + j * NT;
-        if (d < HS) out0[r * p.o_stride_head + d] = Cvt<T>::from(acc[r][j] * inv);
+        if (d < HS) o[d] = Cvt<T>::from(acc[r][j] * inv);
       }
     }
   }
 }
 
-// grid (num_tokens, num_kv_heads * ceil(group / kMaxGroupRows), num_partitions), block kNumWarps * WAVE
-// threads, no dynamic shared memory.
+// grid (num_tokens, num_kv_heads * RowMap::chunks, num_partitions), block kNumWarps * WAVE threads, no
+// dynamic shared memory.
 template <typename T, int HS, int WAVE>
 __global__ void __launch_bounds__(kNumWarps * WAVE, 1) paged_attention_kernel(const PagedAttentionParams p) {
   if constexpr (wave_matches_target<WAVE>()) paged_attention_body<T, HS, WAVE>(p);

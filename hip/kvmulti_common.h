@@ -16,8 +16,8 @@ namespace kvmulti {
 
 // Threads per attention block = kNumWarps * WAVE (256 on CDNA wave64, 128 on RDNA wave32 / NVIDIA).
 constexpr int kNumWarps = 4;
-// Query heads of one GQA group handled by one attention block (a larger group uses several blocks).
-constexpr int kMaxGroupRows = 8;
+// (query token, query head) rows computed by one attention block (see RowMap in kvmulti_attention.hip).
+constexpr int kMaxRows = 8;
 
 // Wave size of the code being generated: 64 on CDNA (gfx9), 32 on RDNA (gfx10+/gfx11 default wave32)
 // and NVIDIA; 0 on host passes and on the CPU harness (where the launcher picks the instantiation

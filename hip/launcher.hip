@@ -19,10 +19,9 @@ using kvmulti::WriteKVParams;
 //   * partition_size_request > 0: always split, in partitions of that many keys (tests, tuning);
 //   * partition_size_request == 0: never split;
 //   * partition_size_request < 0 (auto): split in partitions of kDefaultPartition (512) keys when the
-//     longest key span is > 2 * 512 keys AND the un-split grid (num_tokens x num_kv_heads x
-//     ceil(group / 8) blocks) has fewer than 4 blocks per compute unit, i.e. when a few long sequences
-//     would leave most of the GPU idle while each block streams a long context. Otherwise one block per
-//     (token, head group) suffices.
+//     longest key span is > 2 * 512 keys AND the un-split grid has fewer than 4 working blocks per
+//     compute unit (one block per up to 8 (token, head) rows, see RowMap), i.e. when a few long
+//     sequences would leave most of the GPU idle while each block streams a long context.
 constexpr int kDefaultPartition = 512;
 
 int device_wave_size(int wave) {
@@ -42,9 +41,8 @@ int device_cu_count() {
 
 template <typename T, int HS, int WAVE>
 hipError_t launch_attention(const PagedAttentionParams& p, hipStream_t stream) {
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int chunks = (group + kvmulti::kMaxGroupRows - 1) / kvmulti::kMaxGroupRows;
-  dim3 grid((unsigned)p.num_tokens, (unsigned)(p.num_kv_heads * chunks), (unsigned)p.num_partitions);
+  const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads);
+  dim3 grid((unsigned)p.num_tokens, (unsigned)(p.num_kv_heads * map.chunks), (unsigned)p.num_partitions);
   dim3 block(kvmulti::kNumWarps * WAVE);
   hipLaunchKernelGGL((kvmulti::paged_attention_kernel<T, HS, WAVE>), grid, block, 0, stream, p);
   hipError_t e = hipGetLastError();
@@ -94,14 +92,16 @@ __attribute__((visibility("default"))) int kvmulti_hip_head_sizes(int* out, int 
 // Wave size the kernels will use (wave: 0 = ask the current device).
 __attribute__((visibility("default"))) int kvmulti_hip_wave_size(int wave) { return device_wave_size(wave); }
 
-// Decides the split-KV configuration; see the heuristic above. Always returns 0.
+// Decides the split-KV configuration; see the heuristic above.
 __attribute__((visibility("default"))) int kvmulti_hip_plan(int num_tokens, int num_q_heads, int num_kv_heads,
                                                             int max_span, int partition_size_request,
                                                             int* partition_size, int* num_partitions) {
   int ps = 0;
-  const int group = num_kv_heads > 0 ? num_q_heads / num_kv_heads : 1;
-  const long long blocks = (long long)num_tokens * num_kv_heads *
-                           ((group + kvmulti::kMaxGroupRows - 1) / kvmulti::kMaxGroupRows);
+  if (num_kv_heads <= 0 || num_q_heads < num_kv_heads) return (int)hipErrorInvalidValue;
+  const kvmulti::RowMap map(num_q_heads, num_kv_heads);
+  // working blocks of the un-split grid (blocks not starting a token tile exit at once)
+  const long long blocks = ((long long)num_tokens + map.tokens_per_block - 1) / map.tokens_per_block *
+                           num_kv_heads * map.chunks;
   if (partition_size_request > 0) {
     ps = partition_size_request;
   } else if (partition_size_request < 0 && max_span > 2 * kDefaultPartition && blocks < 4LL * device_cu_count()) {

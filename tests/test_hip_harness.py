@@ -193,3 +193,16 @@ def test_gqa_groups_larger_than_one_block(hip_backend, group):
                     query_lens=(4, 1), context_lens=(30, 150), sliding_window=100, softcap=25.0)
     _run_case(hip_backend, spec, wave=32, partition_size=0)
     _run_case(hip_backend, spec, wave=64, partition_size=32)
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 37])
+@pytest.mark.parametrize("partition", [0, 3, 7])
+def test_token_tiles_with_windows_and_partitions(hip_backend, window, partition):
+    """With group 1 a block computes 8 consecutive query tokens (2 with group 4): each row masks the
+    keys outside its own causal / window / partition range."""
+    spec = CaseSpec(order="NHD", block_size=4, num_kv_heads=2, group=1, head_size=64, dtype=torch.float32,
+                    query_lens=(21, 13, 1), context_lens=(0, 9, 30), sliding_window=window)
+    _run_case(hip_backend, spec, wave=32, partition_size=partition)
+    spec = CaseSpec(order="HND", block_size=1, num_kv_heads=1, group=4, head_size=64, dtype=torch.float16,
+                    query_lens=(7, 3), context_lens=(5, 0), sliding_window=window)
+    _run_case(hip_backend, spec, wave=64, partition_size=partition)

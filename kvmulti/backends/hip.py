@@ -15,9 +15,9 @@ Two ways to run the same kernel sources, through the same C ABI (``hip/launcher.
   only when named (``KVMULTI_ATTENTION_BACKEND=HIP`` or ``backend="HIP"``) and warns once.
 
 Split-KV heuristic (``kvmulti_hip_plan`` in launcher.hip): with ``partition_size=-1`` (default) the
-key range of each (token, head group) is split into partitions of 512 keys, combined by a reduce
-kernel, when the longest visible span exceeds 1024 keys and the un-split grid (tokens x KV heads x
-ceil(group / 8) blocks) has fewer than 4 blocks per compute unit; 0
+key range of each (token, head) is split into partitions of 512 keys, combined by a reduce kernel,
+when the longest visible span exceeds 1024 keys and the un-split grid has fewer than 4 working blocks
+per compute unit (a block computes up to 8 (token, head) rows sharing one KV head); 0
 never splits; a positive value always splits with that partition size (tests, tuning). Set it per
 instance (``HipBackend(partition_size=...)``) or with ``KVMULTI_HIP_PARTITION_SIZE``.
 """
