@@ -9,7 +9,8 @@ prefill 4 x 512 new tokens (causal, no context); fp32 and bf16; block sizes 16 /
 "hot": back-to-back calls; "cold": a 1 GiB buffer is written before every timed call, so the KV
 cache comes from RAM. Times are the median (and min) of several calls of the backend method
 (validation and the custom-op wrapper are outside the timed region, as are vLLM's scheduler
-metadata and the repacking of our cache into vLLM's layout). "GB/s" is the effective rate of
+metadata and the repacking of our cache into vLLM's layout); "CPU ms" is the CPU time all threads
+of the process used per call (median), which the other jobs on a shared machine disturb less. "GB/s" is the effective rate of
 reading the KV the step needs (requests x seq_len x KV heads x (K + V) x element size); the
 floor is that many bytes at the RAM read bandwidth measured in the same run (torch sum over 1 GiB).
 
@@ -20,10 +21,16 @@ That interpreter must be able to import both vllm and kvmulti (pip install -e . 
 
 from __future__ import annotations
 
+import os
+
+# The 2 cores of the benchmark machine are shared with other jobs: with OpenMP's default active
+# spin-wait, every 2-thread kernel (ours, SDPA, vLLM) then waits on descheduled spinning threads
+# and times vary 10x. Passive waiting is set (for this process and the vLLM worker) before torch
+# loads its OpenMP runtime; export OMP_WAIT_POLICY=active to measure the default instead.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
 import argparse
 import json
-import math
-import os
 import platform
 import statistics
 import subprocess
@@ -79,25 +86,29 @@ class Timer:
         self.cold_reps = 3 if quick else 5
         self.tick = 0
 
-    def run(self, fn, cold: bool) -> tuple[float, float]:
-        """(median, min) seconds of fn()."""
+    def run(self, fn, cold: bool) -> tuple[float, float, float]:
+        """(median, min) wall seconds of fn() and the median CPU seconds it used over all threads
+        (process time; with passive OpenMP waiting idle threads sleep, so this is the work done)."""
         fn()
-        times = []
+        times, cpu = [], []
+
+        def one():
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+
         if cold:
             for _ in range(self.cold_reps):
                 self.tick += 1
                 self.flush.fill_(float(self.tick))                  # evict the caches: write 1 GiB
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
+                one()
         else:
             lo, hi = self.hot_reps
             start = time.perf_counter()
             while len(times) < hi and (len(times) < lo or time.perf_counter() - start < 0.5):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times), min(times)
+                one()
+        return statistics.median(times), min(times), statistics.median(cpu)
 
 
 def ram_bandwidth(timer: Timer) -> float:
@@ -179,8 +190,7 @@ def vllm_worker(configs: list[dict], quick: bool) -> None:
         err = (out.float() - expected.float()).abs().max().item()
         result = dict(cfg, isa=isa, max_abs_err=err)
         for mode in ("hot", "cold"):
-            med, best = timer.run(fn, mode == "cold")
-            result[mode] = [med, best]
+            result[mode] = list(timer.run(fn, mode == "cold"))
         print(json.dumps(result), flush=True)
 
 
@@ -295,13 +305,17 @@ def _format_row(row, bw):
     native, vl = row.get("native"), row.get("vLLM")
     gbs = "n/a" if native is None else f"{row['kv_bytes'] / native[0] / 1e9:.1f}"
     pct = "n/a" if native is None else f"{100 * row['kv_bytes'] / native[0] / bw:.0f}%"
-    ratio = "n/a" if native is None or vl is None else f"{native[0] / vl[0]:.2f}"
+    ratio = "n/a" if native is None or vl is None else f"{native[0] / vl[0]:.2f} ({native[1] / vl[1]:.2f})"
+    def cpu(v):
+        return "n/a" if v is None else f"{v[2] * 1e3:.2f}"
+    cpu_ratio = "n/a" if native is None or vl is None else f"{native[2] / vl[2]:.2f}"
     cells = [row["case"], row["dtype"], str(row["block_size"]), row["order"], row["mode"],
              f"{row['kv_bytes'] / 2**20:.0f}", f"{row['floor'] * 1e3:.2f}", ms(native), gbs, pct, ms(vl), ratio,
+             cpu(native), cpu(vl), cpu_ratio,
              ms(row.get("gather+SDPA")), ms(row.get("dense SDPA")), ms(row.get("torch path"))]
     line = "| " + " | ".join(cells) + " |"
     header = ("| case | dtype | block | order | mode | KV MiB | RAM floor ms | native ms med (min) | native GB/s | "
-              "% of RAM BW | vLLM ms med (min) | native / vLLM | torch gather+SDPA ms | dense SDPA ms | "
+              "% of RAM BW | vLLM ms med (min) | native / vLLM med (min) | native CPU ms | vLLM CPU ms | CPU ratio | torch gather+SDPA ms | dense SDPA ms | "
               "kvmulti torch path ms |")
     sep = "|" + "---|" * (header.count("|") - 1)
     return header + "\n" + sep + "\n" + line, line

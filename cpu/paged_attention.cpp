@@ -88,8 +88,10 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
                      double scale, int64_t window, double softcap, bool causal, int64_t partition_len,
                      int64_t isa_req) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out need a contiguous last dimension");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1, "block_table int32, rows contiguous");
+  TORCH_CHECK((query.size(2) <= 1 || query.stride(2) == 1) && (out.size(2) <= 1 || out.stride(2) == 1),
+              "query/out need a contiguous last dimension");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && (block_table.size(1) <= 1 || block_table.stride(1) == 1),
+              "block_table must be int32 with contiguous rows");
   TORCH_CHECK(query_start_loc_cpu.scalar_type() == torch::kInt32 && seq_lens_cpu.scalar_type() == torch::kInt32, "int32 lens");
   TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(), "dtype mismatch");
   const Isa isa = isa_req < 0 ? best_isa() : Isa(isa_req);
@@ -257,7 +259,8 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
               const torch::Tensor& slot_mapping, int64_t s_block, int64_t s_token, int64_t s_head,
               int64_t head_size, int64_t head_size_v, int64_t block_size) {
-  TORCH_CHECK(key.stride(2) == 1 && (head_size_v == 0 || value.stride(2) == 1), "key/value need a contiguous last dim");
+  TORCH_CHECK((key.size(2) <= 1 || key.stride(2) == 1) && (head_size_v <= 1 || value.stride(2) == 1),
+              "key/value need a contiguous last dim");
   TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type(), "dtype mismatch");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping int64");
   const int64_t T = slot_mapping.size(0), H = key.size(1);
