@@ -318,8 +318,12 @@ class ModelRunner:
             np.cumsum(q, out=qsl[1:])
             req_of_token = np.repeat(np.arange(r), q)
             positions = np.arange(t) - qsl[:-1][req_of_token] + ctx[req_of_token]
-            ids = np.array([tok for rid, c, n in zip(req_ids, ctx.tolist(), q.tolist())
-                            for tok in self.requests[rid].tokens[c:c + n]], dtype=np.int64)
+            ids = np.empty(t, dtype=np.int64)
+            decode = (q == 1) & (pending == 1)                # their token is the last known one
+            ids[qsl[:-1][decode]] = self._rows.last_token[rows[decode]]
+            for i in np.nonzero(~decode)[0].tolist():
+                c, start = int(ctx[i]), int(qsl[i])
+                ids[start:start + int(q[i])] = self.requests[req_ids[i]].tokens[c:c + int(q[i])]
         token_index = np.arange(r) if req_of_token is None else req_of_token   # token -> its batch row
 
         qsl32 = torch.from_numpy(qsl.astype(np.int32))
