@@ -94,18 +94,10 @@ class StepBatch:
 
 
 def cache_allocator(backend: str, device: torch.device) -> Allocator | None:
-    """The allocator a backend wants its caches in on ``device`` (None: plain torch memory).
-
-    A backend may provide ``cache_allocator(device)``; SYCL on a CPU host needs USM shared memory
-    to use the cache in place (a plain CPU tensor would be staged through USM on every call).
-    """
+    """The allocator a backend wants its caches in on ``device`` (None: plain torch memory), from
+    its optional ``cache_allocator(device)`` hook (SYCL on a CPU host: USM shared memory)."""
     hook = getattr(get_backend(backend), "cache_allocator", None)
-    if hook is not None:
-        return hook(device)
-    if backend == "SYCL" and device.type == "cpu":
-        from .backends.sycl import usm_allocator
-        return usm_allocator
-    return None
+    return None if hook is None else hook(device)
 
 
 class ModelRunner:
