@@ -27,6 +27,6 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 if [ "$mode" = "--test" ]; then
   "${pip[@]}" -e ".[test,triton,sycl]"
 else
-  "${pip[@]}" -e ".[models]"
+  "${pip[@]}" -e .
 fi
 echo "setup: kvmulti installed in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -5,8 +5,14 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
 import torch
+
+# Triton kernels run under the interpreter on hosts without a GPU; it must be set before
+# anything imports triton (importing kvmulti's custom ops does).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))
