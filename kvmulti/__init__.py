@@ -11,12 +11,16 @@ from .ops import paged_attention, write_kv
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionConfig", "BackendSelectionError", "CommonAttentionMetadata", "KVCacheLayout", "LayoutStrides",
-           "SpeculativeRunner", "available_backends", "paged_attention", "select_backend", "write_kv"]
+__all__ = ["AttentionConfig", "AttentionSpec", "BackendSelectionError", "CommonAttentionMetadata", "KVCacheConfig",
+           "KVCacheLayout", "LayoutStrides", "ModelRunner", "SpeculativeRunner", "available_backends", "paged_attention", "select_backend", "write_kv"]
+
+
+_LAZY = {"SpeculativeRunner": "kvmulti.spec_decode.runner", "ModelRunner": "kvmulti.model_runner",
+         "KVCacheConfig": "kvmulti.kv_cache", "AttentionSpec": "kvmulti.kv_cache"}
 
 
 def __getattr__(name: str):
-    if name == "SpeculativeRunner":
-        from .spec_decode.runner import SpeculativeRunner
-        return SpeculativeRunner
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'kvmulti' has no attribute {name!r}")

@@ -95,9 +95,8 @@ class StepBatch:
 
 def cache_allocator(backend: str, device: torch.device) -> Allocator | None:
     """The allocator a backend wants its caches in on ``device`` (None: plain torch memory), from
-    its optional ``cache_allocator(device)`` hook (SYCL on a CPU host: USM shared memory)."""
-    hook = getattr(get_backend(backend), "cache_allocator", None)
-    return None if hook is None else hook(device)
+    its ``Backend.cache_allocator`` hook (SYCL on a CPU host: USM shared memory)."""
+    return get_backend(backend).cache_allocator(device)
 
 
 class ModelRunner:

@@ -20,6 +20,12 @@ if [ "$mode" = "--test" ] && ! command -v hipcc >/dev/null 2>&1; then
 fi
 
 # On vendor runners, KVMULTI_SYSTEM_SITE_PACKAGES=1 lets the venv see the preinstalled ROCm/CUDA/XPU torch.
+if [ "$mode" = "--test" ] && [ "${CI:-}" = true ]; then
+  for tool in hipcc nvcc g++; do
+    command -v "$tool" >/dev/null || { echo "setup: error: CI needs $tool for the compile checks" >&2; exit 1; }
+  done
+fi
+
 [ -x .venv/bin/python ] || "$python" -m venv ${KVMULTI_SYSTEM_SITE_PACKAGES:+--system-site-packages} .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # torch 2.13.0: a CPU build where a local wheel is provided, else whatever the index serves for this host.

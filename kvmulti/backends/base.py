@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from ..layout import KVCacheLayout
+from ..layout import Allocator, KVCacheLayout
 from ..metadata import CommonAttentionMetadata
 from ..platform import platform_of
 
@@ -72,6 +72,11 @@ class Backend(abc.ABC):
     def describe(self) -> str:
         """One line for ``kvmulti info``: what this backend runs on here."""
         return ", ".join(self.platforms)
+
+    def cache_allocator(self, device: torch.device | str) -> Allocator | None:
+        """Memory this backend wants its KV caches in on ``device`` (see ``KVCacheLayout.allocate``);
+        None: plain torch memory."""
+        return None
 
     def capability_reasons(self, config: AttentionConfig) -> list[str]:
         """Why this backend's kernels cannot serve ``config`` (dtype, sizes, features)."""
