@@ -28,6 +28,8 @@ from types import ModuleType
 
 import torch
 
+from . import native_build
+
 ENV_NATIVE = "KVMULTI_CPU_NATIVE"
 ENV_ISA = "KVMULTI_CPU_ISA"
 ENV_VERBOSE = "KVMULTI_CPU_VERBOSE"
@@ -56,11 +58,7 @@ def disabled_reason() -> str | None:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KVMULTI_CACHE_DIR")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvmulti"
+    return native_build.cache_root()
 
 
 def status() -> tuple[ModuleType | None, str | None]:

@@ -24,6 +24,15 @@ settings.load_profile("kvmulti")
 VENDORS = ("cuda", "rocm", "xpu")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matmuls run far faster on one thread on a shared, loaded 2-core box; restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def vendor_available(vendor: str) -> str | None:
     """None if this host can run ``vendor``'s tests, else the reason it cannot."""
     if vendor == "cuda":

@@ -22,13 +22,7 @@ from test_models import PROMPTS, TOL, build_hf_model, hf_logits, run_decode, run
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny matmuls run far faster on one thread on a shared, loaded 2-core box; restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -34,13 +34,7 @@ PROMPTS = [[5, 17, 33, 2 + 7, 250, 11, 90, 4, 61, 77, 12, 300, 8, 19, 140, 3, 99
 TOL = dict(atol=2e-4, rtol=2e-4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny matmuls run far faster on one thread on a shared, loaded 2-core box; restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                head_dim=64, max_position_embeddings=512, initializer_range=0.15, pad_token_id=0, bos_token_id=1,

@@ -19,12 +19,7 @@ BACKENDS = usable_backends()
 RUNNER_ARGS = dict(block_size={"full": 4, "sliding": 8}, num_blocks=256)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def gemma3_draft():

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from .. import native_build
 from ..layout import KVCacheLayout
 from ..metadata import CommonAttentionMetadata
 from .base import AttentionConfig, Backend
@@ -65,21 +66,12 @@ class HipBuildError(RuntimeError):
 
 # ------------------------------------------------------------------------------------ sources
 def source_dir() -> Path:
-    """Directory holding the HIP sources: the installed ``kvmulti.hip_src`` package, else ``<repo>/hip``."""
-    env = os.environ.get("KVMULTI_HIP_SRC")
-    if env:
-        return Path(env)
-    try:
-        spec = importlib.util.find_spec("kvmulti.hip_src")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0])
-    return Path(__file__).resolve().parents[2] / "hip"
+    """Directory holding the HIP sources: ``KVMULTI_HIP_SRC``, the installed ``kvmulti.hip_src``, else ``<repo>/hip``."""
+    return native_build.source_dir("kvmulti.hip_src", "hip", "KVMULTI_HIP_SRC", "launcher.hip")
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KVMULTI_CACHE_DIR") or Path.home() / ".cache" / "kvmulti")
+    return native_build.cache_root()
 
 
 def _hash(paths: list[Path], extra: list[str]) -> str:

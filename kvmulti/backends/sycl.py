@@ -42,7 +42,6 @@ import ctypes
 import fcntl
 import functools
 import hashlib
-import importlib.util
 import os
 import shutil
 import struct
@@ -57,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from .. import native_build
 from ..layout import KVCacheLayout
 from ..metadata import CommonAttentionMetadata
 from .base import Backend
@@ -100,22 +100,11 @@ class SyclBuildError(SyclError):
 def source_dir() -> Path:
     """Directory with shim.cpp / kernels.cpp: ``KVMULTI_SYCL_SRC``, the installed ``kvmulti.sycl_src``
     package, else ``<repo>/sycl``."""
-    env = os.environ.get("KVMULTI_SYCL_SRC")
-    if env:
-        return Path(env)
-    try:
-        spec = importlib.util.find_spec("kvmulti.sycl_src")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.submodule_search_locations:
-        path = Path(list(spec.submodule_search_locations)[0])
-        if (path / "kernels.cpp").is_file():
-            return path
-    return Path(__file__).resolve().parents[2] / "sycl"
+    return native_build.source_dir("kvmulti.sycl_src", "sycl", "KVMULTI_SYCL_SRC", "kernels.cpp")
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KVMULTI_CACHE_DIR") or Path.home() / ".cache" / "kvmulti") / "sycl"
+    return native_build.cache_root() / "sycl"
 
 
 def kernel_source() -> str:
