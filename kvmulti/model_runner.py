@@ -351,8 +351,8 @@ class ModelRunner:
         if m is None or bool((m == 1).all()):
             logits_idx = qsl[1:] - 1
         else:
-            logits_idx = np.concatenate([np.arange(qsl[i + 1] - mi, qsl[i + 1]) for i, mi in enumerate(m.tolist())]
-                                        + [np.zeros(0, dtype=np.int64)])
+            first = np.repeat(qsl[1:] - m, m)                 # each request's first logits row, per row
+            logits_idx = first + np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
         return StepBatch(req_ids=req_ids, query_lens=q, rows=rows,
                          input_ids=self._to_device(torch.from_numpy(ids)),
                          positions=self._to_device(torch.from_numpy(np.ascontiguousarray(positions))),
