@@ -30,7 +30,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tens
     name = select_backend_for_layout(layout, kv_cache.device, False, False, role, backend)
     if value is None:
         value = key.new_empty((key.shape[0], layout.num_kv_heads, 0))
-    torch.ops.kvmulti.write_kv(key, value, kv_cache, slot_mapping, *_layout_args(layout), name)
+    op = torch.ops.kvmulti.write_kv if torch.compiler.is_compiling() else _write_kv_impl
+    op(key, value, kv_cache, slot_mapping, *_layout_args(layout), name)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
@@ -50,7 +51,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
                                      role, backend)
     if not metadata.causal and not get_backend(name).supports_non_causal:
         raise ValueError(f"backend {name} supports causal attention only (metadata.causal is False)")
-    return torch.ops.kvmulti.paged_attention(
+    op = torch.ops.kvmulti.paged_attention if torch.compiler.is_compiling() else _paged_attention_impl
+    return op(
         query, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
         metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.num_actual_tokens,
         metadata.max_query_len, metadata.max_seq_len, metadata.causal, *_layout_args(layout),
@@ -68,13 +70,17 @@ def _layout(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
     return KVCacheLayout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, dtype, order)
 
 
-@torch.library.custom_op("kvmulti::write_kv", mutates_args=("kv_cache",))
-def _write_kv_op(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+def _write_kv_impl(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, head_size_v: int,
                  order: str, backend: str) -> None:
     layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, kv_cache.dtype)
     check_slot_values(slot_mapping, layout)
     get_backend(backend).write_kv(key, None if layout.is_latent else value, kv_cache, layout, slot_mapping)
+
+
+# Eager calls go straight to the implementations (no dispatcher overhead on the per-layer hot
+# path); torch.compile traces the custom ops, whose fake implementations give it shapes.
+_write_kv_op = torch.library.custom_op("kvmulti::write_kv", _write_kv_impl, mutates_args=("kv_cache",))
 
 
 @_write_kv_op.register_fake
@@ -83,8 +89,7 @@ def _(key, value, kv_cache, slot_mapping, num_blocks, block_size, num_kv_heads, 
     return None
 
 
-@torch.library.custom_op("kvmulti::paged_attention", mutates_args=())
-def _paged_attention_op(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+def _paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, block_table: torch.Tensor, query_start_loc_cpu: torch.Tensor,
                         seq_lens_cpu: torch.Tensor, num_actual_tokens: int, max_query_len: int,
                         max_seq_len: int, causal: bool, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -100,6 +105,9 @@ def _paged_attention_op(query: torch.Tensor, kv_cache: torch.Tensor, query_start
     out = torch.zeros(query.shape[0], query.shape[1], head_size_v, dtype=query.dtype, device=query.device)
     get_backend(backend).paged_attention(query, kv_cache, layout, metadata, scale, sliding_window, softcap, out)
     return out
+
+
+_paged_attention_op = torch.library.custom_op("kvmulti::paged_attention", _paged_attention_impl, mutates_args=())
 
 
 @_paged_attention_op.register_fake

@@ -9,6 +9,7 @@ Every check runs before anything is written, so a rejected call leaves the cache
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -117,10 +118,41 @@ def check_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         raise ValueError(f"softcap must be None or a float >= 0 (0 = off), got {softcap!r}")
 
 
+#: Metadata already checked: every layer of a group reuses its step's tensors, so the check runs
+#: once per group per step. Keyed by id, validated by a weak reference and a stamp of each tensor
+#: (its version counter, or for inference-mode CPU tensors, which have none, a digest of the
+#: bytes), so a new or modified tensor is always checked again.
+_checked: dict[tuple, tuple] = {}
+
+
 def check_metadata_values(metadata: CommonAttentionMetadata, layout: KVCacheLayout,
                           sliding_window: int | None) -> None:
     """No query_len exceeds its seq_len (host copies: always checked), and every block id attention
     will read (inside each request's window) is within the cache (a value check, see above)."""
+    tensors = (metadata.block_table, metadata.seq_lens_cpu, metadata.query_start_loc_cpu)
+    key = (*map(id, tensors), layout.num_blocks, layout.block_size, sliding_window)
+    seen = _checked.get(key)
+    stamps = tuple(map(_stamp, tensors))
+    if seen is not None and None not in stamps and all(ref() is t and old == new for (ref, old), t, new
+                                                       in zip(seen, tensors, stamps)):
+        return
+    _check_metadata_values(metadata, layout, sliding_window)
+    if len(_checked) >= 64:
+        _checked.clear()
+    _checked[key] = tuple((weakref.ref(t), stamp) for t, stamp in zip(tensors, stamps))
+
+
+def _stamp(tensor: torch.Tensor):
+    """Changes whenever the tensor's contents may have changed; None: cannot tell (never cached)."""
+    if not tensor.is_inference():
+        return ("version", tensor._version)
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return ("bytes", hash(tensor.numpy().tobytes()))
+    return None
+
+
+def _check_metadata_values(metadata: CommonAttentionMetadata, layout: KVCacheLayout,
+                           sliding_window: int | None) -> None:
     query_lens = metadata.query_lens_cpu
     too_long = query_lens > metadata.seq_lens_cpu
     if bool(too_long.any()):

@@ -96,3 +96,22 @@ def test_unknown_backend_argument():
     cache, md, q, k, v = fresh()
     with pytest.raises(ValueError, match="valid names: HIP, SYCL, TRITON, CPU"):
         kvmulti.paged_attention(q, cache, LAYOUT, md, backend="CUDNN")
+
+
+def test_metadata_checked_again_after_in_place_change():
+    """The per-step check is cached across layers, but a modified block table is checked anew."""
+    cache, md, q, _, _ = fresh()
+    kvmulti.paged_attention(q, cache, LAYOUT, md)
+    kvmulti.paged_attention(q, cache, LAYOUT, md)            # cached: same tensors, same versions
+    md.block_table[0, 1] = 9
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 9"):
+        kvmulti.paged_attention(q, cache, LAYOUT, md)
+
+
+def test_metadata_checked_again_after_in_place_change_in_inference_mode():
+    with torch.inference_mode():
+        cache, md, q, _, _ = fresh()
+        kvmulti.paged_attention(q, cache, LAYOUT, md)
+        md.block_table[1, 0] = -3
+        with pytest.raises(ValueError, match=r"block_table\[1, 0\] = -3"):
+            kvmulti.paged_attention(q, cache, LAYOUT, md)
