@@ -17,6 +17,7 @@ so no backend can confuse the token and head strides.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Literal, NamedTuple
 
 import torch
@@ -131,6 +132,8 @@ class KVCacheLayout:
         Checks type, dtype, logical shape and strides: a cache of the other order, or one made
         for another layout, is rejected, never reinterpreted.
         """
+        if isinstance(cache, torch.Tensor) and (cache.dtype, cache.shape, cache.stride()) == self._exact_signature:
+            return                                            # the common case, checked in one comparison
         if not isinstance(cache, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
         if cache.dtype != self.dtype:
@@ -144,6 +147,11 @@ class KVCacheLayout:
             raise ValueError(f"{name} has strides {tuple(actual)}, layout order {self.order} expects "
                              f"{tuple(expected)} (block, token, head, dim); a cache of another order or "
                              "layout is never reinterpreted")
+
+    @cached_property
+    def _exact_signature(self) -> tuple:
+        """(dtype, shape, strides) of a cache allocated for this layout."""
+        return (self.dtype, torch.Size(self.shape), tuple(self.expected_strides()))
 
     def strides(self, cache: torch.Tensor) -> LayoutStrides:
         """Named strides of ``cache`` (validated against this layout), in elements."""

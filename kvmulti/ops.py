@@ -30,8 +30,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tens
     name = select_backend_for_layout(layout, kv_cache.device, False, False, role, backend)
     if value is None:
         value = key.new_empty((key.shape[0], layout.num_kv_heads, 0))
-    op = torch.ops.kvmulti.write_kv if torch.compiler.is_compiling() else _write_kv_impl
-    op(key, value, kv_cache, slot_mapping, *_layout_args(layout), name)
+    if torch.compiler.is_compiling():
+        torch.ops.kvmulti.write_kv(key, value, kv_cache, slot_mapping, *_layout_args(layout), name)
+    else:
+        _write(key, value, kv_cache, layout, slot_mapping, name)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
@@ -51,12 +53,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
                                      role, backend)
     if not metadata.causal and not get_backend(name).supports_non_causal:
         raise ValueError(f"backend {name} supports causal attention only (metadata.causal is False)")
-    op = torch.ops.kvmulti.paged_attention if torch.compiler.is_compiling() else _paged_attention_impl
-    return op(
+    scale = float(layout.head_size ** -0.5 if scale is None else scale)
+    if not torch.compiler.is_compiling():
+        return _attend(query, kv_cache, layout, metadata, scale, sliding_window, softcap, name)
+    return torch.ops.kvmulti.paged_attention(
         query, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
         metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.num_actual_tokens,
         metadata.max_query_len, metadata.max_seq_len, metadata.causal, *_layout_args(layout),
-        float(layout.head_size ** -0.5 if scale is None else scale), sliding_window, softcap, name)
+        scale, sliding_window, softcap, name)
 
 
 def _layout_args(layout: KVCacheLayout) -> tuple:
@@ -74,12 +78,26 @@ def _write_kv_impl(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
                  num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, head_size_v: int,
                  order: str, backend: str) -> None:
     layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, kv_cache.dtype)
+    _write(key, value, kv_cache, layout, slot_mapping, backend)
+
+
+def _write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
+           slot_mapping: torch.Tensor, backend: str) -> None:
     check_slot_values(slot_mapping, layout)
     get_backend(backend).write_kv(key, None if layout.is_latent else value, kv_cache, layout, slot_mapping)
 
 
-# Eager calls go straight to the implementations (no dispatcher overhead on the per-layer hot
-# path); torch.compile traces the custom ops, whose fake implementations give it shapes.
+def _attend(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout, metadata: CommonAttentionMetadata,
+            scale: float, sliding_window: int | None, softcap: float | None, backend: str) -> torch.Tensor:
+    check_metadata_values(metadata, layout, sliding_window)
+    out = torch.zeros(query.shape[0], query.shape[1], layout.value_size, dtype=query.dtype, device=query.device)
+    get_backend(backend).paged_attention(query, kv_cache, layout, metadata, scale, sliding_window, softcap, out)
+    return out
+
+
+# Eager calls go straight to _write / _attend (no dispatcher overhead and no metadata rebuilt on
+# the per-layer hot path); torch.compile traces the custom ops, whose fake implementations give
+# it shapes.
 _write_kv_op = torch.library.custom_op("kvmulti::write_kv", _write_kv_impl, mutates_args=("kv_cache",))
 
 
@@ -101,10 +119,7 @@ def _paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, query_sta
         slot_mapping=query_start_loc.new_empty(0, dtype=torch.int64), num_reqs=seq_lens.shape[0],
         num_actual_tokens=num_actual_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
         causal=causal, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu)
-    check_metadata_values(metadata, layout, sliding_window)
-    out = torch.zeros(query.shape[0], query.shape[1], head_size_v, dtype=query.dtype, device=query.device)
-    get_backend(backend).paged_attention(query, kv_cache, layout, metadata, scale, sliding_window, softcap, out)
-    return out
+    return _attend(query, kv_cache, layout, metadata, scale, sliding_window, softcap, backend)
 
 
 _paged_attention_op = torch.library.custom_op("kvmulti::paged_attention", _paged_attention_impl, mutates_args=())

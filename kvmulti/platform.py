@@ -9,10 +9,13 @@ PLATFORMS: tuple[str, ...] = ("rocm", "cuda", "xpu", "cpu")
 
 def platform_of(device: torch.device | str) -> str:
     """The platform of ``device``: a ``cuda`` device is ``rocm`` on a ROCm build of torch."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type == "cpu":
+        return "cpu"
     if device.type == "cuda":
         return "rocm" if torch.version.hip else "cuda"
-    if device.type in ("xpu", "cpu"):
+    if device.type == "xpu":
         return device.type
     raise ValueError(f"kvmulti does not know the device type {device.type!r}; known: cuda, xpu, cpu")
 

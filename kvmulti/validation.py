@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import weakref
 
+import numpy as np
 import torch
 
 from .layout import KVCacheLayout
@@ -82,7 +83,7 @@ def check_slot_values(slot_mapping: torch.Tensor, layout: KVCacheLayout) -> None
     """Every slot is -1 (skip) or within the cache."""
     if not value_checks_enabled(slot_mapping.device) or slot_mapping.numel() == 0:
         return
-    low, high = int(slot_mapping.min()), int(slot_mapping.max())
+    low, high = map(int, torch.aminmax(slot_mapping))
     if low < -1 or high >= layout.num_slots:
         bad = low if low < -1 else high
         raise ValueError(f"slot_mapping holds slot {bad}, outside -1 (skip) .. {layout.num_slots - 1} "
@@ -153,23 +154,24 @@ def _stamp(tensor: torch.Tensor):
 
 def _check_metadata_values(metadata: CommonAttentionMetadata, layout: KVCacheLayout,
                            sliding_window: int | None) -> None:
-    query_lens = metadata.query_lens_cpu
-    too_long = query_lens > metadata.seq_lens_cpu
-    if bool(too_long.any()):
-        i = int(too_long.nonzero()[0])
-        raise ValueError(f"metadata: request {i} has query_len {int(query_lens[i])} > seq_len "
-                         f"{int(metadata.seq_lens_cpu[i])}")
+    # numpy on the host copies: a handful of small-array ops, once per group per step.
+    qsl = metadata.query_start_loc_cpu.numpy()
+    seq = metadata.seq_lens_cpu.numpy().astype(np.int64)
+    query_lens = np.diff(qsl).astype(np.int64)
+    too_long = query_lens > seq
+    if too_long.any():
+        i = int(np.flatnonzero(too_long)[0])
+        raise ValueError(f"metadata: request {i} has query_len {int(query_lens[i])} > seq_len {int(seq[i])}")
     table = metadata.block_table
     if not value_checks_enabled(table.device) or metadata.num_reqs == 0:
         return
-    seq = metadata.seq_lens_cpu.long()
-    first = seq - metadata.query_lens_cpu.long()
-    first = (first - sliding_window + 1).clamp(min=0) if sliding_window is not None else torch.zeros_like(first)
-    cols = torch.arange(table.shape[1])[None, :]
-    read = (cols >= (first // layout.block_size)[:, None]) & (cols < ((seq + layout.block_size - 1)
-                                                                      // layout.block_size)[:, None])
-    bad = read & ((table.cpu() < 0) | (table.cpu() >= layout.num_blocks))
-    if bool(bad.any()):
-        req, col = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"metadata.block_table[{req}, {col}] = {int(table[req, col])} is outside the cache's "
+    blocks = table.cpu().numpy()
+    first = seq - query_lens
+    first = np.maximum(first - sliding_window + 1, 0) if sliding_window is not None else np.zeros_like(first)
+    cols = np.arange(blocks.shape[1])[None, :]
+    read = (cols >= (first // layout.block_size)[:, None]) & (cols < (-(-seq // layout.block_size))[:, None])
+    bad = read & ((blocks < 0) | (blocks >= layout.num_blocks))
+    if bad.any():
+        req, col = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(f"metadata.block_table[{req}, {col}] = {int(blocks[req, col])} is outside the cache's "
                          f"{layout.num_blocks} blocks")

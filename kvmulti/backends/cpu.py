@@ -57,13 +57,18 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
+def _contiguous_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` itself when it already is a contiguous ``dtype`` tensor (no per-call copies)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def write_kv_native(module, key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,
                     layout: KVCacheLayout, slot_mapping: torch.Tensor) -> None:
     """Native scatter of K/V rows into their slots through the named strides; slot -1 is skipped."""
     s = layout.expected_strides()
     key = _last_dim_contiguous(key)
     value = key if layout.is_latent or value is None else _last_dim_contiguous(value)
-    slots = slot_mapping.to(torch.int64).contiguous()
+    slots = _contiguous_as(slot_mapping, torch.int64)
     module.write_kv(key, value, kv_cache, slots, s.block, s.token, s.head, layout.head_size,
                     0 if layout.is_latent else layout.value_size, layout.block_size)
 
@@ -80,8 +85,8 @@ def paged_attention_native(module, query: torch.Tensor, kv_cache: torch.Tensor, 
     table = metadata.block_table
     if table.dtype != torch.int32 or (table.shape[1] > 1 and table.stride(1) != 1):
         table = table.to(torch.int32).contiguous()
-    qsl = metadata.query_start_loc_cpu.to(torch.int32).contiguous()
-    seq = metadata.seq_lens_cpu.to(torch.int32).contiguous()
+    qsl = _contiguous_as(metadata.query_start_loc_cpu, torch.int32)
+    seq = _contiguous_as(metadata.seq_lens_cpu, torch.int32)
     target = out if out.stride(-1) == 1 else torch.zeros_like(out, memory_format=torch.contiguous_format)
     isa_name = isa or cpu_native.selected_isa(module)
     module.paged_attention(query, kv_cache, target, table, qsl, seq, s.block, s.token, s.head, layout.head_size,

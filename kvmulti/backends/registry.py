@@ -53,6 +53,8 @@ def canonical_name(name: str, source: str = "backend") -> str:
 
 def get_backend(name: str) -> Backend:
     """The singleton instance of backend ``name`` (case-insensitive)."""
+    if name in BACKEND_CLASSES:                       # already canonical: the per-layer hot path
+        return _instance(name)
     return _instance(canonical_name(name))
 
 
@@ -103,7 +105,15 @@ def select_backend(config: AttentionConfig, role: str = "target", requested: str
 def select_backend_for_layout(layout: KVCacheLayout, device: torch.device, sliding_window: bool, softcap: bool,
                               role: str, requested: str | None) -> str:
     """:func:`select_backend` for a cache of ``layout`` on ``device``; torch.compile treats the
-    result as a constant, so compiled graphs hold no selection logic."""
+    result as a constant, so compiled graphs hold no selection logic. Memoised per call signature
+    and the override variables' current values (the per-layer hot path reads two env entries)."""
+    env = (os.environ.get(ENV_BACKEND), os.environ.get(ENV_DRAFT_BACKEND) if role == "draft" else None)
+    return _select_for_layout(layout, device, sliding_window, softcap, role, requested, env)
+
+
+@functools.lru_cache(maxsize=1024)
+def _select_for_layout(layout: KVCacheLayout, device: torch.device, sliding_window: bool, softcap: bool,
+                       role: str, requested: str | None, env: tuple) -> str:
     config = AttentionConfig.from_layout(layout, device, 1 if sliding_window else None, 1.0 if softcap else None)
     return select_backend(config, role, requested)
 
