@@ -160,23 +160,29 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._inv_freq: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._rope_tables: dict[tuple[str, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
 
-    def _rope(self, layer_type: str, positions: torch.Tensor, dtype: torch.dtype):
-        key = (layer_type, positions.device)
-        if key not in self._inv_freq:
-            self._inv_freq[key] = self.config.rope_for(layer_type).inv_freq(self.config.head_dim).to(positions.device)
-        return rope_cos_sin(self._inv_freq[key], positions, dtype)
+    def _rope(self, layer_type: str, positions: torch.Tensor, dtype: torch.dtype, num_positions: int):
+        """cos/sin [T, head_dim] of ``positions`` (all < ``num_positions``), gathered from a table
+        computed once per power-of-two range of positions (the same fp32 math per position)."""
+        key = (layer_type, positions.device, dtype)
+        table = self._rope_tables.get(key)
+        if table is None or table[0].shape[0] < num_positions:
+            size = max(256, 1 << (num_positions - 1).bit_length())
+            inv_freq = self.config.rope_for(layer_type).inv_freq(self.config.head_dim).to(positions.device)
+            table = self._rope_tables[key] = rope_cos_sin(inv_freq, torch.arange(size, device=positions.device), dtype)
+        return table[0][positions], table[1][positions]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for packed tokens ``input_ids`` [T]."""
         x = self.model.embed_tokens(input_ids)
         if self.config.gemma:
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
-        rope = {t: self._rope(t, positions, x.dtype) for t in set(self.config.layer_types)}
+        num_positions = max(md.max_seq_len for md in ctx.metadata.values())
+        rope = {t: self._rope(t, positions, x.dtype, num_positions) for t in set(self.config.layer_types)}
         for layer in self.model.layers:
             x = layer(x, *rope[layer.self_attn.layer_type], ctx)
         return self.model.norm(x)
