@@ -269,10 +269,19 @@ class BlockTables:
             return
         if need > self.pool.num_free:
             raise OutOfBlocksError(req_id, self.group.group_id, need, self.pool.num_free, self.pool.num_blocks)
+        self.append_blocks(row, need)
+
+    def append_blocks(self, row: int, n: int) -> None:
+        """Give row ``row`` ``n`` more blocks from the pool (the pool's ValueError if it has fewer)."""
         start = int(self.held[row])
-        self._grow(row + 1, start + need)
-        self.table[row, start:start + need] = self.pool.allocate(need)
-        self._set(row, start + need, int(self.first[row]))
+        end = start + n
+        if row >= self.table.shape[0] or end > self.table.shape[1]:
+            self._grow(row + 1, end)
+        if n == 1:                                            # the per-step case: a scalar store
+            self.table[row, start] = self.pool.allocate(1)[0]
+        else:
+            self.table[row, start:end] = self.pool.allocate(n)
+        self.held[row], self.capacity[row] = end, end * self.block_size
 
     def release_out_of_window(self, row: int, num_computed: int, margin: int = 0) -> int:
         """Sliding groups: give back blocks entirely before ``num_computed - window + 1 - margin``.
@@ -288,7 +297,7 @@ class BlockTables:
         start = int(self.first[row])
         if last_free_col <= start:
             return 0
-        self.pool.free(int(b) for b in self.table[row, start:last_free_col])
+        self.pool.free(self.table[row, start:last_free_col].tolist())
         self.table[row, start:last_free_col] = NO_BLOCK
         self._set(row, int(self.held[row]), last_free_col)
         return last_free_col - start

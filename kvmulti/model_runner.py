@@ -376,10 +376,11 @@ class ModelRunner:
                 i = int(np.nonzero(np.cumsum(need) > table.pool.num_free)[0][0])
                 free = table.pool.num_free - int(need[:i].sum())
                 raise OutOfBlocksError(req_ids[i], gid, int(need[i]), free, table.pool.num_blocks)
-            plans.append((table, np.nonzero(need)[0]))
-        for table, idx in plans:
-            for i in idx.tolist():
-                table.ensure(int(rows[i]), int(seq[i]), req_ids[i])
+            plans.append((table, need))
+        for table, need in plans:
+            idx = np.flatnonzero(need)
+            for row, n in zip(rows[idx].tolist(), need[idx].tolist()):
+                table.append_blocks(row, n)
 
     def commit(self, batch: StepBatch) -> None:
         """Mark the batch's tokens computed; sliding groups free blocks that left every window."""
