@@ -124,6 +124,7 @@ class ModelRunner:
         if max_num_batched_tokens < 1 or rollback_tokens < 0:
             raise ValueError("max_num_batched_tokens must be >= 1 and rollback_tokens >= 0")
         self.device = torch.device(device)
+        self._on_cpu = self.device.type == "cpu"
         if isinstance(model, (str, os.PathLike)):
             model = load_model(model, self.device, dtype)
         self.model, self.config, self.role = model, model.config, role
@@ -319,8 +320,7 @@ class ModelRunner:
 
         qsl32 = torch.from_numpy(qsl.astype(np.int32))
         seq32 = torch.from_numpy(seq.astype(np.int32))
-        on_cpu = self.device.type == "cpu"
-        qsl_dev, seq_dev = (qsl32, seq32) if on_cpu else (self._to_device(qsl32), self._to_device(seq32))
+        qsl_dev, seq_dev = self._to_device(qsl32), self._to_device(seq32)
         max_q, max_seq = (1 if t == r else int(q.max())), int(seq.max())
         metadata, split = {}, {}
         for gid, table in self.tables.items():
@@ -360,7 +360,7 @@ class ModelRunner:
                          num_logits=[1] * r if m is None else m.tolist())
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+        return tensor if self._on_cpu else tensor.to(self.device, non_blocking=True)
 
     def _allocate(self, req_ids: list, rows: np.ndarray, seq: np.ndarray) -> None:
         """Allocate every scheduled request's new blocks, or raise for the first that cannot get
