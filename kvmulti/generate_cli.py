@@ -29,6 +29,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-backend", default=None, help="draft backend (default: dispatch, never the target's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 for the shipped tiny pair, whose matmuls are too small "
+                        "to split, else torch's default)")
     p.add_argument("--no-baseline", action="store_true", help="skip the target-only run used for the speed-up")
     p.set_defaults(func=cmd_generate)
 
@@ -59,10 +62,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     target = args.model or str(shipped_model("target"))
     draft = None if (args.draft or "").lower() == "none" else (args.draft or str(shipped_model("draft")))
     dtype = DTYPES[args.dtype]
+    shipped_pair = args.model is None and (args.draft is None or args.draft.lower() == "none")
+    threads = args.threads if args.threads is not None else (1 if shipped_pair else None)
+    if threads is not None:
+        if threads < 1:
+            raise SystemExit(f"kvmulti generate: --threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
     runner = SpeculativeRunner(target=target, draft=draft, num_speculative_tokens=args.num_speculative_tokens,
                                target_backend=args.backend, draft_backend=args.draft_backend, device="cpu",
                                dtype=dtype)
-    print(f"target: {target}")
+    print(f"target: {target}   ({torch.get_num_threads()} CPU threads)")
     print(_indent(runner.target.describe()))
     if runner.draft is not None:
         print(f"draft:  {draft}   (k = {args.num_speculative_tokens})")
