@@ -166,6 +166,9 @@ def _check_metadata_values(metadata: CommonAttentionMetadata, layout: KVCacheLay
     if not value_checks_enabled(table.device) or metadata.num_reqs == 0:
         return
     blocks = table.cpu().numpy()
+    columns = blocks[:, : -(-int(seq.max()) // layout.block_size)]     # the longest request's blocks
+    if columns.size == 0 or (int(columns.min()) >= 0 and int(columns.max()) < layout.num_blocks):
+        return                                                # all in range: no need to mask per request
     first = seq - query_lens
     first = np.maximum(first - sliding_window + 1, 0) if sliding_window is not None else np.zeros_like(first)
     cols = np.arange(blocks.shape[1])[None, :]
