@@ -14,6 +14,7 @@
 // normalises and writes `out` or, when the context is partitioned, leaves (O, m, l) for the
 // log-sum-exp merge in paged_attention.cpp.
 //
+// KV_PORTABLE_VECTORS: no intrinsics in the loads (a testing aid: any KV_W on any host).
 // Requires before inclusion: <cstdint> <cstring> <cmath> <utility> <limits>, kvmulti_cpu.h,
 // <immintrin.h> on x86.
 
@@ -42,7 +43,9 @@ typedef uint16_t vh __attribute__((vector_size(KV_W * 2)));
 
 static inline vf vload(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
-static inline vf vsplat(float x) { return vf{} + x; }
+// A plain broadcast (vf{} + x would add 0.0f first: not an identity for -0.0f, so it is really emitted).
+template <int... I> static inline vf splat_impl(float x, std::integer_sequence<int, I...>) { return vf{((void)I, x)...}; }
+static inline vf vsplat(float x) { return splat_impl(x, std::make_integer_sequence<int, KV_W>{}); }
 static inline vi visplat(int x) { return vi{} + x; }
 
 template <int... I> static inline vi iota_impl(std::integer_sequence<int, I...>) { return vi{I...}; }
@@ -52,11 +55,11 @@ static inline vi viota() { return iota_impl(std::make_integer_sequence<int, KV_W
 template <int DT> struct Elem { using T = uint16_t; };
 template <> struct Elem<kF32> { using T = float; };
 
-#if KV_W == 16
+#if KV_W == 16 && !defined(KV_PORTABLE_VECTORS)
 static inline vf load_bf16(const uint16_t* p) {
   return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
 }
-#elif KV_W == 8
+#elif KV_W == 8 && !defined(KV_PORTABLE_VECTORS)
 static inline vf load_bf16(const uint16_t* p) {
   return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
 }
@@ -68,9 +71,9 @@ static inline vf load_bf16(const uint16_t* p) {
   return (vf)u;
 }
 #endif
-#if KV_W == 16
+#if KV_W == 16 && !defined(KV_PORTABLE_VECTORS)
 static inline vf load_f16(const uint16_t* p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-#elif KV_W == 8
+#elif KV_W == 8 && !defined(KV_PORTABLE_VECTORS)
 static inline vf load_f16(const uint16_t* p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 #else
 static inline vf load_f16(const uint16_t* p) {
@@ -513,26 +516,49 @@ template <int H, int RR> static inline vf fold_rows_sum(vf x) {
 }
 
 struct DirectCtx {
-  const void* const* kr;    // [kChunk] K rows in the cache (rows past n: a zero row)
-  const void* const* vr;    // [kChunk] V rows in the cache
+  const void* const* kr;    // [kChunk] K/V rows in the cache (rows past n: a zero row)
+  int voff;                 // V's offset in a row (elements)
   int c0, n;
   bool need_mask, causal;
   int window;
   float softcap;
   float qk_scale;           // applied to raw scores (1 where Q is pre-scaled)
   float* St;                // [kChunk][RR] key-major scores, then probabilities
+  const void* const* pf;    // the next chunk's rows, prefetched KG at a time during QK (npf of them)
+  int npf, pf_lines;        // rows to prefetch, cache lines per row
 };
+
+// Prefetch lines [0, L) of rows [j0, j0 + n) (L fully unrolled for the common row sizes).
+template <int L> static inline void prefetch_rows(const void* const* rows, int j0, int n) {
+  for (int j = j0; j < j0 + n; ++j) {
+    const char* p = static_cast<const char*>(rows[j]);
+#pragma GCC unroll 16
+    for (int b = 0; b < L; ++b) __builtin_prefetch(p + b * 64, 0, KV_PREFETCH_LOCALITY);
+  }
+}
+static inline void prefetch_rows_any(const void* const* rows, int j0, int n, int lines) {
+  switch (lines) {
+    case 2: prefetch_rows<2>(rows, j0, n); break;
+    case 4: prefetch_rows<4>(rows, j0, n); break;
+    case 8: prefetch_rows<8>(rows, j0, n); break;
+    default:
+      for (int j = j0; j < j0 + n; ++j)
+        for (int b = 0; b < lines; ++b) __builtin_prefetch(static_cast<const char*>(rows[j]) + b * 64, 0, KV_PREFETCH_LOCALITY);
+  }
+}
 
 template <int RR, int NC, int DT>
 static inline void pv_direct(float* O, int Dv, int d0, const DirectCtx& c, const float* alpha) {
   using T = typename Elem<DT>::T;
+  const int voff = c.voff + d0;
   vf acc[RR][2 * NC];
 #pragma GCC unroll 4
   for (int r = 0; r < RR; ++r)
 #pragma GCC unroll 8
     for (int q = 0; q < 2 * NC; ++q) acc[r][q] = vload(O + r * Dv + d0 + q * KV_W) * alpha[r];
+#pragma GCC unroll 2
   for (int j = 0; j < c.n; ++j) {
-    const T* v = static_cast<const T*>(c.vr[j]) + d0;
+    const T* v = static_cast<const T*>(c.kr[j]) + voff;
     vf vv[2 * NC];
 #pragma GCC unroll 4
     for (int q = 0; q < NC; ++q) load_pair<DT>(v + q * kPair, vv[2 * q], vv[2 * q + 1]);
@@ -552,10 +578,13 @@ static inline void pv_direct(float* O, int Dv, int d0, const DirectCtx& c, const
 
 // Q: RR fp32 rows (stride D, pre-scaled, pair-permuted for bf16); Qb: raw bf16 rows (stride D) for
 // the dot path or null; O: RR rows (stride Dv); m / l: running max / sum; pos: row positions.
-template <int RR, int DT>
+// ND / NV: head_size / head_size_v in kPair steps when known at compile time (full unrolling), else 0.
+template <int RR, int DT, int ND, int NV>
 static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, int Dv, float* O, float* m, float* l,
                                     const int* pos, const DirectCtx& c) {
   using T = typename Elem<DT>::T;
+  if constexpr (ND > 0) D = ND * kPair;
+  if constexpr (NV > 0) Dv = NV * kPair;
   constexpr int KG = KV_W / RR;
   const float ninf = -std::numeric_limits<float>::infinity();
   const int nv = (c.n + KG - 1) / KG;
@@ -567,8 +596,12 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
     const T* kp[KG];
 #pragma GCC unroll 16
     for (int j = 0; j < KG; ++j) kp[j] = static_cast<const T*>(c.kr[g * KG + j]);
+#if KV_PREFETCH
+    if (g * KG < c.npf) prefetch_rows_any(c.pf, g * KG, std::min(KG, c.npf - g * KG), c.pf_lines);
+#endif
 #if KV_DIRECT_DOT
     if (DT == kBF16 && Qb) {
+#pragma GCC unroll 8
       for (int d = 0; d < D; d += kPair) {
 #pragma GCC unroll 16
         for (int j = 0; j < KG; ++j) {
@@ -586,6 +619,7 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
       continue;
     }
 #endif
+#pragma GCC unroll 8
     for (int d = 0; d < D; d += kPair) {
 #pragma GCC unroll 16
       for (int j = 0; j < KG; ++j) {
@@ -654,9 +688,20 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
   // P.V: NC pairs of V vectors per pass (as many accumulators as the registers hold).
   constexpr int NC = (KV_W == 16 ? 2 : 1) * (RR == 4 ? 1 : 2);
   int d0 = 0;
+#pragma GCC unroll 8
   for (; d0 + NC * kPair <= Dv; d0 += NC * kPair) pv_direct<RR, NC, DT>(O, Dv, d0, c, alpha);
   if constexpr (NC > 1)
     for (; d0 < Dv; d0 += kPair) pv_direct<RR, 1, DT>(O, Dv, d0, c, alpha);
+}
+
+template <int DT, int ND>
+static void direct_rows(int RR, const float* Q, const uint16_t* Qb, int D, int Dv, float* O, float* m, float* l,
+                        const int* pos, const DirectCtx& c) {
+  switch (RR) {
+    case 4: row_block_direct<4, DT, ND, ND>(Q, Qb, D, Dv, O, m, l, pos, c); break;
+    case 2: row_block_direct<2, DT, ND, ND>(Q, Qb, D, Dv, O, m, l, pos, c); break;
+    default: row_block_direct<1, DT, ND, ND>(Q, Qb, D, Dv, O, m, l, pos, c); break;
+  }
 }
 
 // ---- the work item ------------------------------------------------------------------------------
@@ -725,14 +770,14 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
 
   // Row pointers of keys [c0, c0 + n): the block table is read only for these positions.
   auto rows_of = [&](int c0, int n, const T** dst) {
-    int bi = c0 / bs, off = c0 % bs;
-    const T* base = cache + int64_t(table[bi]) * P.s_block + head_off;
-    for (int j = 0; j < n; ++j) {
-      dst[j] = base + int64_t(off) * P.s_token;
-      if (++off == bs && j + 1 < n) {
-        off = 0;
-        base = cache + int64_t(table[++bi]) * P.s_block + head_off;
-      }
+    int bi = c0 / bs, off = c0 - bi * bs, j = 0;
+    const int64_t st = P.s_token;
+    while (j < n) {
+      const T* p = cache + int64_t(table[bi]) * P.s_block + head_off + int64_t(off) * st;
+      const int e = std::min(n, j + bs - off);
+      for (; j < e; ++j, p += st) dst[j] = p;
+      off = 0;
+      ++bi;
     }
   };
 
@@ -743,7 +788,6 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   const float* kp[kChunk];
   const void* vp[kChunk];
   const uint16_t* kb[kChunk];
-  const void* kr[kChunk];
   int pos[kRowBlock];
 
   int c0 = it.k_lo;
@@ -756,13 +800,15 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
       nn = std::min(kChunk, it.k_hi - c1);
       rows_of(c1, nn, next);
     }
-    for (int j = 0; j < n; ++j) {
+    if (direct) {
+      for (int j = n; j < kChunk && j < n + KV_W; ++j) raw[j] = reinterpret_cast<const T*>(zero);  // padding keys
+    }
+    for (int j = 0; j < (direct ? 0 : n); ++j) {
 #if KV_PREFETCH
       if (j < nn)
         for (int b = 0; b < row_bytes; b += KV_PREFETCH_STRIDE) __builtin_prefetch(reinterpret_cast<const char*>(next[j]) + b, 0, KV_PREFETCH_LOCALITY);
 #endif
-      if (direct) kr[j] = raw[j];
-      else if (Qb) kb[j] = reinterpret_cast<const uint16_t*>(raw[j]);
+      if (Qb) kb[j] = reinterpret_cast<const uint16_t*>(raw[j]);
       else if (direct_k) kp[j] = reinterpret_cast<const float*>(raw[j]);
       else { convert_row<DT>(raw[j], D, Kc + j * dp); kp[j] = Kc + j * dp; }
       if (direct_v) vp[j] = raw[j] + D;
@@ -773,13 +819,13 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
       kp[j] = zero;
       vp[j] = zero;
       kb[j] = reinterpret_cast<const uint16_t*>(zero);
-      kr[j] = zero;
     }
 
     ChunkCtx c{kp, kb, vp, c0, n, ng, dp / KV_W, dvp / KV_W, dvp, false, P.causal, P.window, P.softcap,
                Qb ? P.scale : 1.0f, direct_v ? DT : int(kF32), Pb, S};
-    DirectCtx dc{kr, vp, c0, n, false, P.causal, P.window, P.softcap,
-                 (KV_DIRECT_DOT && Qb) ? P.scale : 1.0f, S};
+    DirectCtx dc{reinterpret_cast<const void* const*>(raw), D, c0, n, false, P.causal, P.window, P.softcap,
+                 (KV_DIRECT_DOT && Qb) ? P.scale : 1.0f, S, reinterpret_cast<const void* const*>(next), nn,
+                 (row_bytes + 63) / 64};
     for (int m0 = 0; m0 < M; m0 += kRowBlock) {
       const int R = std::min(kRowBlock, M - m0);
       const int p_lo = it.pos0 + m0 / G, p_hi = it.pos0 + (m0 + R - 1) / G;
@@ -793,9 +839,11 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
       if (direct) {
         dc.need_mask = c.need_mask;
         const uint16_t* Qbm = Qb ? Qb + int64_t(m0) * dp : nullptr;
-        if (R > 2) row_block_direct<4, DT>(Q, Qbm, D, Dv, O, mrow + m0, lrow + m0, pos, dc);
-        else if (R == 2) row_block_direct<2, DT>(Q, Qbm, D, Dv, O, mrow + m0, lrow + m0, pos, dc);
-        else row_block_direct<1, DT>(Q, Qbm, D, Dv, O, mrow + m0, lrow + m0, pos, dc);
+        const int RR = R > 2 ? 4 : R;
+        if (D == Dv && D == 64) direct_rows<DT, 64 / kPair>(RR, Q, Qbm, D, Dv, O, mrow + m0, lrow + m0, pos, dc);
+        else if (D == Dv && D == 128) direct_rows<DT, 128 / kPair>(RR, Q, Qbm, D, Dv, O, mrow + m0, lrow + m0, pos, dc);
+        else direct_rows<DT, 0>(RR, Q, Qbm, D, Dv, O, mrow + m0, lrow + m0, pos, dc);
+        dc.npf = 0;   // prefetched once per chunk
         continue;
       }
       switch (R) {
