@@ -32,6 +32,10 @@
 #ifndef KV_PREFETCH
 #define KV_PREFETCH 1
 #endif
+// The direct path prefetches the rows of the chunk this many chunks ahead while it computes QK.
+#ifndef KV_DIRECT_PF_CHUNKS
+#define KV_DIRECT_PF_CHUNKS 1
+#endif
 #ifndef KV_W
 #error "define KV_W (fp32 lanes) before including attention_kernel.h"
 #endif
@@ -785,6 +789,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   const T* raw_b[kChunk];
   const T** raw = raw_a;
   const T** next = raw_b;
+  const T* pf_rows[KV_DIRECT_PF_CHUNKS > 1 ? kChunk : 1];
   const float* kp[kChunk];
   const void* vp[kChunk];
   const uint16_t* kb[kChunk];
@@ -800,8 +805,16 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
       nn = std::min(kChunk, it.k_hi - c1);
       rows_of(c1, nn, next);
     }
+    const T** pf = next;
+    int npf = nn;
     if (direct) {
       for (int j = n; j < kChunk && j < n + KV_W; ++j) raw[j] = reinterpret_cast<const T*>(zero);  // padding keys
+      if (KV_DIRECT_PF_CHUNKS > 1) {  // prefetch further ahead than the next chunk
+        const int cp = c0 + KV_DIRECT_PF_CHUNKS * kChunk;
+        npf = cp < it.k_hi ? std::min(kChunk, it.k_hi - cp) : 0;
+        if (npf > 0) rows_of(cp, npf, pf_rows);
+        pf = pf_rows;
+      }
     }
     for (int j = 0; j < (direct ? 0 : n); ++j) {
 #if KV_PREFETCH
@@ -824,7 +837,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     ChunkCtx c{kp, kb, vp, c0, n, ng, dp / KV_W, dvp / KV_W, dvp, false, P.causal, P.window, P.softcap,
                Qb ? P.scale : 1.0f, direct_v ? DT : int(kF32), Pb, S};
     DirectCtx dc{reinterpret_cast<const void* const*>(raw), D, c0, n, false, P.causal, P.window, P.softcap,
-                 (KV_DIRECT_DOT && Qb) ? P.scale : 1.0f, S, reinterpret_cast<const void* const*>(next), nn,
+                 (KV_DIRECT_DOT && Qb) ? P.scale : 1.0f, S, reinterpret_cast<const void* const*>(pf), npf,
                  (row_bytes + 63) / 64};
     for (int m0 = 0; m0 < M; m0 += kRowBlock) {
       const int R = std::min(kRowBlock, M - m0);
