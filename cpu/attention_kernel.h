@@ -708,8 +708,14 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   const int M = it.num_tokens * G;
   const int Mp = int(round_up(M, kRowBlock));   // rows padded to whole row blocks (the direct path runs 3 as 4)
   const float ninf = -std::numeric_limits<float>::infinity();
-  // The direct path (see row_block_direct): few rows, head sizes in whole 2W pairs.
-  const bool direct = D > 0 && Dv > 0 && D % kPair == 0 && Dv % kPair == 0 && M <= kDirectMaxRows;
+  // The direct path (see row_block_direct): bf16, few rows, head sizes in whole 2W pairs. fp32 and fp16
+  // keep the path below: for fp32 the direct path measured slower at block sizes 16 / 32 (cold decode,
+  // AVX2 host); fp16 is not measured (the direct path supports it: KV_DIRECT_ALL_DTYPES=1).
+#ifndef KV_DIRECT_ALL_DTYPES
+#define KV_DIRECT_ALL_DTYPES 0
+#endif
+  const bool direct = (DT == kBF16 || KV_DIRECT_ALL_DTYPES) && D > 0 && Dv > 0 && D % kPair == 0 &&
+                      Dv % kPair == 0 && M <= kDirectMaxRows;
   const bool permuted = direct && DT == kBF16;
 
   float* Qs = ws;
