@@ -14,6 +14,7 @@
 // normalises and writes `out` or, when the context is partitioned, leaves (O, m, l) for the
 // log-sum-exp merge in paged_attention.cpp.
 //
+// KV_PORTABLE_VECTORS: no intrinsics in the loads (a testing aid: any KV_W on any host).
 // Requires before inclusion: <cstdint> <cstring> <cmath> <utility> <limits>, kvmulti_cpu.h,
 // <immintrin.h> on x86.
 
@@ -42,7 +43,9 @@ typedef uint16_t vh __attribute__((vector_size(KV_W * 2)));
 
 static inline vf vload(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
-static inline vf vsplat(float x) { return vf{} + x; }
+// A plain broadcast (vf{} + x would add 0.0f first: not an identity for -0.0f, so it is really emitted).
+template <int... I> static inline vf splat_impl(float x, std::integer_sequence<int, I...>) { return vf{((void)I, x)...}; }
+static inline vf vsplat(float x) { return splat_impl(x, std::make_integer_sequence<int, KV_W>{}); }
 static inline vi visplat(int x) { return vi{} + x; }
 
 template <int... I> static inline vi iota_impl(std::integer_sequence<int, I...>) { return vi{I...}; }
@@ -52,11 +55,11 @@ static inline vi viota() { return iota_impl(std::make_integer_sequence<int, KV_W
 template <int DT> struct Elem { using T = uint16_t; };
 template <> struct Elem<kF32> { using T = float; };
 
-#if KV_W == 16
+#if KV_W == 16 && !defined(KV_PORTABLE_VECTORS)
 static inline vf load_bf16(const uint16_t* p) {
   return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
 }
-#elif KV_W == 8
+#elif KV_W == 8 && !defined(KV_PORTABLE_VECTORS)
 static inline vf load_bf16(const uint16_t* p) {
   return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
 }
@@ -68,9 +71,9 @@ static inline vf load_bf16(const uint16_t* p) {
   return (vf)u;
 }
 #endif
-#if KV_W == 16
+#if KV_W == 16 && !defined(KV_PORTABLE_VECTORS)
 static inline vf load_f16(const uint16_t* p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-#elif KV_W == 8
+#elif KV_W == 8 && !defined(KV_PORTABLE_VECTORS)
 static inline vf load_f16(const uint16_t* p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 #else
 static inline vf load_f16(const uint16_t* p) {
@@ -435,6 +438,267 @@ static inline void row_block(const float* Q, const uint16_t* Qb, int dp, float* 
   }
 }
 
+// ---- the direct path: K and V read straight from the cache, 2W elements per step ----------------
+// Used when head_size and head_size_v are multiples of 2W (kPair) and a row block holds one or a few
+// query tokens (decode, short verification). A row block of RR rows (1, 2 or 4; 3 rows run as 4 with
+// a zero padding row) is processed against KG = W / RR keys at a time: every K row is loaded and
+// widened once for all RR rows, and the W (row, key) accumulators reduce with one transposing tree
+// into one vector that is stored KEY-MAJOR (St[key * RR + row]) -- contiguous, no scatter. The
+// softmax runs on those vectors with per-lane row constants (row = lane % RR) and xor-shuffle folds
+// for the per-row max / sum; P.V reads each V row once for all RR rows.
+// bf16 is widened two vectors per load: a 32-bit lane holds elements 2i (low half) and 2i + 1
+// (high half), so (u << 16) and (u & 0xffff0000) are the even and odd elements in fp32. Q and O
+// rows are kept "pair-permuted" to match ([evens | odds] per 2W group) and O is restored at the end.
+// fp32 / fp16 rows stay in natural order. With avx512bf16 (KV_BF16DOT), QK of bf16 uses vdpbf16ps
+// on the raw bf16 query (unscaled; the scale is applied to the scores).
+constexpr int kPair = 2 * KV_W;
+constexpr int kDirectMaxRows = 2 * kRowBlock;
+#if (defined(KV_BF16DOT) || defined(KV_BF16DOT_EMULATE)) && KV_W == 16
+#define KV_DIRECT_DOT 1
+#else
+#define KV_DIRECT_DOT 0
+#endif
+
+template <int DT> static inline void load_pair(const typename Elem<DT>::T* p, vf& lo, vf& hi) {
+  if constexpr (DT == kBF16) {
+    vu u;
+    __builtin_memcpy(&u, p, sizeof u);
+    lo = (vf)(u << 16);
+    hi = (vf)(u & 0xffff0000u);
+  } else {
+    lo = load_vec<DT>(p);
+    hi = load_vec<DT>(p + KV_W);
+  }
+}
+static inline void permute_pairs(float* row, int n) {   // natural -> [evens | odds] per kPair group
+  float tmp[kPair];
+  for (int g = 0; g + kPair <= n; g += kPair) {
+    for (int i = 0; i < KV_W; ++i) {
+      tmp[i] = row[g + 2 * i];
+      tmp[KV_W + i] = row[g + 2 * i + 1];
+    }
+    std::memcpy(row + g, tmp, sizeof tmp);
+  }
+}
+static inline void unpermute_pairs(float* row, int n) {
+  float tmp[kPair];
+  for (int g = 0; g + kPair <= n; g += kPair) {
+    for (int i = 0; i < KV_W; ++i) {
+      tmp[2 * i] = row[g + i];
+      tmp[2 * i + 1] = row[g + KV_W + i];
+    }
+    std::memcpy(row + g, tmp, sizeof tmp);
+  }
+}
+#if KV_DIRECT_DOT
+// acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1] for bf16 pairs a, b (exact products, fp32 sums).
+static inline vf dot2_bf16(vf acc, vu a, vu b) {
+#if defined(KV_BF16DOT)
+  return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)(__m512i)a, (__m512bh)(__m512i)b);
+#else  // emulation, to test the lane logic on hosts without avx512bf16
+  acc += (vf)(a << 16) * (vf)(b << 16);
+  return acc + (vf)(a & 0xffff0000u) * (vf)(b & 0xffff0000u);
+#endif
+}
+#endif
+
+template <int H, int... I> static inline vf xor_shuffle(vf x, std::integer_sequence<int, I...>) {
+  return __builtin_shuffle(x, vi{(I ^ H)...});
+}
+// Every lane ends up with the max (sum) over the lanes of its row (lanes equal mod RR).
+template <int H, int RR> static inline vf fold_rows_max(vf x) {
+  if constexpr (H < RR) return x;
+  else return fold_rows_max<H / 2, RR>(vmax(x, xor_shuffle<H>(x, std::make_integer_sequence<int, KV_W>{})));
+}
+template <int H, int RR> static inline vf fold_rows_sum(vf x) {
+  if constexpr (H < RR) return x;
+  else return fold_rows_sum<H / 2, RR>(x + xor_shuffle<H>(x, std::make_integer_sequence<int, KV_W>{}));
+}
+
+struct DirectCtx {
+  const void* const* kr;    // [kChunk] K/V rows in the cache (rows past n: a zero row)
+  int voff;                 // V's offset in a row (elements)
+  int c0, n;
+  bool need_mask, causal;
+  int window;
+  float softcap;
+  float qk_scale;           // applied to raw scores (1 where Q is pre-scaled)
+  float* St;                // [kChunk][RR] key-major scores, then probabilities
+};
+
+// Prefetch lines [0, L) of rows [j0, j0 + n) (L fully unrolled for the common row sizes).
+template <int L> static inline void prefetch_rows(const void* const* rows, int j0, int n) {
+  for (int j = j0; j < j0 + n; ++j) {
+    const char* p = static_cast<const char*>(rows[j]);
+#pragma GCC unroll 16
+    for (int b = 0; b < L; ++b) __builtin_prefetch(p + b * 64, 0, KV_PREFETCH_LOCALITY);
+  }
+}
+static inline void prefetch_rows_any(const void* const* rows, int j0, int n, int lines) {
+  switch (lines) {
+    case 2: prefetch_rows<2>(rows, j0, n); break;
+    case 4: prefetch_rows<4>(rows, j0, n); break;
+    case 8: prefetch_rows<8>(rows, j0, n); break;
+    default:
+      for (int j = j0; j < j0 + n; ++j)
+        for (int b = 0; b < lines; ++b) __builtin_prefetch(static_cast<const char*>(rows[j]) + b * 64, 0, KV_PREFETCH_LOCALITY);
+  }
+}
+
+template <int RR, int NC, int DT>
+static inline void pv_direct(float* O, int Dv, int d0, const DirectCtx& c, const float* alpha) {
+  using T = typename Elem<DT>::T;
+  const int voff = c.voff + d0;
+  vf acc[RR][2 * NC];
+#pragma GCC unroll 4
+  for (int r = 0; r < RR; ++r)
+#pragma GCC unroll 8
+    for (int q = 0; q < 2 * NC; ++q) acc[r][q] = vload(O + r * Dv + d0 + q * KV_W) * alpha[r];
+#pragma GCC unroll 2
+  for (int j = 0; j < c.n; ++j) {
+    const T* v = static_cast<const T*>(c.kr[j]) + voff;
+    vf vv[2 * NC];
+#pragma GCC unroll 4
+    for (int q = 0; q < NC; ++q) load_pair<DT>(v + q * kPair, vv[2 * q], vv[2 * q + 1]);
+    const float* p = c.St + j * RR;
+#pragma GCC unroll 4
+    for (int r = 0; r < RR; ++r) {
+      const vf pr = vsplat(p[r]);
+#pragma GCC unroll 8
+      for (int q = 0; q < 2 * NC; ++q) acc[r][q] += pr * vv[q];
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RR; ++r)
+#pragma GCC unroll 8
+    for (int q = 0; q < 2 * NC; ++q) vstore(O + r * Dv + d0 + q * KV_W, acc[r][q]);
+}
+
+// Q: RR fp32 rows (stride D, pre-scaled, pair-permuted for bf16); Qb: raw bf16 rows (stride D) for
+// the dot path or null; O: RR rows (stride Dv); m / l: running max / sum; pos: row positions.
+// ND / NV: head_size / head_size_v in kPair steps when known at compile time (full unrolling), else 0.
+template <int RR, int DT, int ND, int NV>
+static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, int Dv, float* O, float* m, float* l,
+                                    const int* pos, const DirectCtx& c) {
+  using T = typename Elem<DT>::T;
+  if constexpr (ND > 0) D = ND * kPair;
+  if constexpr (NV > 0) Dv = NV * kPair;
+  constexpr int KG = KV_W / RR;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int nv = (c.n + KG - 1) / KG;
+  (void)Qb;
+  for (int g = 0; g < nv; ++g) {
+    vf acc[KV_W];
+#pragma GCC unroll 16
+    for (int j = 0; j < KV_W; ++j) acc[j] = vsplat(0.0f);
+    const T* kp[KG];
+#pragma GCC unroll 16
+    for (int j = 0; j < KG; ++j) kp[j] = static_cast<const T*>(c.kr[g * KG + j]);
+#if KV_DIRECT_DOT
+    if (DT == kBF16 && Qb) {
+#pragma GCC unroll 8
+      for (int d = 0; d < D; d += kPair) {
+#pragma GCC unroll 16
+        for (int j = 0; j < KG; ++j) {
+          vu k;
+          __builtin_memcpy(&k, kp[j] + d, sizeof k);
+#pragma GCC unroll 4
+          for (int r = 0; r < RR; ++r) {
+            vu q;
+            __builtin_memcpy(&q, Qb + r * D + d, sizeof q);
+            acc[j * RR + r] = dot2_bf16(acc[j * RR + r], q, k);
+          }
+        }
+      }
+      vstore(c.St + g * KV_W, treduce(acc));
+      continue;
+    }
+#endif
+#pragma GCC unroll 8
+    for (int d = 0; d < D; d += kPair) {
+#pragma GCC unroll 16
+      for (int j = 0; j < KG; ++j) {
+        vf klo, khi;
+        load_pair<DT>(kp[j] + d, klo, khi);
+#pragma GCC unroll 4
+        for (int r = 0; r < RR; ++r) {
+          const float* q = Q + r * D + d;
+          acc[j * RR + r] += vload(q) * klo;
+          acc[j * RR + r] += vload(q + KV_W) * khi;
+        }
+      }
+    }
+    vstore(c.St + g * KV_W, treduce(acc));
+  }
+
+  // Per-lane row constants: lane L is row L % RR, key L / RR of its group.
+  float mt[KV_W];
+  int pt[KV_W], kt[KV_W];
+  for (int L = 0; L < KV_W; ++L) {
+    mt[L] = m[L % RR];
+    pt[L] = pos[L % RR];
+    kt[L] = L / RR;
+  }
+  vi posv, lkey;
+  __builtin_memcpy(&posv, pt, sizeof posv);
+  __builtin_memcpy(&lkey, kt, sizeof lkey);
+  vf mx = vsplat(ninf);
+  for (int g = 0; g < nv; ++g) {
+    vf s = vload(c.St + g * KV_W);
+    if (c.qk_scale != 1.0f) s *= c.qk_scale;
+    if (c.softcap > 0.0f) s = c.softcap * vtanh(s * (1.0f / c.softcap));
+    if (c.need_mask) {
+      vi idx = lkey + g * KG;
+      vi kpos = idx + c.c0;
+      vi valid = idx < c.n;
+      if (c.causal) valid &= kpos <= posv;
+      if (c.window > 0) valid &= (posv - kpos) < c.window;
+      s = valid ? s : vsplat(ninf);
+    }
+    vstore(c.St + g * KV_W, s);
+    mx = vmax(mx, s);
+  }
+  const vf mnew = vmax(vload(mt), fold_rows_max<KV_W / 2, RR>(mx));
+  vf sum = vsplat(0.0f);
+  for (int g = 0; g < nv; ++g) {
+    const vf x = vload(c.St + g * KV_W);
+    vf p = vexp(x - mnew);
+    p = x == vsplat(ninf) ? vsplat(0.0f) : p;
+    vstore(c.St + g * KV_W, p);
+    sum += p;
+  }
+  float mn[KV_W], sm[KV_W];
+  vstore(mn, mnew);
+  vstore(sm, fold_rows_sum<KV_W / 2, RR>(sum));
+  float alpha[RR];
+  for (int r = 0; r < RR; ++r) {
+    if (mn[r] == ninf) {  // nothing visible yet for this row (its probabilities are all 0)
+      alpha[r] = 1.0f;
+      continue;
+    }
+    alpha[r] = m[r] == ninf ? 0.0f : std::exp(m[r] - mn[r]);
+    l[r] = l[r] * alpha[r] + sm[r];
+    m[r] = mn[r];
+  }
+  // P.V: NC pairs of V vectors per pass (as many accumulators as the registers hold).
+  constexpr int NC = (KV_W == 16 ? 2 : 1) * (RR == 4 ? 1 : 2);
+  int d0 = 0;
+#pragma GCC unroll 8
+  for (; d0 + NC * kPair <= Dv; d0 += NC * kPair) pv_direct<RR, NC, DT>(O, Dv, d0, c, alpha);
+  if constexpr (NC > 1)
+    for (; d0 < Dv; d0 += kPair) pv_direct<RR, 1, DT>(O, Dv, d0, c, alpha);
+}
+
+template <int DT, int ND>
+static void direct_rows(int RR, const float* Q, const uint16_t* Qb, int D, int Dv, float* O, float* m, float* l,
+                        const int* pos, const DirectCtx& c) {
+  switch (RR) {
+    case 4: row_block_direct<4, DT, ND, ND>(Q, Qb, D, Dv, O, m, l, pos, c); break;
+    case 2: row_block_direct<2, DT, ND, ND>(Q, Qb, D, Dv, O, m, l, pos, c); break;
+    default: row_block_direct<1, DT, ND, ND>(Q, Qb, D, Dv, O, m, l, pos, c); break;
+  }
+}
+
 // ---- the work item ------------------------------------------------------------------------------
 template <int DT>
 static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
@@ -442,44 +706,63 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   const int D = P.head_size, Dv = P.head_size_v, G = P.num_q_heads / P.num_kv_heads, bs = P.block_size;
   const int dp = int(round_up(D, KV_W)), dvp = int(round_up(Dv, KV_W));
   const int M = it.num_tokens * G;
+  const int Mp = int(round_up(M, kRowBlock));   // rows padded to whole row blocks (the direct path runs 3 as 4)
   const float ninf = -std::numeric_limits<float>::infinity();
+  // The direct path (see row_block_direct): bf16, few rows, head sizes in whole 2W pairs. fp32 and fp16
+  // keep the path below: for fp32 the direct path measured slower at block sizes 16 / 32 (cold decode,
+  // AVX2 host); fp16 is not measured (the direct path supports it: KV_DIRECT_ALL_DTYPES=1).
+#ifndef KV_DIRECT_ALL_DTYPES
+#define KV_DIRECT_ALL_DTYPES 0
+#endif
+  const bool direct = (DT == kBF16 || KV_DIRECT_ALL_DTYPES) && D > 0 && Dv > 0 && D % kPair == 0 &&
+                      Dv % kPair == 0 && M <= kDirectMaxRows;
+  const bool permuted = direct && DT == kBF16;
 
   float* Qs = ws;
-  float* Os = Qs + int64_t(M) * dp;
-  float* mrow = Os + int64_t(M) * dvp;
-  float* lrow = mrow + M;
-  float* Kc = lrow + M;
+  float* Os = Qs + int64_t(Mp) * dp;
+  float* mrow = Os + int64_t(Mp) * dvp;
+  float* lrow = mrow + Mp;
+  float* Kc = lrow + Mp;
   float* Vc = Kc + kChunk * dp;
   float* zero = Vc + kChunk * dvp;
   float* S = zero + (dp > dvp ? dp : dvp);
   uint16_t* Qb = nullptr;   // bf16 queries (unscaled) for the bf16-dot path
   uint16_t* Pb = nullptr;   // bf16 probabilities for the bf16 P.V path
+#if defined(KV_BF16DOT) || defined(KV_BF16DOT_EMULATE)
 #if defined(KV_BF16DOT)
   if (DT == kBF16 && D % 32 == 0) Qb = reinterpret_cast<uint16_t*>(S + 2 * kRowBlock * kChunk);
+#else
+  if (DT == kBF16 && direct) Qb = reinterpret_cast<uint16_t*>(S + 2 * kRowBlock * kChunk);
+#endif
 #if KV_BF16_PV
   if (DT == kBF16 && Dv % 32 == 0) Pb = reinterpret_cast<uint16_t*>(S + kRowBlock * kChunk);
 #endif
 #endif
 
-  const bool direct_k = (DT == kF32 && D == dp) || Qb != nullptr, direct_v = Dv == dvp;
+  const bool direct_k = (DT == kF32 && D == dp) || Qb != nullptr || direct, direct_v = Dv == dvp;
   std::memset(zero, 0, sizeof(float) * (dp > dvp ? dp : dvp));
   if (!direct_k && D != dp) std::memset(Kc, 0, sizeof(float) * kChunk * dp);
   if (!direct_v && Dv != dvp) std::memset(Vc, 0, sizeof(float) * kChunk * dvp);
 
   // Queries, widened, pre-scaled, padded with zeros.
   const T* query = static_cast<const T*>(P.query);
-  for (int r = 0; r < M; ++r) {
-    int t = r / G, h = it.kv_head * G + r % G;
+  for (int r = 0; r < Mp; ++r) {
     float* q = Qs + int64_t(r) * dp;
     std::memset(q, 0, sizeof(float) * dp);
+    mrow[r] = ninf;
+    lrow[r] = 0.0f;
+    if (r >= M) {  // padding row: zero query (bf16 too)
+      if (Qb) std::memset(Qb + int64_t(r) * dp, 0, sizeof(uint16_t) * dp);
+      continue;
+    }
+    int t = r / G, h = it.kv_head * G + r % G;
     const T* src = query + int64_t(it.q_row0 + t) * P.q_stride_token + int64_t(h) * P.q_stride_head;
     convert_row<DT>(src, D, q);
     if (Qb) std::memcpy(Qb + int64_t(r) * dp, src, sizeof(uint16_t) * D);
     for (int d = 0; d < dp; d += KV_W) vstore(q + d, vload(q + d) * P.scale);
-    mrow[r] = ninf;
-    lrow[r] = 0.0f;
+    if (permuted) permute_pairs(q, D);
   }
-  std::memset(Os, 0, sizeof(float) * int64_t(M) * dvp);
+  std::memset(Os, 0, sizeof(float) * int64_t(Mp) * dvp);
 
   const T* cache = static_cast<const T*>(P.cache);
   const int64_t head_off = int64_t(it.kv_head) * P.s_head;
@@ -488,14 +771,14 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
 
   // Row pointers of keys [c0, c0 + n): the block table is read only for these positions.
   auto rows_of = [&](int c0, int n, const T** dst) {
-    int bi = c0 / bs, off = c0 % bs;
-    const T* base = cache + int64_t(table[bi]) * P.s_block + head_off;
-    for (int j = 0; j < n; ++j) {
-      dst[j] = base + int64_t(off) * P.s_token;
-      if (++off == bs && j + 1 < n) {
-        off = 0;
-        base = cache + int64_t(table[++bi]) * P.s_block + head_off;
-      }
+    int bi = c0 / bs, off = c0 - bi * bs, j = 0;
+    const int64_t st = P.s_token;
+    while (j < n) {
+      const T* p = cache + int64_t(table[bi]) * P.s_block + head_off + int64_t(off) * st;
+      const int e = std::min(n, j + bs - off);
+      for (; j < e; ++j, p += st) dst[j] = p;
+      off = 0;
+      ++bi;
     }
   };
 
@@ -518,7 +801,15 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
       nn = std::min(kChunk, it.k_hi - c1);
       rows_of(c1, nn, next);
     }
-    for (int j = 0; j < n; ++j) {
+    if (direct) {
+      for (int j = n; j < kChunk && j < n + KV_W; ++j) raw[j] = reinterpret_cast<const T*>(zero);  // padding keys
+#if KV_PREFETCH
+      // All of the next chunk's rows at once (measured: as fast or faster than spreading the
+      // prefetches over the QK loop, and than prefetching two chunks ahead).
+      prefetch_rows_any(reinterpret_cast<const void* const*>(next), 0, nn, (row_bytes + 63) / 64);
+#endif
+    }
+    for (int j = 0; j < (direct ? 0 : n); ++j) {
 #if KV_PREFETCH
       if (j < nn)
         for (int b = 0; b < row_bytes; b += KV_PREFETCH_STRIDE) __builtin_prefetch(reinterpret_cast<const char*>(next[j]) + b, 0, KV_PREFETCH_LOCALITY);
@@ -538,6 +829,8 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
 
     ChunkCtx c{kp, kb, vp, c0, n, ng, dp / KV_W, dvp / KV_W, dvp, false, P.causal, P.window, P.softcap,
                Qb ? P.scale : 1.0f, direct_v ? DT : int(kF32), Pb, S};
+    DirectCtx dc{reinterpret_cast<const void* const*>(raw), D, c0, n, false, P.causal, P.window, P.softcap,
+                 (KV_DIRECT_DOT && Qb) ? P.scale : 1.0f, S};
     for (int m0 = 0; m0 < M; m0 += kRowBlock) {
       const int R = std::min(kRowBlock, M - m0);
       const int p_lo = it.pos0 + m0 / G, p_hi = it.pos0 + (m0 + R - 1) / G;
@@ -545,8 +838,18 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
       if (P.window > 0 && p_lo - (c0 + n - 1) >= P.window) continue;      // chunk left every window
       c.need_mask = n % KV_W != 0 || (P.causal && c0 + n - 1 > p_lo) || (P.window > 0 && p_hi - c0 >= P.window);
       for (int r = 0; r < R; ++r) pos[r] = it.pos0 + (m0 + r) / G;
+      for (int r = R; r < kRowBlock; ++r) pos[r] = pos[R - 1];
       const float* Q = Qs + int64_t(m0) * dp;
       float* O = Os + int64_t(m0) * dvp;
+      if (direct) {
+        dc.need_mask = c.need_mask;
+        const uint16_t* Qbm = Qb ? Qb + int64_t(m0) * dp : nullptr;
+        const int RR = R > 2 ? 4 : R;
+        if (D == Dv && D == 64) direct_rows<DT, 64 / kPair>(RR, Q, Qbm, D, Dv, O, mrow + m0, lrow + m0, pos, dc);
+        else if (D == Dv && D == 128) direct_rows<DT, 128 / kPair>(RR, Q, Qbm, D, Dv, O, mrow + m0, lrow + m0, pos, dc);
+        else direct_rows<DT, 0>(RR, Q, Qbm, D, Dv, O, mrow + m0, lrow + m0, pos, dc);
+        continue;
+      }
       switch (R) {
         case 4: row_block<4>(Q, Qb ? Qb + int64_t(m0) * dp : nullptr, dp, O, mrow + m0, lrow + m0, pos, c); break;
         case 3: row_block<3>(Q, Qb ? Qb + int64_t(m0) * dp : nullptr, dp, O, mrow + m0, lrow + m0, pos, c); break;
@@ -561,6 +864,8 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   if (Pb)
     for (int r = 0; r < M; ++r) unpermute_bf16_pv(Os + int64_t(r) * dvp, dvp);
 #endif
+  if (permuted)
+    for (int r = 0; r < M; ++r) unpermute_pairs(Os + int64_t(r) * dvp, Dv);
   if (it.partial == nullptr) {
     T* out = static_cast<T*>(P.out);
     for (int r = 0; r < M; ++r) {

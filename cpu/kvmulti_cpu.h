@@ -50,7 +50,8 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 inline int64_t workspace_floats(int max_rows, int head_size, int head_size_v, int lanes) {
   int64_t dp = round_up(head_size, lanes), dvp = round_up(head_size_v, lanes);
   int64_t zero = dp > dvp ? dp : dvp;
-  return max_rows * (2 * dp + dvp + 2) + kChunk * (dp + dvp) + zero + 2 * kRowBlock * kChunk + 64;
+  const int64_t rows = round_up(max_rows, kRowBlock);   // whole row blocks (padding rows)
+  return rows * (2 * dp + dvp + 2) + kChunk * (dp + dvp) + zero + 2 * kRowBlock * kChunk + 64;
 }
 
 using RunItemFn = void (*)(const AttnParams&, const WorkItem&, float* workspace);

@@ -200,3 +200,19 @@ def test_no_compiler_falls_back_with_reason(tmp_path):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("cpu: vectorised torch: no C++ compiler"), lines
     assert lines[1] == "[]", lines   # the backend stays usable through its fallback
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_bf16_direct_path_row_counts(native, order, head_size):
+    # The bf16 decode path runs row blocks of 1, 2 or 4 rows (3 as 4 with a padding row) for up to 8
+    # rows per item: group 3 (3 and 6 rows), group 1 with 3 / 5 tokens, windows, softcap, partitions.
+    for group, qlens, ctx, window, softcap in [(3, (1, 2), (40, 300), None, None),
+                                               (1, (3, 5, 1), (70, 9, 129), 33, 15.0),
+                                               (2, (1, 3), (1000, 64), None, 30.0)]:
+        spec = CaseSpec(order=order, block_size=16, num_kv_heads=2, group=group, head_size=head_size,
+                        dtype=torch.bfloat16, query_lens=qlens, context_lens=ctx, sliding_window=window,
+                        softcap=softcap)
+        check_native(spec)
+        with patched(cpu_backend, "NATIVE_PARTITION_LEN", 64):
+            check_native(spec)
