@@ -90,6 +90,7 @@ class StepBatch:
     positions: torch.Tensor                         # int64 [T]
     metadata: dict[int, CommonAttentionMetadata]    # group id -> metadata
     logits_indices: torch.Tensor                    # int64 [L], rows of the packed tokens
+    logits_all_rows: bool = False                   # logits_indices is 0..T-1 (pure decode)
     num_logits: list[int] = field(default_factory=list)
 
 
@@ -348,7 +349,8 @@ class ModelRunner:
             m = np.full(r, int(num_logits), dtype=np.int64)
         if m is not None and bool(((m < 0) | (m > q)).any()):
             raise ValueError("num_logits must be between 0 and the scheduled tokens of each request")
-        if m is None or bool((m == 1).all()):
+        one_each = m is None or bool((m == 1).all())
+        if one_each:
             logits_idx = qsl[1:] - 1
         else:
             first = np.repeat(qsl[1:] - m, m)                 # each request's first logits row, per row
@@ -357,7 +359,8 @@ class ModelRunner:
                          input_ids=self._to_device(torch.from_numpy(ids)),
                          positions=self._to_device(torch.from_numpy(np.ascontiguousarray(positions))),
                          metadata=metadata, logits_indices=self._to_device(torch.from_numpy(logits_idx)),
-                         num_logits=[1] * r if m is None else m.tolist())
+                         num_logits=[1] * r if m is None else m.tolist(),
+                         logits_all_rows=one_each and t == r)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self._on_cpu else tensor.to(self.device, non_blocking=True)
@@ -422,7 +425,7 @@ class ModelRunner:
         start = time.perf_counter()
         batch = self.prepare(schedule, num_logits)
         hidden = self.model(batch.input_ids, batch.positions, self.attention_context(batch))
-        logits = self.model.compute_logits(hidden[batch.logits_indices]).float()
+        logits = self.model.compute_logits(hidden if batch.logits_all_rows else hidden[batch.logits_indices]).float()
         self.commit(batch)
         self.num_steps += 1
         self.forward_time_s += time.perf_counter() - start

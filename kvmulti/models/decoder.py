@@ -42,6 +42,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gemma and x.dtype == torch.float32 == self.weight.dtype:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)      # one op, the same fp32 math
         xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.gemma:
             return (xf * (1.0 + self.weight.float())).type_as(x)
@@ -159,7 +161,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._rope_tables: dict[tuple[str, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_tables: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
@@ -168,12 +170,14 @@ class CausalLM(nn.Module):
         """cos/sin [T, head_dim] of ``positions`` (all < ``num_positions``), gathered from a table
         computed once per power-of-two range of positions (the same fp32 math per position)."""
         key = (layer_type, positions.device, dtype)
-        table = self._rope_tables.get(key)
-        if table is None or table[0].shape[0] < num_positions:
+        table = self._rope_tables.get(key)                   # [positions, 2 * head_dim]: cos | sin
+        if table is None or table.shape[0] < num_positions:
             size = max(256, 1 << (num_positions - 1).bit_length())
             inv_freq = self.config.rope_for(layer_type).inv_freq(self.config.head_dim).to(positions.device)
-            table = self._rope_tables[key] = rope_cos_sin(inv_freq, torch.arange(size, device=positions.device), dtype)
-        return table[0][positions], table[1][positions]
+            table = torch.cat(rope_cos_sin(inv_freq, torch.arange(size, device=positions.device), dtype), dim=-1)
+            self._rope_tables[key] = table
+        rows = table[positions]
+        return rows[:, : self.config.head_dim], rows[:, self.config.head_dim:]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for packed tokens ``input_ids`` [T]."""
