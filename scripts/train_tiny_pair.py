@@ -23,7 +23,8 @@ Time (defaults, torch threads = 2, seed 0): ~1.05 s per target step on 2 idle co
 held-out 2.06 bits/byte (target) / 2.80 (draft), draft/target greedy agreement 0.85, k = 4 greedy
 acceptance 0.67 (3.55 tokens per target step). More --target-steps give a better target.
 Usage: .venv/bin/python scripts/train_tiny_pair.py [--target-steps 600] [--draft-steps 150]
-                                                   [--out kvmulti/models/tiny]
+                                                   [--out kvmulti/models/tiny] [--resume]
+``--resume`` loads the pair from --out and only distils the draft further against the frozen target.
 """
 import argparse
 import json
@@ -144,7 +145,12 @@ def main():
     ap.add_argument("--max-pos", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true",
+                    help="load the pair from --out and only distil the draft further (--draft-steps) against "
+                         "the frozen target; the target is left as it is")
     args = ap.parse_args()
+    if args.resume:
+        args.target_steps = 0
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # tiny softmax probabilities must not hit slow denormal arithmetic
     torch.manual_seed(args.seed)
@@ -154,10 +160,14 @@ def main():
     train, held, held_docs = load_corpus()
     print(f"corpus: {train.numel() / 1e6:.1f} M train bytes, {held.numel() / 1e6:.2f} M held-out bytes")
     eval_batches = [batch(held, 8, args.seq, torch.Generator().manual_seed(1000 + i)) for i in range(4)]
-    target = LlamaForCausalLM(make_config(args.target_layers, args.hidden, args.hidden // 64,
-                                          max(1, args.hidden // 128), args.mlp, args.max_pos))
-    draft = LlamaForCausalLM(make_config(args.draft_layers, args.draft_hidden, args.draft_hidden // 64,
-                                         max(1, args.draft_hidden // 128), args.mlp, args.max_pos))
+    paths = {name: os.path.abspath(os.path.join(args.out, name)) for name in ("target", "draft")}
+    if args.resume:
+        target, draft = (LlamaForCausalLM.from_pretrained(paths[n], dtype=torch.float32) for n in ("target", "draft"))
+    else:
+        target = LlamaForCausalLM(make_config(args.target_layers, args.hidden, args.hidden // 64,
+                                              max(1, args.hidden // 128), args.mlp, args.max_pos))
+        draft = LlamaForCausalLM(make_config(args.draft_layers, args.draft_hidden, args.draft_hidden // 64,
+                                             max(1, args.draft_hidden // 128), args.mlp, args.max_pos))
     n_t, n_d = (sum(p.numel() for p in m.parameters()) for m in (target, draft))
     print(f"params: target {n_t / 1e6:.2f} M, draft {n_d / 1e6:.2f} M")
     opt_t = torch.optim.AdamW(target.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
@@ -194,8 +204,8 @@ def main():
             print(f"step {step:5d}  {lt}  draft KL {loss_d.item():.3f}  [{time.time() - t0:.0f}s]", flush=True)
     train_s = time.time() - t0
 
-    paths = {name: os.path.abspath(os.path.join(args.out, name)) for name in ("target", "draft")}
-    save(target, paths["target"])
+    if not args.resume:
+        save(target, paths["target"])
     save(draft, paths["draft"])
     # Everything below uses the saved float16 weights, reloaded in float32 as kvmulti runs them.
     target = LlamaForCausalLM.from_pretrained(paths["target"], dtype=torch.float32).eval()
