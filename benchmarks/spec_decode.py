@@ -56,16 +56,12 @@ def compare(base: SpeculativeRunner, spec: SpeculativeRunner, groups: list[list[
     load on a shared machine; wall and CPU-time rates are each the best of their passes."""
     for runner in (base, spec):
         runner.generate(groups[0][:1], max_new_tokens=4)                # warm-up
-    best: dict[int, dict] = {}
+    passes: tuple[list[dict], list[dict]] = ([], [])
     for _ in range(repeats):
-        for key, runner in ((0, base), (1, spec)):
-            result = one_pass(runner, groups, max_new_tokens)
-            if key not in best:
-                best[key] = result
-            else:
-                best[key]["tok_s"] = max(best[key]["tok_s"], result["tok_s"])
-                best[key]["cpu_tok_s"] = max(best[key]["cpu_tok_s"], result["cpu_tok_s"])
-    return best[0], best[1]
+        for results, runner in zip(passes, (base, spec)):
+            results.append(one_pass(runner, groups, max_new_tokens))
+    return tuple(dict(results[0], tok_s=max(r["tok_s"] for r in results),
+                      cpu_tok_s=max(r["cpu_tok_s"] for r in results)) for results in passes)
 
 
 def main() -> None:
