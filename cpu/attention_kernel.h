@@ -36,6 +36,12 @@
 #error "define KV_W (fp32 lanes) before including attention_kernel.h"
 #endif
 
+// The hot helpers are forced inline: an out-of-line call spills every live vector register (all are
+// caller-saved) and treduce's accumulator array would go through memory.
+#ifndef KV_INLINE
+#define KV_INLINE inline __attribute__((always_inline))
+#endif
+
 typedef float vf __attribute__((vector_size(KV_W * 4)));
 typedef int32_t vi __attribute__((vector_size(KV_W * 4)));
 typedef uint32_t vu __attribute__((vector_size(KV_W * 4)));
@@ -107,7 +113,7 @@ template <int DT> static inline void convert_row(const typename Elem<DT>::T* src
 
 // ---- math -------------------------------------------------------------------------------------
 // exp for x <= 88 (Cephes polynomial, ~1 ulp); x is clamped below at -87.3 (callers zero masked lanes).
-static inline vf vexp(vf x) {
+static KV_INLINE vf vexp(vf x) {
   const vf lo = vsplat(-87.3365447504f), hi = vsplat(88.0f);
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
@@ -126,7 +132,7 @@ static inline vf vexp(vf x) {
   y = y * (r * r) + r + 1.0f;
   return (vf)((vi)y + (n << 23));
 }
-static inline vf vtanh(vf x) {
+static KV_INLINE vf vtanh(vf x) {
   const vf zero = vsplat(0.0f);
   vf ax = x < zero ? -x : x;
   vf e = vexp(ax * 2.0f);
@@ -152,10 +158,10 @@ static constexpr int lane_src(int h, int which, int i) {
   int seg = i / (2 * h), off = i % (2 * h), base = seg * 2 * h;
   return off < h ? base + off + (which ? h : 0) : KV_W + base + off - h + (which ? h : 0);
 }
-template <int H, int... I> static inline vf fold(vf x, vf y, std::integer_sequence<int, I...>) {
+template <int H, int... I> static KV_INLINE vf fold(vf x, vf y, std::integer_sequence<int, I...>) {
   return __builtin_shuffle(x, y, vi{lane_src(H, 0, I)...}) + __builtin_shuffle(x, y, vi{lane_src(H, 1, I)...});
 }
-template <int H> static inline void level(vf* a, int n) {
+template <int H> static KV_INLINE void level(vf* a, int n) {
   for (int i = 0; i < n / 2; ++i) a[i] = fold<H>(a[2 * i], a[2 * i + 1], std::make_integer_sequence<int, KV_W>{});
 }
 static constexpr int bitrev(int x) {
@@ -163,7 +169,7 @@ static constexpr int bitrev(int x) {
   for (int b = 1; b < KV_W; b <<= 1, x >>= 1) r = (r << 1) | (x & 1);
   return r;
 }
-static inline vf treduce(const vf* acc) {
+static KV_INLINE vf treduce(const vf* acc) {
   vf a[KV_W];
 #pragma GCC unroll 16
   for (int k = 0; k < KV_W; ++k) a[k] = acc[bitrev(k)];

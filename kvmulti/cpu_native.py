@@ -11,6 +11,8 @@ Environment:
   KVMULTI_CPU_NATIVE=0     never build or use the native kernel (the vectorised torch path runs)
   KVMULTI_CPU_ISA=avx512bf16|avx512|avx2|generic   use that variant (must be supported by this CPU)
   KVMULTI_CPU_VERBOSE=1    show the compiler's output while building
+  KVMULTI_CPU_EXTRA_CFLAGS="-DKV_PREFETCH=0 ..."   extra compiler flags (part of the cache key), e.g.
+                           the tuning macros at the top of cpu/attention_kernel.h
 
 If anything is missing (no compiler, no ninja, a build error), :func:`status` returns the reason and
 the CPU backend uses its vectorised torch path instead; ``kvmulti info`` shows which path is in use.
@@ -33,6 +35,7 @@ from . import native_build
 ENV_NATIVE = "KVMULTI_CPU_NATIVE"
 ENV_ISA = "KVMULTI_CPU_ISA"
 ENV_VERBOSE = "KVMULTI_CPU_VERBOSE"
+ENV_EXTRA_CFLAGS = "KVMULTI_CPU_EXTRA_CFLAGS"
 ISAS = {"generic": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 
 _SOURCES = ("paged_attention.cpp", "kernels_avx512bf16.cpp", "kernels_avx512.cpp", "kernels_avx2.cpp", "kernels_generic.cpp")
@@ -120,10 +123,11 @@ def _build() -> tuple[ModuleType | None, str | None]:
     if not cpp_extension.is_ninja_available():
         return None, "ninja not found (pip install ninja)"
 
+    cflags = list(_CFLAGS) + os.environ.get(ENV_EXTRA_CFLAGS, "").split()
     digest = hashlib.sha256()
     for n in _SOURCES + _HEADERS:
         digest.update(n.encode() + b"\0" + (src / n).read_bytes())
-    digest.update(" ".join(_CFLAGS + _LDFLAGS).encode() + torch.__version__.encode() + sys.version.encode()
+    digest.update(" ".join(cflags + list(_LDFLAGS)).encode() + torch.__version__.encode() + sys.version.encode()
                   + cxx.encode())
     name = f"kvmulti_cpu_{digest.hexdigest()[:12]}"
     build_dir = cache_dir() / "cpu" / name
@@ -134,7 +138,7 @@ def _build() -> tuple[ModuleType | None, str | None]:
             print(f"kvmulti: compiling the native CPU attention kernel into {build_dir} "
                   "(first use only; about a minute)...", file=sys.stderr, flush=True)
         module = cpp_extension.load(
-            name=name, sources=[str(src / n) for n in _SOURCES], extra_cflags=list(_CFLAGS),
+            name=name, sources=[str(src / n) for n in _SOURCES], extra_cflags=cflags,
             extra_ldflags=list(_LDFLAGS), extra_include_paths=[str(src)], build_directory=str(build_dir),
             verbose=verbose)
     except Exception as exc:  # a compiler error, a missing header, ...
