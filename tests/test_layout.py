@@ -104,3 +104,64 @@ def test_metadata_from_lens():
         kvmulti.CommonAttentionMetadata.from_lens([1], [13], table[:1], block_size=4)
     with pytest.raises(TypeError, match="block_table"):
         kvmulti.CommonAttentionMetadata.from_lens([1], [2], table[:1].float(), block_size=4)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """VmFlags of the mapping of this process that holds ``address`` (Linux /proc/self/smaps)."""
+    flags, inside = [], False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
+    return flags
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_cpu_cache_in_huge_pages(order):
+    from kvmulti import host_memory
+    layout = kvmulti.KVCacheLayout(num_blocks=300, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                                   order=order)                                  # 2.3 MiB
+    cache = layout.allocate()
+    layout.validate(cache)
+    assert torch.count_nonzero(cache) == 0
+    plain = layout.allocate(huge_pages=False)
+    layout.validate(plain)
+    if host_memory.transparent_huge_pages() not in ("always", "madvise"):
+        with pytest.raises(RuntimeError, match="transparent huge pages"):
+            layout.allocate(huge_pages=True)
+        return
+    assert cache.data_ptr() % host_memory.HUGE_PAGE_BYTES == 0
+    assert "hg" in _vm_flags(cache.data_ptr())                   # advised MADV_HUGEPAGE
+    assert "hg" not in _vm_flags(plain.data_ptr())
+    # Same contents and behaviour as an ordinary tensor: write through the layout, read back.
+    keys = torch.randn(5, 2, 64).to(torch.bfloat16)
+    slots = torch.tensor([0, 17, -1, 4000, 4799])
+    for c in (cache, plain):
+        kvmulti.write_kv(keys, keys, c, layout, slots)
+    assert torch.equal(cache, plain)
+
+
+def test_huge_pages_small_or_custom_allocations():
+    layout = kvmulti.KVCacheLayout(num_blocks=4, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    assert torch.count_nonzero(layout.allocate()) == 0                        # under 2 MiB: an ordinary tensor
+    with pytest.raises(RuntimeError, match="huge_pages=True"):
+        layout.allocate(huge_pages=True)
+    with pytest.raises(ValueError, match="custom allocator"):
+        layout.allocate(allocator=lambda n, dt, dev: torch.empty(n, dtype=dt), huge_pages=True)
+
+
+def test_thp_mode_unavailable(monkeypatch, tmp_path):
+    from kvmulti import host_memory
+    monkeypatch.setattr(host_memory, "_THP_MODE", tmp_path / "missing")
+    assert host_memory.transparent_huge_pages() == "unavailable"
+    assert host_memory.huge_page_empty(1 << 22, torch.float32) is None
+    mode = tmp_path / "enabled"
+    mode.write_text("always madvise [never]\n")
+    monkeypatch.setattr(host_memory, "_THP_MODE", mode)
+    assert host_memory.transparent_huge_pages() == "never"
+    layout = kvmulti.KVCacheLayout(num_blocks=512, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    assert torch.count_nonzero(layout.allocate()) == 0                        # falls back to an ordinary tensor

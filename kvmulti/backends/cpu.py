@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import cpu_native
+from .. import cpu_native, host_memory
 from ..layout import KVCacheLayout
 from ..metadata import CommonAttentionMetadata
 from .base import Backend
@@ -29,7 +29,9 @@ class CPUBackend(Backend):
     supports_non_causal = True
 
     def describe(self) -> str:
-        return "cpu: " + cpu_native.describe()
+        thp = host_memory.transparent_huge_pages()
+        pages = "2 MiB pages" if thp in ("always", "madvise") else "4 KiB pages"
+        return f"cpu: {cpu_native.describe()}; caches from layout.allocate() in {pages} (transparent huge pages: {thp})"
 
     def native(self):
         """The loaded native module, or None when the torch path is in use."""
