@@ -45,5 +45,8 @@ def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor | None:
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
     offset = -start % HUGE_PAGE_BYTES
-    mapping.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
+    except OSError:                      # e.g. a kernel built without THP behind a readable setting
+        return None
     return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype)

@@ -165,3 +165,19 @@ def test_thp_mode_unavailable(monkeypatch, tmp_path):
     assert host_memory.transparent_huge_pages() == "never"
     layout = kvmulti.KVCacheLayout(num_blocks=512, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
     assert torch.count_nonzero(layout.allocate()) == 0                        # falls back to an ordinary tensor
+
+
+def test_madvise_refused_falls_back(monkeypatch):
+    import mmap as mmap_module
+    from kvmulti import host_memory
+    if host_memory.transparent_huge_pages() not in ("always", "madvise"):
+        pytest.skip("needs a readable THP setting of always/madvise to reach madvise")
+
+    class Refusing(mmap_module.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(host_memory.mmap, "mmap", Refusing)
+    assert host_memory.huge_page_empty(1 << 22, torch.float32) is None
+    layout = kvmulti.KVCacheLayout(num_blocks=512, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    assert torch.count_nonzero(layout.allocate()) == 0
