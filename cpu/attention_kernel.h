@@ -544,8 +544,8 @@ struct DirectCtx {
 
 static KV_INLINE void prefetch_line(const char* p) {
 #if defined(__x86_64__) && !defined(KV_PORTABLE_VECTORS)
-  // GCC drops __builtin_prefetch from these loops at -O2 and above (not from the simple loop in
-  // run_item_t); the asm keeps them.
+  // GCC dropped __builtin_prefetch from the direct path's loops at -O2 and above; the asm keeps
+  // every prefetch of the kernel (all of them go through here).
 #if KV_PREFETCH_LOCALITY == 3
   asm volatile("prefetcht0 %0" : : "m"(*p));
 #elif KV_PREFETCH_LOCALITY == 2
@@ -574,7 +574,7 @@ static inline void prefetch_rows_any(const void* const* rows, int j0, int n, int
     case 8: prefetch_rows<8>(rows, j0, n); break;
     default:
       for (int j = j0; j < j0 + n; ++j)
-        for (int b = 0; b < lines; ++b) __builtin_prefetch(static_cast<const char*>(rows[j]) + b * 64, 0, KV_PREFETCH_LOCALITY);
+        for (int b = 0; b < lines; ++b) prefetch_line(static_cast<const char*>(rows[j]) + b * 64);
   }
 }
 
@@ -846,7 +846,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     for (int j = 0; j < (direct ? 0 : n); ++j) {
 #if KV_PREFETCH
       if (j < nn)
-        for (int b = 0; b < row_bytes; b += KV_PREFETCH_STRIDE) __builtin_prefetch(reinterpret_cast<const char*>(next[j]) + b, 0, KV_PREFETCH_LOCALITY);
+        for (int b = 0; b < row_bytes; b += KV_PREFETCH_STRIDE) prefetch_line(reinterpret_cast<const char*>(next[j]) + b);
 #endif
       if (Qb) kb[j] = reinterpret_cast<const uint16_t*>(raw[j]);
       else if (direct_k) kp[j] = reinterpret_cast<const float*>(raw[j]);
