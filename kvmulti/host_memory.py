@@ -32,6 +32,11 @@ def transparent_huge_pages() -> str:
     return chosen[0] if chosen else "unavailable"
 
 
+def huge_pages_usable() -> bool:
+    """Whether an anonymous mapping advised MADV_HUGEPAGE gets huge pages here (THP always/madvise)."""
+    return transparent_huge_pages() in ("always", "madvise")
+
+
 def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor | None:
     """A 1-D CPU tensor of ``numel`` zeros of ``dtype`` whose memory starts on a 2 MiB boundary and
     is advised MADV_HUGEPAGE; None when THP is unusable here or the tensor is under one huge page.
@@ -40,7 +45,7 @@ def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor | None:
     the last tensor viewing it is freed. Pages are zero until first written.
     """
     nbytes = numel * dtype.itemsize
-    if nbytes < HUGE_PAGE_BYTES or transparent_huge_pages() not in ("always", "madvise"):
+    if nbytes < HUGE_PAGE_BYTES or not huge_pages_usable():
         return None
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()

@@ -119,21 +119,21 @@ class KVCacheLayout:
         """
         device = torch.device(device)
         numel = self.num_blocks * self.block_size * self.num_kv_heads * self.entry_size
-        flat = None
-        if huge_pages is not False and allocator is None and device.type == "cpu":
-            flat = host_memory.huge_page_empty(numel, self.dtype)
-            if flat is None and huge_pages:
-                raise RuntimeError(f"huge_pages=True: not available for this cache ({numel * self.dtype.itemsize} "
-                                   f"bytes; transparent huge pages: {host_memory.transparent_huge_pages()})")
-        elif huge_pages:
+        if huge_pages and (allocator is not None or device.type != "cpu"):
             raise ValueError("huge_pages=True applies to CPU caches without a custom allocator")
-        if flat is None and allocator is None:
-            flat = torch.empty(numel, dtype=self.dtype, device=device)
-        elif flat is None:
+        if allocator is not None:
             flat = allocator(numel, self.dtype, device)
             if flat.numel() != numel or flat.dtype != self.dtype or not flat.is_contiguous():
                 raise ValueError(f"allocator returned {tuple(flat.shape)} {flat.dtype}; expected a contiguous "
                                  f"1-D tensor of {numel} elements of {self.dtype}")
+        else:
+            want_huge = huge_pages is not False and device.type == "cpu"
+            flat = host_memory.huge_page_empty(numel, self.dtype) if want_huge else None
+            if flat is None and huge_pages:
+                raise RuntimeError(f"huge_pages=True: not available for this cache ({numel * self.dtype.itemsize} "
+                                   f"bytes; transparent huge pages: {host_memory.transparent_huge_pages()})")
+            if flat is None:
+                flat = torch.empty(numel, dtype=self.dtype, device=device)
         if zero:
             flat.zero_()                     # also faults a huge-page mapping in now, not in the first step
         if self.order == "NHD":

@@ -29,9 +29,9 @@ class CPUBackend(Backend):
     supports_non_causal = True
 
     def describe(self) -> str:
-        thp = host_memory.transparent_huge_pages()
-        pages = "2 MiB pages" if thp in ("always", "madvise") else "4 KiB pages"
-        return f"cpu: {cpu_native.describe()}; caches from layout.allocate() in {pages} (transparent huge pages: {thp})"
+        pages = "2 MiB pages" if host_memory.huge_pages_usable() else "4 KiB pages"
+        return (f"cpu: {cpu_native.describe()}; caches from layout.allocate() in {pages} "
+                f"(transparent huge pages: {host_memory.transparent_huge_pages()})")
 
     def native(self):
         """The loaded native module, or None when the torch path is in use."""
