@@ -1,1 +1,1 @@
-"""Kernel sources shipped as package data (see DESIGN.md, repository layout)."""
+"""Kernel sources shipped as package data (see docs/design.md, "Where things live")."""

@@ -7,12 +7,14 @@ inside the backend that needs them.
 from .backends import AttentionConfig, BackendSelectionError, available_backends, select_backend
 from .layout import KVCacheLayout, LayoutStrides
 from .metadata import CommonAttentionMetadata
-from .ops import paged_attention, write_kv
+from .backends.base import StepMetadata
+from .ops import paged_attention, prepare_step, write_kv
 
 __version__ = "0.1.0"
 
 __all__ = ["AttentionConfig", "AttentionSpec", "BackendSelectionError", "CommonAttentionMetadata", "KVCacheConfig",
-           "KVCacheLayout", "LayoutStrides", "ModelRunner", "SpeculativeRunner", "available_backends", "paged_attention", "select_backend", "write_kv"]
+           "KVCacheLayout", "LayoutStrides", "ModelRunner", "SpeculativeRunner", "StepMetadata", "available_backends", "paged_attention", "prepare_step",
+           "select_backend", "write_kv"]
 
 
 _LAZY = {"SpeculativeRunner": "kvmulti.spec_decode.runner", "ModelRunner": "kvmulti.model_runner",

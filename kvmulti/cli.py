@@ -9,16 +9,10 @@ import sys
 
 import torch
 
-from . import __version__
+from . import __version__, settings
 from .backends.registry import (ENV_BACKEND, ENV_DRAFT_BACKEND, PLATFORM_PRIORITY, available_backends,
                                 check_environment, get_backend)
 from .platform import default_device, platform_of, torch_build
-
-ENV_VARS = (ENV_BACKEND, ENV_DRAFT_BACKEND, "KVMULTI_VALIDATE", "KVMULTI_CACHE_DIR", "KVMULTI_CPU_NATIVE",
-            "KVMULTI_CPU_ISA", "KVMULTI_CPU_VERBOSE", "TRITON_INTERPRET", "KVMULTI_TRITON_SPLIT_KV",
-            "OCL_ICD_FILENAMES", "KVMULTI_SYCL_DEVICE", "KVMULTI_SYCL_PARTITION_SIZE", "KVMULTI_SYCL_STAGE",
-            "KVMULTI_SYCL_ROOT", "KVMULTI_SYCL_CXX", "PYTORCH_ROCM_ARCH", "KVMULTI_BUILD_HIP", "KVMULTI_HIP_LIBRARY",
-            "KVMULTI_HIP_SRC", "KVMULTI_HIP_CPU_CXX", "KVMULTI_HIP_CPU_WAVE", "KVMULTI_HIP_PARTITION_SIZE", "ROCM_PATH")
 
 
 def collect_info() -> dict:
@@ -40,7 +34,7 @@ def collect_info() -> dict:
         "platform": platform_of(device),
         "priority": list(PLATFORM_PRIORITY.get(platform_of(device), ())),
         "backends": backends,
-        "env": {var: os.environ[var] for var in ENV_VARS if var in os.environ},
+        "env": settings.set_variables(),
     }
 
 
@@ -73,8 +67,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a usage error printed as one line (and ``--help`` for the rest), exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvmulti", description=__doc__)
+    parser = OneLineParser(prog="kvmulti", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvmulti {__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="platform, backends and why each is or is not usable here")
     info.add_argument("--json", action="store_true", help="machine-readable output")
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as error:
+    except (ValueError, MemoryError) as error:     # user errors: one line, exit code 2
         print(f"kvmulti: error: {error}", file=sys.stderr)
         return 2
 

@@ -150,10 +150,6 @@ class KVCacheConfig:
         layouts = tuple(g.spec.layout(counts[g.group_id], order) for g in groups)
         return cls(groups, layouts)
 
-    @property
-    def num_groups(self) -> int:
-        return len(self.groups)
-
     def layer_to_group(self) -> dict[str, int]:
         return {name: g.group_id for g in self.groups for name in g.layer_names}
 

@@ -7,6 +7,9 @@ from typing import Sequence
 
 import torch
 
+#: Largest value of the int32 metadata tensors (positions, lengths, block ids).
+INT32_MAX = 2**31 - 1
+
 
 @dataclass
 class CommonAttentionMetadata:
@@ -72,14 +75,23 @@ class CommonAttentionMetadata:
         q = _as_int_list(query_lens, "query_lens")
         s = _as_int_list(seq_lens, "seq_lens")
         if len(q) != len(s):
-            raise ValueError(f"query_lens has {len(q)} entries but seq_lens has {len(s)}")
+            raise ValueError(f"query_lens has {len(q)} entries but seq_lens has {len(s)}: one of each per request")
         if block_table.shape[0] != len(q):
             raise ValueError(f"block_table has {block_table.shape[0]} rows for {len(q)} requests")
+        if block_table.dtype != torch.int32 and block_table.numel():
+            low, high = (int(v) for v in torch.aminmax(block_table))
+            if low < -INT32_MAX - 1 or high > INT32_MAX:
+                raise ValueError(f"block_table holds block id {high if high > INT32_MAX else low}, outside the int32 "
+                                 "range of block ids")
         for i, (ql, sl) in enumerate(zip(q, s)):
             if ql < 0 or sl < 1:
                 raise ValueError(f"request {i}: query_len must be >= 0 and seq_len >= 1, got {ql}, {sl}")
             if ql > sl:
                 raise ValueError(f"request {i}: query_len {ql} exceeds seq_len {sl}")
+            if sl > INT32_MAX:
+                raise ValueError(f"request {i}: seq_len {sl} exceeds the int32 range of seq_lens ({INT32_MAX})")
+        if sum(q) > INT32_MAX:
+            raise ValueError(f"the query lengths add up to {sum(q)}, beyond the int32 range of query_start_loc")
         max_blocks_needed = max((-(-sl // block_size) for sl in s), default=0)
         if max_blocks_needed > block_table.shape[1]:
             raise ValueError(f"block_table has {block_table.shape[1]} columns but a seq_len of {max(s)} "
@@ -121,3 +133,19 @@ def _as_int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
             raise TypeError(f"{name} must hold ints, got {type(v).__name__}")
         out.append(v)
     return out
+
+
+def first_visible_position(context_len, sliding_window: int | None):
+    """The earliest key position the FIRST new token of a request can see, given the request's
+    context length (seq_len - query_len; the first new token sits at that position): 0 without a
+    window, else max(0, context_len - sliding_window + 1). Later tokens of the request see no
+    earlier key, so keys before it are never read. Works on ints, numpy arrays and torch tensors."""
+    if sliding_window is None:
+        return context_len * 0
+    first = context_len - sliding_window + 1
+    return max(first, 0) if isinstance(first, int) else first.clip(min=0)
+
+
+def max_visible_span(max_seq_len: int, sliding_window: int | None) -> int:
+    """The most keys one query row can see: the longest sequence, or the window when shorter."""
+    return max_seq_len if not sliding_window else min(max_seq_len, sliding_window)

@@ -23,11 +23,12 @@ from typing import Hashable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .backends.base import AttentionConfig
+from .backends.base import AttentionConfig, Backend, StepMetadata
 from .backends.registry import ROLES, get_backend, select_backend
 from .kv_cache import AttentionSpec, BlockPool, BlockTables, KVCacheConfig, OutOfBlocksError
 from .layout import Allocator, KVCacheLayout
 from .metadata import CommonAttentionMetadata
+from .validation import check_metadata
 from .models.decoder import AttentionContext, CausalLM
 from .models.loader import load_model
 
@@ -89,15 +90,10 @@ class StepBatch:
     input_ids: torch.Tensor                         # int64 [T]
     positions: torch.Tensor                         # int64 [T]
     metadata: dict[int, CommonAttentionMetadata]    # group id -> metadata
+    steps: dict[int, StepMetadata]                  # group id -> what its backend prepared from it
     logits_indices: torch.Tensor                    # int64 [L], rows of the packed tokens
     logits_all_rows: bool = False                   # logits_indices is 0..T-1 (pure decode)
     num_logits: list[int] = field(default_factory=list)
-
-
-def cache_allocator(backend: str, device: torch.device) -> Allocator | None:
-    """The allocator a backend wants its caches in on ``device`` (None: plain torch memory), from
-    its ``Backend.cache_allocator`` hook (SYCL on a CPU host: USM shared memory)."""
-    return get_backend(backend).cache_allocator(device)
 
 
 class ModelRunner:
@@ -137,9 +133,10 @@ class ModelRunner:
         groups = self.kv_cache_config.groups
         self.layer_to_group = self.kv_cache_config.layer_to_group()
         self.layouts: dict[int, KVCacheLayout] = {g.group_id: lay for g, lay in zip(groups, self.kv_cache_config.layouts)}
-        self.backends = {g.group_id: self._select(g.group_id, g.spec, backend) for g in groups}
+        self.backends: dict[int, Backend] = {g.group_id: self._select(g.group_id, g.spec, backend) for g in groups}
+        self.windows = {g.group_id: g.spec.sliding_window for g in groups}
         self.kv_caches = self.kv_cache_config.allocate_caches(
-            self.device, {gid: cache_allocator(name, self.device) for gid, name in self.backends.items()})
+            self.device, {gid: b.cache_allocator(self.device) for gid, b in self.backends.items()})
         self.pools = {g.group_id: BlockPool(self.layouts[g.group_id].num_blocks) for g in groups}
         self.tables = {g.group_id: BlockTables(g, self.pools[g.group_id]) for g in groups}
         self.requests: dict[Hashable, Request] = {}
@@ -161,15 +158,16 @@ class ModelRunner:
                                                    sliding_window=attn.sliding_window)
         return specs
 
-    def _select(self, group_id: int, spec: AttentionSpec, backend) -> str:
+    def _select(self, group_id: int, spec: AttentionSpec, backend) -> Backend:
+        """The backend object of one group, chosen once: named, else env override, else priority."""
         requested = backend.get(group_id) if isinstance(backend, Mapping) else backend
         config = AttentionConfig.from_layout(self.layouts[group_id], self.device, spec.sliding_window,
                                              self.config.attn_softcap)
-        return select_backend(config, self.role, requested)
+        return get_backend(select_backend(config, self.role, requested))
 
     def describe(self) -> str:
         """One line per group: kind, sizes and the backend chosen."""
-        return "\n".join(f"{line} backend={self.backends[g.group_id]}" for g, line in
+        return "\n".join(f"{line} backend={self.backends[g.group_id].name}" for g, line in
                          zip(self.kv_cache_config.groups, self.kv_cache_config.describe().splitlines()))
 
     # -- requests ----------------------------------------------------------------------------
@@ -338,6 +336,7 @@ class ModelRunner:
                 slot_mapping=self._to_device(torch.from_numpy(slots)), num_reqs=r, num_actual_tokens=t,
                 max_query_len=max_q, max_seq_len=max_seq, causal=True, query_start_loc_cpu=qsl32,
                 seq_lens_cpu=seq32)
+        steps = {gid: self._prepare_step(gid, md, t) for gid, md in metadata.items()}
 
         if num_logits is None and pure_decode:
             m = None                                          # decodes: one logit row each
@@ -358,9 +357,15 @@ class ModelRunner:
         return StepBatch(req_ids=req_ids, query_lens=q, rows=rows,
                          input_ids=self._to_device(torch.from_numpy(ids)),
                          positions=self._to_device(torch.from_numpy(np.ascontiguousarray(positions))),
-                         metadata=metadata, logits_indices=self._to_device(torch.from_numpy(logits_idx)),
+                         metadata=metadata, steps=steps, logits_indices=self._to_device(torch.from_numpy(logits_idx)),
                          num_logits=[1] * r if m is None else m.tolist(),
                          logits_all_rows=one_each and t == r)
+
+    def _prepare_step(self, group_id: int, metadata: CommonAttentionMetadata, num_tokens: int) -> StepMetadata:
+        """The per-step hook for one group: its metadata checked once, then prepared by its backend."""
+        layout, window = self.layouts[group_id], self.windows[group_id]
+        check_metadata(metadata, layout, num_tokens, window, self.device)
+        return self.backends[group_id].build_metadata(metadata, layout, self.config.num_attention_heads, window)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self._on_cpu else tensor.to(self.device, non_blocking=True)
@@ -396,8 +401,7 @@ class ModelRunner:
                     table.release_out_of_window(int(rows[i]), int(computed[i]), self.rollback_tokens)
 
     def attention_context(self, batch: StepBatch) -> AttentionContext:
-        return AttentionContext(batch.metadata, self.layer_to_group, self.kv_caches, self.layouts, self.backends,
-                                self.role)
+        return AttentionContext(batch.steps, self.layer_to_group, self.kv_caches)
 
     def run(self, new_tokens: Mapping[Hashable, Sequence[int]],
             num_logits: int | Mapping[Hashable, int] | None = None) -> torch.Tensor:

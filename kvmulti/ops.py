@@ -1,9 +1,17 @@
 """The public ops: ``kvmulti.write_kv`` and ``kvmulti.paged_attention``.
 
-Both validate their inputs (see :mod:`kvmulti.validation`), pick a backend (named, else the
-environment, else platform priority) and run it through a ``torch.library`` custom op
-(``kvmulti::write_kv`` mutates the cache, ``kvmulti::paged_attention`` returns a new tensor), so
-``torch.compile(fullgraph=True)`` traces calls to them.
+Two ways in:
+
+* with a :class:`~kvmulti.CommonAttentionMetadata` (and optionally a backend name): the call
+  validates its inputs (:mod:`kvmulti.validation`), picks a backend (named, else the environment,
+  else platform priority), lets it prepare the step (:meth:`Backend.build_metadata`) and runs it;
+* with a :class:`~kvmulti.backends.StepMetadata` from :func:`prepare_step` (what the model runner
+  and engine integrations do once per step per KV-cache group): the metadata is already validated
+  and the backend resolved, so a layer's call checks only its own tensors and launches the kernel.
+
+Under ``torch.compile`` both go through ``torch.library`` custom ops (``kvmulti::write_kv``
+mutates the cache, ``kvmulti::paged_attention`` returns a new tensor) with fake implementations,
+so ``torch.compile(fullgraph=True)`` traces calls to them.
 """
 
 from __future__ import annotations
@@ -12,55 +20,136 @@ import functools
 
 import torch
 
+from .backends.base import Backend, StepMetadata
 from .backends.registry import get_backend, select_backend_for_layout
 from .layout import KVCacheLayout
 from .metadata import CommonAttentionMetadata
-from .validation import check_attention, check_metadata_values, check_slot_values, check_write
+from .validation import (check_attention_args, check_metadata, check_out, check_slot_values, check_window,
+                         check_write)
+
+
+def resolve_backend(layout: KVCacheLayout, device: torch.device | str, *, sliding_window: int | None = None,
+                    softcap: float | None = None, causal: bool = True, backend: str | Backend | None = None,
+                    role: str = "target") -> Backend:
+    """The backend object serving caches of ``layout`` on ``device`` with these features: the
+    backend ``backend`` names, else the env override for ``role``, else platform priority. Raises
+    BackendSelectionError listing every reason when none can serve. A backend OBJECT is returned as
+    it is: it was resolved for this cache already (by the model runner or :func:`prepare_step`)."""
+    if isinstance(backend, Backend):
+        return backend
+    return get_backend(_backend_name(layout, device, sliding_window, softcap, causal, backend, role))
+
+
+def _backend_name(layout: KVCacheLayout, device: torch.device | str, sliding_window: int | None,
+                  softcap: float | None, causal: bool, backend: str | Backend | None, role: str) -> str:
+    """:func:`resolve_backend`'s choice as a name (a constant to torch.compile)."""
+    if isinstance(backend, Backend):
+        return backend.name
+    return select_backend_for_layout(layout, torch.device(device), sliding_window is not None, bool(softcap),
+                                     causal, role, backend)
+
+
+def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int, *,
+                 num_query_rows: int | None = None, sliding_window: int | None = None,
+                 softcap: float | None = None, backend: str | Backend | None = None,
+                 role: str = "target", device: torch.device | None = None) -> StepMetadata:
+    """The per-step hook: validate ``metadata`` for one KV-cache group (query of ``num_query_rows``
+    rows, default ``num_actual_tokens``; tensors on ``device``, default the metadata's), resolve its
+    backend and let it prepare what every layer of the group reuses this step. Pass the result to
+    :func:`paged_attention` as ``metadata``."""
+    check_window(sliding_window)
+    if isinstance(num_query_heads, bool) or not isinstance(num_query_heads, int) or num_query_heads < 1 \
+            or num_query_heads % layout.num_kv_heads:
+        raise ValueError(f"num_query_heads must be a positive multiple of num_kv_heads={layout.num_kv_heads}, "
+                         f"got {num_query_heads!r}")
+    rows = metadata.num_actual_tokens if num_query_rows is None else num_query_rows
+    if device is None and isinstance(metadata, CommonAttentionMetadata) \
+            and isinstance(metadata.query_start_loc, torch.Tensor):
+        device = metadata.query_start_loc.device
+    check_metadata(metadata, layout, rows, sliding_window, device)
+    chosen = resolve_backend(layout, device, sliding_window=sliding_window, softcap=softcap,
+                             causal=metadata.causal, backend=backend, role=role)
+    return chosen.build_metadata(metadata, layout, num_query_heads, sliding_window)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor, layout: KVCacheLayout,
-             slot_mapping: torch.Tensor, backend: str | None = None, role: str = "target") -> None:
+             slot_mapping: torch.Tensor, backend: str | Backend | None = None, role: str = "target") -> None:
     """Write key [T, Hkv, head_size] and value [T, Hkv, head_size_v] into ``kv_cache`` at
     ``slot_mapping`` [T] (int32/int64; slot = block * block_size + offset; -1 = skip).
 
-    ``backend`` names one of HIP/SYCL/TRITON/CPU; None dispatches (env var for ``role``, then
-    platform priority). Raises TypeError/ValueError naming the bad argument; the cache is untouched then.
+    ``backend`` names one of HIP/SYCL/TRITON/CPU or is the backend object a step resolved; None
+    dispatches (env var for ``role``, then platform priority). Raises TypeError/ValueError naming
+    the bad argument; the cache is untouched then.
     """
     check_write(key, value, kv_cache, layout, slot_mapping)
-    name = select_backend_for_layout(layout, kv_cache.device, False, False, role, backend)
     if value is None:
         value = key.new_empty((key.shape[0], layout.num_kv_heads, 0))
     if torch.compiler.is_compiling():
+        name = _backend_name(layout, kv_cache.device, None, None, True, backend, role)
         torch.ops.kvmulti.write_kv(key, value, kv_cache, slot_mapping, *_layout_args(layout), name)
     else:
-        _write(key, value, kv_cache, layout, slot_mapping, name)
+        _write(key, value, kv_cache, layout, slot_mapping, resolve_backend(layout, kv_cache.device, backend=backend,
+                                                                           role=role))
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
-                    metadata: CommonAttentionMetadata, scale: float | None = None,
+                    metadata: CommonAttentionMetadata | StepMetadata, scale: float | None = None,
                     sliding_window: int | None = None, softcap: float | None = None,
-                    backend: str | None = None, role: str = "target") -> torch.Tensor:
+                    backend: str | Backend | None = None, role: str = "target",
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention for a mixed batch (prefill, chunked prefill, decode, verification).
 
     query [T, Hq, head_size] (cache dtype) -> out [T, Hq, head_size_v], same dtype; rows past
-    ``metadata.num_actual_tokens`` are zero. ``scale`` defaults to head_size ** -0.5;
-    ``sliding_window`` W keeps keys with q_pos - k_pos < W; ``softcap`` c > 0 applies
-    c * tanh(score / c) after scaling (0 or None: off).
+    ``num_actual_tokens`` are zero. ``scale`` defaults to head_size ** -0.5; ``sliding_window`` W
+    keeps keys with q_pos - k_pos < W; ``softcap`` c > 0 applies c * tanh(score / c) after scaling
+    (0 or None: off). ``out``: a caller's buffer of that shape to fill (and return) instead of a new
+    tensor. ``metadata`` from :func:`prepare_step` skips validation, selection and planning; its
+    window and backend are the ones it was prepared with.
     """
-    check_attention(query, kv_cache, layout, metadata, scale, sliding_window, softcap)
+    check_attention_args(query, kv_cache, layout, scale, sliding_window, softcap)
+    if out is not None:
+        check_out(out, query, layout)
     softcap = float(softcap) if softcap else None
-    name = select_backend_for_layout(layout, kv_cache.device, sliding_window is not None, softcap is not None,
-                                     role, backend)
-    if not metadata.causal and not get_backend(name).supports_non_causal:
-        raise ValueError(f"backend {name} supports causal attention only (metadata.causal is False)")
     scale = float(layout.head_size ** -0.5 if scale is None else scale)
-    if not torch.compiler.is_compiling():
-        return _attend(query, kv_cache, layout, metadata, scale, sliding_window, softcap, name)
-    return torch.ops.kvmulti.paged_attention(
-        query, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
-        metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.num_actual_tokens,
-        metadata.max_query_len, metadata.max_seq_len, metadata.causal, *_layout_args(layout),
-        scale, sliding_window, softcap, name)
+    if torch.compiler.is_compiling():        # the custom op validates and prepares inside
+        if isinstance(metadata, StepMetadata):
+            common, name = metadata.common, metadata.backend.name
+        else:
+            common = metadata
+            name = _backend_name(layout, kv_cache.device, sliding_window, softcap, metadata.causal, backend, role)
+        result = torch.ops.kvmulti.paged_attention(
+            query, kv_cache, common.query_start_loc, common.seq_lens, common.block_table,
+            common.query_start_loc_cpu, common.seq_lens_cpu, common.num_actual_tokens, common.max_query_len,
+            common.max_seq_len, common.causal, *_layout_args(layout), scale, sliding_window, softcap, name)
+        return result if out is None else out.copy_(result)
+    if isinstance(metadata, StepMetadata):
+        step = _check_step(metadata, query, layout, sliding_window, backend)
+    else:
+        step = prepare_step(metadata, layout, query.shape[1], num_query_rows=query.shape[0],
+                            sliding_window=sliding_window, softcap=softcap, backend=backend, role=role,
+                            device=kv_cache.device)
+    return _attend(query, kv_cache, step, scale, softcap, out)
+
+
+def _check_step(step: StepMetadata, query: torch.Tensor, layout: KVCacheLayout, sliding_window: int | None,
+                backend: str | Backend | None) -> StepMetadata:
+    if step.layout != layout:
+        raise ValueError("metadata was prepared for another layout")
+    if step.sliding_window != sliding_window:
+        raise ValueError(f"metadata was prepared for sliding_window={step.sliding_window}, the call passes "
+                         f"{sliding_window}")
+    if query.shape[1] != step.num_query_heads:
+        raise ValueError(f"query has {query.shape[1]} heads, metadata was prepared for {step.num_query_heads}")
+    if query.shape[0] < step.common.num_actual_tokens:
+        raise ValueError(f"query has {query.shape[0]} tokens, metadata.num_actual_tokens is "
+                         f"{step.common.num_actual_tokens}")
+    if backend is not None and backend is not step.backend and get_backend_name(backend) != step.backend.name:
+        raise ValueError(f"backend={get_backend_name(backend)} but the metadata was prepared by {step.backend.name}")
+    return step
+
+
+def get_backend_name(backend: str | Backend) -> str:
+    return backend.name if isinstance(backend, Backend) else get_backend(backend).name
 
 
 def _layout_args(layout: KVCacheLayout) -> tuple:
@@ -74,30 +163,33 @@ def _layout(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
     return KVCacheLayout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, dtype, order)
 
 
-def _write_kv_impl(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, head_size_v: int,
-                 order: str, backend: str) -> None:
-    layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, kv_cache.dtype)
-    _write(key, value, kv_cache, layout, slot_mapping, backend)
-
-
 def _write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
-           slot_mapping: torch.Tensor, backend: str) -> None:
+           slot_mapping: torch.Tensor, backend: Backend) -> None:
     check_slot_values(slot_mapping, layout)
-    get_backend(backend).write_kv(key, None if layout.is_latent else value, kv_cache, layout, slot_mapping)
+    backend.write_kv(key, None if layout.is_latent else value, kv_cache, layout, slot_mapping)
 
 
-def _attend(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout, metadata: CommonAttentionMetadata,
-            scale: float, sliding_window: int | None, softcap: float | None, backend: str) -> torch.Tensor:
-    check_metadata_values(metadata, layout, sliding_window)
-    out = torch.zeros(query.shape[0], query.shape[1], layout.value_size, dtype=query.dtype, device=query.device)
-    get_backend(backend).paged_attention(query, kv_cache, layout, metadata, scale, sliding_window, softcap, out)
+def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
+            softcap: float | None, out: torch.Tensor | None) -> torch.Tensor:
+    n = step.common.num_actual_tokens
+    if out is None:
+        out = torch.zeros(query.shape[0], query.shape[1], step.layout.value_size, dtype=query.dtype,
+                          device=query.device)
+    elif out.shape[0] > n:
+        out[n:].zero_()
+    step.backend.paged_attention(query, kv_cache, step, scale, softcap, out)
     return out
 
 
-# Eager calls go straight to _write / _attend (no dispatcher overhead and no metadata rebuilt on
-# the per-layer hot path); torch.compile traces the custom ops, whose fake implementations give
-# it shapes.
+def _write_kv_impl(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, head_size_v: int,
+                   order: str, backend: str) -> None:
+    layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, kv_cache.dtype)
+    _write(key, value, kv_cache, layout, slot_mapping, get_backend(backend))
+
+
+# Eager calls go straight to _write / _attend (no dispatcher overhead); torch.compile traces the
+# custom ops, whose fake implementations give it shapes.
 _write_kv_op = torch.library.custom_op("kvmulti::write_kv", _write_kv_impl, mutates_args=("kv_cache",))
 
 
@@ -108,18 +200,20 @@ def _(key, value, kv_cache, slot_mapping, num_blocks, block_size, num_kv_heads, 
 
 
 def _paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
-                        seq_lens: torch.Tensor, block_table: torch.Tensor, query_start_loc_cpu: torch.Tensor,
-                        seq_lens_cpu: torch.Tensor, num_actual_tokens: int, max_query_len: int,
-                        max_seq_len: int, causal: bool, num_blocks: int, block_size: int, num_kv_heads: int,
-                        head_size: int, head_size_v: int, order: str, scale: float,
-                        sliding_window: int | None, softcap: float | None, backend: str) -> torch.Tensor:
+                          seq_lens: torch.Tensor, block_table: torch.Tensor, query_start_loc_cpu: torch.Tensor,
+                          seq_lens_cpu: torch.Tensor, num_actual_tokens: int, max_query_len: int,
+                          max_seq_len: int, causal: bool, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_size: int, head_size_v: int, order: str, scale: float,
+                          sliding_window: int | None, softcap: float | None, backend: str) -> torch.Tensor:
     layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, kv_cache.dtype)
     metadata = CommonAttentionMetadata(
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
         slot_mapping=query_start_loc.new_empty(0, dtype=torch.int64), num_reqs=seq_lens.shape[0],
         num_actual_tokens=num_actual_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
         causal=causal, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu)
-    return _attend(query, kv_cache, layout, metadata, scale, sliding_window, softcap, backend)
+    step = prepare_step(metadata, layout, query.shape[1], num_query_rows=query.shape[0],
+                        sliding_window=sliding_window, softcap=softcap, backend=backend, device=kv_cache.device)
+    return _attend(query, kv_cache, step, scale, softcap, None)
 
 
 _paged_attention_op = torch.library.custom_op("kvmulti::paged_attention", _paged_attention_impl, mutates_args=())

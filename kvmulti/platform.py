@@ -39,6 +39,3 @@ def default_device() -> torch.device:
         return torch.device("xpu")
     return torch.device("cpu")
 
-
-def host_platform() -> str:
-    return platform_of(default_device())

@@ -1,4 +1,4 @@
-"""The plain-torch oracle: DESIGN.md's semantics written literally, fp32 math, loops allowed.
+"""The plain-torch oracle: docs/design.md's semantics written literally, fp32 math, loops allowed.
 
 Every backend is tested against these two functions. They favour obviousness over speed.
 """

@@ -1,27 +1,38 @@
 """Input checks of the public ops, so no backend has to repeat them.
 
-Static checks (types, dtypes, shapes, devices) always run. Checks of index VALUES (slot and
-block ids in range) need the data on the host: they always run for CPU tensors and run for
-accelerator tensors only under ``KVMULTI_VALIDATE=1`` (they would force a device sync per call).
-Every check runs before anything is written, so a rejected call leaves the cache untouched.
+What is checked where:
+
+* always (no device sync): types, dtypes, shapes and devices of every tensor; the metadata's
+  invariants on its HOST copies (``query_start_loc_cpu``, ``seq_lens_cpu``): shapes agree with
+  ``num_reqs``; ``query_start_loc`` starts at 0, never decreases and ends at ``num_actual_tokens``
+  <= the query's rows; 0 <= query_len <= seq_len; ``max_query_len`` / ``max_seq_len`` are at least
+  the true maxima; the block table has a row per request and is wide enough for every seq_len;
+  ``scale`` and ``softcap`` are finite;
+* index VALUES in device tensors (slot ids, the block ids each request reads, device tensors equal
+  to their host copies): always for CPU tensors, for accelerator tensors only under
+  ``KVMULTI_VALIDATE=1`` (they would force a device sync). Where they are not checked the kernels
+  still never touch memory outside their tensors: a bad value gives wrong numbers, not a crash.
+
+Every check runs before anything is written, so a rejected call leaves the cache untouched. The
+model runner checks each group's metadata once per step (in the per-step hook), not per layer.
 """
 
 from __future__ import annotations
 
-import os
-import weakref
+import math
 
 import numpy as np
 import torch
 
+from . import settings
 from .layout import KVCacheLayout
-from .metadata import CommonAttentionMetadata
+from .metadata import CommonAttentionMetadata, first_visible_position
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def value_checks_enabled(device: torch.device) -> bool:
-    return device.type == "cpu" or os.environ.get("KVMULTI_VALIDATE", "") == "1"
+    return device.type == "cpu" or bool(settings.get("KVMULTI_VALIDATE"))
 
 
 def check_layout_and_cache(layout: KVCacheLayout, kv_cache: torch.Tensor) -> None:
@@ -90,87 +101,130 @@ def check_slot_values(slot_mapping: torch.Tensor, layout: KVCacheLayout) -> None
                          f"(num_blocks {layout.num_blocks} x block_size {layout.block_size})")
 
 
-def check_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
-                    metadata: CommonAttentionMetadata, scale: float | None, sliding_window: int | None,
-                    softcap: float | None) -> None:
-    """Static checks of an attention call, including host-side metadata consistency."""
+def check_attention_args(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
+                         scale: float | None, sliding_window: int | None, softcap: float | None) -> None:
+    """Static checks of an attention call's tensors and scalars (the metadata aside)."""
     check_layout_and_cache(layout, kv_cache)
-    device = kv_cache.device
-    check_rows("query", query, layout, None, layout.head_size, device)
+    check_rows("query", query, layout, None, layout.head_size, kv_cache.device)
     if query.shape[1] % layout.num_kv_heads:
         raise ValueError(f"query has {query.shape[1]} heads, not a multiple of num_kv_heads={layout.num_kv_heads}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+    check_window(sliding_window)
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not softcap >= 0 or math.isinf(softcap)):
+        raise ValueError(f"softcap must be None or a finite float >= 0 (0 = off), got {softcap!r}")
+
+
+def check_window(sliding_window: int | None) -> None:
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+
+
+def check_out(out: torch.Tensor, query: torch.Tensor, layout: KVCacheLayout) -> None:
+    """A caller's output buffer: [query rows, query heads, head_size_v] of the query's dtype and device."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    want = (query.shape[0], query.shape[1], layout.value_size)
+    if tuple(out.shape) != want:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {want} (query rows, query heads, head_size_v)")
+    if out.dtype != query.dtype:
+        raise TypeError(f"out has dtype {out.dtype}, the query {query.dtype}")
+    check_device("out", out, query.device)
+
+
+def check_metadata(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_query_rows: int,
+                   sliding_window: int | None, device: torch.device) -> None:
+    """Every invariant of ``metadata`` for a query of ``num_query_rows`` rows over a cache of
+    ``layout`` (see the module docstring for what runs where). Raises TypeError/ValueError naming
+    the field and the rule."""
     if not isinstance(metadata, CommonAttentionMetadata):
         raise TypeError(f"metadata must be a kvmulti.CommonAttentionMetadata, got {type(metadata).__name__}")
     check_index("metadata.query_start_loc", metadata.query_start_loc, 1, device, (torch.int32,))
     check_index("metadata.seq_lens", metadata.seq_lens, 1, device, (torch.int32,))
     check_index("metadata.block_table", metadata.block_table, 2, device, (torch.int32,))
-    if query.shape[0] < metadata.num_actual_tokens:
-        raise ValueError(f"query has {query.shape[0]} tokens, metadata.num_actual_tokens is "
+    cpu = torch.device("cpu")
+    check_index("metadata.query_start_loc_cpu", metadata.query_start_loc_cpu, 1, cpu, (torch.int32,))
+    check_index("metadata.seq_lens_cpu", metadata.seq_lens_cpu, 1, cpu, (torch.int32,))
+    n = metadata.num_reqs
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"metadata.num_reqs must be an int >= 0, got {n!r}")
+    for name in ("query_start_loc", "query_start_loc_cpu"):
+        if getattr(metadata, name).shape[0] != n + 1:
+            raise ValueError(f"metadata.{name} has {getattr(metadata, name).shape[0]} entries, "
+                             f"expected num_reqs + 1 = {n + 1}")
+    for name in ("seq_lens", "seq_lens_cpu"):
+        if getattr(metadata, name).shape[0] != n:
+            raise ValueError(f"metadata.{name} has {getattr(metadata, name).shape[0]} entries, expected num_reqs = {n}")
+    if metadata.block_table.shape[0] < n:
+        raise ValueError(f"metadata.block_table has {metadata.block_table.shape[0]} rows for {n} requests")
+    for name in ("num_actual_tokens", "max_query_len", "max_seq_len"):
+        value = getattr(metadata, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"metadata.{name} must be an int >= 0, got {value!r}")
+    if metadata.num_actual_tokens > num_query_rows:
+        raise ValueError(f"query has {num_query_rows} tokens, metadata.num_actual_tokens is "
                          f"{metadata.num_actual_tokens}")
-    if metadata.max_seq_len > metadata.block_table.shape[1] * layout.block_size:
-        raise ValueError(f"block_table has {metadata.block_table.shape[1]} columns, too narrow for "
-                         f"seq_len {metadata.max_seq_len} with block_size {layout.block_size}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
-    if softcap is not None and (not isinstance(softcap, (int, float)) or softcap < 0):
-        raise ValueError(f"softcap must be None or a float >= 0 (0 = off), got {softcap!r}")
+    _check_host_values(metadata, layout)
+    if value_checks_enabled(metadata.block_table.device):
+        _check_device_values(metadata, layout, sliding_window)
 
 
-#: Metadata already checked: every layer of a group reuses its step's tensors, so the check runs
-#: once per group per step. Keyed by id, validated by a weak reference and a stamp of each tensor
-#: (its version counter, or for inference-mode CPU tensors, which have none, a digest of the
-#: bytes), so a new or modified tensor is always checked again.
-_checked: dict[tuple, tuple] = {}
-
-
-def check_metadata_values(metadata: CommonAttentionMetadata, layout: KVCacheLayout,
-                          sliding_window: int | None) -> None:
-    """No query_len exceeds its seq_len (host copies: always checked), and every block id attention
-    will read (inside each request's window) is within the cache (a value check, see above)."""
-    tensors = (metadata.block_table, metadata.seq_lens_cpu, metadata.query_start_loc_cpu)
-    key = (*map(id, tensors), layout.num_blocks, layout.block_size, sliding_window)
-    seen = _checked.get(key)
-    stamps = tuple(map(_stamp, tensors))
-    if seen is not None and None not in stamps and all(ref() is t and old == new for (ref, old), t, new
-                                                       in zip(seen, tensors, stamps)):
-        return
-    _check_metadata_values(metadata, layout, sliding_window)
-    if len(_checked) >= 64:
-        _checked.clear()
-    _checked[key] = tuple((weakref.ref(t), stamp) for t, stamp in zip(tensors, stamps))
-
-
-def _stamp(tensor: torch.Tensor):
-    """Changes whenever the tensor's contents may have changed; None: cannot tell (never cached)."""
-    if not tensor.is_inference():
-        return ("version", tensor._version)
-    if tensor.device.type == "cpu" and tensor.is_contiguous():
-        return ("bytes", hash(tensor.numpy().tobytes()))
-    return None
-
-
-def _check_metadata_values(metadata: CommonAttentionMetadata, layout: KVCacheLayout,
-                           sliding_window: int | None) -> None:
-    # numpy on the host copies: a handful of small-array ops, once per group per step.
-    qsl = metadata.query_start_loc_cpu.numpy()
+def _check_host_values(metadata: CommonAttentionMetadata, layout: KVCacheLayout) -> None:
+    qsl = metadata.query_start_loc_cpu.numpy().astype(np.int64)
     seq = metadata.seq_lens_cpu.numpy().astype(np.int64)
-    query_lens = np.diff(qsl).astype(np.int64)
+    if qsl[0] != 0:
+        raise ValueError(f"metadata.query_start_loc must start at 0, got {int(qsl[0])}")
+    query_lens = np.diff(qsl)
+    if (query_lens < 0).any():
+        i = int(np.flatnonzero(query_lens < 0)[0])
+        raise ValueError(f"metadata.query_start_loc must not decrease: entry {i + 1} ({int(qsl[i + 1])}) < "
+                         f"entry {i} ({int(qsl[i])})")
+    if qsl[-1] != metadata.num_actual_tokens:
+        raise ValueError(f"metadata.query_start_loc ends at {int(qsl[-1])} but num_actual_tokens is "
+                         f"{metadata.num_actual_tokens}")
+    if metadata.num_reqs == 0:
+        return
+    if (seq < 0).any():
+        i = int(np.flatnonzero(seq < 0)[0])
+        raise ValueError(f"metadata: request {i} has a negative seq_len {int(seq[i])}")
     too_long = query_lens > seq
     if too_long.any():
         i = int(np.flatnonzero(too_long)[0])
         raise ValueError(f"metadata: request {i} has query_len {int(query_lens[i])} > seq_len {int(seq[i])}")
-    table = metadata.block_table
-    if not value_checks_enabled(table.device) or metadata.num_reqs == 0:
+    if int(query_lens.max()) > metadata.max_query_len:
+        raise ValueError(f"metadata.max_query_len {metadata.max_query_len} is below the longest query_len "
+                         f"{int(query_lens.max())}")
+    longest = int(seq.max())
+    if longest > metadata.max_seq_len:
+        raise ValueError(f"metadata.max_seq_len {metadata.max_seq_len} is below the longest seq_len {longest}")
+    if -(-longest // layout.block_size) > metadata.block_table.shape[1]:
+        raise ValueError(f"block_table has {metadata.block_table.shape[1]} columns, too narrow for "
+                         f"seq_len {longest} with block_size {layout.block_size}")
+
+
+def _check_device_values(metadata: CommonAttentionMetadata, layout: KVCacheLayout,
+                         sliding_window: int | None) -> None:
+    """Device tensors agree with their host copies and every block id a request reads is in the
+    cache (host copies of device tensors: a device sync on accelerators)."""
+    n = metadata.num_reqs
+    for name in ("query_start_loc", "seq_lens"):
+        dev, host = getattr(metadata, name), getattr(metadata, name + "_cpu")
+        if dev.data_ptr() != host.data_ptr() and not torch.equal(dev.cpu(), host):
+            raise ValueError(f"metadata.{name} differs from metadata.{name}_cpu")
+    if n == 0:
         return
-    blocks = table.cpu().numpy()
+    seq = metadata.seq_lens_cpu.numpy().astype(np.int64)
+    query_lens = np.diff(metadata.query_start_loc_cpu.numpy().astype(np.int64))
+    blocks = metadata.block_table[:n].cpu().numpy()
     columns = blocks[:, : -(-int(seq.max()) // layout.block_size)]     # the longest request's blocks
     if columns.size == 0 or (int(columns.min()) >= 0 and int(columns.max()) < layout.num_blocks):
         return                                                # all in range: no need to mask per request
-    first = seq - query_lens
-    first = np.maximum(first - sliding_window + 1, 0) if sliding_window is not None else np.zeros_like(first)
+    first = first_visible_position(seq - query_lens, sliding_window)
     cols = np.arange(blocks.shape[1])[None, :]
     read = (cols >= (first // layout.block_size)[:, None]) & (cols < (-(-seq // layout.block_size))[:, None])
     bad = read & ((blocks < 0) | (blocks >= layout.num_blocks))

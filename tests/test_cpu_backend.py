@@ -36,8 +36,10 @@ def test_head_size_v_differs():
 
 
 def test_memory_chunking_matches(monkeypatch):
-    from kvmulti.backends import cpu
-    monkeypatch.setattr(cpu, "SCORE_BUDGET_BYTES", 1)   # one request per chunk
+    from kvmulti.backends.cpu import torch_path
+    from kvmulti.backends.registry import get_backend
+    monkeypatch.setattr(get_backend("CPU"), "native_kernel", False)   # the torch path is the one that chunks
+    monkeypatch.setattr(torch_path, "SCORE_BUDGET_BYTES", 1)   # one request per chunk
     spec = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=torch.bfloat16,
                     query_lens=(7, 1, 1, 12), context_lens=(0, 50, 3, 30), sliding_window=20)
     check_against_reference(spec, "CPU")

@@ -14,8 +14,9 @@ import torch
 from hypothesis import given, settings
 
 import kvmulti
-from kvmulti import cpu_native, reference
-from kvmulti.backends import cpu as cpu_backend
+from kvmulti import reference
+from kvmulti.backends.cpu import backend as cpu_backend
+from kvmulti.backends.cpu import native as cpu_native
 from kvmulti.backends.registry import get_backend
 
 from batches import CaseSpec, batch_cases, build_case, check_against_reference, assert_close_to_reference
@@ -25,8 +26,8 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 @pytest.fixture(scope="module")
 def native():
-    if cpu_native.disabled_reason():
-        pytest.skip(cpu_native.disabled_reason())
+    if not get_backend("CPU").native_kernel:
+        pytest.skip("native CPU kernel disabled (KVMULTI_CPU_NATIVE=0)")
     module, reason = cpu_native.status()
     if module is None:
         if IN_CI:
@@ -65,17 +66,23 @@ def env(name, value):
 def native_path():
     """Count native calls inside the block, so each check proves the native path ran."""
     calls = {"attention": 0, "write": 0}
-    real_attn, real_write = cpu_backend.paged_attention_native, cpu_backend.write_kv_native
+    module = cpu_native.load()
 
-    def attn(*args, **kwargs):
-        calls["attention"] += 1
-        return real_attn(*args, **kwargs)
+    class Counting:
+        """The native module, counting its kernel calls."""
 
-    def write(*args, **kwargs):
-        calls["write"] += 1
-        return real_write(*args, **kwargs)
+        def __getattr__(self, name):
+            return getattr(module, name)
 
-    with patched(cpu_backend, "paged_attention_native", attn), patched(cpu_backend, "write_kv_native", write):
+        def paged_attention(self, *args):
+            calls["attention"] += 1
+            return module.paged_attention(*args)
+
+        def write_kv(self, *args):
+            calls["write"] += 1
+            return module.write_kv(*args)
+
+    with patched(cpu_native, "load", lambda: Counting() if module is not None else None):
         yield calls
     assert calls["attention"] > 0 and calls["write"] > 0, f"native path not taken: {calls}"
 
@@ -102,14 +109,14 @@ def test_native_matches_reference(native, spec):
 def test_other_isa_variants_match_reference(native, isa, spec):
     if isa not in native.available_isas():
         pytest.skip(f"{isa} not supported on this CPU")
-    with env(cpu_native.ENV_ISA, isa):
+    with patched(get_backend("CPU"), "isa", isa):
         check_native(spec)
 
 
 @settings(max_examples=20)
 @given(batch_cases(block_sizes=(1, 16, 32), max_context=400, max_query=40))
 def test_forced_partitions_match_reference(native, spec):
-    with patched(cpu_backend, "NATIVE_PARTITION_LEN", 64):   # split every span > 64 keys
+    with patched(get_backend("CPU"), "partition_size", 64):   # split every span > 64 keys
         check_native(spec)
 
 
@@ -178,15 +185,16 @@ def test_write_kv_strided_inputs_and_padding(native):
 def test_fallback_matches_reference(spec):
     called = []
     real = cpu_backend.paged_attention_torch
-    with env(cpu_native.ENV_NATIVE, "0"), patched(cpu_backend, "paged_attention_torch",
+    with patched(get_backend("CPU"), "native_kernel", False), patched(cpu_backend, "paged_attention_torch",
                                                   lambda *a: (called.append(1), real(*a))):
         check_against_reference(spec, "CPU")
     assert called, "the torch path did not run with KVMULTI_CPU_NATIVE=0"
 
 
 def test_fallback_is_described(monkeypatch):
-    monkeypatch.setenv(cpu_native.ENV_NATIVE, "0")
-    assert get_backend("CPU").describe().startswith("cpu: vectorised torch: native kernel disabled by KVMULTI_CPU_NATIVE=0; ")
+    monkeypatch.setenv("KVMULTI_CPU_NATIVE", "0")
+    from kvmulti.backends.cpu import CPUBackend
+    assert CPUBackend().describe().startswith("cpu: vectorised torch: native kernel disabled (KVMULTI_CPU_NATIVE=0")
 
 
 def test_no_compiler_falls_back_with_reason(tmp_path):
@@ -194,7 +202,7 @@ def test_no_compiler_falls_back_with_reason(tmp_path):
             "print(get_backend('CPU').describe()); "
             "import torch; print(kvmulti.available_backends('cpu')['CPU'])")
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), KVMULTI_CACHE_DIR=str(tmp_path / "cache"))
-    env.pop(cpu_native.ENV_NATIVE, None)
+    env.pop("KVMULTI_CPU_NATIVE", None)
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -214,5 +222,5 @@ def test_bf16_direct_path_row_counts(native, order, head_size):
                         dtype=torch.bfloat16, query_lens=qlens, context_lens=ctx, sliding_window=window,
                         softcap=softcap)
         check_native(spec)
-        with patched(cpu_backend, "NATIVE_PARTITION_LEN", 64):
+        with patched(get_backend("CPU"), "partition_size", 64):
             check_native(spec)

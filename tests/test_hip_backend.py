@@ -29,7 +29,7 @@ def _config(**kw):
 
 @pytest.fixture(scope="module")
 def harness():
-    reasons = hip.cpu_harness_reasons()
+    reasons = hip.build.cpu_harness_reasons()
     if reasons:
         if IN_CI:
             pytest.fail("HIP CPU harness cannot be built in CI: " + "; ".join(reasons))
@@ -37,7 +37,7 @@ def harness():
     backend = get_backend("HIP")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        hip.load_cpu_library()
+        hip.library.load_cpu_library()
     return backend
 
 
@@ -92,25 +92,25 @@ def test_emulator_warning_is_emitted_once(harness):
 def test_missing_compiler_is_a_clear_reason_and_error(monkeypatch, tmp_path):
     monkeypatch.setenv("KVMULTI_HIP_CPU_CXX", "kvmulti-no-such-gxx")
     monkeypatch.setenv("KVMULTI_CACHE_DIR", str(tmp_path))
-    reasons = hip.cpu_harness_reasons()
+    reasons = hip.build.cpu_harness_reasons()
     assert reasons and "g++" in reasons[0] and "kvmulti-no-such-gxx" in reasons[0]
     b = hip.HipBackend()
     assert b.platform_reasons("cpu") == reasons
     if not torch.version.hip:
         assert any(r.startswith("CPU harness:") for r in b.unavailable_reasons())
-    with pytest.raises(hip.HipBuildError, match="g\\+\\+"):
-        hip.build_cpu_library()
+    with pytest.raises(hip.build.HipBuildError, match="g\\+\\+"):
+        hip.build.build_cpu_library()
 
 
 def test_missing_hipcc_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(hip, "hipcc_path", lambda: None)
-    with pytest.raises(hip.HipBuildError, match="hipcc not found"):
-        hip.build_rocm_library(["gfx90a"])
+    monkeypatch.setattr(hip.build, "hipcc", lambda: None)
+    with pytest.raises(hip.build.HipBuildError, match="hipcc not found"):
+        hip.build.build_rocm_library(["gfx90a"])
 
 
 def test_rocm_arch_list_from_env(monkeypatch):
     monkeypatch.setenv("PYTORCH_ROCM_ARCH", "gfx90a;gfx942 gfx1100")
-    assert hip.rocm_target_archs() == ["gfx90a", "gfx942", "gfx1100"]
+    assert hip.build.rocm_target_archs() == ["gfx90a", "gfx942", "gfx1100"]
 
 
 def test_undeclared_head_size_fails_cleanly_in_the_launcher(harness):
@@ -122,7 +122,8 @@ def test_undeclared_head_size_fails_cleanly_in_the_launcher(harness):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         with pytest.raises(RuntimeError, match="hipErrorInvalidValue"):
-            harness.paged_attention(torch.randn(2, 1, 32), cache, layout, md, 1.0, None, None, out)
+            step = harness.build_metadata(md, layout, 1, None)
+            harness.paged_attention(torch.randn(2, 1, 32), cache, step, 1.0, None, out)
 
 
 @pytest.mark.parametrize("order", ["NHD", "HND"])
@@ -191,7 +192,7 @@ def test_strided_query_and_out_rows_past_num_actual_tokens(harness):
 
 def test_declared_head_sizes_match_the_compiled_instantiations(harness):
     import ctypes
-    lib = hip.load_cpu_library()
+    lib = hip.library.load_cpu_library()
     sizes = (ctypes.c_int * 16)()
     count = lib.kvmulti_hip_head_sizes(sizes, 16)
     assert tuple(sizes[:count]) == hip.HEAD_SIZES == harness.head_sizes
@@ -216,6 +217,6 @@ def test_misaligned_cache_uses_the_scalar_path(harness, dtype):
 
 def test_named_prebuilt_library_must_exist(monkeypatch, tmp_path):
     monkeypatch.setenv("KVMULTI_HIP_LIBRARY", str(tmp_path / "missing.so"))
-    assert hip.prebuilt_rocm_library() == tmp_path / "missing.so"
+    assert hip.build.prebuilt_rocm_library() == tmp_path / "missing.so"
     if torch.version.hip and torch.cuda.is_available():
         assert any("does not exist" in r for r in hip.HipBackend().platform_reasons("rocm"))

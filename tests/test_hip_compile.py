@@ -19,7 +19,7 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
 def _load_compile_check():
-    path = hip.source_dir() / "compile_check.py"
+    path = hip.build.source_dir() / "compile_check.py"
     spec = importlib.util.spec_from_file_location("kvmulti_hip_compile_check", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module   # dataclasses look their module up
@@ -44,7 +44,7 @@ def test_amd_targets_compile_werror_without_spills(tmp_path):
     report = cc.run(amd=True, nvidia=False, out=tmp_path)
     assert report.ok, report.summary()
     # The hipcc-built library exports the C ABI the backend binds (no GPU needed for these calls).
-    lib = hip._bind(ctypes.CDLL(str(tmp_path / cc.AMD_LIBRARY)), harness=False)
+    lib = hip.library._bind(ctypes.CDLL(str(tmp_path / cc.AMD_LIBRARY)), harness=False)
     ps, parts = ctypes.c_int(), ctypes.c_int()
     assert lib.kvmulti_hip_plan(4, 8, 2, 100, 16, ctypes.byref(ps), ctypes.byref(parts)) == 0
     assert (ps.value, parts.value) == (16, 7)

@@ -24,7 +24,7 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
 def _require_gxx():
-    reasons = hip.cpu_harness_reasons()
+    reasons = hip.build.cpu_harness_reasons()
     if reasons:
         if IN_CI:
             pytest.fail("HIP CPU harness cannot be built in CI: " + "; ".join(reasons))
@@ -35,9 +35,9 @@ def _require_gxx():
 def selftest_lib(request):
     """The self-test kernels built with the harness, once per context-switch implementation."""
     _require_gxx()
-    src = hip.source_dir() / "cpu_harness" / "selftest" / "selftest.hip"
+    src = hip.build.source_dir() / "cpu_harness" / "selftest" / "selftest.hip"
     flags = ("-DKVCPU_FORCE_UCONTEXT",) if request.param == "ucontext" else ()
-    path = hip.build_harness_library(src, [], f"libkvcpu_selftest_{request.param}.so",
+    path = hip.build.build_harness_library(src, [], f"libkvcpu_selftest_{request.param}.so",
                                      "the CPU-harness self-test kernels", extra_flags=flags)
     lib = ctypes.CDLL(str(path))
     lib.selftest_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
@@ -113,15 +113,21 @@ def hip_backend():
 
 def _run_case(backend, spec, wave=64, partition_size=-1):
     """check_against_reference through the public ops with backend="HIP" (the CPU harness here),
-    with the registry's HIP instance set to emulate ``wave`` and use ``partition_size``."""
+    with the registry's HIP instance set to emulate ``wave`` and use ``partition_size``. Returns
+    the plan the per-step hook made (the last one)."""
     saved = backend.cpu_wave, backend.partition_size
     backend.cpu_wave, backend.partition_size = wave, partition_size
+    steps = []
+    real = type(backend).build_metadata
+    backend.build_metadata = lambda *a: steps.append(real(backend, *a)) or steps[-1]
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "kvmulti HIP backend on a CPU tensor", RuntimeWarning)
             check_against_reference(spec, "HIP")
     finally:
         backend.cpu_wave, backend.partition_size = saved
+        del backend.build_metadata
+    return steps[-1].plan
 
 
 MIXED = dict(block_sizes=(1, 16, 32), head_sizes=(64, 128), groups=(1, 4, 8), kv_heads=(1, 2), dtypes=ALL_DTYPES,
@@ -131,17 +137,16 @@ MIXED = dict(block_sizes=(1, 16, 32), head_sizes=(64, 128), groups=(1, 4, 8), kv
 @settings(max_examples=40)
 @given(spec=batch_cases(**MIXED), wave=st.sampled_from([32, 64]))
 def test_hip_kernels_match_reference(hip_backend, spec, wave):
-    _run_case(hip_backend, spec, wave=wave, partition_size=0)
-    assert hip_backend.last_num_partitions == 1
+    assert _run_case(hip_backend, spec, wave=wave, partition_size=0).num_partitions == 1
 
 
 @settings(max_examples=25)
 @given(spec=batch_cases(**MIXED), wave=st.sampled_from([32, 64]), partition=st.sampled_from([5, 16, 48]))
 def test_partitioned_decode_matches_reference(hip_backend, spec, wave, partition):
     """Split-KV path (forced with a small partition size) + its reduce kernel."""
-    _run_case(hip_backend, spec, wave=wave, partition_size=partition)
+    plan = _run_case(hip_backend, spec, wave=wave, partition_size=partition)
     max_span = max(spec.seq_lens) if spec.sliding_window is None else min(max(spec.seq_lens), spec.sliding_window)
-    assert hip_backend.last_num_partitions == -(-max_span // partition) or max_span <= partition
+    assert plan.num_partitions == -(-max_span // partition) or max_span <= partition
 
 
 @pytest.mark.parametrize("order", ["NHD", "HND"])
@@ -169,8 +174,7 @@ def test_auto_split_heuristic_long_decode(hip_backend):
     """A long decode on few heads takes the split-KV path by the default heuristic."""
     spec = CaseSpec(order="NHD", block_size=32, num_kv_heads=1, group=1, head_size=64, dtype=torch.float32,
                     query_lens=(1,), context_lens=(1100,))
-    _run_case(hip_backend, spec, wave=32, partition_size=-1)
-    assert hip_backend.last_num_partitions == 3   # ceil(1101 / 512)
+    assert _run_case(hip_backend, spec, wave=32, partition_size=-1).num_partitions == 3   # ceil(1101 / 512)
 
 
 @pytest.mark.parametrize("wave", [32, 64])

@@ -47,10 +47,10 @@ def test_hip_is_first_choice_on_rocm(backend):
 
 
 def test_library_built_for_this_device(backend):
-    path = hip.prebuilt_rocm_library() or hip.build_rocm_library()
-    archs = hip.library_archs(path)
-    assert archs is None or hip.device_arch() in archs
-    lib = hip.load_rocm_library()
+    path = hip.build.prebuilt_rocm_library() or hip.build.build_rocm_library()
+    archs = hip.build.library_archs(path)
+    assert archs is None or hip.build.device_arch() in archs
+    lib = hip.library.load_rocm_library()
     assert lib.kvmulti_hip_wave_size(0) in (32, 64)
 
 

@@ -19,7 +19,7 @@ from kvmulti import reference
 from kvmulti.backends import AttentionConfig, available_backends, get_backend, select_backend
 from kvmulti.backends import sycl as S
 
-_REASONS = S.runtime_reasons()
+_REASONS = S.runtime.runtime_reasons()
 # In CI the runtime is installed by the test command: a missing one must fail there, never skip.
 pytestmark = pytest.mark.skipif(bool(_REASONS) and os.environ.get("CI") != "true",
                                 reason=f"SYCL runtime unusable here: {'; '.join(_REASONS)}")
@@ -129,13 +129,13 @@ def test_strided_key_value_and_query_views():
 def launches(monkeypatch):
     """Names of the kernels launched while the test runs."""
     seen: list[str] = []
-    orig = S.Session.launch
+    orig = S.runtime.Session.launch
 
     def record(self, bundle, kernel, *args, **kwargs):
-        seen.append(S.KERNEL_NAMES[kernel])
+        seen.append(S.runtime.KERNEL_NAMES[kernel])
         return orig(self, bundle, kernel, *args, **kwargs)
 
-    monkeypatch.setattr(S.Session, "launch", record)
+    monkeypatch.setattr(S.runtime.Session, "launch", record)
     return seen
 
 
@@ -152,8 +152,8 @@ def test_split_kv_forced_matches_reference(monkeypatch, sycl_backend, launches, 
 def test_split_kv_auto_heuristic(monkeypatch, sycl_backend, launches):
     """Long decode contexts with few work-groups take the split path by default; short ones don't."""
     monkeypatch.setattr(sycl_backend, "partition_size", -1)
-    monkeypatch.setattr(S, "SPLIT_MIN_SPAN", 64)
-    monkeypatch.setattr(S, "DEFAULT_PARTITION_SIZE", 32)
+    monkeypatch.setattr(S.backend, "SPLIT_MIN_SPAN", 64)
+    monkeypatch.setattr(kvmulti.settings, "DEFAULT_PARTITION_SIZE", 32)
     spec = CaseSpec(order="NHD", block_size=32, num_kv_heads=1, group=8, head_size=64, dtype=torch.float32,
                     query_lens=(1,), context_lens=(200,))
     check_against_reference(spec, "SYCL")
@@ -182,8 +182,8 @@ def test_split_and_unsplit_agree(monkeypatch, sycl_backend):
 def usm_mallocs(monkeypatch):
     """Sizes of the USM allocations made while the test runs."""
     sizes: list[int] = []
-    orig = S.Session.malloc_shared
-    monkeypatch.setattr(S.Session, "malloc_shared", lambda self, n: (sizes.append(n), orig(self, n))[1])
+    orig = S.runtime.Session.malloc_shared
+    monkeypatch.setattr(S.runtime.Session, "malloc_shared", lambda self, n: (sizes.append(n), orig(self, n))[1])
     return sizes
 
 
@@ -201,12 +201,12 @@ def test_cache_written_by_sycl_reads_the_same_via_cpu_and_back(monkeypatch, sycl
     case = build_case(spec)
     layout, md = case.layout, case.metadata
     usm = mode == "usm-cache"
-    sycl_cache = layout.allocate("cpu", allocator=S.usm_allocator) if usm else layout.allocate("cpu")
+    sycl_cache = layout.allocate("cpu", allocator=S.runtime.usm_allocator) if usm else layout.allocate("cpu")
     cpu_cache = layout.allocate("cpu")
     sycl_cache.copy_(case.cache)
     cpu_cache.copy_(case.cache)
     if usm:
-        assert S.default_session().pointer_type(sycl_cache.data_ptr()) == S.USM_SHARED
+        assert S.runtime.default_session().pointer_type(sycl_cache.data_ptr()) == S.runtime.USM_SHARED
     ptr, cache_bytes = sycl_cache.data_ptr(), sycl_cache.numel() * sycl_cache.element_size()
     usm_mallocs.clear()
     if mode == "staged":
@@ -233,7 +233,7 @@ def test_cache_written_by_sycl_reads_the_same_via_cpu_and_back(monkeypatch, sycl
         assert any(n >= cache_bytes for n in mallocs)          # the cache went through USM
     elif mode == "usm-cache":
         assert mallocs and all(n < cache_bytes for n in mallocs)   # ... but a USM cache never does
-    elif S.default_session().device.usm_system:
+    elif S.runtime.default_session().device.usm_system:
         assert mallocs == []                                   # nothing staged at all
 
 
@@ -249,15 +249,15 @@ def test_staged_path_matches_reference(monkeypatch, sycl_backend, dtype):
 
 def test_usm_allocator_is_zero_copy_and_freed(monkeypatch):
     freed = []
-    orig = S.Session.free
-    monkeypatch.setattr(S.Session, "free", lambda self, p: (freed.append(p), orig(self, p))[1])
+    orig = S.runtime.Session.free
+    monkeypatch.setattr(S.runtime.Session, "free", lambda self, p: (freed.append(p), orig(self, p))[1])
     layout = kvmulti.KVCacheLayout(num_blocks=3, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16,
                                    order="HND")
-    cache = layout.allocate("cpu", allocator=S.usm_allocator)
+    cache = layout.allocate("cpu", allocator=S.runtime.usm_allocator)
     layout.validate(cache)
     base = cache.data_ptr()
-    assert S.default_session().pointer_type(base) == S.USM_SHARED
-    assert S.default_session().pointer_type(layout.values(cache).data_ptr()) == S.USM_SHARED
+    assert S.runtime.default_session().pointer_type(base) == S.runtime.USM_SHARED
+    assert S.runtime.default_session().pointer_type(layout.values(cache).data_ptr()) == S.runtime.USM_SHARED
     assert torch.count_nonzero(cache) == 0
     keys = layout.keys(cache)
     del cache
@@ -272,12 +272,12 @@ def test_usm_allocator_is_zero_copy_and_freed(monkeypatch):
 
 # ------------------------------------------------------------------------------------ compiler errors
 def test_broken_kernel_source_raises_with_compiler_log():
-    session = S.default_session()
-    broken = S.kernel_source().replace("const int nk = sycl::min(KC, k_hi - k0);",
+    session = S.runtime.default_session()
+    broken = S.runtime.kernel_source().replace("const int nk = sycl::min(KC, k_hi - k0);",
                                        "const int nk = sycl::min(KC, k_hi - kvm_no_such_identifier);")
-    assert broken != S.kernel_source()
+    assert broken != S.runtime.kernel_source()
     opts = S.kernel_options(torch.float32, 64, 64, 32)
-    with pytest.raises(S.SyclBuildError) as info:
+    with pytest.raises(S.runtime.SyclBuildError) as info:
         session.build(broken, opts)
     message = str(info.value)
     assert "kvm_no_such_identifier" in message and "error" in message
@@ -285,8 +285,8 @@ def test_broken_kernel_source_raises_with_compiler_log():
 
 
 def test_missing_build_option_is_a_compile_error():
-    with pytest.raises(S.SyclBuildError, match="KVM_DTYPE must be defined"):
-        S.default_session().build(S.kernel_source(), ["-DKVM_HEAD_SIZE=64"])
+    with pytest.raises(S.runtime.SyclBuildError, match="KVM_DTYPE must be defined"):
+        S.runtime.default_session().build(S.runtime.kernel_source(), ["-DKVM_HEAD_SIZE=64"])
 
 
 # ------------------------------------------------------------------------------------ dispatch / environment
@@ -321,7 +321,7 @@ def test_runtime_sets_ocl_icd_itself_and_no_device_selector():
     assert res.returncode == 0, res.stderr
     reasons, icd, selector, ndev = res.stdout.strip().splitlines()[-4:]
     assert reasons == "[]"
-    root = S.find_runtime()[0]
+    root = S.runtime.find_runtime()[0]
     if (root / "lib" / "libintelocl.so").exists():
         assert icd == str(root / "lib" / "libintelocl.so")
     assert selector == "False" and int(ndev) >= 1

@@ -25,6 +25,7 @@ import kvmulti  # noqa: E402
 from kvmulti import reference  # noqa: E402
 from kvmulti.backends import get_backend, select_backend  # noqa: E402
 from kvmulti.backends import triton as triton_backend  # noqa: E402
+from kvmulti.backends.triton import TritonBackend  # noqa: E402
 from kvmulti.backends.base import AttentionConfig  # noqa: E402
 
 from batches import CaseSpec, assert_close_to_reference, batch_cases, build_case, check_against_reference  # noqa: E402
@@ -86,24 +87,18 @@ def run_split_vs_single(spec: CaseSpec, device, partition_size: int = 32) -> Non
                      if case.cache.device.type == "cpu" else "TRITON")
     expected = reference.paged_attention(case.query.cpu(), case.cache.cpu(), case.layout, _cpu_md(case.metadata),
                                          sliding_window=spec.sliding_window, softcap=spec.softcap)
-    backend = get_backend("TRITON")
     scale = spec.head_size ** -0.5
     outs = {}
-    saved = triton_backend.PARTITION_SIZE
-    triton_backend.PARTITION_SIZE = partition_size
-    try:
-        for split in (False, True):
-            out = torch.zeros(case.query.shape[0], case.query.shape[1], case.layout.value_size, dtype=spec.dtype,
-                              device=case.query.device)
-            backend.paged_attention(case.query, case.cache, case.layout, case.metadata, scale, spec.sliding_window,
-                                    spec.softcap, out, split_kv=split)
-            outs[split] = out
-            plan = backend.last_plan
-            assert plan.split is split
-            assert plan.num_parts == (-(-max(spec.seq_lens) // partition_size) if split else 1)
-            assert_close_to_reference(out, expected, spec.dtype, f"split_kv={split} differs from the oracle: {spec}")
-    finally:
-        triton_backend.PARTITION_SIZE = saved
+    for split in (False, True):
+        backend = TritonBackend(partition_size=partition_size if split else 0)
+        step = backend.build_metadata(case.metadata, case.layout, case.query.shape[1], spec.sliding_window)
+        out = torch.zeros(case.query.shape[0], case.query.shape[1], case.layout.value_size, dtype=spec.dtype,
+                          device=case.query.device)
+        backend.paged_attention(case.query, case.cache, step, scale, spec.softcap, out)
+        outs[split] = out
+        assert step.plan.split is split
+        assert step.plan.num_parts == (-(-max(spec.seq_lens) // partition_size) if split else 1)
+        assert_close_to_reference(out, expected, spec.dtype, f"split_kv={split} differs from the oracle: {spec}")
     assert_close_to_reference(outs[True], outs[False].float(), spec.dtype, f"split and single disagree: {spec}")
 
 
@@ -230,27 +225,21 @@ def test_write_kv_strided_inputs_and_padding(order):
 
 
 @ON_CPU
-def test_env_forces_path(monkeypatch):
-    from kvmulti.triton_kernels import launch
-    seen = []
-    real = launch.unified_attention
-
-    def spy(*args, **kwargs):
-        plan = real(*args, **kwargs)
-        seen.append(plan.split)
-        return plan
-
-    monkeypatch.setattr(launch, "unified_attention", spy)
-    monkeypatch.setattr(triton_backend, "PARTITION_SIZE", 16)
+def test_partition_size_setting_forces_path(monkeypatch):
+    """KVMULTI_PARTITION_SIZE (the one split-KV contract): N always splits, 0 never, -1 decides."""
     spec = CaseSpec(order="NHD", block_size=16, num_kv_heads=1, group=2, head_size=16, dtype=F32,
                     query_lens=(1,), context_lens=(40,))
-    for value, split in (("1", True), ("0", False), ("auto", False)):   # auto: 1 compute unit on CPU
-        monkeypatch.setenv(triton_backend.ENV_SPLIT_KV, value)
-        check_against_reference(spec, "TRITON")
-        assert seen[-1] is split
-    monkeypatch.setenv(triton_backend.ENV_SPLIT_KV, "sometimes")
-    with pytest.raises(ValueError, match="KVMULTI_TRITON_SPLIT_KV"):
-        triton_backend.split_kv_override()
+    case = build_case(spec)
+    for value, split in (("16", True), ("0", False), ("-1", False)):   # -1: 1 compute unit on CPU, short context
+        monkeypatch.setenv("KVMULTI_PARTITION_SIZE", value)
+        step = TritonBackend().build_metadata(case.metadata, case.layout, 2, None)
+        assert step.plan.split is split
+    monkeypatch.setenv("KVMULTI_PARTITION_SIZE", "24")
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        TritonBackend()
+    monkeypatch.setenv("KVMULTI_PARTITION_SIZE", "sometimes")
+    with pytest.raises(ValueError, match="KVMULTI_PARTITION_SIZE='sometimes'"):
+        TritonBackend()
 
 
 # ---------------------------------------------------------------- heuristic and reporting (any host)
@@ -301,12 +290,12 @@ def test_backend_reports_interpreter_and_cpu_rules(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-driver reason on a host without a GPU")
 def test_no_driver_reason_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    triton_backend._driver_reasons.cache_clear()
+    triton_backend.backend._driver_reasons.cache_clear()
     try:
         reasons = get_backend("TRITON").unavailable_reasons()
         assert reasons and "no active GPU driver" in reasons[0]
     finally:
-        triton_backend._driver_reasons.cache_clear()
+        triton_backend.backend._driver_reasons.cache_clear()
 
 
 def test_interpreter_mode_change_is_reported(monkeypatch):
@@ -327,8 +316,9 @@ def test_interpreter_works_when_triton_was_imported_first():
             "import triton.language\n"
             "os.environ['TRITON_INTERPRET'] = '1'\n"
             "from batches import CaseSpec, check_against_reference\n"
-            "for split in ('0', '1'):\n"
-            "    os.environ['KVMULTI_TRITON_SPLIT_KV'] = split\n"
+            "from kvmulti.backends.registry import get_backend\n"
+            "for partition in (0, 16):\n"
+            "    get_backend('TRITON').partition_size = partition\n"
             "    check_against_reference(CaseSpec(order='HND', block_size=4, num_kv_heads=2, group=2, head_size=16,\n"
             "        dtype=torch.bfloat16, query_lens=(3, 1), context_lens=(2, 9), sliding_window=6, softcap=5.0),\n"
             "        'TRITON')\n"

@@ -58,7 +58,7 @@ def test_gpu_split_kv_matches_single_pass(vendor, spec):
 def test_gpu_split_kv_default_partition_long_decode(vendor, dtype):
     spec = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=8, head_size=128, dtype=dtype,
                     query_lens=(1, 1, 1), context_lens=(3000, 1500, 700), sliding_window=None, softcap=None)
-    run_split_vs_single(spec, gpu(vendor), partition_size=triton_backend.PARTITION_SIZE)
+    run_split_vs_single(spec, gpu(vendor), partition_size=kvmulti.settings.DEFAULT_PARTITION_SIZE)
 
 
 @pytest.mark.parametrize("vendor", VENDORS)
@@ -68,8 +68,9 @@ def test_gpu_heuristic_picks_split_for_few_long_decodes(vendor):
                     query_lens=(1, 1), context_lens=(4000, 2500))
     case = build_case(spec, device)
     kvmulti.write_kv(case.key, case.value, case.cache, case.layout, case.metadata.slot_mapping, backend="TRITON")
-    out = kvmulti.paged_attention(case.query, case.cache, case.layout, case.metadata, backend="TRITON")
-    assert get_backend("TRITON").last_plan.split      # 2 programs on a whole GPU: split
+    step = kvmulti.prepare_step(case.metadata, case.layout, case.query.shape[1], backend="TRITON")
+    assert step.plan.split      # 2 programs on a whole GPU: split
+    out = kvmulti.paged_attention(case.query, case.cache, case.layout, step)
     expected = reference.paged_attention(case.query.cpu(), case.cache.cpu(), case.layout,
                                          kvmulti.CommonAttentionMetadata.from_lens(
                                              list(spec.query_lens), list(spec.seq_lens),

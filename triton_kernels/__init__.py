@@ -1,4 +1,4 @@
-"""Triton kernels of the TRITON backend, shipped as ``kvmulti.triton_kernels`` (see DESIGN.md).
+"""Triton kernels of the TRITON backend, shipped as ``kvmulti.triton_kernels`` (see docs/design.md).
 
 - ``unified_attention``: the paged-attention kernel (single pass and split-KV) and the
   split-KV reduce kernel.

@@ -135,16 +135,18 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
                        head_size_v: int, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int,
                        scale: float, sliding_window: int | None, softcap: float | None,
                        split_kv: bool | None = None, partition_size: int = DEFAULT_PARTITION_SIZE,
-                       num_compute_units_: int | None = None) -> tuple[AttentionPlan, list[Launch]]:
-    """The plan and the launches (one, or two on the split path) for one attention call; the
-    split path's fp32 workspace is allocated here."""
+                       num_compute_units_: int | None = None,
+                       plan: AttentionPlan | None = None) -> tuple[AttentionPlan, list[Launch]]:
+    """The plan (``plan`` when given: made once per step) and the launches (one, or two on the
+    split path) for one attention call; the split path's fp32 workspace is allocated here."""
     num_qpk = query.shape[1] // num_kv_heads
-    plan = plan_attention(num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_qpk=num_qpk,
-                          max_query_len=max_query_len, max_seq_len=max_seq_len, head_size=head_size,
-                          head_size_v=head_size_v, dtype=kv_cache.dtype,
-                          num_compute_units=(num_compute_units(query.device) if num_compute_units_ is None
-                                             else num_compute_units_),
-                          split_kv=split_kv, partition_size=partition_size)
+    if plan is None:
+        plan = plan_attention(num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_qpk=num_qpk,
+                              max_query_len=max_query_len, max_seq_len=max_seq_len, head_size=head_size,
+                              head_size_v=head_size_v, dtype=kv_cache.dtype,
+                              num_compute_units=(num_compute_units(query.device) if num_compute_units_ is None
+                                                 else num_compute_units_),
+                              split_kv=split_kv, partition_size=partition_size)
     if num_tokens == 0 or num_reqs == 0:
         return plan, []
     dot_f32 = interpreting() and kv_cache.dtype == torch.bfloat16

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
 from ..layout import Allocator, KVCacheLayout
 from ..metadata import CommonAttentionMetadata
+from .. import settings
 from ..platform import platform_of
 
 ALL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
@@ -28,22 +29,49 @@ class AttentionConfig:
     order: str
     sliding_window: bool = False
     softcap: bool = False
+    causal: bool = True
 
     @classmethod
     def from_layout(cls, layout: KVCacheLayout, device: torch.device | str,
-                    sliding_window: int | None = None, softcap: float | None = None) -> "AttentionConfig":
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    causal: bool = True) -> "AttentionConfig":
         return cls(platform=platform_of(device), dtype=layout.dtype, head_size=layout.head_size,
                    head_size_v=layout.value_size, num_kv_heads=layout.num_kv_heads,
                    block_size=layout.block_size, order=layout.order,
-                   sliding_window=sliding_window is not None, softcap=bool(softcap))
+                   sliding_window=sliding_window is not None, softcap=bool(softcap), causal=bool(causal))
+
+
+@dataclass
+class StepMetadata:
+    """One step's attention metadata for one KV-cache group, prepared ONCE by the group's backend
+    (:meth:`Backend.build_metadata`) and reused by every layer of the group.
+
+    ``common`` has been validated against ``layout`` when this was built; ``plan`` is whatever the
+    backend derived from it (tiles, split-KV partitions, int32 / device copies). Layers pass it to
+    :func:`kvmulti.paged_attention` in place of the common metadata: that call then does no
+    selection, no validation of the metadata and no planning, only the kernel launch.
+    """
+
+    common: CommonAttentionMetadata
+    backend: "Backend"
+    layout: KVCacheLayout
+    num_query_heads: int
+    sliding_window: int | None
+    plan: Any = None
+    extras: dict = field(default_factory=dict)
 
 
 class Backend(abc.ABC):
     """One attention implementation over the canonical layout.
 
-    Subclasses declare their capabilities as class attributes and implement
-    :meth:`write_kv` and :meth:`paged_attention`. Inputs reaching these methods are already
-    validated by :mod:`kvmulti.ops`; backends never re-validate and never repack the cache.
+    Subclasses declare their capabilities as class attributes and implement :meth:`write_kv`,
+    :meth:`paged_attention` and, when they derive anything from a step's metadata,
+    :meth:`plan`. Inputs reaching these methods are already validated by :mod:`kvmulti.ops` (or
+    by the per-step hook); backends never re-validate and never repack the cache, and their
+    kernels never touch memory outside the tensors they are given, whatever the metadata says.
+
+    ``partition_size`` is the split-KV contract shared by every backend: -1 decides from the step,
+    0 never splits, N > 0 always splits long key ranges into partitions of N keys.
     """
 
     name: ClassVar[str]
@@ -58,6 +86,12 @@ class Backend(abc.ABC):
     supports_softcap: ClassVar[bool] = True
     supports_latent: ClassVar[bool] = False
     supports_non_causal: ClassVar[bool] = False
+
+    def __init__(self, partition_size: int | None = None):
+        """``partition_size``: split-KV (see the class doc); None reads ``KVMULTI_PARTITION_SIZE``."""
+        self.partition_size = settings.partition_size() if partition_size is None else int(partition_size)
+        if self.partition_size < -1:
+            raise ValueError(f"partition_size must be -1 (auto), 0 (never) or positive, got {self.partition_size}")
 
     def unavailable_reasons(self) -> list[str]:
         """Why this backend cannot run on this host at all (missing library, not built, ...)."""
@@ -102,11 +136,26 @@ class Backend(abc.ABC):
             reasons.append("sliding window not supported")
         if config.softcap and not self.supports_softcap:
             reasons.append("softcap not supported")
+        if not config.causal and not self.supports_non_causal:
+            reasons.append("non-causal attention not supported (metadata.causal is False)")
         return reasons
 
     def not_supported_reasons(self, config: AttentionConfig) -> list[str]:
         """Every reason this backend cannot serve ``config`` here; empty means usable."""
         return self.unavailable_reasons() + self.platform_reasons(config.platform) + self.capability_reasons(config)
+
+    def build_metadata(self, common: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int,
+                       sliding_window: int | None) -> StepMetadata:
+        """The per-step hook: everything this backend derives from ``common`` for a group whose
+        layers have ``num_query_heads`` query heads and ``sliding_window``, computed once per step.
+        ``common`` must already be validated (:func:`kvmulti.validation.check_step_metadata`)."""
+        return StepMetadata(common, self, layout, num_query_heads, sliding_window,
+                            self.plan(common, layout, num_query_heads, sliding_window))
+
+    def plan(self, common: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int,
+             sliding_window: int | None) -> Any:
+        """What :meth:`build_metadata` stores as ``StepMetadata.plan`` (None: nothing to prepare)."""
+        return None
 
     @abc.abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -114,22 +163,7 @@ class Backend(abc.ABC):
         """Write key [T, Hkv, head_size] / value [T, Hkv, head_size_v] to their slots; -1 skips."""
 
     @abc.abstractmethod
-    def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
-                        metadata: CommonAttentionMetadata, scale: float, sliding_window: int | None,
+    def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
                         softcap: float | None, out: torch.Tensor) -> None:
-        """Fill rows [:num_actual_tokens] of the zeroed ``out`` [T, Hq, head_size_v] (query dtype)."""
-
-
-class UnavailableBackend(Backend):
-    """A registry entry for an implementation that is not built yet; it reports why."""
-
-    reason: ClassVar[str] = "not built yet"
-
-    def unavailable_reasons(self) -> list[str]:
-        return [self.reason]
-
-    def write_kv(self, key, value, kv_cache, layout, slot_mapping) -> None:  # pragma: no cover
-        raise RuntimeError(f"{self.name}: {self.reason}")
-
-    def paged_attention(self, query, kv_cache, layout, metadata, scale, sliding_window, softcap, out) -> None:  # pragma: no cover
-        raise RuntimeError(f"{self.name}: {self.reason}")
+        """Write every row [:num_actual_tokens] of ``out`` [T, Hq, head_size_v] (query dtype; rows
+        after those are the caller's). ``step`` comes from this backend's :meth:`build_metadata`."""

@@ -1,18 +1,23 @@
-"""Backend registry and selector: platform priority, env-var overrides, cached per configuration."""
+"""Backend registry and selector: platform priority, env-var overrides, cached per configuration.
+
+A backend is a package ``kvmulti/backends/<name>/`` exporting its class; adding one means that
+folder plus one line in :data:`BACKEND_CLASSES` (and, to be picked without being named, a place in
+:data:`PLATFORM_PRIORITY`).
+"""
 
 from __future__ import annotations
 
 import functools
 import importlib
-import os
 
 import torch
 
-from ..platform import platform_of
+from .. import settings
 from ..layout import KVCacheLayout
+from ..platform import platform_of
 from .base import AttentionConfig, Backend
 
-#: name -> (module, class); modules are imported on first use, so a missing optional
+#: name -> (package, class); packages are imported on first use, so a missing optional
 #: dependency only ever shows up as that backend's reason.
 BACKEND_CLASSES: dict[str, tuple[str, str]] = {
     "HIP": ("kvmulti.backends.hip", "HipBackend"),
@@ -74,8 +79,8 @@ def env_override(role: str = "target") -> tuple[str, str] | None:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     variables = (ENV_DRAFT_BACKEND, ENV_BACKEND) if role == "draft" else (ENV_BACKEND,)
     for var in variables:
-        value = os.environ.get(var, "")
-        if value.strip():
+        value = settings.raw(var)
+        if value:
             return var, canonical_name(value, var)
     return None
 
@@ -103,18 +108,19 @@ def select_backend(config: AttentionConfig, role: str = "target", requested: str
 
 @torch.compiler.assume_constant_result
 def select_backend_for_layout(layout: KVCacheLayout, device: torch.device, sliding_window: bool, softcap: bool,
-                              role: str, requested: str | None) -> str:
-    """:func:`select_backend` for a cache of ``layout`` on ``device``; torch.compile treats the
-    result as a constant, so compiled graphs hold no selection logic. Memoised per call signature
-    and the override variables' current values (the per-layer hot path reads two env entries)."""
-    env = (os.environ.get(ENV_BACKEND), os.environ.get(ENV_DRAFT_BACKEND) if role == "draft" else None)
-    return _select_for_layout(layout, device, sliding_window, softcap, role, requested, env)
+                              causal: bool, role: str, requested: str | None) -> str:
+    """:func:`select_backend` for a cache of ``layout`` on ``device`` (the public ops' path when no
+    step was prepared); torch.compile treats the result as a constant. Memoised per call signature
+    and the override variables' current values."""
+    env = (settings.raw(ENV_BACKEND), settings.raw(ENV_DRAFT_BACKEND) if role == "draft" else None)
+    return _select_for_layout(layout, device, sliding_window, softcap, causal, role, requested, env)
 
 
 @functools.lru_cache(maxsize=1024)
 def _select_for_layout(layout: KVCacheLayout, device: torch.device, sliding_window: bool, softcap: bool,
-                       role: str, requested: str | None, env: tuple) -> str:
-    config = AttentionConfig.from_layout(layout, device, 1 if sliding_window else None, 1.0 if softcap else None)
+                       causal: bool, role: str, requested: str | None, env: tuple) -> str:
+    config = AttentionConfig.from_layout(layout, device, 1 if sliding_window else None, 1.0 if softcap else None,
+                                         causal)
     return select_backend(config, role, requested)
 
 
@@ -136,7 +142,8 @@ def _select_cached(config: AttentionConfig, requested: str | None, source: str) 
 
 
 def describe_config(config: AttentionConfig) -> str:
-    features = [f for f, on in (("sliding window", config.sliding_window), ("softcap", config.softcap)) if on]
+    features = [f for f, on in (("sliding window", config.sliding_window), ("softcap", config.softcap),
+                                ("non-causal attention", not config.causal)) if on]
     return (f"{config.platform} {str(config.dtype).removeprefix('torch.')} head_size={config.head_size}"
             f"/{config.head_size_v} kv_heads={config.num_kv_heads} block_size={config.block_size} "
             f"order={config.order}" + (f" with {', '.join(features)}" if features else ""))

@@ -3,7 +3,7 @@
 Flat layers over packed tokens: every forward takes ``input_ids`` [T] and ``positions`` [T] of a
 whole mixed batch (prefill chunks and decodes side by side) plus an :class:`AttentionContext`.
 Each attention layer writes its new K/V with ``kvmulti.write_kv`` and attends with
-``kvmulti.paged_attention`` on its OWN cache, using its KV group's metadata, layout and backend.
+``kvmulti.paged_attention`` on its OWN cache, using its KV group's step metadata (prepared once per step: layout, backend, plan).
 Module and parameter names follow transformers, so HF checkpoints load by name.
 """
 
@@ -16,21 +16,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..layout import KVCacheLayout
-from ..metadata import CommonAttentionMetadata
+from ..backends.base import StepMetadata
 from .config import ModelConfig
 
 
 @dataclass
 class AttentionContext:
-    """What the attention layers of one forward read: per group metadata, per layer caches."""
+    """What the attention layers of one forward read: per group the step's prepared metadata (its
+    layout and backend included), per layer the cache."""
 
-    metadata: dict[int, CommonAttentionMetadata]     # group id -> this step's metadata
+    steps: dict[int, StepMetadata]                   # group id -> this step's prepared metadata
     layer_to_group: dict[str, int]                   # layer name -> group id
     kv_caches: dict[str, torch.Tensor]               # layer name -> its cache
-    layouts: dict[int, KVCacheLayout]                # group id -> layout
-    backends: dict[int, str]                         # group id -> backend name
-    role: str = "target"
 
 
 class RMSNorm(nn.Module):
@@ -91,11 +88,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        group = ctx.layer_to_group[self.layer_name]
-        cache, layout, md, backend = ctx.kv_caches[self.layer_name], ctx.layouts[group], ctx.metadata[group], ctx.backends[group]
-        ops.write_kv(k, v, cache, layout, md.slot_mapping, backend=backend, role=ctx.role)
-        out = ops.paged_attention(q, cache, layout, md, scale=self.scale, sliding_window=self.sliding_window,
-                                  softcap=self.softcap, backend=backend, role=ctx.role)
+        step, cache = ctx.steps[ctx.layer_to_group[self.layer_name]], ctx.kv_caches[self.layer_name]
+        ops.write_kv(k, v, cache, step.layout, step.common.slot_mapping, backend=step.backend)
+        out = ops.paged_attention(q, cache, step.layout, step, scale=self.scale, sliding_window=self.sliding_window,
+                                  softcap=self.softcap)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -184,7 +180,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if self.config.gemma:
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
-        num_positions = max(md.max_seq_len for md in ctx.metadata.values())
+        num_positions = max(step.common.max_seq_len for step in ctx.steps.values())
         rope = {t: self._rope(t, positions, x.dtype, num_positions) for t in set(self.config.layer_types)}
         for layer in self.model.layers:
             x = layer(x, *rope[layer.self_attn.layer_type], ctx)

@@ -1,12 +1,13 @@
 """TRITON backend: the kernels in ``kvmulti.triton_kernels`` (NVIDIA, AMD and Intel GPUs).
 
-Triton is imported lazily: importing this module on a host without triton works, and the
-backend then reports why it is unusable. On a CPU-only host it runs only under Triton's
-interpreter (``TRITON_INTERPRET=1``, for verification), and only when named explicitly: the
-``cpu`` priority list holds just CPU.
+Triton is imported lazily: importing this module on a host without triton works, and the backend
+then reports why it is unusable. On a CPU-only host it runs only under Triton's interpreter
+(``TRITON_INTERPRET=1``, for verification), and only when named: the ``cpu`` priority list holds
+just CPU.
 
-Path choice: ``KVMULTI_TRITON_SPLIT_KV`` = ``1`` forces the split-KV decode path, ``0`` the
-single pass; unset or ``auto`` uses the heuristic in ``kvmulti.triton_kernels.launch``.
+Split-KV (the shared ``partition_size`` contract): -1 uses the heuristic of
+``kvmulti.triton_kernels.launch.plan_attention`` with partitions of
+``settings.DEFAULT_PARTITION_SIZE`` keys, 0 never splits, N (a power of two >= 16) always splits.
 """
 
 from __future__ import annotations
@@ -18,13 +19,10 @@ import sys
 
 import torch
 
-from ..layout import KVCacheLayout
-from ..metadata import CommonAttentionMetadata
-from .base import Backend
-
-ENV_SPLIT_KV = "KVMULTI_TRITON_SPLIT_KV"
-#: Key positions per split-KV partition (a power of two >= 16); tests lower it.
-PARTITION_SIZE = 512
+from ... import settings
+from ...layout import KVCacheLayout
+from ...metadata import CommonAttentionMetadata
+from ..base import Backend, StepMetadata
 
 
 def interpreting() -> bool:
@@ -65,17 +63,6 @@ def _mode_reasons() -> list[str]:
             "the first TRITON call (ideally before starting Python)"]
 
 
-def split_kv_override() -> bool | None:
-    value = os.environ.get(ENV_SPLIT_KV, "").strip().lower()
-    if value in ("", "auto"):
-        return None
-    if value in ("1", "true", "split", "on"):
-        return True
-    if value in ("0", "false", "single", "off"):
-        return False
-    raise ValueError(f"{ENV_SPLIT_KV}={value!r}: expected 1 (split-KV), 0 (single pass) or auto")
-
-
 def _kernels():
     return importlib.import_module("kvmulti.triton_kernels.launch")
 
@@ -84,7 +71,13 @@ class TritonBackend(Backend):
     name = "TRITON"
     platforms = ("cuda", "rocm", "xpu")
     max_head_size = 256          # any head size up to 256 (padded to a power of two in the kernel)
-    last_plan = None             # the AttentionPlan (tiles, path) of the latest attention call
+
+    def __init__(self, partition_size: int | None = None):
+        super().__init__(partition_size)
+        p = self.partition_size
+        if p > 0 and (p < 16 or p & (p - 1)):
+            raise ValueError(f"TRITON needs a split-KV partition size that is a power of two >= 16, got {p} "
+                             "(KVMULTI_PARTITION_SIZE)")
 
     def unavailable_reasons(self) -> list[str]:
         reasons = list(_import_reasons())
@@ -110,6 +103,25 @@ class TritonBackend(Backend):
             return version + "interpreter (TRITON_INTERPRET=1): CPU tensors, for verification"
         return version + ", ".join(self.platforms)
 
+    def _split(self) -> tuple[bool | None, int]:
+        """(split_kv, partition size) of the launch code for this backend's ``partition_size``."""
+        if self.partition_size < 0:
+            return None, settings.DEFAULT_PARTITION_SIZE
+        if self.partition_size == 0:
+            return False, settings.DEFAULT_PARTITION_SIZE
+        return True, self.partition_size
+
+    def plan(self, common: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int,
+             sliding_window: int | None):
+        launch = _kernels()
+        split_kv, partition = self._split()
+        return launch.plan_attention(
+            num_reqs=common.num_reqs, num_kv_heads=layout.num_kv_heads,
+            num_qpk=num_query_heads // layout.num_kv_heads, max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len, head_size=layout.head_size, head_size_v=layout.value_size,
+            dtype=layout.dtype, num_compute_units=launch.num_compute_units(common.device), split_kv=split_kv,
+            partition_size=partition)
+
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
                  slot_mapping: torch.Tensor) -> None:
         s = layout.strides(kv_cache)
@@ -117,15 +129,14 @@ class TritonBackend(Backend):
                             block_size=layout.block_size, num_kv_heads=layout.num_kv_heads,
                             head_size=layout.head_size, head_size_v=layout.value_size)
 
-    def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
-                        metadata: CommonAttentionMetadata, scale: float, sliding_window: int | None,
-                        softcap: float | None, out: torch.Tensor, split_kv: bool | None = None) -> None:
+    def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
+                        softcap: float | None, out: torch.Tensor) -> None:
+        layout, common = step.layout, step.common
         s = layout.strides(kv_cache)
-        self.last_plan = _kernels().unified_attention(
-            query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
+        _kernels().unified_attention(
+            query, kv_cache, out, common.query_start_loc, common.seq_lens, common.block_table,
             cache_strides=(s.block, s.token, s.head), block_size=layout.block_size,
             num_kv_heads=layout.num_kv_heads, head_size=layout.head_size, head_size_v=layout.value_size,
-            num_reqs=metadata.num_reqs, num_tokens=metadata.num_actual_tokens,
-            max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len, scale=scale,
-            sliding_window=sliding_window, softcap=softcap,
-            split_kv=split_kv_override() if split_kv is None else split_kv, partition_size=PARTITION_SIZE)
+            num_reqs=common.num_reqs, num_tokens=common.num_actual_tokens,
+            max_query_len=common.max_query_len, max_seq_len=common.max_seq_len, scale=scale,
+            sliding_window=step.sliding_window, softcap=softcap, plan=step.plan)

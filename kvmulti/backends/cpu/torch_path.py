@@ -1,103 +1,18 @@
-"""CPU backend: the native kernel (cpu/*.cpp, built on first use) with the vectorised torch path as
-the fallback when it cannot be built (no compiler, KVMULTI_CPU_NATIVE=0, ...).
+"""The CPU backend's fallback: vectorised torch over the canonical layout (no compiler needed).
 
-Both read the canonical layout in place through its named strides; ``describe()`` says which path
-runs and why (``kvmulti info``).
+Runs when the native kernel cannot be built or is disabled (``KVMULTI_CPU_NATIVE=0``); reads the
+cache in place through its strided K/V views, never repacks it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import cpu_native, host_memory
-from ..layout import KVCacheLayout
-from ..metadata import CommonAttentionMetadata
-from .base import Backend
+from ...layout import KVCacheLayout
+from ...metadata import CommonAttentionMetadata
 
-#: Bytes of fp32 scores one vectorised chunk of requests may hold (torch path).
+#: Bytes of fp32 scores one vectorised chunk of requests may hold.
 SCORE_BUDGET_BYTES = 256 * 2**20
-
-#: Keys per context partition of the native kernel; 0 = automatic (tests set small values to
-#: force the partitioned path and its log-sum-exp merge).
-NATIVE_PARTITION_LEN = 0
-
-
-class CPUBackend(Backend):
-    name = "CPU"
-    platforms = ("cpu",)
-    supports_latent = True
-    supports_non_causal = True
-
-    def describe(self) -> str:
-        pages = "2 MiB pages" if host_memory.huge_pages_usable() else "4 KiB pages"
-        return (f"cpu: {cpu_native.describe()}; caches from layout.allocate() in {pages} "
-                f"(transparent huge pages: {host_memory.transparent_huge_pages()})")
-
-    def native(self):
-        """The loaded native module, or None when the torch path is in use."""
-        return cpu_native.load()
-
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,
-                 layout: KVCacheLayout, slot_mapping: torch.Tensor) -> None:
-        module = cpu_native.load()
-        if module is None:
-            write_kv_torch(key, value, kv_cache, layout, slot_mapping)
-            return
-        write_kv_native(module, key, value, kv_cache, layout, slot_mapping)
-
-    def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
-                        metadata: CommonAttentionMetadata, scale: float, sliding_window: int | None,
-                        softcap: float | None, out: torch.Tensor) -> None:
-        module = cpu_native.load()
-        if module is None:
-            paged_attention_torch(query, kv_cache, layout, metadata, scale, sliding_window, softcap, out)
-            return
-        paged_attention_native(module, query, kv_cache, layout, metadata, scale, sliding_window, softcap, out)
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
-
-
-def _contiguous_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` itself when it already is a contiguous ``dtype`` tensor (no per-call copies)."""
-    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
-
-
-def write_kv_native(module, key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,
-                    layout: KVCacheLayout, slot_mapping: torch.Tensor) -> None:
-    """Native scatter of K/V rows into their slots through the named strides; slot -1 is skipped."""
-    s = layout.expected_strides()
-    key = _last_dim_contiguous(key)
-    value = key if layout.is_latent or value is None else _last_dim_contiguous(value)
-    slots = _contiguous_as(slot_mapping, torch.int64)
-    module.write_kv(key, value, kv_cache, slots, s.block, s.token, s.head, layout.head_size,
-                    0 if layout.is_latent else layout.value_size, layout.block_size)
-
-
-def paged_attention_native(module, query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
-                           metadata: CommonAttentionMetadata, scale: float, sliding_window: int | None,
-                           softcap: float | None, out: torch.Tensor, partition_len: int | None = None,
-                           isa: str | None = None) -> None:
-    """The native kernel: the cache is read in place through ``layout``'s named strides."""
-    if layout.is_latent or metadata.num_actual_tokens == 0:
-        return
-    s = layout.expected_strides()
-    query = _last_dim_contiguous(query)
-    table = metadata.block_table
-    if table.dtype != torch.int32 or (table.shape[1] > 1 and table.stride(1) != 1):
-        table = table.to(torch.int32).contiguous()
-    qsl = _contiguous_as(metadata.query_start_loc_cpu, torch.int32)
-    seq = _contiguous_as(metadata.seq_lens_cpu, torch.int32)
-    target = out if out.stride(-1) == 1 else torch.zeros_like(out, memory_format=torch.contiguous_format)
-    isa_name = isa or cpu_native.selected_isa(module)
-    module.paged_attention(query, kv_cache, target, table, qsl, seq, s.block, s.token, s.head, layout.head_size,
-                           layout.value_size, layout.num_kv_heads, layout.block_size, float(scale),
-                           int(sliding_window or 0), float(softcap or 0.0), bool(metadata.causal),
-                           int(NATIVE_PARTITION_LEN if partition_len is None else partition_len),
-                           cpu_native.ISAS[isa_name])
-    if target is not out:
-        out.copy_(target)
 
 
 def write_kv_torch(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,

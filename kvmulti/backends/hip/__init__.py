@@ -1,0 +1,10 @@
+"""The HIP backend: kernels in ``hip/`` on ROCm, or on kvmulti's HIP-on-CPU harness when named."""
+
+from .backend import HEAD_SIZES, HipBackend, HipPlan
+from .build import (HipBuildError, build_cpu_library, build_harness_library, build_rocm_library, cpu_library_path,
+                    harness_library_path, source_dir)
+from .library import ABI_VERSION, load_cpu_library
+
+__all__ = ["ABI_VERSION", "HEAD_SIZES", "HipBackend", "HipBuildError", "HipPlan", "build_cpu_library",
+           "build_harness_library", "build_rocm_library", "cpu_library_path", "harness_library_path",
+           "load_cpu_library", "source_dir"]

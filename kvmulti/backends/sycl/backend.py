@@ -1,0 +1,301 @@
+"""SYCL backend: the SYCL C++ kernels in ``sycl/kernels.cpp`` (shipped as ``kvmulti.sycl_src``),
+compiled at RUN TIME for the device that runs them (no SYCL compiler needed: the runtime from PyPI
+and g++ for the host shim; see :mod:`.runtime`).
+
+Memory: on an XPU host torch XPU tensors are USM device pointers and the kernels run on torch's
+current XPU queue (nothing is copied). Torch CPU tensors: a cache from
+``layout.allocate("cpu", allocator=usm_allocator)`` is used in place by any SYCL device; plain CPU
+tensors are used in place by a device that reports ``aspect::usm_system_allocations`` (Intel's
+OpenCL CPU device does) and otherwise staged through USM (``KVMULTI_SYCL_STAGE`` overrides).
+
+Dispatch: SYCL is first in the ``xpu`` priority list. On a CPU-only host it is usable when the
+runtime and a device that can compile SYCL source are present, but runs only when named.
+
+Split-KV (the shared ``partition_size`` contract): with -1 a step splits when the longest visible
+key span of a tile exceeds ``SPLIT_MIN_SPAN`` and there are fewer than ``SPLIT_WG_PER_CU``
+work-groups per compute unit, in partitions of ``settings.DEFAULT_PARTITION_SIZE`` keys.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ... import settings
+from ...layout import KVCacheLayout
+from ...metadata import CommonAttentionMetadata, first_visible_position
+from ..base import Backend, StepMetadata
+from .runtime import (ARG_F32, ARG_I32, ARG_I64, ARG_LOCAL_F32, ARG_LOCAL_I64, ARG_PTR, DTYPE_CODES, K_ATTN,
+                      K_REDUCE, K_SPLIT, K_WRITE, Session, SyclError, Staging, default_session, find_runtime,
+                      get_runtime, kernel_source, runtime_reasons, runtime_version, usm_allocator, usm_empty,
+                      xpu_session)
+
+#: Tile shape of the attention kernels (build options of kernels.cpp).
+ROWS = 16          # (query token, query head) rows per work-group
+WG = 128           # work-items per attention work-group
+KC_CHOICES = (32, 16, 8)   # keys per local-memory chunk: the largest that fits the device
+REDUCE_WG = 64
+WRITE_WG = 256
+#: Split-KV heuristic (partition_size=-1): split when the longest visible key span of a tile exceeds
+#: SPLIT_MIN_SPAN and there are fewer than SPLIT_WG_PER_CU work-groups per compute unit.
+SPLIT_MIN_SPAN = 1024
+SPLIT_WG_PER_CU = 4
+
+
+
+def lm_floats(head_size: int, head_size_v: int, kc: int) -> int:
+    """Floats of local scratch kernels.cpp carves up (LM_FLOATS there)."""
+    return ROWS * head_size + head_size * (kc + 1) + kc * head_size_v + ROWS * kc + 3 * ROWS
+
+
+def choose_kc(head_size: int, head_size_v: int, local_mem: int) -> int:
+    for kc in KC_CHOICES:
+        if 4 * lm_floats(head_size, head_size_v, kc) + 8 * kc <= local_mem - 1024:
+            return kc
+    raise SyclError(f"head sizes {head_size}/{head_size_v} need more local memory than the device has ({local_mem} B)")
+
+
+def kernel_options(dtype: torch.dtype, head_size: int, head_size_v: int, kc: int) -> list[str]:
+    return [f"-DKVM_DTYPE={DTYPE_CODES[dtype]}", f"-DKVM_HEAD_SIZE={head_size}", f"-DKVM_HEAD_SIZE_V={head_size_v}",
+            f"-DKVM_ROWS={ROWS}", f"-DKVM_KC={kc}", f"-DKVM_WG={WG}"]
+
+
+@dataclass
+class Plan:
+    """Launch plan of one step (computed from the host metadata: no device sync)."""
+
+    tiles: torch.Tensor     # int32 [num_tiles, 2]: (request, first flattened row)
+    num_tiles: int
+    max_span: int           # longest visible key range of any tile
+    num_parts: int          # 1: no split
+    part_size: int          # 0: the single-pass kernel runs
+
+
+@dataclass
+class SyclStep:
+    """What every layer of a step reuses: the plan, the metadata as the kernels read it (int32,
+    contiguous, on the kernels' device) and the split path's fp32 workspace."""
+
+    plan: Plan
+    tiles: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    part_acc: torch.Tensor | None = None
+    part_ml: torch.Tensor | None = None
+
+
+def plan_attention(metadata: CommonAttentionMetadata, group: int, num_kv_heads: int, sliding_window: int | None,
+                   partition_size: int, compute_units: int) -> Plan:
+    qsl = metadata.query_start_loc_cpu.long()
+    seq = metadata.seq_lens_cpu.long()
+    qlen = qsl[1:] - qsl[:-1]
+    rows = qlen * group
+    per_req = (rows + ROWS - 1) // ROWS
+    num_tiles = int(per_req.sum())
+    req = torch.repeat_interleave(torch.arange(len(seq)), per_req)
+    starts = torch.cumsum(per_req, 0) - per_req
+    f0 = (torch.arange(num_tiles) - starts[req]) * ROWS
+    tiles = torch.stack([req, f0], 1).to(torch.int32).contiguous()
+    if num_tiles == 0:
+        return Plan(tiles, 0, 0, 1, 0)
+    ctx = (seq - qlen)[req]
+    nrows = torch.clamp(rows[req] - f0, max=ROWS)
+    p_first = ctx + f0 // group
+    p_last = ctx + (f0 + nrows - 1) // group
+    lo = first_visible_position(p_first, sliding_window)
+    max_span = int((p_last + 1 - lo).max())
+    if partition_size > 0:
+        part = partition_size
+    elif partition_size < 0 and max_span > SPLIT_MIN_SPAN and num_tiles * num_kv_heads < SPLIT_WG_PER_CU * compute_units:
+        part = settings.DEFAULT_PARTITION_SIZE
+    else:
+        return Plan(tiles, num_tiles, max_span, 1, 0)
+    return Plan(tiles, num_tiles, max_span, max(1, -(-max_span // part)), part)
+
+
+# ------------------------------------------------------------------------------------ the backend
+class SyclBackend(Backend):
+    """Paged attention through run-time compiled SYCL kernels (see the module docstring)."""
+
+    name = "SYCL"
+    platforms = ("xpu",)
+
+    def __init__(self, partition_size: int | None = None, stage_cpu_tensors: bool | None = None):
+        super().__init__(partition_size)
+        #: None: stage plain CPU tensors through USM only on devices that cannot use host memory
+        #: (no usm_system_allocations); True/False forces it (KVMULTI_SYCL_STAGE=1/0).
+        self.stage_cpu_tensors = settings.get("KVMULTI_SYCL_STAGE") if stage_cpu_tensors is None else stage_cpu_tensors
+        self._warned_staging = False
+        self._bundles: dict[tuple, int] = {}
+
+    # -- availability ------------------------------------------------------------------------
+    def unavailable_reasons(self) -> list[str]:
+        return runtime_reasons()
+
+    def platform_reasons(self, platform: str) -> list[str]:
+        if platform == "xpu":
+            if not hasattr(torch, "xpu") or not hasattr(torch.xpu.Stream, "sycl_queue"):
+                return ["this torch build exposes no torch.xpu.Stream.sycl_queue (the SYCL backend runs on "
+                        "torch's XPU queue)"]
+            return []
+        if platform == "cpu":
+            # CPU tensors run on the default SYCL device (the OpenCL CPU device on a CPU-only host);
+            # only for verification: the cpu priority list never picks SYCL.
+            if runtime_reasons():
+                return ["no usable SYCL runtime/device for CPU tensors"]
+            try:
+                default_session()
+            except SyclError as e:
+                return [f"no SYCL device for CPU tensors: {e}"]
+            return []
+        return [f"SYCL runs on xpu (and, for verification, cpu through a SYCL CPU device), not {platform}"]
+
+    def describe(self) -> str:
+        root, reasons = find_runtime()
+        if root is None:
+            return "xpu; " + reasons[0]
+        reasons = runtime_reasons()
+        if reasons:
+            return f"xpu; {'; '.join(reasons)}"
+        rt = get_runtime()
+        devices = "; ".join(d.line() for d in rt.devices) or "no SYCL devices"
+        return f"xpu (cpu when named); {runtime_version()} at {root}; SYCL devices: {devices}"
+
+    def cache_allocator(self, device: torch.device | str):
+        """The allocator a KV cache for this backend on ``device`` should use (``layout.allocate(device,
+        allocator=...)``): USM shared memory for CPU tensors, torch's own allocator (None) on XPU."""
+        return usm_allocator if torch.device(device).type == "cpu" else None
+
+    # -- sessions ----------------------------------------------------------------------------
+    def session_for(self, device: torch.device) -> Session:
+        return xpu_session(device) if device.type == "xpu" else default_session()
+
+    def bundle(self, session: Session, layout: KVCacheLayout) -> int:
+        """The kernels for ``layout``'s dtype and head sizes on ``session``'s device (built on first use)."""
+        key = (session.key, layout.dtype, layout.head_size, layout.value_size)
+        handle = self._bundles.get(key)
+        if handle is None:
+            kc = choose_kc(layout.head_size, layout.value_size, session.device.local_mem)
+            opts = kernel_options(layout.dtype, layout.head_size, layout.value_size, kc)
+            handle = self._bundles[key] = session.build(kernel_source(), opts)
+        return handle
+
+    def _staging(self, session: Session, kv_cache: torch.Tensor) -> Staging:
+        stage = self.stage_cpu_tensors
+        staging = Staging(session, stage=not session.device.usm_system if stage is None else stage)
+        if staging.stage and not self._warned_staging and not session.is_usm(kv_cache):
+            self._warned_staging = True
+            warnings.warn("SYCL backend: the KV cache is a plain CPU tensor, so every call copies it through USM "
+                          "memory; allocate it with layout.allocate('cpu', "
+                          "allocator=kvmulti.backends.sycl.usm_allocator) to use it in place", stacklevel=3)
+        return staging
+
+    # -- ops ---------------------------------------------------------------------------------
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
+                 slot_mapping: torch.Tensor) -> None:
+        if layout.is_latent:
+            raise SyclError("the SYCL backend does not support latent caches (head_size_v=0)")
+        num_tokens = key.shape[0]
+        total = num_tokens * layout.num_kv_heads * layout.entry_size
+        if total == 0:
+            return
+        key = key if key.stride(-1) == 1 else key.contiguous()
+        value = value if value.stride(-1) == 1 else value.contiguous()
+        slot_mapping = slot_mapping.to(torch.int64).contiguous()
+        session = self.session_for(kv_cache.device)
+        bundle = self.bundle(session, layout)
+        s = layout.strides(kv_cache)
+        on_xpu = kv_cache.device.type == "xpu"
+        staging = None if on_xpu else self._staging(session, kv_cache)
+        ok = False
+        try:
+            ptr = (lambda t, written=False: t.data_ptr() if t.numel() else 0) if on_xpu else staging.ptr
+            args = [(ARG_PTR, ptr(key)), (ARG_I64, key.stride(0)), (ARG_I64, key.stride(1)),
+                    (ARG_PTR, ptr(value)), (ARG_I64, value.stride(0)), (ARG_I64, value.stride(1)),
+                    (ARG_PTR, ptr(kv_cache, True)), (ARG_I64, s.block), (ARG_I64, s.token), (ARG_I64, s.head),
+                    (ARG_PTR, ptr(slot_mapping)), (ARG_I64, num_tokens), (ARG_I32, layout.num_kv_heads),
+                    (ARG_I32, layout.block_size)]
+            glob = -(-total // WRITE_WG) * WRITE_WG
+            session.launch(bundle, K_WRITE, glob, WRITE_WG, args, wait=not on_xpu)
+            ok = True
+        finally:
+            if staging is not None:
+                staging.finish(ok)
+
+    def plan(self, common: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int,
+             sliding_window: int | None) -> SyclStep:
+        device = common.device
+        session = self.session_for(device)
+        hkv = layout.num_kv_heads
+        plan = plan_attention(common, num_query_heads // hkv, hkv, sliding_window, self.partition_size,
+                              session.device.compute_units)
+        block_table = common.block_table
+        if block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
+            block_table = block_table.to(torch.int32).contiguous()
+        if device.type == "xpu":
+            step = SyclStep(plan, plan.tiles.to(device, non_blocking=True), common.query_start_loc.to(torch.int32),
+                            common.seq_lens.to(torch.int32), block_table)
+        else:
+            step = SyclStep(plan, plan.tiles, common.query_start_loc_cpu, common.seq_lens_cpu, block_table.cpu())
+        if plan.part_size:
+            rows = common.num_actual_tokens * num_query_heads
+            alloc = ((lambda n: torch.empty(n, dtype=torch.float32, device=device)) if device.type == "xpu" else
+                     (lambda n: usm_empty(n, torch.float32, session)))
+            step.part_acc = alloc(rows * plan.num_parts * layout.value_size)
+            step.part_ml = alloc(rows * plan.num_parts * 2)
+        return step
+
+    def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
+                        softcap: float | None, out: torch.Tensor) -> None:
+        layout, sstep = step.layout, step.plan
+        plan = sstep.plan
+        if layout.is_latent:
+            raise SyclError("the SYCL backend does not support latent caches (head_size_v=0)")
+        if plan.num_tiles == 0:
+            return
+        device = kv_cache.device
+        on_xpu = device.type == "xpu"
+        session = self.session_for(device)
+        bundle = self.bundle(session, layout)
+        hkv = layout.num_kv_heads
+        group = query.shape[1] // hkv
+        query = query if query.stride(-1) == 1 else query.contiguous()
+        target = out if out.stride(-1) == 1 else torch.zeros_like(out, memory_format=torch.contiguous_format)
+        block_table = sstep.block_table
+        s = layout.strides(kv_cache)
+        staging = None if on_xpu else self._staging(session, kv_cache)
+        ok = False
+        try:
+            ptr = (lambda t, written=False: t.data_ptr() if t.numel() else 0) if on_xpu else staging.ptr
+            kc = choose_kc(layout.head_size, layout.value_size, session.device.local_mem)
+            local = [(ARG_LOCAL_F32, lm_floats(layout.head_size, layout.value_size, kc)), (ARG_LOCAL_I64, kc)]
+            common = [(ARG_PTR, ptr(query)), (ARG_I64, query.stride(0)), (ARG_I64, query.stride(1)),
+                      (ARG_PTR, ptr(kv_cache)), (ARG_I64, s.block), (ARG_I64, s.token), (ARG_I64, s.head),
+                      (ARG_PTR, ptr(block_table)), (ARG_I64, block_table.stride(0)),
+                      (ARG_PTR, ptr(sstep.seq_lens)), (ARG_PTR, ptr(sstep.query_start_loc)),
+                      (ARG_PTR, ptr(sstep.tiles))]
+            tail = [(ARG_I32, hkv), (ARG_I32, group), (ARG_I32, layout.block_size), (ARG_F32, scale),
+                    (ARG_I32, step.sliding_window or 0), (ARG_F32, softcap or 0.0)] + local
+            out_ptr = ptr(target, True)
+            out_args = [(ARG_PTR, out_ptr), (ARG_I64, target.stride(0)), (ARG_I64, target.stride(1))]
+            groups = plan.num_tiles * hkv
+            if not plan.part_size:
+                session.launch(bundle, K_ATTN, groups * WG, WG, common + out_args + tail, wait=not on_xpu)
+            else:
+                rows = step.common.num_actual_tokens * query.shape[1]
+                workspace = [(ARG_PTR, sstep.part_acc.data_ptr()), (ARG_PTR, sstep.part_ml.data_ptr())]
+                split = common + workspace + [(ARG_I32, plan.num_parts), (ARG_I32, plan.part_size)] + tail
+                session.launch(bundle, K_SPLIT, groups * plan.num_parts * WG, WG, split, wait=False)
+                reduce = workspace + out_args + [(ARG_I32, query.shape[1]), (ARG_I32, plan.num_parts)]
+                session.launch(bundle, K_REDUCE, rows * REDUCE_WG, REDUCE_WG, reduce, wait=not on_xpu)
+            ok = True
+        finally:
+            if staging is not None:
+                staging.finish(ok)
+        if target is not out:
+            out.copy_(target)
+
+
