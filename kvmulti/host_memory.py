@@ -47,7 +47,10 @@ def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor | None:
     nbytes = numel * dtype.itemsize
     if nbytes < HUGE_PAGE_BYTES or not huge_pages_usable():
         return None
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:
+        raise MemoryError(f"cannot map {nbytes} bytes for the KV cache: {e.strerror or e}") from e
     start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
     offset = -start % HUGE_PAGE_BYTES
     try:

@@ -41,6 +41,10 @@ class LayoutStrides(NamedTuple):
     dim: int
 
 
+#: Largest block id / slot position the kernels address (int32).
+INT32_MAX = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class KVCacheLayout:
     """Describes one paged KV cache: its sizes, dtype and physical order.
@@ -70,7 +74,16 @@ class KVCacheLayout:
             raise ValueError(f"KVCacheLayout.order must be one of {ORDERS}, got {self.order!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"KVCacheLayout.dtype must be a floating torch.dtype, got {self.dtype!r}")
+        if self.num_blocks > INT32_MAX:
+            raise ValueError(f"KVCacheLayout.num_blocks {self.num_blocks} exceeds {INT32_MAX}: block ids are int32")
+        for name in ("block_size", "num_kv_heads", "head_size"):
+            if getattr(self, name) > INT32_MAX:
+                raise ValueError(f"KVCacheLayout.{name} {getattr(self, name)} exceeds {INT32_MAX}")
         object.__setattr__(self, "_head_size_v", hv)
+        nbytes = self.num_blocks * self.block_size * self.num_kv_heads * self.entry_size * self.dtype.itemsize
+        if self.num_blocks * self.block_size > INT32_MAX or nbytes >= 2**62:
+            raise ValueError(f"KVCacheLayout: {self.num_blocks} blocks x {self.block_size} slots ({nbytes} bytes) "
+                             f"exceed what int32 block/slot positions and a single tensor can address")
 
     # -- sizes -------------------------------------------------------------------------------
     @property
@@ -133,7 +146,12 @@ class KVCacheLayout:
                 raise RuntimeError(f"huge_pages=True: not available for this cache ({numel * self.dtype.itemsize} "
                                    f"bytes; transparent huge pages: {host_memory.transparent_huge_pages()})")
             if flat is None:
-                flat = torch.empty(numel, dtype=self.dtype, device=device)
+                try:
+                    flat = torch.empty(numel, dtype=self.dtype, device=device)
+                except (RuntimeError, MemoryError) as e:
+                    raise MemoryError(f"cannot allocate the KV cache: {numel * self.dtype.itemsize} bytes "
+                                      f"({self.num_blocks} blocks of {self.page_size_bytes} bytes) on {device}: "
+                                      f"{str(e).splitlines()[0]}; lower num_blocks") from e
         if zero:
             flat.zero_()                     # also faults a huge-page mapping in now, not in the first step
         if self.order == "NHD":

@@ -10,7 +10,7 @@ python=${PYTHON:-python3}
 if [ "$mode" = "--test" ] && ! command -v hipcc >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     echo "setup: installing Debian's HIP toolchain (hipcc, libamdhip64-dev, rocm-device-libs) for the HIP compile checks"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq hipcc libamdhip64-dev rocm-device-libs >/dev/null
+    apt-get -o DPkg::Lock::Timeout=900 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=900 install -y -qq hipcc libamdhip64-dev rocm-device-libs >/dev/null
   elif [ "${CI:-}" = true ]; then
     echo "setup: error: CI needs hipcc for the HIP compile checks and cannot install it (no root apt-get)" >&2
     exit 1
