@@ -50,28 +50,31 @@ def _backend_name(text: str) -> str:
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     from .backends.registry import backend_names
     names = ", ".join(backend_names())
-    p = sub.add_parser("generate", help="speculative decoding: print the text, backends, acceptance and speed",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("generate", help="speculative decoding: print the text, backends, acceptance and speed")
     p.add_argument("prompt", nargs="+", help="one or more prompts (a batch)")
-    p.add_argument("--model", default=None, help="target HF model dir (default: the shipped tiny target)")
-    p.add_argument("--draft", default=None, help="draft HF model dir (default: the shipped tiny draft; 'none' to disable)")
-    p.add_argument("-k", "--num-speculative-tokens", type=_positive_int, default=4,
-                   help="tokens the draft proposes per step (1..32)")
-    p.add_argument("--temperature", type=_temperature, default=0.0, help="0: greedy; > 0: sampling")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=96, help="tokens generated per prompt")
-    p.add_argument("--backend", type=_backend_name, default=None,
-                   help=f"target attention backend, one of {names} (default: dispatch)")
-    p.add_argument("--draft-backend", type=_backend_name, default=None,
-                   help=f"draft attention backend, one of {names} (default: dispatch, never the target's)")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the sampler")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model and KV cache dtype")
-    p.add_argument("--threads", type=_positive_int, default=None,
+    p.add_argument("--model", metavar="DIR", default=None, help="target HF model dir (default: the shipped tiny target)")
+    p.add_argument("--draft", metavar="DIR", default=None,
+                   help="draft HF model dir, or 'none' (default: the shipped tiny draft)")
+    p.add_argument("-k", "--num-speculative-tokens", metavar="K", type=_positive_int, default=4,
+                   help="tokens the draft proposes per step, 1..32 (default: %(default)s)")
+    p.add_argument("--temperature", metavar="T", type=_temperature, default=0.0,
+                   help="0 is greedy, > 0 samples (default: %(default)s)")
+    p.add_argument("--max-new-tokens", metavar="N", type=_positive_int, default=96,
+                   help="tokens generated per prompt (default: %(default)s)")
+    p.add_argument("--backend", metavar="NAME", type=_backend_name, default=None,
+                   help=f"target attention backend: {names} (default: dispatch)")
+    p.add_argument("--draft-backend", metavar="NAME", type=_backend_name, default=None,
+                   help=f"draft attention backend: {names} (default: dispatch, never the target's)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the sampler (default: %(default)s)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="model and KV cache dtype (default: %(default)s)")
+    p.add_argument("--threads", metavar="N", type=_positive_int, default=None,
                    help="torch CPU threads (default: 1 for the shipped tiny pair, whose matmuls are too small "
                         "to split, else torch's default)")
-    p.add_argument("--kv-memory-mb", type=_positive_int, default=DEFAULT_KV_MEMORY_BYTES // 2**20,
-                   help="KV-cache memory of EACH model, in MiB (raise it for long prompts or many prompts)")
+    p.add_argument("--kv-memory-mb", metavar="MB", type=_positive_int, default=DEFAULT_KV_MEMORY_BYTES // 2**20,
+                   help="KV-cache memory of EACH model in MiB; raise it for long or many prompts (default: %(default)s)")
     p.add_argument("--truncate-prompt", action="store_true",
-                   help="keep only the last tokens of a prompt that, with --max-new-tokens, exceeds the model's "
+                   help="keep only the last bytes of a prompt that, with --max-new-tokens, exceeds the model's "
                         "context (default: such a prompt is an error)")
     p.add_argument("--no-baseline", action="store_true", help="skip the target-only run used for the speed-up")
     p.set_defaults(func=cmd_generate)

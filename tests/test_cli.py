@@ -41,3 +41,54 @@ def test_generate_main_job_on_the_shipped_pair():
     assert out.count("backend=CPU") == 2                 # target group 0 and draft group 0
     assert "\ndef fib(n):" in out and "acceptance rate" in out and "speculative speed-up" in out
     assert "greedy output identical to target-only decoding: yes" in out
+    assert "CPU backend: cpu: native (" in out           # the header says which CPU path runs
+
+
+def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvmulti.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "/nonexistent-model"], "--model /nonexistent-model: no such directory"),
+    (["--model", "/tmp"], "--model /tmp: not a model directory (no config.json)"),
+    (["--draft", "/tmp"], "--draft /tmp: not a model directory (no config.json)"),
+    (["--max-new-tokens", "-1"], "argument --max-new-tokens: must be >= 1, got -1"),
+    (["-k", "0"], "argument -k/--num-speculative-tokens: must be >= 1, got 0"),
+    (["-k", "33"], "-k/--num-speculative-tokens must be in 1..32, got 33"),
+    (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0"),
+    (["--backend", "cudnn"], "backend='cudnn' is not a kvmulti backend; valid names: HIP, SYCL, TRITON, CPU"),
+    (["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+    (["--max-new-tokens", "2000"], "leaves no room for a prompt in the model's context of 1024 positions"),
+])
+def test_generate_user_errors_are_one_line_exit_2(args, message):
+    """Every user error: one line on stderr, exit code 2, before any model loads (fast)."""
+    run = run_cli("generate", "hello", "--no-baseline", *args)
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
+    assert run.stdout == ""
+
+
+def test_generate_prompt_longer_than_the_context():
+    long_prompt = "x" * 5000
+    run = run_cli("generate", long_prompt, "--no-baseline")
+    assert run.returncode == 2 and "exceeds the model's context of 1024 positions" in run.stderr, run.stderr
+    assert "--truncate-prompt" in run.stderr
+    run = run_cli("generate", long_prompt, "--no-baseline", "--truncate-prompt", "--max-new-tokens", "8",
+                  "--kv-memory-mb", "64", timeout=300)
+    assert run.returncode == 0, run.stderr
+
+
+def test_generate_out_of_kv_memory_names_the_option():
+    run = run_cli("generate", "def f(x):" * 40, "--no-baseline", "--kv-memory-mb", "1", "--max-new-tokens", "8",
+                  timeout=300)
+    assert run.returncode == 2 and "raise --kv-memory-mb (now 1)" in run.stderr, run.stderr
+    assert run.stderr.strip().count("\n") == 0
+
+
+def test_version_and_help():
+    run = run_cli("--version")
+    assert run.returncode == 0 and run.stdout.startswith("kvmulti 0.1.0")
+    help_text = " ".join(run_cli("generate", "--help").stdout.split())
+    for text in ("(default: 96)", "(default: 4)", "HIP, SYCL, TRITON, CPU (default: dispatch)", "--kv-memory-mb", "--truncate-prompt"):
+        assert text in help_text, text
