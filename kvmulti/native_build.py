@@ -26,7 +26,7 @@ from typing import Iterable
 from . import settings
 
 #: Flags that add AddressSanitizer + UndefinedBehaviorSanitizer to a build (KVMULTI_SANITIZE=1).
-SANITIZER_FLAGS: tuple[str, ...] = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+SANITIZER_FLAGS: tuple[str, ...] = ("-O1", "-fsanitize=address,undefined", "-fno-omit-frame-pointer",
                                     "-fno-sanitize-recover=undefined")
 
 

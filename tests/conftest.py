@@ -19,7 +19,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 settings.register_profile("kvmulti", deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                             HealthCheck.data_too_large])
-settings.load_profile("kvmulti")
+# Under the sanitizers (tests/test_sanitizers.py) every native call is several times slower.
+settings.register_profile("sanitizer", parent=settings.get_profile("kvmulti"), max_examples=4)
+settings.load_profile(os.environ.get("KVMULTI_HYPOTHESIS_PROFILE") or "kvmulti")
 
 VENDORS = ("cuda", "rocm", "xpu")
 
