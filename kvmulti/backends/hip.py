@@ -48,7 +48,7 @@ from .base import AttentionConfig, Backend
 
 #: Head sizes with compiled kernel instantiations (hip/launcher.hip dispatch_head_size).
 HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 128, 256)
-ABI_VERSION = 2
+ABI_VERSION = 3
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 #: Sources that make up the libraries (hashed into the cache key).
@@ -266,9 +266,9 @@ def _bind(lib: ctypes.CDLL, harness: bool) -> ctypes.CDLL:
     lib.kvmulti_hip_head_sizes.argtypes = [ctypes.POINTER(_I), _I]
     lib.kvmulti_hip_head_sizes.restype = _I
     lib.kvmulti_hip_paged_attention.argtypes = ([_I, _I, _I, _P, _P, _P, _P, _P, _P] + [_LL] * 8 + [_I] * 6
-                                                + [_F, _F, _I, _I, _P, _P])
+                                                + [_F, _F, _I, _I, _P, _I, _I, _I, _I, _P])
     lib.kvmulti_hip_paged_attention.restype = _I
-    lib.kvmulti_hip_write_kv.argtypes = [_I, _P, _P, _P, _P] + [_LL] * 9 + [_I] * 5 + [_P]
+    lib.kvmulti_hip_write_kv.argtypes = [_I, _P, _P, _P, _P] + [_LL] * 9 + [_I] * 6 + [_P]
     lib.kvmulti_hip_write_kv.restype = _I
     lib.kvmulti_hip_error_string.argtypes = [_I]
     lib.kvmulti_hip_error_string.restype = ctypes.c_char_p
@@ -421,8 +421,8 @@ class HipBackend(Backend):
             err = lib.kvmulti_hip_write_kv(
                 DTYPE_CODES[kv_cache.dtype], key.data_ptr(), v.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(),
                 key.stride(0), key.stride(1), key.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                s.block, s.token, s.head, key.shape[0], layout.num_kv_heads, layout.head_size, hv,
-                layout.block_size, stream)
+                s.block, s.token, s.head, min(key.shape[0], v.shape[0], slots.numel()), layout.num_kv_heads,
+                layout.head_size, hv, layout.block_size, min(layout.num_blocks, kv_cache.shape[0]), stream)
         _check(lib, err, "write_kv", kv_cache.device.type == "cpu")
 
     def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
@@ -454,9 +454,11 @@ class HipBackend(Backend):
                 DTYPE_CODES[query.dtype], layout.head_size, wave, dst.data_ptr(), query.data_ptr(),
                 kv_cache.data_ptr(), qsl.data_ptr(), seq_lens.data_ptr(), table.data_ptr(),
                 query.stride(0), query.stride(1), dst.stride(0), dst.stride(1), s.block, s.token, s.head,
-                table.stride(0), metadata.num_reqs, num_tokens, hq, layout.num_kv_heads, layout.block_size,
-                int(sliding_window or 0), float(scale), float(softcap or 0.0), ps.value, npart.value,
-                workspace.data_ptr() if npart.value > 1 else None, stream)
+                table.stride(0), min(metadata.num_reqs, qsl.numel() - 1, seq_lens.numel()), num_tokens, hq,
+                layout.num_kv_heads, layout.block_size, int(sliding_window or 0), float(scale), float(softcap or 0.0),
+                ps.value, npart.value, workspace.data_ptr() if npart.value > 1 else None,
+                min(query.shape[0], dst.shape[0]), table.shape[0], table.shape[1],
+                min(layout.num_blocks, kv_cache.shape[0]), stream)
         _check(lib, err, "paged_attention", kv_cache.device.type == "cpu")
         if dst is not out:
             out.copy_(dst)
