@@ -68,6 +68,7 @@ struct PagedAttentionParams {
   int kv_aligned16;              // cache base and strides 16-byte aligned: 16-byte vector loads
   float scale;
   float softcap;                 // 0 = none
+  float inv_softcap;             // 1 / softcap (0 when none)
 };
 
 struct WriteKVParams {
@@ -227,14 +228,28 @@ __device__ __forceinline__ int load_bt_window(const PagedAttentionParams& p, con
   return i < p.bt_cols ? b.bt[i] : -1;
 }
 
-// Row offset (elements) of key t, whose block-table entry lane (t / block_size - win * WAVE) of the
-// window holds; a block id outside [0, num_blocks) gives block 0 and valid = false. Every lane calls it.
+// Row offset (elements) of key t of the block-table window that starts at key ws = win * WAVE *
+// block_size, whose entry i lane i holds (bt_win); a block id outside [0, num_blocks) gives block 0 and
+// valid = false. The division by block_size goes through a float reciprocal (inv_bs = 1 / block_size)
+// plus a one-step fix-up: exact for 0 <= t - ws < WAVE * block_size (the launcher bounds block_size),
+// and a few VALU ops instead of an integer division per key. Every lane calls it (a shuffle).
 template <int WAVE>
-__device__ __forceinline__ int64_t key_row(const PagedAttentionParams& p, int bt_win, int win, int t, bool& valid) {
-  const int bi = t / p.block_size;
-  const int blk = __shfl(bt_win, bi - win * WAVE, WAVE);
+__device__ __forceinline__ int64_t key_row(const PagedAttentionParams& p, int bt_win, int ws, float inv_bs, int t,
+                                           bool& valid) {
+  const int bs = p.block_size, tr = t - ws;
+  int q = (int)((float)tr * inv_bs);
+  int r = tr - q * bs;
+  const bool under = r < 0;  // selects, not branches
+  q -= under ? 1 : 0;
+  r += under ? bs : 0;
+  const bool over = r >= bs;
+  q += over ? 1 : 0;
+  r -= over ? bs : 0;
+  const int blk = __shfl(bt_win, q, WAVE);
   valid = blk >= 0 && blk < p.num_blocks;
-  return (int64_t)(valid ? blk : 0) * p.kv_stride_block + (int64_t)(t - bi * p.block_size) * p.kv_stride_token;
+  // blk, r >= 0 and the strides are positive: unsigned 32 x 64-bit products
+  return (int64_t)((uint64_t)(uint32_t)(valid ? blk : 0) * (uint64_t)p.kv_stride_block +
+                   (uint64_t)(uint32_t)r * (uint64_t)p.kv_stride_token);
 }
 
 // Cross-wave combine: every wave has per-row (m, l) and unnormalised accumulators; the block's result
@@ -281,7 +296,7 @@ __device__ void write_rows(const PagedAttentionParams& p, const BlockTask& b, co
 // Score post-processing shared by both engines: scale, softcap, mask (-inf: p = 0 below).
 __device__ __forceinline__ float finish_score(const PagedAttentionParams& p, float s, bool visible) {
   s *= p.scale;
-  if (p.softcap > 0.f) s = p.softcap * tanhf(s / p.softcap);
+  if (p.softcap > 0.f) s = p.softcap * tanhf(s * p.inv_softcap);
   return visible ? s : -INFINITY;
 }
 
@@ -325,10 +340,11 @@ __device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const 
   T* ks = sh.kv[warp][0];
   T* vs = sh.kv[warp][1];
   const int win_keys = WAVE * p.block_size;  // keys per block-table window (a multiple of KT)
+  const float inv_bs = 1.f / (float)p.block_size;
   for (int tile = tiles.first; tile < tiles.last;) {  // windows (uniform per wave)
     const int win = (tiles.base + tile * KT) / win_keys;
     const int bt_win = load_bt_window<WAVE>(p, b, win, lane);
-    const int win_end = (win + 1) * win_keys;
+    const int ws = win * win_keys, win_end = ws + win_keys;
     for (; tile < tiles.last && tiles.base + tile * KT < win_end; ++tile) {  // the hot loop
       const int t0 = tiles.base + tile * KT;
       Chunk16 kc[LPL], vc[LPL];
@@ -337,7 +353,7 @@ __device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const 
       for (int j = 0; j < LPL; ++j) {  // lanes over consecutive 16-byte chunks of consecutive rows
         const int c = j * WAVE + lane;
         const int kk = (c < KT * NCH ? c : 0) / NCH, ch = c % NCH;
-        const int64_t row = key_row<WAVE>(p, bt_win, win, t0 + kk, ok[j]);
+        const int64_t row = key_row<WAVE>(p, bt_win, ws, inv_bs, t0 + kk, ok[j]);
         if (c < KT * NCH) {
           kc[j] = load_chunk<T, ALIGNED>(cache + row + ch * EPC);
           vc[j] = load_chunk<T, ALIGNED>(cache + row + HS + ch * EPC);
@@ -499,10 +515,11 @@ __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const
   const T* cache = static_cast<const T*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
   const TileRange<KT> tiles(b, warp);
   const int win_keys = WAVE * p.block_size;  // keys per block-table window (a multiple of KT)
+  const float inv_bs = 1.f / (float)p.block_size;
   for (int tile = tiles.first; tile < tiles.last;) {  // windows (uniform per wave)
     const int win = (tiles.base + tile * KT) / win_keys;
     const int bt_win = load_bt_window<WAVE>(p, b, win, lane);
-    const int win_end = (win + 1) * win_keys;
+    const int ws = win * win_keys, win_end = ws + win_keys;
     for (; tile < tiles.last && tiles.base + tile * KT < win_end; ++tile) {  // the hot loop
       const int t0 = tiles.base + tile * KT;
       // 1. Every K and V load of the iteration is issued before any is used.
@@ -511,7 +528,7 @@ __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const
 #pragma unroll
       for (int sub = 0; sub < NSUB; ++sub) {
         bool unused;
-        const int64_t krow = key_row<WAVE>(p, bt_win, win, t0 + 16 * sub + n, unused);
+        const int64_t krow = key_row<WAVE>(p, bt_win, ws, inv_bs, t0 + 16 * sub + n, unused);
 #pragma unroll
         for (int u = 0; u < QKC; ++u) {
           const int ch = 4 * u + g;
@@ -519,7 +536,7 @@ __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int64_t vrow = key_row<WAVE>(p, bt_win, win, t0 + 16 * sub + 4 * g + e, ok[sub][e]);
+          const int64_t vrow = key_row<WAVE>(p, bt_win, ws, inv_bs, t0 + 16 * sub + 4 * g + e, ok[sub][e]);
 #pragma unroll
           for (int u = 0; u < PVC; ++u) {
             const int ch = n + 16 * u;

@@ -24,6 +24,9 @@ using kvmulti::WriteKVParams;
 //     the estimate uses 8 since the plan does not know the dtype), i.e. when a few long
 //     sequences would leave most of the GPU idle while each block streams a long context.
 constexpr int kDefaultPartition = 512;
+// Largest block size the attention kernel accepts (key indices inside a block-table window of 64
+// blocks stay far below 2^31).
+constexpr int kMaxBlockSize = 1 << 20;
 
 int device_wave_size(int wave) {
   if (wave == 32 || wave == 64) return wave;
@@ -144,7 +147,7 @@ __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
   if (num_tokens <= 0) return hipSuccess;
   if (num_reqs <= 0 || num_q_heads <= 0 || num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 ||
       block_size <= 0 || num_partitions <= 0 || (num_partitions > 1 && (partition_size <= 0 || !workspace)) ||
-      bt_rows < 0 || bt_cols < 0 || num_blocks <= 0)
+      bt_rows < 0 || bt_cols < 0 || num_blocks <= 0 || block_size > kMaxBlockSize)
     return hipErrorInvalidValue;
   PagedAttentionParams p;
   p.out = out;
@@ -183,6 +186,7 @@ __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
                     (kv_stride_token * esz) % 16 == 0 && (kv_stride_head * esz) % 16 == 0) ? 1 : 0;
   p.scale = scale;
   p.softcap = softcap > 0.f ? softcap : 0.f;
+  p.inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
   hipStream_t s = (hipStream_t)stream;
   const int w = device_wave_size(wave);
   switch (dtype) {
