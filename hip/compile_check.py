@@ -254,12 +254,30 @@ def analyze_function(lines: list[str]) -> dict:
         if issued and (hot is None or issued > hot[0]):
             hot = (issued, header, prof)
     row = {"matrix_instructions": mfma, "load_widths_bytes": widths, "hot_loop": None,
-           "hot_loop_load_widths_bytes": [], "bytes_in_flight_per_lane": 0, "bytes_before_vmcnt0_per_lane": 0}
+           "hot_loop_load_widths_bytes": [], "bytes_in_flight_per_lane": 0, "bytes_before_vmcnt0_per_lane": 0,
+           "hot_loop_instructions": {}}
     if hot:
         row.update(hot_loop=hot[1], hot_loop_load_widths_bytes=hot[2]["load_widths_bytes"],
                    bytes_in_flight_per_lane=hot[2]["peak_bytes_per_lane"],
-                   bytes_before_vmcnt0_per_lane=hot[2]["bytes_before_vmcnt0_per_lane"])
+                   bytes_before_vmcnt0_per_lane=hot[2]["bytes_before_vmcnt0_per_lane"],
+                   hot_loop_instructions=instruction_mix(_loop_bodies(lines)[hot[1]]))
     return row
+
+
+def instruction_mix(body: list[str]) -> dict[str, int]:
+    """Static instruction counts of a loop body by unit: mfma, valu, salu, lds, vmem (waits and branches
+    not counted). Static: both sides of a branch count (an upper bound of what one iteration issues)."""
+    mix = {"mfma": 0, "valu": 0, "salu": 0, "lds": 0, "vmem": 0}
+    for line in body:
+        op = line.strip().split(maxsplit=1)[0] if line.strip() else ""
+        if not op or op.startswith((";", ".")) or op.startswith(("s_waitcnt", "s_cbranch", "s_branch", "s_nop")):
+            continue
+        unit = ("mfma" if op.startswith("v_mfma") else "valu" if op.startswith("v_") else
+                "lds" if op.startswith("ds_") else "vmem" if op.startswith(("global_", "buffer_", "flat_")) else
+                "salu" if op.startswith("s_") else None)
+        if unit:
+            mix[unit] += 1
+    return mix
 
 
 def _kernel_kind(name: str) -> tuple[str, str | None, int | None, int | None]:
@@ -323,6 +341,7 @@ def rows_of(dp: DevicePass) -> list[dict]:
             "hot_loop_load_widths_bytes": a["hot_loop_load_widths_bytes"],
             "bytes_in_flight_per_lane": a["bytes_in_flight_per_lane"],
             "bytes_before_vmcnt0_per_lane": a["bytes_before_vmcnt0_per_lane"],
+            "hot_loop_instructions": a["hot_loop_instructions"],
         })
     return rows
 

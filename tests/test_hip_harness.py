@@ -180,6 +180,15 @@ def test_mfma_emulation_matches_amd_register_layouts(selftest_lib, table):
     np.testing.assert_array_equal(_run_table_mfma(selftest_lib, tables, bf16, x, y), x @ y)
 
 
+def test_mfma_reached_by_part_of_a_wave_is_detected(selftest_lib):
+    selftest_lib.kvcpu_set_warp_size(64)
+    regs = np.zeros((64, 4), dtype=np.uint32)
+    d = np.zeros((64, 4), dtype=np.float32)
+    selftest_lib.kvcpu_clear_error()
+    assert selftest_lib.selftest_mfma(2, regs.ctypes.data, d.ctypes.data) != 0
+    assert "deadlock" in selftest_lib.kvcpu_last_error().decode()
+
+
 # ------------------------------------------------------------------------ kernels vs oracle
 @pytest.fixture(scope="module")
 def hip_backend():

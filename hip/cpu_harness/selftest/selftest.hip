@@ -76,9 +76,10 @@ typedef short bf16x4 __attribute__((ext_vector_type(4)));
 
 // One 16x16x16 MFMA on raw registers: regs[lane] = {A VGPR 0, A VGPR 1, B VGPR 0, B VGPR 1} (bit
 // patterns), C = 0; d[lane][i] = D VGPR i. One 64-lane wave.
-template <bool BF16>
+template <bool BF16, bool DIVERGENT = false>
 __global__ void mfma_raw(const unsigned* regs, float* d) {
   const int lane = (int)threadIdx.x;
+  if (DIVERGENT && lane >= 32) return;  // half a wave calls the wave-wide builtin: a deadlock here
   unsigned a[2] = {regs[4 * lane], regs[4 * lane + 1]}, b[2] = {regs[4 * lane + 2], regs[4 * lane + 3]};
   f32x4 c = {0.f, 0.f, 0.f, 0.f};
   if constexpr (BF16) {
@@ -128,11 +129,13 @@ extern "C" __attribute__((visibility("default"))) int selftest_run(int which, co
   return (int)hipGetLastError();
 }
 
-// Runs selftest::mfma_raw (bf16: 1 = v_mfma_f32_16x16x16bf16_1k, 0 = v_mfma_f32_16x16x16f16) on one
-// 64-lane wave. Returns the hipError_t of the launch (hipErrorInvalidDeviceFunction without MFMA).
+// Runs selftest::mfma_raw (bf16: 1 = v_mfma_f32_16x16x16bf16_1k, 0 = v_mfma_f32_16x16x16f16, 2 = the
+// f16 one called by half of the wave only) on one 64-lane wave. Returns the hipError_t of the launch
+// (hipErrorInvalidDeviceFunction without MFMA).
 extern "C" __attribute__((visibility("default"))) int selftest_mfma(int bf16, const unsigned* regs, float* d) {
 #if defined(SELFTEST_HAS_MFMA)
-  if (bf16) hipLaunchKernelGGL(selftest::mfma_raw<true>, dim3(1), dim3(64), 0, 0, regs, d);
+  if (bf16 == 2) hipLaunchKernelGGL((selftest::mfma_raw<false, true>), dim3(1), dim3(64), 0, 0, regs, d);
+  else if (bf16) hipLaunchKernelGGL(selftest::mfma_raw<true>, dim3(1), dim3(64), 0, 0, regs, d);
   else hipLaunchKernelGGL(selftest::mfma_raw<false>, dim3(1), dim3(64), 0, 0, regs, d);
   return (int)hipGetLastError();
 #else
