@@ -322,6 +322,20 @@ def amd_device_pass(arch: str, out: Path) -> DevicePass:
     return dp
 
 
+LDS_PER_CU = 64 * 1024                 # gfx90a / gfx940; gfx1030 in CU mode
+SIMDS_PER_CU = {"gfx90a": 4, "gfx940": 4, "gfx1030": 2}
+ATTENTION_WAVES_PER_BLOCK = 4          # kNumWarps
+
+
+def effective_occupancy(arch: str, register_waves: int, lds_bytes: int, waves_per_block: int) -> int:
+    """Waves per SIMD: the compiler's register-limited figure, further limited by the LDS the blocks
+    need (blocks per CU = 64 KiB // LDS per block)."""
+    if lds_bytes <= 0:
+        return register_waves
+    simds = SIMDS_PER_CU.get(arch, 4)
+    return min(register_waves, (LDS_PER_CU // lds_bytes) * waves_per_block // simds)
+
+
 def rows_of(dp: DevicePass) -> list[dict]:
     """One report row per kernel instantiation that runs on dp.arch (wave-mismatched ones are empty)."""
     rows = []
@@ -335,7 +349,10 @@ def rows_of(dp: DevicePass) -> list[dict]:
             "kernel": short_name(name), "symbol": name, "kind": kind, "dtype": dtype, "head_size": hs,
             "target": dp.arch, "wave": wave,
             "vgprs": f.get("VGPRs", 0), "agprs": f.get("AGPRs", 0), "sgprs": f.get("SGPRs", 0),
-            "lds_bytes": f.get("LDS Size", 0), "waves_per_simd": f.get("Occupancy", 0),
+            "lds_bytes": f.get("LDS Size", 0),
+            "waves_per_simd": effective_occupancy(dp.arch, f.get("Occupancy", 0), f.get("LDS Size", 0),
+                                                  ATTENTION_WAVES_PER_BLOCK),
+            "waves_per_simd_registers": f.get("Occupancy", 0),
             "spills": f.get("VGPRs Spill", 0) + f.get("SGPRs Spill", 0), "scratch_bytes": f.get("ScratchSize", 0),
             "matrix_instructions": a["matrix_instructions"], "load_widths_bytes": a["load_widths_bytes"],
             "hot_loop_load_widths_bytes": a["hot_loop_load_widths_bytes"],
@@ -395,7 +412,7 @@ _REPORT_CACHE: dict[tuple[str, ...], list[dict]] = {}
 def report_rows(archs: tuple[str, ...] = AMD_ARCHS, jobs: int = 2) -> list[dict]:
     """Static figures per kernel x AMD target (needs hipcc; compiles once per process): one dict per
     kernel instantiation that runs on the target, with keys kernel, target, vgprs, sgprs, lds_bytes,
-    waves_per_simd, spills, matrix_instructions (v_mfma count), load_widths_bytes (all global loads),
+    waves_per_simd (register- and LDS-limited; waves_per_simd_registers: the compiler's figure), spills, matrix_instructions (v_mfma count), load_widths_bytes (all global loads),
     bytes_in_flight_per_lane (peak global-load bytes outstanding per lane in the hot loop, simulating
     s_waitcnt vmcnt), plus symbol, kind, dtype, head_size, wave, agprs, scratch_bytes,
     hot_loop_load_widths_bytes and bytes_before_vmcnt0_per_lane (bytes issued in the hot loop from its

@@ -10,8 +10,10 @@
 // verification): the grid's x dimension runs over the batch's query tokens, and each block finds its
 // request by binary search over query_start_loc. Request r's query tokens are the LAST
 // q_len = qsl[r+1]-qsl[r] positions of its seq_lens[r] tokens; a query at position p attends causally
-// to keys 0..p, and with a sliding window W only to keys p-W+1..p (blocks entirely outside the window
-// are never read: their block-table entries may be garbage).
+// to keys 0..p, and with a sliding window W only to keys p-W+1..p. Blocks entirely outside the window
+// may hold garbage block-table entries: the kernel reads K/V only for the tiles covering the visible
+// keys (a tile may start up to KT-1 keys before the window; those keys are masked, and any block id
+// outside [0, num_blocks) is replaced by block 0 before it forms an address).
 //
 // Block = (R "rows" = query (token, head) pairs sharing one KV head and one request -- the heads of a
 // GQA group x consecutive query tokens, see RowMap; R = 16 for 16-bit types on wave64, else 8 --, KV

@@ -261,6 +261,8 @@ def _bad_metadata(kind: str, num_tokens: int, num_blocks: int) -> kvmulti.Common
         reqs = 9
     elif kind == "tokens_past_query_rows":
         qsl = [0, 2, num_tokens + 8]
+    elif kind == "window_garbage_entries":   # entries of blocks before a sliding window may be garbage
+        table = [[2 ** 31 - 1, -5, 2], [-(2 ** 31), 2 ** 30, 1]]
     md = kvmulti.CommonAttentionMetadata(
         query_start_loc=torch.tensor(qsl, **i32), seq_lens=torch.tensor(seq, **i32),
         block_table=torch.tensor(table, **i32), slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
@@ -270,7 +272,8 @@ def _bad_metadata(kind: str, num_tokens: int, num_blocks: int) -> kvmulti.Common
 
 
 BAD_METADATA = ["qsl_not_monotonic", "qsl_past_query_rows", "seq_len_huge", "seq_len_negative", "table_too_narrow",
-                "table_fewer_rows", "block_ids_out_of_range", "num_reqs_too_large", "tokens_past_query_rows"]
+                "table_fewer_rows", "block_ids_out_of_range", "num_reqs_too_large", "tokens_past_query_rows",
+                "window_garbage_entries"]
 
 
 @pytest.mark.parametrize("kind", BAD_METADATA)
@@ -300,7 +303,8 @@ def test_invalid_metadata_never_touches_memory_outside_the_tensors(harness, kind
             harness.cpu_wave, harness.partition_size = wave, partition
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                harness.paged_attention(query, cache, layout, md, 0.125, None, 5.0, out)
+                window = 20 if kind == "window_garbage_entries" else None
+                harness.paged_attention(query, cache, layout, md, 0.125, window, 5.0, out)
             assert _margins_intact(o_buf, 7.0), f"{kind}: wrote outside the output"
             assert _margins_intact(q_buf, float("nan")) and _margins_intact(cache_buf, float("nan"))
             assert torch.equal(cache, cache_before), f"{kind}: attention wrote into the cache"

@@ -138,6 +138,13 @@ def _row(**kw):
     return base
 
 
+def test_occupancy_counts_lds():
+    assert cc.effective_occupancy("gfx90a", 8, 14464, 4) == 4      # 4 blocks of 4 waves on 4 SIMDs
+    assert cc.effective_occupancy("gfx940", 2, 8832, 4) == 2        # register-bound
+    assert cc.effective_occupancy("gfx1030", 8, 25184, 4) == 4      # 2 blocks of 4 waves on 2 SIMDs
+    assert cc.effective_occupancy("gfx90a", 8, 0, 4) == 8
+
+
 def test_ci_thresholds_flag_each_violation():
     assert cc.row_problems(_row()) == []
     assert any("spilled" in p for p in cc.row_problems(_row(spills=2)))
