@@ -5,13 +5,20 @@ AMD (HIP_PLATFORM=amd, Debian packages ``hipcc libamdhip64-dev rocm-device-libs`
   1. ``hipcc -Werror -shared`` builds the fat library of launcher.hip (which instantiates every kernel) for
      gfx90a, gfx940 and gfx1030 (Debian's clang 15 rejects gfx942 and has no device libraries for
      gfx1100; ROCm hosts build for their own targets, see kvmulti/backends/hip.py);
-  2. a ``--cuda-device-only -Werror -Rpass-analysis=kernel-resource-usage`` pass per arch: fails on any
-     register spill or scratch use, on a missing kernel, and on an instantiation for the arch's own
-     wave size (64 on gfx9, 32 on gfx10+) that compiled to an empty body.
+  2. a ``--cuda-device-only -S -Werror -Rpass-analysis=kernel-resource-usage`` pass per arch, whose
+     remarks and assembly give per kernel: VGPRs, SGPRs, LDS, occupancy (waves/SIMD), spills, v_mfma
+     count, global load widths, and the decode hot loop's loads (see ``analyze_function``). It fails on
+     any register spill or scratch use, a missing kernel, an instantiation for the arch's own wave size
+     (64 on gfx9, 32 on gfx10+) that compiled to an empty body, a 16-bit attention kernel without
+     v_mfma on gfx90a / gfx940 (the one attention kernel serves prefill, chunked prefill, decode and
+     verification), a hot loop with a global load narrower than 16 bytes or fewer than 4 x 16 bytes
+     in flight per lane, and an occupancy below 2 waves/SIMD.
+  ``report_rows()`` returns these figures as dicts (benchmarks/gpu_report.py); ``--report`` prints them.
 NVIDIA: ``nvcc -x cu -I hip/compat`` (kvmulti's HIP->CUDA compat headers) for sm_80 and sm_90 with
   ``-Werror all-warnings`` and ptxas ``-warn-spills -warn-lmem-usage -Werror``.
 
-Usage: python hip/compile_check.py [--amd-only | --nvidia-only] [--out DIR]; exit status 0 = all pass.
+Usage: python hip/compile_check.py [--amd-only | --nvidia-only] [--out DIR] [--report];
+exit status 0 = all pass.
 """
 
 from __future__ import annotations
@@ -108,8 +115,14 @@ def _wave_of(arch: str) -> int:
     return 64 if arch.startswith("gfx9") else 32
 
 
+MFMA_ARCHS = ("gfx90a", "gfx940")   # targets whose 16-bit attention kernels must use v_mfma
+MIN_WAVES_PER_SIMD = 2
+MIN_BYTES_IN_FLIGHT_PER_LANE = 4 * 16
+
+
 def parse_resource_usage(log: str) -> dict[str, dict[str, int]]:
-    """{kernel: {field: value}} from -Rpass-analysis=kernel-resource-usage remarks."""
+    """{kernel: {field: value}} from -Rpass-analysis=kernel-resource-usage remarks (fields: "SGPRs",
+    "VGPRs", "AGPRs", "ScratchSize", "Occupancy", "SGPRs Spill", "VGPRs Spill", "LDS Size")."""
     kernels: dict[str, dict[str, int]] = {}
     current = None
     for line in log.splitlines():
@@ -117,32 +130,316 @@ def parse_resource_usage(log: str) -> dict[str, dict[str, int]]:
         if m:
             current = kernels.setdefault(m.group(1), {})
             continue
-        m = re.search(r"remark:\s+([A-Za-z ]+?)(?: \[bytes/(?:lane|block)\])?: (\d+)", line)
+        m = re.search(r"remark:\s+([A-Za-z ]+?)(?: \[[^\]]+\])?: (\d+)", line)
         if m and current is not None:
             current[m.group(1).strip()] = int(m.group(2))
     return kernels
 
 
-def amd_resource_usage(arch: str) -> Result:
-    cmd = [hipcc(), "-O3", "-std=c++17", "-Werror", f"--offload-arch={arch}", "--cuda-device-only", "-c",
-           str(SOURCE), "-o", os.devnull, "-Rpass-analysis=kernel-resource-usage"]
+# ----------------------------------------------------------------------------------- assembly
+#: bytes per lane of each global / buffer load opcode suffix
+_LOAD_BYTES = {"ubyte": 1, "sbyte": 1, "ubyte_d16": 1, "ubyte_d16_hi": 1, "sbyte_d16": 1, "sbyte_d16_hi": 1,
+               "ushort": 2, "sshort": 2, "short_d16": 2, "short_d16_hi": 2,
+               "dword": 4, "dwordx2": 8, "dwordx3": 12, "dwordx4": 16}
+_LOAD_RE = re.compile(r"^\s*(?:global|buffer|flat)_load_(\w+)")
+_WAIT_RE = re.compile(r"^\s*s_waitcnt\b(.*)")
+_VMCNT_RE = re.compile(r"vmcnt\((\d+)\)")
+_LABEL_RE = re.compile(r"^(\.LBB\w+|; %bb\.\d+):?(.*)$")
+
+
+def split_functions(asm: str) -> dict[str, list[str]]:
+    """{symbol: its instruction lines} for every function in an AMDGPU assembly file."""
+    funcs: dict[str, list[str]] = {}
+    current = None
+    for line in asm.splitlines():
+        m = re.match(r"^(_Z\w+):", line)
+        if m:
+            current = funcs.setdefault(m.group(1), [])
+            continue
+        if line.startswith(".Lfunc_end"):
+            current = None
+        elif current is not None:
+            current.append(line)
+    return funcs
+
+
+def _blocks(lines: list[str]) -> list[tuple[str, str, list[str]]]:
+    """Basic blocks as (label, loop header it belongs to or "", lines); headers belong to themselves."""
+    blocks = [("entry", "", [])]
+    for line in lines:
+        m = _LABEL_RE.match(line)
+        if m:
+            label, comment = m.group(1), m.group(2)
+            name = label.lstrip(".").replace("; %bb.", "BB")
+            header = ""
+            if "Loop Header" in comment:
+                header = name.replace("LBB", "BB")
+            else:
+                h = re.search(r"Header=(BB\w+)", comment)
+                header = h.group(1) if h else ""
+            blocks.append((name.replace("LBB", "BB"), header, []))
+            continue
+        if line.lstrip().startswith("; =>") and "Inner Loop Header" in line:
+            label, _, body = blocks[-1]
+            blocks[-1] = (label, label, body)   # a header whose comment wrapped onto the next line
+            continue
+        blocks[-1][2].append(line)
+    return blocks
+
+
+def _load_width(line: str) -> int | None:
+    m = _LOAD_RE.match(line)
+    return _LOAD_BYTES.get(m.group(1)) if m else None
+
+
+def _loop_bodies(lines: list[str]) -> dict[str, list[str]]:
+    """{header: lines of its blocks, starting at the header block (rotated loops wrap around)}.
+    Blocks carry the innermost loop that holds them, so these are the innermost loops' own blocks."""
+    blocks = _blocks(lines)
+    loops: dict[str, list[list[str]]] = {}
+    order: dict[str, list[str]] = {}
+    for label, header, body in blocks:
+        if header:
+            order.setdefault(header, []).append(label)
+            loops.setdefault(header, []).append(body)
+    bodies = {}
+    for header, labels in order.items():
+        start = labels.index(header) if header in labels else 0
+        seq = loops[header][start:] + loops[header][:start]
+        bodies[header] = [line for body in seq for line in body]
+    return bodies
+
+
+def loop_load_profile(body: list[str]) -> dict:
+    """Global loads of one loop body in program order, with s_waitcnt vmcnt(N) retiring all but the N
+    newest (vmcnt retires in order): peak bytes outstanding per lane, bytes issued from the body's first
+    load up to its first vmcnt(0), and the widths."""
+    outstanding: list[int] = []
+    peak = 0
+    widths: set[int] = set()
+    before_drain = 0
+    drained = False
+    seen_load = False
+    for line in body:
+        w = _load_width(line)
+        if w is not None:
+            outstanding.append(w)
+            widths.add(w)
+            seen_load = True
+            if not drained:
+                before_drain += w
+            peak = max(peak, sum(outstanding))
+            continue
+        m = _WAIT_RE.match(line)
+        if m:
+            v = _VMCNT_RE.search(m.group(1))
+            if v:
+                n = int(v.group(1))
+                outstanding = outstanding[len(outstanding) - n:] if n else []
+                if n == 0 and seen_load:
+                    drained = True
+    return {"peak_bytes_per_lane": peak, "bytes_before_vmcnt0_per_lane": before_drain,
+            "load_widths_bytes": sorted(widths), "loads": sum(1 for l in body if _load_width(l) is not None)}
+
+
+def analyze_function(lines: list[str]) -> dict:
+    """Static figures of one kernel's assembly: v_mfma count, global load widths (whole kernel), and
+    its hot loop = the innermost loop issuing the most global-load bytes per iteration."""
+    widths = sorted({w for w in map(_load_width, lines) if w is not None})
+    mfma = sum(1 for l in lines if re.match(r"^\s*v_mfma_", l))
+    hot = None
+    for header, body in _loop_bodies(lines).items():
+        prof = loop_load_profile(body)
+        issued = sum(w for w in map(_load_width, body) if w is not None)
+        if issued and (hot is None or issued > hot[0]):
+            hot = (issued, header, prof)
+    row = {"matrix_instructions": mfma, "load_widths_bytes": widths, "hot_loop": None,
+           "hot_loop_load_widths_bytes": [], "bytes_in_flight_per_lane": 0, "bytes_before_vmcnt0_per_lane": 0,
+           "hot_loop_instructions": {}}
+    if hot:
+        row.update(hot_loop=hot[1], hot_loop_load_widths_bytes=hot[2]["load_widths_bytes"],
+                   bytes_in_flight_per_lane=hot[2]["peak_bytes_per_lane"],
+                   bytes_before_vmcnt0_per_lane=hot[2]["bytes_before_vmcnt0_per_lane"],
+                   hot_loop_instructions=instruction_mix(_loop_bodies(lines)[hot[1]]))
+    return row
+
+
+def instruction_mix(body: list[str]) -> dict[str, int]:
+    """Static instruction counts of a loop body by unit: mfma, valu, salu, lds, vmem (waits and branches
+    not counted). Static: both sides of a branch count (an upper bound of what one iteration issues)."""
+    mix = {"mfma": 0, "valu": 0, "salu": 0, "lds": 0, "vmem": 0}
+    for line in body:
+        op = line.strip().split(maxsplit=1)[0] if line.strip() else ""
+        if not op or op.startswith((";", ".")) or op.startswith(("s_waitcnt", "s_cbranch", "s_branch", "s_nop")):
+            continue
+        unit = ("mfma" if op.startswith("v_mfma") else "valu" if op.startswith("v_") else
+                "lds" if op.startswith("ds_") else "vmem" if op.startswith(("global_", "buffer_", "flat_")) else
+                "salu" if op.startswith("s_") else None)
+        if unit:
+            mix[unit] += 1
+    return mix
+
+
+def _kernel_kind(name: str) -> tuple[str, str | None, int | None, int | None]:
+    """(kind, dtype, head size, wave) from a mangled kernel name; kind: attention / reduce / write_kv."""
+    dt = {"f": "fp32", "6__half": "fp16", "12hip_bfloat16": "bf16"}
+    m = re.search(r"paged_attention_kernelI(f|6__half|12hip_bfloat16)Li(\d+)ELi(\d+)E", name)
+    if m:
+        return "attention", dt[m.group(1)], int(m.group(2)), int(m.group(3))
+    m = re.search(r"(paged_attention_reduce_kernel|write_kv_kernel)I(f|6__half|12hip_bfloat16)E", name)
+    if m:
+        return ("reduce" if "reduce" in m.group(1) else "write_kv"), dt[m.group(2)], None, None
+    return "other", None, None, None
+
+
+def short_name(name: str) -> str:
+    kind, dtype, hs, wave = _kernel_kind(name)
+    if kind == "attention":
+        return f"paged_attention<{dtype},{hs},wave{wave}>"
+    return f"{kind}<{dtype}>" if dtype else name
+
+
+@dataclass
+class DevicePass:
+    arch: str
+    ok: bool
+    log: str
+    seconds: float
+    resources: dict[str, dict[str, int]] = field(default_factory=dict)
+    asm: dict[str, dict] = field(default_factory=dict)
+
+
+def amd_device_pass(arch: str, out: Path) -> DevicePass:
+    """One device-only compile for ``arch``: resource-usage remarks + assembly (analysed)."""
+    asm_path = out / f"kvmulti_hip_{arch}.s"
+    cmd = [hipcc(), "-O3", "-std=c++17", "-Werror", "-Wno-unused-command-line-argument", f"--offload-arch={arch}",
+           "--cuda-device-only", "-S", str(SOURCE), "-o", str(asm_path), "-Rpass-analysis=kernel-resource-usage"]
     rc, log, secs = _run(cmd, _amd_env())
-    name = f"{arch} device pass: -Werror, no spills / scratch"
-    if rc != 0:
-        return Result(name, False, f"$ {' '.join(cmd)}\n{log}", secs)
-    kernels = parse_resource_usage(log)
+    dp = DevicePass(arch, rc == 0, f"$ {' '.join(cmd)}\n{log}", secs)
+    if rc == 0:
+        dp.resources = parse_resource_usage(log)
+        dp.asm = {name: analyze_function(lines) for name, lines in split_functions(asm_path.read_text()).items()}
+    return dp
+
+
+LDS_PER_CU = 64 * 1024                 # gfx90a / gfx940; gfx1030 in CU mode
+SIMDS_PER_CU = {"gfx90a": 4, "gfx940": 4, "gfx1030": 2}
+ATTENTION_WAVES_PER_BLOCK = 4          # kNumWarps
+
+
+def effective_occupancy(arch: str, register_waves: int, lds_bytes: int, waves_per_block: int) -> int:
+    """Waves per SIMD: the compiler's register-limited figure, further limited by the LDS the blocks
+    need (blocks per CU = 64 KiB // LDS per block)."""
+    if lds_bytes <= 0:
+        return register_waves
+    simds = SIMDS_PER_CU.get(arch, 4)
+    return min(register_waves, (LDS_PER_CU // lds_bytes) * waves_per_block // simds)
+
+
+def rows_of(dp: DevicePass) -> list[dict]:
+    """One report row per kernel instantiation that runs on dp.arch (wave-mismatched ones are empty)."""
+    rows = []
+    wave = _wave_of(dp.arch)
+    for name, f in sorted(dp.resources.items()):
+        kind, dtype, hs, kwave = _kernel_kind(name)
+        if kind == "attention" and kwave != wave:
+            continue
+        a = dp.asm.get(name, analyze_function([]))
+        rows.append({
+            "kernel": short_name(name), "symbol": name, "kind": kind, "dtype": dtype, "head_size": hs,
+            "target": dp.arch, "wave": wave,
+            "vgprs": f.get("VGPRs", 0), "agprs": f.get("AGPRs", 0), "sgprs": f.get("SGPRs", 0),
+            "lds_bytes": f.get("LDS Size", 0),
+            "waves_per_simd": effective_occupancy(dp.arch, f.get("Occupancy", 0), f.get("LDS Size", 0),
+                                                  ATTENTION_WAVES_PER_BLOCK),
+            "waves_per_simd_registers": f.get("Occupancy", 0),
+            "spills": f.get("VGPRs Spill", 0) + f.get("SGPRs Spill", 0), "scratch_bytes": f.get("ScratchSize", 0),
+            "matrix_instructions": a["matrix_instructions"], "load_widths_bytes": a["load_widths_bytes"],
+            "hot_loop_load_widths_bytes": a["hot_loop_load_widths_bytes"],
+            "bytes_in_flight_per_lane": a["bytes_in_flight_per_lane"],
+            "bytes_before_vmcnt0_per_lane": a["bytes_before_vmcnt0_per_lane"],
+            "hot_loop_instructions": a["hot_loop_instructions"],
+        })
+    return rows
+
+
+def row_problems(row: dict) -> list[str]:
+    """The CI thresholds for one report row (empty: passes)."""
+    k = f"{row['target']} {row['kernel']}"
     problems = []
-    if len(kernels) != EXPECTED_KERNELS:
-        problems.append(f"expected {EXPECTED_KERNELS} kernels, found {len(kernels)}")
-    wave = _wave_of(arch)
-    for k, f in sorted(kernels.items()):
-        for key in ("SGPRs Spill", "VGPRs Spill", "ScratchSize"):
-            if f.get(key, 0) > 0:
-                problems.append(f"{k}: {key} = {f[key]}")
-        m = re.search(r"paged_attention_kernelI.*?Li(\d+)ELi(\d+)E", k)
-        if m and int(m.group(2)) == wave and f.get("VGPRs", 0) == 0:
-            problems.append(f"{k}: wave-{wave} instantiation compiled to an empty body on {arch}")
-    return Result(name, not problems, "\n".join(problems) + ("\n" + log if problems else ""), secs, len(kernels))
+    if row["spills"] or row["scratch_bytes"]:
+        problems.append(f"{k}: {row['spills']} spilled registers, {row['scratch_bytes']} scratch bytes/lane")
+    if row["waves_per_simd"] < MIN_WAVES_PER_SIMD:
+        problems.append(f"{k}: occupancy {row['waves_per_simd']} < {MIN_WAVES_PER_SIMD} waves/SIMD")
+    if row["kind"] == "attention":
+        if row["vgprs"] == 0:
+            problems.append(f"{k}: wave-{row['wave']} instantiation compiled to an empty body")
+        if row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16") and row["matrix_instructions"] == 0:
+            problems.append(f"{k}: 16-bit prefill/verification tiles without v_mfma")
+        narrow = [w for w in row["hot_loop_load_widths_bytes"] if w < 16]
+        if narrow or not row["hot_loop_load_widths_bytes"]:
+            problems.append(f"{k}: hot-loop global loads of {row['hot_loop_load_widths_bytes']} bytes (want 16 only)")
+        if row["bytes_in_flight_per_lane"] < MIN_BYTES_IN_FLIGHT_PER_LANE:
+            problems.append(f"{k}: {row['bytes_in_flight_per_lane']} bytes in flight per lane in the hot loop "
+                            f"(< {MIN_BYTES_IN_FLIGHT_PER_LANE} = 4 x 16-byte loads)")
+    return problems
+
+
+def amd_resource_usage(arch: str, out: Path | None = None, device_pass: DevicePass | None = None) -> Result:
+    tmp = None
+    if device_pass is None:
+        if out is None:
+            tmp = tempfile.TemporaryDirectory(prefix="kvmulti_hip_check_")
+            out = Path(tmp.name)
+        device_pass = amd_device_pass(arch, out)
+    dp = device_pass
+    name = f"{arch} device pass: -Werror, no spills / scratch, MFMA, 16-byte hot loop, occupancy"
+    if not dp.ok:
+        return Result(name, False, dp.log, dp.seconds)
+    problems = []
+    if len(dp.resources) != EXPECTED_KERNELS:
+        problems.append(f"expected {EXPECTED_KERNELS} kernels, found {len(dp.resources)}")
+    for row in rows_of(dp):
+        problems += row_problems(row)
+    if tmp is not None:
+        tmp.cleanup()
+    return Result(name, not problems, "\n".join(problems), dp.seconds, len(dp.resources))
+
+
+_REPORT_CACHE: dict[tuple[str, ...], list[dict]] = {}
+
+
+def report_rows(archs: tuple[str, ...] = AMD_ARCHS, jobs: int = 2) -> list[dict]:
+    """Static figures per kernel x AMD target (needs hipcc; compiles once per process): one dict per
+    kernel instantiation that runs on the target, with keys kernel, target, vgprs, sgprs, lds_bytes,
+    waves_per_simd (register- and LDS-limited; waves_per_simd_registers: the compiler's figure), spills, matrix_instructions (v_mfma count), load_widths_bytes (all global loads),
+    bytes_in_flight_per_lane (peak global-load bytes outstanding per lane in the hot loop, simulating
+    s_waitcnt vmcnt), plus symbol, kind, dtype, head_size, wave, agprs, scratch_bytes,
+    hot_loop_load_widths_bytes and bytes_before_vmcnt0_per_lane (bytes issued in the hot loop from its
+    first load up to its first s_waitcnt vmcnt(0); x wave size = per wave). Raises RuntimeError when a
+    compile fails or hipcc is missing."""
+    key = tuple(archs)
+    if key not in _REPORT_CACHE:
+        if hipcc() is None:
+            raise RuntimeError("hipcc not found (Debian: apt-get install hipcc libamdhip64-dev rocm-device-libs)")
+        with tempfile.TemporaryDirectory(prefix="kvmulti_hip_report_") as tmp:
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                passes = list(pool.map(lambda a: amd_device_pass(a, Path(tmp)), archs))
+        failed = [dp for dp in passes if not dp.ok]
+        if failed:
+            raise RuntimeError("\n".join(dp.log for dp in failed))
+        _REPORT_CACHE[key] = [row for dp in passes for row in rows_of(dp)]
+    return [dict(r) for r in _REPORT_CACHE[key]]
+
+
+def format_report(rows: list[dict]) -> str:
+    cols = ("target", "kernel", "vgprs", "agprs", "sgprs", "lds_bytes", "waves_per_simd", "spills",
+            "matrix_instructions", "load_widths_bytes", "hot_loop_load_widths_bytes", "bytes_in_flight_per_lane",
+            "bytes_before_vmcnt0_per_lane")
+    lines = [" | ".join(cols)]
+    for r in rows:
+        lines.append(" | ".join(str(r[c]) for c in cols))
+    return "\n".join(lines)
 
 
 def nvidia_object(arch: str, out: Path) -> Result:
@@ -160,7 +457,8 @@ def nvidia_object(arch: str, out: Path) -> Result:
 
 
 def run(amd: bool = True, nvidia: bool = True, out: Path | None = None, jobs: int = 2) -> Report:
-    """Run the checks whose compilers exist; a missing compiler is a failed result, never a pass."""
+    """Run the checks whose compilers exist; a missing compiler is a failed result, never a pass.
+    The AMD device passes' figures are kept for report_rows()."""
     report = Report()
     tmp = None
     if out is None:
@@ -169,14 +467,17 @@ def run(amd: bool = True, nvidia: bool = True, out: Path | None = None, jobs: in
     out.mkdir(parents=True, exist_ok=True)
     for tool in missing_tools(amd, nvidia):
         report.results.append(Result(f"tool available: {tool}", False, f"{tool} not found"))
-    tasks = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        if amd and hipcc():
-            tasks.append(pool.submit(amd_fat_object, out))
-            tasks += [pool.submit(amd_resource_usage, a) for a in AMD_ARCHS]
-        if nvidia and nvcc():
-            tasks += [pool.submit(nvidia_object, a, out) for a in NVIDIA_ARCHS]
-        report.results += [t.result() for t in tasks]
+        fat = pool.submit(amd_fat_object, out) if amd and hipcc() else None
+        passes = [pool.submit(amd_device_pass, a, out) for a in AMD_ARCHS] if amd and hipcc() else []
+        nv = [pool.submit(nvidia_object, a, out) for a in NVIDIA_ARCHS] if nvidia and nvcc() else []
+        if fat is not None:
+            report.results.append(fat.result())
+        device_passes = [f.result() for f in passes]
+        report.results += [amd_resource_usage(dp.arch, device_pass=dp) for dp in device_passes]
+        report.results += [f.result() for f in nv]
+    if device_passes and all(dp.ok for dp in device_passes):
+        _REPORT_CACHE[tuple(AMD_ARCHS)] = [row for dp in device_passes for row in rows_of(dp)]
     if tmp is not None:
         tmp.cleanup()
     return report
@@ -189,9 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--nvidia-only", action="store_true")
     p.add_argument("--out", type=Path, help="keep the objects here")
     p.add_argument("-j", "--jobs", type=int, default=2)
+    p.add_argument("--report", action="store_true", help="also print the per-kernel static figures")
     a = p.parse_args(argv)
     report = run(amd=not a.nvidia_only, nvidia=not a.amd_only, out=a.out, jobs=a.jobs)
     print(report.summary())
+    if a.report and not a.nvidia_only and tuple(AMD_ARCHS) in _REPORT_CACHE:
+        print(format_report(_REPORT_CACHE[tuple(AMD_ARCHS)]))
     return 0 if report.ok else 1
 
 

@@ -10,25 +10,38 @@
 // verification): the grid's x dimension runs over the batch's query tokens, and each block finds its
 // request by binary search over query_start_loc. Request r's query tokens are the LAST
 // q_len = qsl[r+1]-qsl[r] positions of its seq_lens[r] tokens; a query at position p attends causally
-// to keys 0..p, and with a sliding window W only to keys p-W+1..p (blocks entirely outside the window
-// are never read: their block-table entries may be garbage).
+// to keys 0..p, and with a sliding window W only to keys p-W+1..p. Blocks entirely outside the window
+// may hold garbage block-table entries: the kernel reads K/V only for the tiles covering the visible
+// keys (a tile may start up to KT-1 keys before the window; those keys are masked, and any block id
+// outside [0, num_blocks) is replaced by block 0 before it forms an address).
 //
-// Block = (up to 8 "rows" = query (token, head) pairs sharing one KV head and one request -- the
-// heads of a GQA group x consecutive query tokens, see RowMap --, KV partition); kNumWarps*WAVE
-// threads. Every K/V element a block reads serves all of its rows. The union of the rows' key ranges
-// is streamed in tiles of one key per thread with an online softmax per row (running max / sum, fp32
-// accumulation), each row masking the keys outside its own causal / window / partition range:
-//   QK: each thread reads its key row once (16-byte loads when aligned) and computes the dot products
-//       with the block's (pre-scaled) query rows in shared memory, applies softcap c*tanh(s/c);
-//   block max/sum reductions (wave shuffles + shared memory) give every thread the same m, l per row;
-//   PV: each thread owns head dims d = tid, tid+NT, ... and accumulates p_i * V[i][d] over the tile
-//       for every row (V reads coalesced across threads).
-// All loops that contain barriers or shuffles have block-uniform trip counts.
+// Block = (R "rows" = query (token, head) pairs sharing one KV head and one request -- the heads of a
+// GQA group x consecutive query tokens, see RowMap; R = 16 for 16-bit types on wave64, else 8 --, KV
+// partition); kNumWarps waves. Every K/V element a block reads serves all of its rows. The union of the
+// rows' key ranges is cut into tiles of KT keys; each wave streams its own contiguous share of the tiles
+// with its own online softmax per row (running max / sum, fp32 accumulation), so the hot loop has no
+// block barrier; the waves' partial results are combined once at the end through LDS.
+// Block-table entries are read once per window of WAVE entries (one 4-byte load per lane, outside the
+// tile loop) and handed to the lanes that need them with shuffles.
+//
+// Two tile engines, chosen at compile time per target (and at run time on the CPU harness):
+//   * MFMA (CDNA2/3, 16-bit types, wave64): K and V are loaded straight into matrix-fragment registers
+//     with 16-byte loads; S^T = K Q^T and O += P V run as v_mfma_f32_16x16x16{f16,bf16_1k} tiles
+//     (S^T's output layout is exactly P's operand layout for PV, so no transpose is needed);
+//   * FMA (fp32, RDNA wave32, NVIDIA, GCN without MFMA): a wave stages each K/V tile in its own LDS
+//     buffer with coalesced 16-byte loads (consecutive lanes read consecutive 16 bytes of a row), then
+//     computes the tile's dot products / PV from LDS with a wave-level barrier (wave_sync) in between.
 //
 // Split-KV ("partitioned") decode: for long contexts with too few (token, head) blocks to fill the
 // GPU, gridDim.z > 1 splits each key range into partitions of partition_size keys; each block writes
 // its partial (normalised output, max, sum) to a float workspace and paged_attention_reduce_kernel
 // combines them. The launcher (launcher.hip, kvmulti_hip_plan) decides when to split.
+//
+// Memory safety: whatever the metadata says, no kernel reads or writes outside the query / output /
+// cache / metadata / workspace tensors. A request whose query rows are not [qsl[r], qsl[r+1]) within
+// the query rows, or whose index is past the block table's rows, is skipped; keys past the table width
+// (bt_cols * block_size) are never visible; a block id outside [0, num_blocks) masks its keys (they are
+// read from block 0 instead); write_kv skips slots outside [0, num_blocks * block_size).
 #pragma once
 
 #include "kvmulti_common.h"
@@ -36,12 +49,12 @@
 namespace kvmulti {
 
 struct PagedAttentionParams {
-  void* out;                     // [num_tokens, Hq, HS] (strided), query dtype
-  const void* query;             // [num_tokens, Hq, HS] (strided), dim stride 1
-  const void* kv_cache;          // canonical layout, cache dtype == query dtype
+  void* out;                     // [num_query_rows, Hq, HS] (strided), query dtype
+  const void* query;             // [num_query_rows, Hq, HS] (strided), dim stride 1
+  const void* kv_cache;          // canonical layout, cache dtype == query dtype, num_blocks blocks
   const int* query_start_loc;    // [num_reqs + 1]
   const int* seq_lens;           // [num_reqs]
-  const int* block_table;        // [num_reqs, bt_stride]
+  const int* block_table;        // [bt_rows, bt_stride], bt_cols entries used per row
   float* part_out;               // split-KV only: [num_tokens, Hq, P, HS]
   float* part_max;               // split-KV only: [num_tokens, Hq, P]
   float* part_sum;               // split-KV only: [num_tokens, Hq, P]
@@ -50,235 +63,640 @@ struct PagedAttentionParams {
   int64_t kv_stride_block, kv_stride_token, kv_stride_head;
   int64_t bt_stride;
   int num_reqs, num_tokens, num_q_heads, num_kv_heads, block_size;
+  int bt_rows, bt_cols, num_blocks;  // bounds of the block table and of the cache
   int sliding_window;            // 0 = none
   int partition_size;            // keys per partition (split-KV only)
   int num_partitions;            // gridDim.z; 1 = no split
-  int kv_aligned16;              // cache base 16-byte aligned: K rows are read in 16-byte chunks
+  int kv_aligned16;              // cache base and strides 16-byte aligned: 16-byte vector loads
   float scale;
   float softcap;                 // 0 = none
+  float inv_softcap;             // 1 / softcap (0 when none)
 };
 
 struct WriteKVParams {
   const void* key;               // [num_tokens, Hkv, head_size] (strided)
   const void* value;             // [num_tokens, Hkv, head_size_v] (strided)
   void* kv_cache;
-  const int64_t* slot_mapping;   // [num_tokens], -1 = skip
+  const int64_t* slot_mapping;   // [num_tokens], outside [0, num_blocks * block_size) = skip
   int64_t k_stride_token, k_stride_head, k_stride_dim;
   int64_t v_stride_token, v_stride_head, v_stride_dim;
   int64_t kv_stride_block, kv_stride_token, kv_stride_head;
-  int num_tokens, num_kv_heads, head_size, head_size_v, block_size;
+  int num_tokens, num_kv_heads, head_size, head_size_v, block_size, num_blocks;
 };
 
 // Which (query token, query head) pairs -- "rows" -- one attention block computes. All rows of a
 // block share one KV head and one request, so every K/V element the block reads serves all of them:
 // heads_per_block = min(group, R) heads of one GQA group x tokens_per_block = R / heads_per_block
-// consecutive query tokens of one request (R = kMaxRows = 8). Block (x, y): x is the first query token
-// of its token tile (blocks whose token does not start a tile exit at once), y = kv_head * chunks + chunk.
+// consecutive query tokens of one request. Block (x, y): x is the first query token of its token
+// tile (blocks whose token does not start a tile exit at once), y = kv_head * chunks + chunk.
 struct RowMap {
   int heads_per_block, tokens_per_block, chunks;
-  __host__ __device__ RowMap(int num_q_heads, int num_kv_heads) {
+  __host__ __device__ RowMap(int num_q_heads, int num_kv_heads, int rows_per_block) {
     const int group = num_q_heads / num_kv_heads;
-    heads_per_block = group < kMaxRows ? group : kMaxRows;
-    tokens_per_block = kMaxRows / heads_per_block;
+    heads_per_block = group < rows_per_block ? group : rows_per_block;
+    tokens_per_block = rows_per_block / heads_per_block;
     chunks = (group + heads_per_block - 1) / heads_per_block;
   }
 };
 
-// Keys [x, y) visible to a query at position pos within partition part (x >= y: none).
-__device__ __forceinline__ void key_range(const PagedAttentionParams& p, int pos, int part, int& x, int& y) {
-  x = p.sliding_window > 0 ? max(0, pos - p.sliding_window + 1) : 0;
-  y = pos + 1;
+// What one attention block computes; all fields block-uniform. Row r = (token + r / nheads,
+// head0 + r % nheads) for r < rows.
+struct BlockTask {
+  int token, req, part, nheads, head0, kv_head, rows, ntok;
+  int kv_lo, kv_hi;   // union of the rows' visible keys (empty: kv_lo >= kv_hi)
+  int kmax;           // keys addressable through the block table: bt_cols * block_size (clamped)
+  long long pos0;     // position of `token` in its sequence (any value for invalid metadata)
+  const int* bt;      // this request's block-table row
+};
+
+// Keys [x, y) visible to the query tokens tq of a block: causal, sliding window, partition, table width.
+__device__ __forceinline__ void key_range(const PagedAttentionParams& p, const BlockTask& b, int tq, int& x,
+                                          int& y) {
+  const long long pos = b.pos0 + tq;
+  long long lo = p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0;
+  long long hi = pos + 1;
+  if (lo < 0) lo = 0;
   if (p.num_partitions > 1) {
-    x += part * p.partition_size;
-    y = min(y, x + p.partition_size);
+    lo += (long long)b.part * p.partition_size;
+    if (hi > lo + p.partition_size) hi = lo + p.partition_size;
+  }
+  if (hi > b.kmax) hi = b.kmax;
+  if (lo > b.kmax) lo = b.kmax;
+  if (hi < lo) hi = lo;  // empty (lo >= 0 here: never a negative key)
+  x = (int)lo;
+  y = (int)hi;
+}
+
+// What block_task found: compute the task, nothing to do (another block covers this token), or
+// metadata out of bounds for this token (the block writes zeros / empty partials for its own rows).
+enum class TaskKind { kCompute, kCovered, kInvalid };
+
+// Fills the block's task from the metadata. Block-uniform.
+template <int R>
+__device__ __forceinline__ TaskKind block_task(const PagedAttentionParams& p, BlockTask& b) {
+  b.token = (int)blockIdx.x;
+  b.part = (int)blockIdx.z;
+  const RowMap map(p.num_q_heads, p.num_kv_heads, R);
+  const int group = p.num_q_heads / p.num_kv_heads;
+  b.kv_head = (int)blockIdx.y / map.chunks;
+  b.head0 = b.kv_head * group + ((int)blockIdx.y % map.chunks) * map.heads_per_block;
+  b.nheads = min(map.heads_per_block, b.kv_head * group + group - b.head0);
+  b.ntok = 1;
+  b.rows = b.nheads;
+  b.kv_lo = 0;
+  b.kv_hi = 0;
+  if (b.token >= p.num_tokens) return TaskKind::kCovered;
+  int lo = 0, hi = p.num_reqs - 1;  // the last r with query_start_loc[r] <= token
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.query_start_loc[mid] <= b.token) lo = mid; else hi = mid - 1;
+  }
+  b.req = lo;
+  const int q_begin = p.query_start_loc[b.req];
+  const int q_end = p.query_start_loc[b.req + 1];
+  if (q_begin < 0 || b.token < q_begin || b.token >= q_end || b.req >= p.bt_rows) return TaskKind::kInvalid;
+  if ((b.token - q_begin) % map.tokens_per_block != 0) return TaskKind::kCovered;
+  b.ntok = min(map.tokens_per_block, min(q_end, p.num_tokens) - b.token);
+  b.rows = b.nheads * b.ntok;
+  b.pos0 = (long long)p.seq_lens[b.req] - ((long long)q_end - q_begin) + (b.token - q_begin);
+  const long long kmax = (long long)p.bt_cols * p.block_size;
+  b.kmax = (int)(kmax < 0 ? 0 : (kmax > 0x3fffffff ? 0x3fffffff : kmax));
+  b.bt = p.block_table + (int64_t)b.req * p.bt_stride;
+  // The union over the block's tokens is contiguous: ranges shift by at most one key per token.
+  b.kv_lo = 0x7fffffff;
+  b.kv_hi = 0;
+  for (int tq = 0; tq < b.ntok; ++tq) {
+    int x, y;
+    key_range(p, b, tq, x, y);
+    if (x < y) {
+      b.kv_lo = min(b.kv_lo, x);
+      b.kv_hi = max(b.kv_hi, y);
+    }
+  }
+  return TaskKind::kCompute;
+}
+
+// A block none of whose rows sees a key of its partition: writes zeros (output or partial).
+template <typename T, int HS, int NT>
+__device__ void write_empty_rows(const PagedAttentionParams& p, const BlockTask& b) {
+  for (int i = (int)threadIdx.x; i < b.rows * HS; i += NT) {
+    const int r = i / HS, d = i % HS;
+    const int tok = b.token + r / b.nheads, head = b.head0 + r % b.nheads;
+    if (p.num_partitions > 1) {
+      const int64_t idx = ((int64_t)tok * p.num_q_heads + head) * p.num_partitions + b.part;
+      if (d == 0) {
+        p.part_max[idx] = -FLT_MAX;
+        p.part_sum[idx] = 0.f;
+      }
+      p.part_out[idx * HS + d] = 0.f;
+    } else {
+      static_cast<T*>(p.out)[(int64_t)tok * p.o_stride_token + (int64_t)head * p.o_stride_head + d] =
+          Cvt<T>::from(0.f);
+    }
   }
 }
 
-template <typename T, int HS, int WAVE>
-__device__ __forceinline__ void paged_attention_body(const PagedAttentionParams& p) {
-  constexpr int NT = kNumWarps * WAVE;
-  constexpr int DPT = (HS + NT - 1) / NT;  // output dims per thread
-  constexpr int R = kMaxRows;
-  const int tid = (int)threadIdx.x;
-  const int token = (int)blockIdx.x;
-  const int part = (int)blockIdx.z;
-
-  __shared__ float q_s[R][HS];
-  __shared__ float p_s[R][NT];
-  __shared__ int64_t row_s[NT];
-  __shared__ float red_s[R][kNumWarps];
-
-  // Request of this token: the last r with query_start_loc[r] <= token (block-uniform).
-  int lo = 0, hi = p.num_reqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (p.query_start_loc[mid] <= token) lo = mid; else hi = mid - 1;
-  }
-  const int req = lo;
-  const int q_begin = p.query_start_loc[req];
-  const int q_end = p.query_start_loc[req + 1];
-  const RowMap map(p.num_q_heads, p.num_kv_heads);
-  if ((token - q_begin) % map.tokens_per_block != 0) return;  // another block covers this token (uniform)
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int kv_head = (int)blockIdx.y / map.chunks;
-  const int head0 = kv_head * group + ((int)blockIdx.y % map.chunks) * map.heads_per_block;
-  const int nheads = min(map.heads_per_block, kv_head * group + group - head0);
-  const int ntok = min(map.tokens_per_block, q_end - token);
-  const int rows = nheads * ntok;  // row r = (token + r / nheads, head0 + r % nheads); block-uniform
-  const int pos0 = p.seq_lens[req] - (q_end - q_begin) + (token - q_begin);  // position of `token`
-
-  // Rows of token tq (= r / nheads) see keys [x, y) = key_range(tq): causal, sliding window, this
-  // block's partition. The union [kv_lo, kv_hi) over the block's tokens is contiguous (ranges shift by
-  // at most one key per token) and every key in it is visible to some row, so its block-table entry is
-  // real. Ranges are recomputed per token inside the loops (a few scalar ops) rather than kept in
-  // 2 x 8 scalar registers, which made gfx90a spill.
-  int kv_lo = 0x7fffffff, kv_hi = 0;
-  for (int tq = 0; tq < ntok; ++tq) {
-    int x, y;
-    key_range(p, pos0 + tq, part, x, y);
-    if (x < y) {
-      kv_lo = min(kv_lo, x);
-      kv_hi = max(kv_hi, y);
-    }
-  }
-  const T* cache = static_cast<const T*>(p.kv_cache) + (int64_t)kv_head * p.kv_stride_head;
-  const int* bt = p.block_table + (int64_t)req * p.bt_stride;
-
-  if (kv_lo >= kv_hi) {  // no row sees a key in this partition (uniform): contributes nothing
-    for (int i = tid; i < rows * HS; i += NT) {
-      const int r = i / HS, d = i % HS;
-      const int tok = token + r / nheads, head = head0 + r % nheads;
-      if (p.num_partitions > 1) {
-        const int64_t idx = ((int64_t)tok * p.num_q_heads + head) * p.num_partitions + part;
-        if (d == 0) {
-          p.part_max[idx] = -FLT_MAX;
-          p.part_sum[idx] = 0.f;
-        }
-        p.part_out[idx * HS + d] = 0.f;
-      } else {
-        static_cast<T*>(p.out)[(int64_t)tok * p.o_stride_token + (int64_t)head * p.o_stride_head + d] =
-            Cvt<T>::from(0.f);
-      }
-    }
-    return;
-  }
-
-  for (int i = tid; i < rows * HS; i += NT) {
-    const int r = i / HS, d = i % HS;
-    const int tok = token + r / nheads, head = head0 + r % nheads;
-    const T* q = static_cast<const T*>(p.query) + (int64_t)tok * p.q_stride_token + (int64_t)head * p.q_stride_head;
-    q_s[r][d] = Cvt<T>::to(q[d]) * p.scale;
+// Per-row key ranges of the block in shared memory (rows >= b.rows: empty). Ends with a barrier.
+template <int R>
+__device__ __forceinline__ void publish_row_ranges(const PagedAttentionParams& p, const BlockTask& b,
+                                                   int (&rlo)[R], int (&rhi)[R]) {
+  const int r = (int)threadIdx.x;
+  if (r < R) {
+    int x = 0, y = 0;
+    if (r < b.rows) key_range(p, b, r / b.nheads, x, y);
+    rlo[r] = x;
+    rhi[r] = y;
   }
   __syncthreads();
+}
 
-  float m[R], l[R], acc[R][DPT];
+// Tiles of KT keys, aligned to multiples of KT, covering [kv_lo, kv_hi); wave `warp` takes the
+// contiguous share [first, last) of them.
+template <int KT>
+struct TileRange {
+  int base, first, last;
+  __device__ TileRange(const BlockTask& b, int warp) {
+    base = b.kv_lo / KT * KT;
+    const int n = (b.kv_hi - base + KT - 1) / KT;
+    first = (int)((long long)n * warp / kNumWarps);
+    last = (int)((long long)n * (warp + 1) / kNumWarps);
+  }
+};
+
+// Block-table window: lane i holds entry win * WAVE + i of the request's row (-1 past the table width).
+template <int WAVE>
+__device__ __forceinline__ int load_bt_window(const PagedAttentionParams& p, const BlockTask& b, int win, int lane) {
+  const long long i = (long long)win * WAVE + lane;
+  return i < p.bt_cols ? b.bt[i] : -1;
+}
+
+// Row offset (elements) of key t of the block-table window that starts at key ws = win * WAVE *
+// block_size, whose entry i lane i holds (bt_win); a block id outside [0, num_blocks) gives block 0 and
+// valid = false. The division by block_size goes through a float reciprocal (inv_bs = 1 / block_size)
+// plus a one-step fix-up: exact for 0 <= t - ws < WAVE * block_size (the launcher bounds block_size),
+// and a few VALU ops instead of an integer division per key. Every lane calls it (a shuffle).
+template <int WAVE>
+__device__ __forceinline__ int64_t key_row(const PagedAttentionParams& p, int bt_win, int ws, float inv_bs, int t,
+                                           bool& valid) {
+  const int bs = p.block_size, tr = t - ws;
+  int q = (int)((float)tr * inv_bs);
+  int r = tr - q * bs;
+  const bool under = r < 0;  // selects, not branches
+  q -= under ? 1 : 0;
+  r += under ? bs : 0;
+  const bool over = r >= bs;
+  q += over ? 1 : 0;
+  r -= over ? bs : 0;
+  const int blk = __shfl(bt_win, q, WAVE);
+  valid = blk >= 0 && blk < p.num_blocks;
+  // blk, r >= 0 and the strides are positive: unsigned 32 x 64-bit products
+  return (int64_t)((uint64_t)(uint32_t)(valid ? blk : 0) * (uint64_t)p.kv_stride_block +
+                   (uint64_t)(uint32_t)r * (uint64_t)p.kv_stride_token);
+}
+
+// Cross-wave combine: every wave has per-row (m, l) and unnormalised accumulators; the block's result
+// is sum_w acc_w * exp(m_w - M) / L with M = max_w m_w, L = sum_w l_w exp(m_w - M). Waves publish m, l
+// (lanes holding them call with publish = true), then add their scaled accumulators into o_s in turn.
+template <int R>
+struct Combine {
+  float m[kNumWarps][R], l[kNumWarps][R];
+};
+template <int R>
+__device__ __forceinline__ float combine_factor(const Combine<R>& c, int warp, int r, float& M, float& L) {
+  M = -FLT_MAX;
+#pragma unroll
+  for (int w = 0; w < kNumWarps; ++w) M = fmaxf(M, c.m[w][r]);
+  L = 0.f;
+#pragma unroll
+  for (int w = 0; w < kNumWarps; ++w) L += c.l[w][r] * __expf(c.m[w][r] - M);
+  return L > 0.f ? __expf(c.m[warp][r] - M) / L : 0.f;
+}
+
+// Writes the block's normalised rows from o_s ([R][HS] floats) to the output or the split-KV workspace.
+template <typename T, int HS, int NT, int R>
+__device__ void write_rows(const PagedAttentionParams& p, const BlockTask& b, const float (*o_s)[HS],
+                           const Combine<R>& c) {
+  for (int i = (int)threadIdx.x; i < b.rows * HS; i += NT) {
+    const int r = i / HS, d = i % HS;
+    const int tok = b.token + r / b.nheads, head = b.head0 + r % b.nheads;
+    if (p.num_partitions > 1) {
+      const int64_t idx = ((int64_t)tok * p.num_q_heads + head) * p.num_partitions + b.part;
+      if (d == 0) {
+        float M, L;
+        (void)combine_factor<R>(c, 0, r, M, L);
+        p.part_max[idx] = M;
+        p.part_sum[idx] = L;
+      }
+      p.part_out[idx * HS + d] = o_s[r][d];
+    } else {
+      static_cast<T*>(p.out)[(int64_t)tok * p.o_stride_token + (int64_t)head * p.o_stride_head + d] =
+          Cvt<T>::from(o_s[r][d]);
+    }
+  }
+}
+
+// Score post-processing shared by both engines: scale, softcap, mask (-inf: p = 0 below).
+__device__ __forceinline__ float finish_score(const PagedAttentionParams& p, float s, bool visible) {
+  s *= p.scale;
+  if (p.softcap > 0.f) s = p.softcap * tanhf(s * p.inv_softcap);
+  return visible ? s : -INFINITY;
+}
+
+// ============================================================================ FMA engine
+// Keys per FMA tile: the largest power of two whose K rows fit in 2 KiB (the V rows take another
+// 2 KiB of the wave's LDS buffer).
+template <typename T, int HS>
+constexpr int fma_tile_keys() {
+  int kt = 1;
+  while (kt * 2 * HS * (int)sizeof(T) <= 2048) kt *= 2;
+  return kt;
+}
+
+template <typename T, int HS, int WAVE, int R>
+struct FmaShared {
+  static constexpr int KT = fma_tile_keys<T, HS>();
+  union {
+    float q[R][HS];                  // pre-loop: the block's query rows (fp32, unscaled)
+    float o[R][HS];                  // post-loop: the combined output rows
+  } qo;
+  alignas(16) T kv[kNumWarps][2][KT * HS];  // per wave: K tile, V tile
+  float s[kNumWarps][R][KT];         // per wave: the tile's scores
+  int key_ok[kNumWarps][KT];         // per wave: the tile's keys have a valid block id
+  int rlo[R], rhi[R];
+  Combine<R> comb;
+};
+
+template <typename T, int HS, int WAVE, int R, bool ALIGNED>
+__device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const BlockTask& b,
+                                           FmaShared<T, HS, WAVE, R>& sh, float (&m)[R], float (&l)[R],
+                                           float (&acc)[R][(HS + WAVE - 1) / WAVE]) {
+  using Sh = FmaShared<T, HS, WAVE, R>;
+  constexpr int KT = Sh::KT;
+  constexpr int NCH = HS * (int)sizeof(T) / 16;        // 16-byte chunks per row
+  constexpr int LPL = (KT * NCH + WAVE - 1) / WAVE;   // 16-byte loads per lane per tile (K; V the same)
+  constexpr int DPL = (HS + WAVE - 1) / WAVE;          // output dims per lane
+  constexpr int EPC = 16 / (int)sizeof(T);             // elements per chunk
+  const int lane = (int)threadIdx.x % WAVE, warp = (int)threadIdx.x / WAVE;
+  const T* cache = static_cast<const T*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
+  const TileRange<KT> tiles(b, warp);
+  T* ks = sh.kv[warp][0];
+  T* vs = sh.kv[warp][1];
+  const int win_keys = WAVE * p.block_size;  // keys per block-table window (a multiple of KT)
+  const float inv_bs = 1.f / (float)p.block_size;
+  for (int tile = tiles.first; tile < tiles.last;) {  // windows (uniform per wave)
+    const int win = (tiles.base + tile * KT) / win_keys;
+    const int bt_win = load_bt_window<WAVE>(p, b, win, lane);
+    const int ws = win * win_keys, win_end = ws + win_keys;
+    for (; tile < tiles.last && tiles.base + tile * KT < win_end; ++tile) {  // the hot loop
+      const int t0 = tiles.base + tile * KT;
+      Chunk16 kc[LPL], vc[LPL];
+      bool ok[LPL];
+#pragma unroll
+      for (int j = 0; j < LPL; ++j) {  // lanes over consecutive 16-byte chunks of consecutive rows
+        const int c = j * WAVE + lane;
+        const int kk = (c < KT * NCH ? c : 0) / NCH, ch = c % NCH;
+        const int64_t row = key_row<WAVE>(p, bt_win, ws, inv_bs, t0 + kk, ok[j]);
+        if (c < KT * NCH) {
+          kc[j] = load_chunk<T, ALIGNED>(cache + row + ch * EPC);
+          vc[j] = load_chunk<T, ALIGNED>(cache + row + HS + ch * EPC);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < LPL; ++j) {
+        const int c = j * WAVE + lane;
+        if (c < KT * NCH) {
+          *reinterpret_cast<Chunk16*>(ks + c * EPC) = kc[j];
+          *reinterpret_cast<Chunk16*>(vs + c * EPC) = vc[j];
+          if (c % NCH == 0) sh.key_ok[warp][c / NCH] = ok[j] ? 1 : 0;
+        }
+      }
+      wave_sync();
+      // QK: item (kk, r) -> one dot product of HS from LDS.
+      for (int item = lane; item < KT * R; item += WAVE) {
+        const int kk = item % KT, r = item / KT, t = t0 + kk;
+        float s = 0.f;
+        const T* krow = ks + kk * HS;
+#pragma unroll 4
+        for (int d = 0; d < HS; ++d) s += sh.qo.q[r][d] * Cvt<T>::to(krow[d]);
+        const bool vis = sh.key_ok[warp][kk] && t >= sh.rlo[r] && t < sh.rhi[r];
+        sh.s[warp][r][kk] = finish_score(p, s, vis);
+      }
+      wave_sync();
+      // Online softmax, every lane for every row (uniform per wave), then PV from LDS.
+      float alpha[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float tmax = -INFINITY;
+#pragma unroll
+        for (int kk = 0; kk < KT; ++kk) tmax = fmaxf(tmax, sh.s[warp][r][kk]);
+        const float m_new = fmaxf(m[r], tmax);
+        alpha[r] = __expf(m[r] - m_new);
+        m[r] = m_new;
+        l[r] *= alpha[r];
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[r][i] *= alpha[r];
+      }
+#pragma unroll 2
+      for (int kk = 0; kk < KT; ++kk) {
+        float v[DPL];
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) {
+          const int d = lane + i * WAVE;
+          v[i] = d < HS ? Cvt<T>::to(vs[kk * HS + d]) : 0.f;
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float e = __expf(sh.s[warp][r][kk] - m[r]);
+          l[r] += e;
+#pragma unroll
+          for (int i = 0; i < DPL; ++i) acc[r][i] += e * v[i];
+        }
+      }
+      wave_sync();  // the next tile rewrites this wave's K/V/s buffers
+    }
+  }
+}
+
+template <typename T, int HS, int WAVE, int R>
+__device__ void fma_body(const PagedAttentionParams& p, const BlockTask& b) {
+  constexpr int NT = kNumWarps * WAVE;
+  constexpr int DPL = (HS + WAVE - 1) / WAVE;
+  __shared__ FmaShared<T, HS, WAVE, R> sh;
+  const int tid = (int)threadIdx.x, lane = tid % WAVE, warp = tid / WAVE;
+  for (int i = tid; i < R * HS; i += NT) {
+    const int r = i / HS, d = i % HS;
+    float q = 0.f;
+    if (r < b.rows) {
+      const int tok = b.token + r / b.nheads, head = b.head0 + r % b.nheads;
+      q = Cvt<T>::to(static_cast<const T*>(p.query)[(int64_t)tok * p.q_stride_token +
+                                                   (int64_t)head * p.q_stride_head + d]);
+    }
+    sh.qo.q[r][d] = q;
+  }
+  publish_row_ranges<R>(p, b, sh.rlo, sh.rhi);  // + barrier: q visible
+
+  float m[R], l[R], acc[R][DPL];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     m[r] = -FLT_MAX;
     l[r] = 0.f;
 #pragma unroll
-    for (int j = 0; j < DPT; ++j) acc[r][j] = 0.f;
+    for (int i = 0; i < DPL; ++i) acc[r][i] = 0.f;
   }
-  const bool aligned = p.kv_aligned16 != 0;
+  if (p.kv_aligned16) fma_stream<T, HS, WAVE, R, true>(p, b, sh, m, l, acc);
+  else fma_stream<T, HS, WAVE, R, false>(p, b, sh, m, l, acc);
 
-  for (int t0 = kv_lo; t0 < kv_hi; t0 += NT) {  // uniform trip count
-    const int t = t0 + tid;
-    float s[R];
-    unsigned visible = 0u;  // bit r: key t is in row r's range
+  if (lane < R) {
+    float mm = m[0], ll = l[0];
 #pragma unroll
-    for (int r = 0; r < R; ++r) s[r] = -FLT_MAX;
-    if (t < kv_hi) {
-      const int64_t blk = bt[t / p.block_size];  // t is visible to some row: its block is real
-      const int64_t row = blk * p.kv_stride_block + (int64_t)(t % p.block_size) * p.kv_stride_token;
-      row_s[tid] = row;
-      dot_rows<T, HS, R>(&q_s[0][0], cache + row, aligned, rows, s);
-      // Tokens tq (rows tq * nheads ...) whose key_range(pos0 + tq, part) holds t: an interval
-      // [lo_tq, hi_tq], in closed form (ranges are nondecreasing in tq).
-      const int W = p.sliding_window, ps = p.partition_size;
-      const int tp = p.num_partitions > 1 ? t - part * ps : t;  // t relative to the partition start
-      int lo_tq = t - pos0;                                      // causal: t <= pos0 + tq
-      int hi_tq = tp < 0 ? -1 : (W > 0 ? tp - pos0 + W - 1 : ntok - 1);
-      if (p.num_partitions > 1 && tp >= ps) {                   // t >= start + ps for small tq
-        if (W > 0) lo_tq = max(lo_tq, tp - ps - pos0 + W);
-        else hi_tq = -1;
-      }
-      lo_tq = max(lo_tq, 0);
-      hi_tq = min(hi_tq, ntok - 1);
-      if (lo_tq <= hi_tq)
-        visible = ((1u << ((hi_tq + 1) * nheads)) - 1u) & ~((1u << (lo_tq * nheads)) - 1u);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (p.softcap > 0.f) s[r] = p.softcap * tanhf(s[r] / p.softcap);
-        if (!((visible >> r) & 1u)) s[r] = -FLT_MAX;  // masked for this row
-      }
-    }
-    float m_new[R], e[R], alpha[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) m_new[r] = s[r];
-    block_reduce_rows<WAVE, kNumWarps, true, R>(m_new, rows, red_s);
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      m_new[r] = fmaxf(m[r], m_new[r]);
-      e[r] = ((visible >> r) & 1u) ? __expf(s[r] - m_new[r]) : 0.f;
-      if (r < rows) p_s[r][tid] = e[r];
-    }
-    block_reduce_rows<WAVE, kNumWarps, false, R>(e, rows, red_s);  // also publishes p_s, row_s
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      alpha[r] = __expf(m[r] - m_new[r]);  // 1 while a row has seen no key yet (both -FLT_MAX)
-      l[r] = l[r] * alpha[r] + e[r];
-      m[r] = m_new[r];
-    }
-    const int n = min(NT, kv_hi - t0);
-#pragma unroll
-    for (int j = 0; j < DPT; ++j) {
-      const int d = tid + j * NT;
-      if (d < HS) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][j] *= alpha[r];
-        for (int i = 0; i < n; ++i) {
-          const float v = Cvt<T>::to(cache[row_s[i] + HS + d]);
-#pragma unroll
-          for (int r = 0; r < R; ++r)
-            if (r < rows) acc[r][j] += p_s[r][i] * v;
-        }
-      }
-    }
-    __syncthreads();  // p_s / row_s are rewritten by the next tile
+    for (int r = 1; r < R; ++r)
+      if (r == lane) mm = m[r], ll = l[r];
+    sh.comb.m[warp][lane] = mm;
+    sh.comb.l[warp][lane] = ll;
   }
-
+  __syncthreads();  // also: every wave is done with q
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    if (r >= rows) continue;
-    const int tok = token + r / nheads, head = head0 + r % nheads;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    if (p.num_partitions > 1) {
-      const int64_t idx = ((int64_t)tok * p.num_q_heads + head) * p.num_partitions + part;
-      if (tid == 0) {
-        p.part_max[idx] = m[r];
-        p.part_sum[idx] = l[r];
-      }
+    float M, L;
+    const float f = combine_factor<R>(sh.comb, warp, r, M, L);
+    for (int i = 0; i < DPL; ++i) acc[r][i] *= f;
+  }
+  for (int w = 0; w < kNumWarps; ++w) {
+    if (warp == w) {
 #pragma unroll
-      for (int j = 0; j < DPT; ++j) {
-        const int d = tid + j * NT;
-        if (d < HS) p.part_out[idx * HS + d] = acc[r][j] * inv;
-      }
-    } else {
-      T* o = static_cast<T*>(p.out) + (int64_t)tok * p.o_stride_token + (int64_t)head * p.o_stride_head;
+      for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int j = 0; j < DPT; ++j) {
-        const int d = tid + j * NT;
-        if (d < HS) o[d] = Cvt<T>::from(acc[r][j] * inv);
+        for (int i = 0; i < DPL; ++i) {
+          const int d = lane + i * WAVE;
+          if (d < HS) sh.qo.o[r][d] = (w == 0 ? 0.f : sh.qo.o[r][d]) + acc[r][i];
+        }
+    }
+    __syncthreads();
+  }
+  write_rows<T, HS, NT, R>(p, b, sh.qo.o, sh.comb);
+}
+
+// ============================================================================ MFMA engine
+#if KVMULTI_HAS_MFMA
+// Fragment geometry for 16-bit types, wave64, 16 rows (the N dimension of S^T = K Q^T).
+template <int HS>
+struct MfmaGeom {
+  static constexpr int NCH = HS / 8;               // 16-byte chunks per row
+  static constexpr int QKC = (NCH + 3) / 4;        // K / Q chunks per lane: lane group q holds chunks 4u + q
+  static constexpr int PVC = (NCH + 15) / 16;      // V chunks per lane and key: lane j holds chunks j + 16u
+  static constexpr int NSUB = HS <= 128 ? 2 : 1;   // 16-key sub-tiles per iteration
+  static constexpr int KT = 16 * NSUB;
+};
+
+template <int HS>
+struct MfmaShared {
+  float o[16][HS];
+  int rlo[16], rhi[16];
+  Combine<16> comb;
+};
+
+__device__ __forceinline__ uint32_t half_of(const Chunk16& c, int e) { return (c.w[e >> 1] >> (16 * (e & 1))) & 0xffffu; }
+
+// Lane roles (lane = n + 16 * g, n < 16, g < 4) in the 16x16x16 layouts (A[i][k]: lane i + 16 (k/4),
+// B[k][j]: lane j + 16 (k/4), D[i][j]: lane j + 16 (i/4), element = k%4 resp. i%4):
+//   S^T = K Q^T (M = keys, N = rows, K = head dims): lane (n, g) holds K[key n] and Q[row n] dims
+//     8 (4u + g) + 4h + 0..3 for MFMA (u, h) -- chunk 4u + g of the row, 16 bytes = 2 MFMAs -- and
+//     receives S^T[keys 4g .. 4g+3][row n];
+//   O += P V (M = rows, N = head dims, K = keys): lane (n, g) holds P[row n][keys 4g .. 4g+3] (exactly
+//     what it received from S^T) and V[keys 4g .. 4g+3][dim 8 (n + 16u) + c] for MFMA (u, c) -- chunk
+//     n + 16u of four rows, each a 16-byte load in which consecutive lanes read consecutive 16 bytes --,
+//     and receives O[rows 4g .. 4g+3][dim 8 (n + 16u) + c].
+template <typename T, int HS, bool ALIGNED>
+__device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const BlockTask& b, int rlo, int rhi,
+                                            float& m, float& l, mfma_f32x4 (&acc)[MfmaGeom<HS>::PVC][8],
+                                            const Frag (&qf)[MfmaGeom<HS>::QKC][2]) {
+  using G = MfmaGeom<HS>;
+  constexpr int WAVE = 64, NSUB = G::NSUB, QKC = G::QKC, PVC = G::PVC, NCH = G::NCH, KT = G::KT;
+  const int lane = (int)threadIdx.x % WAVE, warp = (int)threadIdx.x / WAVE;
+  const int n = lane % 16, g = lane / 16;
+  const T* cache = static_cast<const T*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
+  const TileRange<KT> tiles(b, warp);
+  const int win_keys = WAVE * p.block_size;  // keys per block-table window (a multiple of KT)
+  const float inv_bs = 1.f / (float)p.block_size;
+  for (int tile = tiles.first; tile < tiles.last;) {  // windows (uniform per wave)
+    const int win = (tiles.base + tile * KT) / win_keys;
+    const int bt_win = load_bt_window<WAVE>(p, b, win, lane);
+    const int ws = win * win_keys, win_end = ws + win_keys;
+    for (; tile < tiles.last && tiles.base + tile * KT < win_end; ++tile) {  // the hot loop
+      const int t0 = tiles.base + tile * KT;
+      // 1. Every K and V load of the iteration is issued before any is used.
+      Chunk16 kc[NSUB][QKC], vc[NSUB][4][PVC];
+      bool ok[NSUB][4];
+#pragma unroll
+      for (int sub = 0; sub < NSUB; ++sub) {
+        bool unused;
+        const int64_t krow = key_row<WAVE>(p, bt_win, ws, inv_bs, t0 + 16 * sub + n, unused);
+#pragma unroll
+        for (int u = 0; u < QKC; ++u) {
+          const int ch = 4 * u + g;
+          kc[sub][u] = ch < NCH ? load_chunk<T, ALIGNED>(cache + krow + ch * 8) : Chunk16{{0u, 0u, 0u, 0u}};
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t vrow = key_row<WAVE>(p, bt_win, ws, inv_bs, t0 + 16 * sub + 4 * g + e, ok[sub][e]);
+#pragma unroll
+          for (int u = 0; u < PVC; ++u) {
+            const int ch = n + 16 * u;
+            vc[sub][e][u] = ch < NCH ? load_chunk<T, ALIGNED>(cache + vrow + HS + ch * 8) : Chunk16{{0u, 0u, 0u, 0u}};
+          }
+        }
+      }
+      // 2. S^T = K Q^T per 16-key sub-tile, scores, masks, tile max per row.
+      float s[NSUB][4];
+      float tmax = -INFINITY;
+#pragma unroll
+      for (int sub = 0; sub < NSUB; ++sub) {
+        mfma_f32x4 d = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int u = 0; u < QKC; ++u)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const Frag a = {{kc[sub][u].w[2 * h], kc[sub][u].w[2 * h + 1]}};
+            d = mfma_16x16x16<T>(a, qf[u][h], d);
+          }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = t0 + 16 * sub + 4 * g + e;
+          s[sub][e] = finish_score(p, d[e], ok[sub][e] && t >= rlo && t < rhi);
+          tmax = fmaxf(tmax, s[sub][e]);
+        }
+      }
+      // 3. Online softmax: row n's max over the 4 lanes g holding its keys.
+      tmax = wave_max_from<WAVE, 16>(tmax);
+      const float m_new = fmaxf(m, tmax);
+      const float alpha = __expf(m - m_new);
+      m = m_new;
+      l *= alpha;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {  // acc rows 4g + r: that row's alpha lives in lane 4g + r
+        const float a = __shfl(alpha, 4 * g + r, WAVE);
+#pragma unroll
+        for (int u = 0; u < PVC; ++u)
+#pragma unroll
+          for (int c = 0; c < 8; ++c) acc[u][c][r] *= a;
+      }
+      // 4. O += P V per 16-key sub-tile.
+#pragma unroll
+      for (int sub = 0; sub < NSUB; ++sub) {
+        float pe[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          pe[e] = __expf(s[sub][e] - m);
+          l += pe[e];
+        }
+        const Frag pa = {{(uint32_t)Bits16<T>::of(pe[0]) | ((uint32_t)Bits16<T>::of(pe[1]) << 16),
+                          (uint32_t)Bits16<T>::of(pe[2]) | ((uint32_t)Bits16<T>::of(pe[3]) << 16)}};
+#pragma unroll
+        for (int u = 0; u < PVC; ++u)
+#pragma unroll
+          for (int c = 0; c < 8; ++c) {
+            const Frag vb = {{half_of(vc[sub][0][u], c) | (half_of(vc[sub][1][u], c) << 16),
+                              half_of(vc[sub][2][u], c) | (half_of(vc[sub][3][u], c) << 16)}};
+            acc[u][c] = mfma_16x16x16<T>(pa, vb, acc[u][c]);
+          }
       }
     }
   }
 }
 
+template <typename T, int HS>
+__device__ void mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
+  using G = MfmaGeom<HS>;
+  constexpr int WAVE = 64, NT = kNumWarps * WAVE, QKC = G::QKC, PVC = G::PVC, NCH = G::NCH;
+  __shared__ MfmaShared<HS> sh;
+  const int tid = (int)threadIdx.x, lane = tid % WAVE, warp = tid / WAVE;
+  const int n = lane % 16, g = lane / 16;
+  publish_row_ranges<16>(p, b, sh.rlo, sh.rhi);
+  const int rlo = sh.rlo[n], rhi = sh.rhi[n];
+  // Q fragments (B operand of S^T = K Q^T) of row n, unscaled; rows past b.rows are zero.
+  Frag qf[QKC][2];
+  const T* q = nullptr;
+  if (n < b.rows)
+    q = static_cast<const T*>(p.query) + (int64_t)(b.token + n / b.nheads) * p.q_stride_token +
+        (int64_t)(b.head0 + n % b.nheads) * p.q_stride_head;
+#pragma unroll
+  for (int u = 0; u < QKC; ++u)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        const int d = 8 * (4 * u + g) + 4 * h + 2 * w;
+        uint32_t bits = 0u;
+        if (q && d < 8 * NCH) {
+          const unsigned short* qh = reinterpret_cast<const unsigned short*>(q + d);
+          bits = (uint32_t)qh[0] | ((uint32_t)qh[1] << 16);
+        }
+        qf[u][h].w[w] = bits;
+      }
+  float m = -FLT_MAX, l = 0.f;
+  mfma_f32x4 acc[PVC][8];
+#pragma unroll
+  for (int u = 0; u < PVC; ++u)
+#pragma unroll
+    for (int c = 0; c < 8; ++c) acc[u][c] = mfma_f32x4{0.f, 0.f, 0.f, 0.f};
+  if (p.kv_aligned16) mfma_stream<T, HS, true>(p, b, rlo, rhi, m, l, acc, qf);
+  else mfma_stream<T, HS, false>(p, b, rlo, rhi, m, l, acc, qf);
+
+  l = wave_sum_from<WAVE, 16>(l);
+  if (g == 0) {
+    sh.comb.m[warp][n] = m;
+    sh.comb.l[warp][n] = l;
+  }
+  __syncthreads();
+  float f[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    float M, L;
+    f[r] = combine_factor<16>(sh.comb, warp, 4 * g + r, M, L);
+  }
+  for (int w = 0; w < kNumWarps; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int u = 0; u < PVC; ++u)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          const int d = 8 * (n + 16 * u) + c;
+          if (d < HS) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+              sh.o[4 * g + r][d] = (w == 0 ? 0.f : sh.o[4 * g + r][d]) + acc[u][c][r] * f[r];
+          }
+        }
+    }
+    __syncthreads();
+  }
+  write_rows<T, HS, NT, 16>(p, b, sh.o, sh.comb);
+}
+#endif  // KVMULTI_HAS_MFMA
+
 // grid (num_tokens, num_kv_heads * RowMap::chunks, num_partitions), block kNumWarps * WAVE threads, no
 // dynamic shared memory.
 template <typename T, int HS, int WAVE>
-__global__ void __launch_bounds__(kNumWarps * WAVE, 1) paged_attention_kernel(const PagedAttentionParams p) {
-  if constexpr (wave_matches_target<WAVE>()) paged_attention_body<T, HS, WAVE>(p);
+__global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_attention_kernel(const PagedAttentionParams p) {
+  if (!wave_matches_target<WAVE>()) return;
+  constexpr int R = rows_per_block<T, WAVE>();
+  constexpr int NT = kNumWarps * WAVE;
+  BlockTask b;
+  const TaskKind kind = block_task<R>(p, b);
+  if (kind == TaskKind::kCovered) return;
+  if (kind == TaskKind::kInvalid || b.kv_lo >= b.kv_hi) {  // no row sees a key in this partition
+    write_empty_rows<T, HS, NT>(p, b);
+    return;
+  }
+#if KVMULTI_HAS_MFMA
+  if constexpr (R == 16) {
+    if (mfma_enabled()) {
+      mfma_body<T, HS>(p, b);
+      return;
+    }
+  }
+#endif
+  fma_body<T, HS, WAVE, R>(p, b);
 }
 
 // Combines the partitions of the split-KV path. grid (num_tokens, num_q_heads), any block size,
@@ -309,12 +727,14 @@ __global__ void __launch_bounds__(256) paged_attention_reduce_kernel(const Paged
   }
 }
 
-// Writes the new tokens' K and V into their slots. grid (num_tokens), any block size; slot -1 skipped.
+// Writes the new tokens' K and V into their slots. grid (num_tokens), any block size; slot -1 (and any
+// slot outside [0, num_blocks * block_size)) skipped.
 template <typename T>
 __global__ void __launch_bounds__(256) write_kv_kernel(const WriteKVParams p) {
   const int tok = (int)blockIdx.x;
   const int64_t slot = p.slot_mapping[tok];
-  if (slot < 0) return;  // padding token (uniform: no barriers in this kernel)
+  // padding token (-1) or a slot outside the cache: skipped (uniform: no barriers in this kernel)
+  if (slot < 0 || slot / p.block_size >= p.num_blocks) return;
   const int64_t blk = slot / p.block_size, off = slot % p.block_size;
   T* dst = static_cast<T*>(p.kv_cache) + blk * p.kv_stride_block + off * p.kv_stride_token;
   const T* key = static_cast<const T*>(p.key) + (int64_t)tok * p.k_stride_token;

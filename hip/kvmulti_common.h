@@ -1,4 +1,4 @@
-// kvmulti HIP kernels: shared helpers (dtype conversion, wave size, block reductions).
+// kvmulti HIP kernels: shared helpers (dtype conversion, wave size, wave sync, 16-byte chunks, MFMA wrappers).
 //
 // The same source compiles with
 //   * hipcc / clang -x hip for AMD GPUs (HIP_PLATFORM=amd),
@@ -11,32 +11,72 @@
 #include <hip/hip_bfloat16.h>
 #include <float.h>
 #include <stdint.h>
+#include <type_traits>
 
 namespace kvmulti {
 
 // Threads per attention block = kNumWarps * WAVE (256 on CDNA wave64, 128 on RDNA wave32 / NVIDIA).
 constexpr int kNumWarps = 4;
-// (query token, query head) rows computed by one attention block (see RowMap in kvmulti_attention.hip).
-constexpr int kMaxRows = 8;
 
-// Wave size of the code being generated: 64 on CDNA (gfx9), 32 on RDNA (gfx10+/gfx11 default wave32)
-// and NVIDIA; 0 on host passes and on the CPU harness (where the launcher picks the instantiation
-// from the emulated device's warp size). Kernels are templated on WAVE; an instantiation whose WAVE
-// differs from the target's wave size compiles to an empty body (it can never be launched there:
-// the launcher dispatches on hipDeviceAttributeWarpSize).
-#if defined(__HIP_DEVICE_COMPILE__) && defined(__AMDGCN_WAVEFRONT_SIZE__)
-#define KVMULTI_DEVICE_WAVE __AMDGCN_WAVEFRONT_SIZE__
-#elif defined(__HIP_DEVICE_COMPILE__) && defined(__AMDGCN_WAVEFRONT_SIZE)
-#define KVMULTI_DEVICE_WAVE __AMDGCN_WAVEFRONT_SIZE
-#elif defined(__CUDA_ARCH__)
-#define KVMULTI_DEVICE_WAVE 32
+// (query token, query head) rows computed by one attention block (see RowMap in
+// kvmulti_attention.hip): 16 for 16-bit types on wave64 (the N dimension of the 16x16x16 MFMA tiles),
+// 8 otherwise (the FMA path keeps per-row state in registers).
+template <typename T, int WAVE>
+__host__ __device__ constexpr int rows_per_block() {
+  return (sizeof(T) == 2 && WAVE == 64) ? 16 : 8;
+}
+
+// Matrix cores: CDNA2 (gfx90a) and CDNA3 (gfx940/941/942) device passes, and the CPU harness (which
+// emulates the builtins). Everything else (host passes, RDNA, NVIDIA) uses the FMA path.
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+#define KVMULTI_HAS_MFMA 1
+#elif defined(__HIP_DEVICE_COMPILE__) && \
+    (defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__))
+#define KVMULTI_HAS_MFMA 1
 #else
-#define KVMULTI_DEVICE_WAVE 0
+#define KVMULTI_HAS_MFMA 0
 #endif
 
+// True when the code being generated runs with WAVE lanes per wave. Kernels are templated on WAVE
+// and return at once when it does not match (the launcher dispatches on hipDeviceAttributeWarpSize,
+// so such an instantiation is never launched; the branch folds away and leaves an empty body).
+// AMD: HIP's warpSize (constexpr in HIP 5.x, __builtin_amdgcn_wavefrontsize() in newer ROCm; both
+// fold at compile time) -- not the deprecated __AMDGCN_WAVEFRONT_SIZE(__) macros. NVIDIA: 32. The CPU
+// harness: the launcher already picked the instantiation of the emulated device's warp size.
 template <int WAVE>
-__host__ __device__ constexpr bool wave_matches_target() {
-  return KVMULTI_DEVICE_WAVE == 0 || KVMULTI_DEVICE_WAVE == WAVE;
+__device__ __forceinline__ bool wave_matches_target() {
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+  return true;
+#elif defined(__CUDA_ARCH__)
+  return WAVE == 32;
+#elif defined(__HIP_DEVICE_COMPILE__)
+  return warpSize == WAVE;
+#else
+  return true;
+#endif
+}
+
+// Wave-level barrier: LDS writes made by the lanes of this wave before it are visible to every lane of
+// the wave after it. Every lane must call it (uniform control flow).
+__device__ __forceinline__ void wave_sync() {
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+  ::kvcpu::warp_sync();
+#elif defined(__CUDA_ARCH__)
+  __syncwarp();
+#elif defined(__HIP_DEVICE_COMPILE__)
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+#endif
+}
+
+// Whether the MFMA path may run (harness: kvcpu_set_mfma_enabled, to exercise both paths).
+__device__ __forceinline__ bool mfma_enabled() {
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+  return ::kvcpu::mfma_enabled();
+#else
+  return true;
+#endif
 }
 
 template <typename T> struct Cvt;
@@ -75,91 +115,79 @@ template <> struct ChunkElem<hip_bfloat16> {
   }
 };
 
-// Dot products of up to G (pre-scaled, fp32) query rows in shared memory (q: [G][HS]) with one K
-// row of HS elements, read once; rows [0, rows) are computed into s[]. aligned (16-byte aligned
-// row; the usual case, see kv_aligned16) reads the row in 16-byte chunks, else element by element.
-template <typename T, int HS, int G>
-__device__ __forceinline__ void dot_rows(const float* __restrict__ q, const T* __restrict__ row, bool aligned,
-                                         int rows, float (&s)[G]) {
-  constexpr int N = ChunkElem<T>::N;
-#pragma unroll
-  for (int r = 0; r < G; ++r) s[r] = 0.f;
-  if (HS % N == 0 && aligned) {
-    const Chunk16* chunks = reinterpret_cast<const Chunk16*>(row);
-    for (int i = 0; i < HS / N; ++i) {
-      const Chunk16 c = chunks[i];
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const float k = ChunkElem<T>::get(c, j);
-#pragma unroll
-        for (int r = 0; r < G; ++r)
-          if (r < rows) s[r] += q[r * HS + i * N + j] * k;
-      }
-    }
+template <typename T> struct Bits16;
+template <> struct Bits16<__half> {
+  __device__ __forceinline__ static unsigned short of(float x) { return __half_as_ushort(__float2half(x)); }
+};
+template <> struct Bits16<hip_bfloat16> {
+  __device__ __forceinline__ static unsigned short of(float x) {
+    const hip_bfloat16 b(x);
+    unsigned short u;
+    __builtin_memcpy(&u, &b, 2);
+    return u;
+  }
+};
+
+// 16 bytes at p: one 16-byte vector load when ALIGNED (p is 16-byte aligned), else element loads.
+template <typename T, bool ALIGNED>
+__device__ __forceinline__ Chunk16 load_chunk(const T* __restrict__ p) {
+  if constexpr (ALIGNED) {
+    return *reinterpret_cast<const Chunk16*>(p);
   } else {
-    for (int d = 0; d < HS; ++d) {
-      const float k = Cvt<T>::to(row[d]);
+    Chunk16 c;
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
 #pragma unroll
-      for (int r = 0; r < G; ++r)
-        if (r < rows) s[r] += q[r * HS + d] * k;
-    }
+    for (int i = 0; i < 4; ++i) c.w[i] = (uint32_t)h[2 * i] | ((uint32_t)h[2 * i + 1] << 16);
+    return c;
   }
 }
 
-// Butterfly reductions inside one wave. Every lane of the wave must call them (uniform control flow).
-template <int WAVE>
-__device__ __forceinline__ float wave_sum(float v) {
+// Butterfly reduction inside one wave over lane masks [FIRST, WAVE/2]. Every lane must call it.
+template <int WAVE, int FIRST = 1>
+__device__ __forceinline__ float wave_max_from(float v) {
 #pragma unroll
-  for (int m = WAVE / 2; m > 0; m >>= 1) v += __shfl_xor(v, m, WAVE);
+  for (int m = FIRST; m < WAVE; m <<= 1) v = fmaxf(v, __shfl_xor(v, m, WAVE));
   return v;
 }
-template <int WAVE>
-__device__ __forceinline__ float wave_max(float v) {
+template <int WAVE, int FIRST = 1>
+__device__ __forceinline__ float wave_sum_from(float v) {
 #pragma unroll
-  for (int m = WAVE / 2; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor(v, m, WAVE));
+  for (int m = FIRST; m < WAVE; m <<= 1) v += __shfl_xor(v, m, WAVE);
   return v;
 }
 
-// Block-wide reduction; every thread of the block must call it and gets the same result (the
-// per-wave partials are combined in the same order by every thread). red: NUM_WARPS floats of
-// shared memory. Contains two barriers; it also publishes every shared-memory write made before it.
-template <int WAVE, int NUM_WARPS, bool IS_MAX>
-__device__ __forceinline__ float block_reduce(float v, float* red) {
-  v = IS_MAX ? wave_max<WAVE>(v) : wave_sum<WAVE>(v);
-  const int tid = (int)threadIdx.x;
-  if (tid % WAVE == 0) red[tid / WAVE] = v;
-  __syncthreads();
-  float r = red[0];
-#pragma unroll
-  for (int i = 1; i < NUM_WARPS; ++i) r = IS_MAX ? fmaxf(r, red[i]) : r + red[i];
-  __syncthreads();  // red[] may be rewritten by the next reduction
-  return r;
-}
+#if KVMULTI_HAS_MFMA
+// Register types of the 16x16x16 matrix builtins: C/D 4 x fp32; A/B 4 x 16-bit (f16 or bf16).
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+typedef ::kvcpu::f32x4 mfma_f32x4;
+typedef ::kvcpu::f16x4 mfma_f16x4;
+typedef ::kvcpu::bf16x4 mfma_bf16x4;
+#else
+typedef float mfma_f32x4 __attribute__((ext_vector_type(4)));
+typedef _Float16 mfma_f16x4 __attribute__((ext_vector_type(4)));
+typedef short mfma_bf16x4 __attribute__((ext_vector_type(4)));
+#endif
 
-// Block-wide reduction of G values per thread at once (rows [0, rows) used; rows must be
-// block-uniform). red: G x NUM_WARPS floats of shared memory. Two barriers; publishes every
-// shared-memory write made before it.
-template <int WAVE, int NUM_WARPS, bool IS_MAX, int G>
-__device__ __forceinline__ void block_reduce_rows(float (&v)[G], int rows, float (*red)[NUM_WARPS]) {
-  const int tid = (int)threadIdx.x;
-#pragma unroll
-  for (int r = 0; r < G; ++r) {
-    if (r < rows) {  // uniform across the block: every lane reaches the same shuffles
-      const float w = IS_MAX ? wave_max<WAVE>(v[r]) : wave_sum<WAVE>(v[r]);
-      if (tid % WAVE == 0) red[r][tid / WAVE] = w;
-    }
+// A or B fragment of a 16x16x16 tile: 4 consecutive K-elements (16-bit each) of one lane, 2 VGPRs.
+struct Frag {
+  uint32_t w[2];
+};
+
+// c += A * B for one 16 x 16 x 16 tile (v_mfma_f32_16x16x16f16 / _16x16x16bf16_1k); all 64 lanes.
+template <typename T>
+__device__ __forceinline__ mfma_f32x4 mfma_16x16x16(const Frag& a, const Frag& b, mfma_f32x4 c) {
+  if constexpr (std::is_same<T, __half>::value) {
+    mfma_f16x4 x, y;
+    __builtin_memcpy(&x, &a, 8);
+    __builtin_memcpy(&y, &b, 8);
+    return __builtin_amdgcn_mfma_f32_16x16x16f16(x, y, c, 0, 0, 0);
+  } else {
+    mfma_bf16x4 x, y;
+    __builtin_memcpy(&x, &a, 8);
+    __builtin_memcpy(&y, &b, 8);
+    return __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(x, y, c, 0, 0, 0);
   }
-  __syncthreads();
-#pragma unroll
-  for (int r = 0; r < G; ++r) {
-    if (r < rows) {
-      float x = red[r][0];
-#pragma unroll
-      for (int i = 1; i < NUM_WARPS; ++i) x = IS_MAX ? fmaxf(x, red[r][i]) : x + red[r][i];
-      v[r] = x;
-    }
-  }
-  __syncthreads();  // red[][] may be rewritten by the next reduction
 }
+#endif  // KVMULTI_HAS_MFMA
 
 }  // namespace kvmulti

@@ -20,9 +20,13 @@ using kvmulti::WriteKVParams;
 //   * partition_size_request == 0: never split;
 //   * partition_size_request < 0 (auto): split in partitions of kDefaultPartition (512) keys when the
 //     longest key span is > 2 * 512 keys AND the un-split grid has fewer than 4 working blocks per
-//     compute unit (one block per up to 8 (token, head) rows, see RowMap), i.e. when a few long
+//     compute unit (one block per up to 8 (token, head) rows, see RowMap; 16-bit wave64 blocks take 16,
+//     the estimate uses 8 since the plan does not know the dtype), i.e. when a few long
 //     sequences would leave most of the GPU idle while each block streams a long context.
 constexpr int kDefaultPartition = 512;
+// Largest block size the attention kernel accepts (key indices inside a block-table window of 64
+// blocks stay far below 2^31).
+constexpr int kMaxBlockSize = 1 << 20;
 
 int device_wave_size(int wave) {
   if (wave == 32 || wave == 64) return wave;
@@ -41,7 +45,7 @@ int device_cu_count() {
 
 template <typename T, int HS, int WAVE>
 hipError_t launch_attention(const PagedAttentionParams& p, hipStream_t stream) {
-  const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads);
+  const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads, kvmulti::rows_per_block<T, WAVE>());
   dim3 grid((unsigned)p.num_tokens, (unsigned)(p.num_kv_heads * map.chunks), (unsigned)p.num_partitions);
   dim3 block(kvmulti::kNumWarps * WAVE);
   hipLaunchKernelGGL((kvmulti::paged_attention_kernel<T, HS, WAVE>), grid, block, 0, stream, p);
@@ -79,7 +83,7 @@ hipError_t dispatch_wave(int wave, int head_size, const PagedAttentionParams& p,
 extern "C" {
 
 // Bumped whenever an entry point's signature changes (checked by the Python side).
-__attribute__((visibility("default"))) int kvmulti_hip_abi_version() { return 2; }
+__attribute__((visibility("default"))) int kvmulti_hip_abi_version() { return 3; }
 
 // Head sizes with compiled instantiations (K and V head sizes must be equal for attention).
 __attribute__((visibility("default"))) int kvmulti_hip_head_sizes(int* out, int cap) {
@@ -98,7 +102,7 @@ __attribute__((visibility("default"))) int kvmulti_hip_plan(int num_tokens, int 
                                                             int* partition_size, int* num_partitions) {
   int ps = 0;
   if (num_kv_heads <= 0 || num_q_heads < num_kv_heads) return (int)hipErrorInvalidValue;
-  const kvmulti::RowMap map(num_q_heads, num_kv_heads);
+  const kvmulti::RowMap map(num_q_heads, num_kv_heads, 8);
   // working blocks of the un-split grid (blocks not starting a token tile exit at once)
   const long long blocks = ((long long)num_tokens + map.tokens_per_block - 1) / map.tokens_per_block *
                            num_kv_heads * map.chunks;
@@ -128,16 +132,22 @@ __attribute__((visibility("default"))) long long kvmulti_hip_workspace_floats(in
 // dtype: 0 = float32, 1 = float16, 2 = bfloat16. Strides in elements. sliding_window 0 = none,
 // softcap 0 = none. num_partitions/partition_size from kvmulti_hip_plan; workspace: at least
 // kvmulti_hip_workspace_floats() floats on the device when num_partitions > 1.
+// Bounds (memory safety, whatever the metadata holds): num_query_rows = rows of query and out (tokens
+// past it are neither read nor written), block table [bt_rows, >= bt_cols] with row stride bt_stride,
+// num_blocks = blocks of kv_cache. query_start_loc must hold num_reqs + 1 and seq_lens num_reqs ints.
 __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
     int dtype, int head_size, int wave, void* out, const void* query, const void* kv_cache,
     const int* query_start_loc, const int* seq_lens, const int* block_table, long long q_stride_token,
     long long q_stride_head, long long o_stride_token, long long o_stride_head, long long kv_stride_block,
     long long kv_stride_token, long long kv_stride_head, long long bt_stride, int num_reqs, int num_tokens,
     int num_q_heads, int num_kv_heads, int block_size, int sliding_window, float scale, float softcap,
-    int partition_size, int num_partitions, float* workspace, void* stream) {
+    int partition_size, int num_partitions, float* workspace, int num_query_rows, int bt_rows, int bt_cols,
+    int num_blocks, void* stream) {
+  if (num_tokens > num_query_rows) num_tokens = num_query_rows;  // never touch rows past query / out
   if (num_tokens <= 0) return hipSuccess;
   if (num_reqs <= 0 || num_q_heads <= 0 || num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 ||
-      block_size <= 0 || num_partitions <= 0 || (num_partitions > 1 && (partition_size <= 0 || !workspace)))
+      block_size <= 0 || num_partitions <= 0 || (num_partitions > 1 && (partition_size <= 0 || !workspace)) ||
+      bt_rows < 0 || bt_cols < 0 || num_blocks <= 0 || block_size > kMaxBlockSize)
     return hipErrorInvalidValue;
   PagedAttentionParams p;
   p.out = out;
@@ -163,6 +173,9 @@ __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
   p.num_q_heads = num_q_heads;
   p.num_kv_heads = num_kv_heads;
   p.block_size = block_size;
+  p.bt_rows = bt_rows;
+  p.bt_cols = bt_cols;
+  p.num_blocks = num_blocks;
   p.sliding_window = sliding_window > 0 ? sliding_window : 0;
   p.partition_size = num_partitions > 1 ? partition_size : 0;
   p.num_partitions = num_partitions;
@@ -173,6 +186,7 @@ __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
                     (kv_stride_token * esz) % 16 == 0 && (kv_stride_head * esz) % 16 == 0) ? 1 : 0;
   p.scale = scale;
   p.softcap = softcap > 0.f ? softcap : 0.f;
+  p.inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
   hipStream_t s = (hipStream_t)stream;
   const int w = device_wave_size(wave);
   switch (dtype) {
@@ -188,9 +202,10 @@ __attribute__((visibility("default"))) int kvmulti_hip_write_kv(
     long long k_stride_token, long long k_stride_head, long long k_stride_dim, long long v_stride_token,
     long long v_stride_head, long long v_stride_dim, long long kv_stride_block, long long kv_stride_token,
     long long kv_stride_head, int num_tokens, int num_kv_heads, int head_size, int head_size_v, int block_size,
-    void* stream) {
+    int num_blocks, void* stream) {
   if (num_tokens <= 0) return hipSuccess;
-  if (block_size <= 0 || num_kv_heads <= 0 || head_size <= 0 || head_size_v < 0) return hipErrorInvalidValue;
+  if (block_size <= 0 || num_kv_heads <= 0 || head_size <= 0 || head_size_v < 0 || num_blocks < 0)
+    return hipErrorInvalidValue;
   WriteKVParams p;
   p.key = key;
   p.value = value;
@@ -210,6 +225,7 @@ __attribute__((visibility("default"))) int kvmulti_hip_write_kv(
   p.head_size = head_size;
   p.head_size_v = head_size_v;
   p.block_size = block_size;
+  p.num_blocks = num_blocks;
   hipStream_t s = (hipStream_t)stream;
   dim3 grid((unsigned)num_tokens), block(128);
   switch (dtype) {

@@ -220,3 +220,124 @@ def test_named_prebuilt_library_must_exist(monkeypatch, tmp_path):
     assert hip.build.prebuilt_rocm_library() == tmp_path / "missing.so"
     if torch.version.hip and torch.cuda.is_available():
         assert any("does not exist" in r for r in hip.HipBackend().platform_reasons("rocm"))
+
+
+# ------------------------------------------------------------------------ memory safety
+# The backend object is called directly (bypassing kvmulti.ops validation) with invalid metadata; the
+# query, output and cache are views in the middle of guard buffers whose margins hold a sentinel (NaN
+# for the inputs: a read past them would turn an output into NaN; a finite value for the output: a
+# write past it shows). Wrong numbers are acceptable; touching anything outside the tensors is not.
+GUARD = 4096
+
+
+def _guarded(n: int, dtype: torch.dtype, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    buf = torch.full((GUARD + n + GUARD,), fill, dtype=dtype)
+    return buf, buf[GUARD: GUARD + n]
+
+
+def _margins_intact(buf: torch.Tensor, fill: float) -> bool:
+    m = torch.cat([buf[:GUARD], buf[-GUARD:]]).float()
+    return bool(torch.isnan(m).all()) if fill != fill else bool((m == fill).all())
+
+
+def _bad_metadata(kind: str, num_tokens: int, num_blocks: int) -> kvmulti.CommonAttentionMetadata:
+    i32 = dict(dtype=torch.int32)
+    qsl, seq, table, reqs = [0, 2, num_tokens], [9, 40], [[0, 1, 2], [3, 1, 0]], 2
+    if kind == "qsl_not_monotonic":
+        qsl = [0, 5, 1]
+    elif kind == "qsl_past_query_rows":
+        qsl = [0, 3, num_tokens + 50]
+    elif kind == "seq_len_huge":
+        seq = [2 ** 31 - 1, 40]
+    elif kind == "seq_len_negative":
+        seq = [-1000, -1]
+    elif kind == "table_too_narrow":
+        table = [[0], [1]]
+        seq = [9, 300]
+    elif kind == "table_fewer_rows":
+        table = [[0, 1, 2]]
+    elif kind == "block_ids_out_of_range":
+        table = [[-1, num_blocks, 2 ** 31 - 1], [-(2 ** 31), 1, num_blocks + 7]]
+    elif kind == "num_reqs_too_large":
+        reqs = 9
+    elif kind == "tokens_past_query_rows":
+        qsl = [0, 2, num_tokens + 8]
+    elif kind == "window_garbage_entries":   # entries of blocks before a sliding window may be garbage
+        table = [[2 ** 31 - 1, -5, 2], [-(2 ** 31), 2 ** 30, 1]]
+    md = kvmulti.CommonAttentionMetadata(
+        query_start_loc=torch.tensor(qsl, **i32), seq_lens=torch.tensor(seq, **i32),
+        block_table=torch.tensor(table, **i32), slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+        num_reqs=reqs, num_actual_tokens=num_tokens + (8 if kind == "tokens_past_query_rows" else 0),
+        max_query_len=num_tokens, max_seq_len=max(max(seq), 1))
+    return md
+
+
+BAD_METADATA = ["qsl_not_monotonic", "qsl_past_query_rows", "seq_len_huge", "seq_len_negative", "table_too_narrow",
+                "table_fewer_rows", "block_ids_out_of_range", "num_reqs_too_large", "tokens_past_query_rows",
+                "window_garbage_entries"]
+
+
+@pytest.mark.parametrize("kind", BAD_METADATA)
+@pytest.mark.parametrize("dtype,wave", [(torch.bfloat16, 64), (torch.float32, 64), (torch.float16, 32)])
+def test_invalid_metadata_never_touches_memory_outside_the_tensors(harness, kind, dtype, wave):
+    hq, hkv, hs, bs, nb, t = 8, 2, 64, 16, 4, 5
+    layout = kvmulti.KVCacheLayout(nb, bs, hkv, hs, dtype=dtype, order="HND" if wave == 64 else "NHD")
+    cache_buf = None
+
+    def allocator(n, dt, dev):
+        nonlocal cache_buf
+        cache_buf, flat = _guarded(n, dt, float("nan"))
+        return flat
+
+    cache = layout.allocate(allocator=allocator, zero=False)
+    cache.copy_(torch.randn(layout.shape).to(dtype))
+    cache_before = cache.clone()
+    q_buf, q_flat = _guarded(t * hq * hs, dtype, float("nan"))
+    q_flat.copy_(torch.randn(t * hq * hs).to(dtype))
+    o_buf, o_flat = _guarded(t * hq * hs, dtype, 7.0)
+    o_flat.zero_()
+    query, out = q_flat.view(t, hq, hs), o_flat.view(t, hq, hs)
+    md = _bad_metadata(kind, t, nb)
+    saved = harness.cpu_wave, harness.partition_size
+    try:
+        for partition in (0, 16):
+            harness.cpu_wave, harness.partition_size = wave, partition
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                window = 20 if kind == "window_garbage_entries" else None
+                step = harness.build_metadata(md, layout, hq, window)
+                harness.paged_attention(query, cache, step, 0.125, 5.0, out)
+            assert _margins_intact(o_buf, 7.0), f"{kind}: wrote outside the output"
+            assert _margins_intact(q_buf, float("nan")) and _margins_intact(cache_buf, float("nan"))
+            assert torch.equal(cache, cache_before), f"{kind}: attention wrote into the cache"
+            # A read past the query or the cache would have brought a NaN margin into some output.
+            assert not torch.isnan(out.float()).any(), f"{kind}: an output saw memory outside the inputs"
+    finally:
+        harness.cpu_wave, harness.partition_size = saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_skips_slots_outside_the_cache(harness, dtype):
+    hkv, hs, bs, nb = 2, 64, 16, 3
+    layout = kvmulti.KVCacheLayout(nb, bs, hkv, hs, dtype=dtype, order="NHD")
+    cache_buf = None
+
+    def allocator(n, dt, dev):
+        nonlocal cache_buf
+        cache_buf, flat = _guarded(n, dt, -3.0)
+        return flat
+
+    cache = layout.allocate(allocator=allocator)
+    slots = torch.tensor([0, nb * bs, -1, -7, 2 ** 40, nb * bs - 1, 17], dtype=torch.int64)
+    key = torch.randn(len(slots), hkv, hs).to(dtype)
+    value = torch.randn(len(slots), hkv, hs).to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        harness.write_kv(key, value, cache, layout, slots)
+        # a slot mapping shorter than the key rows: only its entries are read
+        harness.write_kv(torch.cat([key, key]), torch.cat([value, value]), cache, layout, slots)
+    assert _margins_intact(cache_buf, -3.0)
+    expected = layout.allocate()
+    valid = (slots >= 0) & (slots < nb * bs)
+    reference.write_kv(key[valid], value[valid], expected, layout, slots[valid])
+    assert torch.equal(cache, expected)

@@ -79,3 +79,99 @@ def test_resource_usage_parser_flags_spills_and_scratch():
     assert "paged_attention_kernel" in name
     assert fields["VGPRs"] == 128 and fields["VGPRs Spill"] == 3 and fields["ScratchSize"] == 16
     assert fields["LDS Size"] == 4112
+
+
+def test_resource_usage_parser_reads_occupancy():
+    log = "\n".join([
+        "k.hip:1:1: remark: Function Name: _ZN7kvmulti15write_kv_kernelIfEEvNS_13WriteKVParamsE",
+        "k.hip:1:1: remark:     Occupancy [waves/SIMD]: 8 [-Rpass-analysis=kernel-resource-usage]",
+        "k.hip:1:1: remark:     AGPRs: 4 [-Rpass-analysis=kernel-resource-usage]",
+    ])
+    (_, fields), = cc.parse_resource_usage(log).items()
+    assert fields == {"Occupancy": 8, "AGPRs": 4}
+
+
+# A rotated loop as clang prints it: blocks before the header belong to it (comment "in Loop").
+_ASM = """\
+_ZN7kvmulti22paged_attention_kernelI12hip_bfloat16Li128ELi64EEEvNS_20PagedAttentionParamsE:
+	s_load_dwordx2 s[0:1], s[4:5], 0x0
+	global_load_dword v1, v[2:3], off
+.LBB0_1:                                ;   in Loop: Header=BB0_2 Depth=1
+	s_waitcnt vmcnt(2)
+	v_mfma_f32_16x16x16bf16_1k v[4:7], v[8:9], v[10:11], v[4:7]
+	s_waitcnt vmcnt(0)
+	v_mfma_f32_16x16x16bf16_1k v[4:7], v[12:13], v[10:11], v[4:7]
+.LBB0_2:                                ; =>This Inner Loop Header: Depth=1
+	global_load_dwordx4 v[20:23], v[2:3], off
+	global_load_dwordx4 v[24:27], v[2:3], off offset:64
+	global_load_dwordx4 v[28:31], v[2:3], off offset:128
+	global_load_dwordx4 v[32:35], v[2:3], off offset:192
+	s_cbranch_scc1 .LBB0_1
+; %bb.3:
+	global_load_ushort v1, v[2:3], off
+	s_endpgm
+.Lfunc_end0:
+"""
+
+
+def test_assembly_analysis_of_the_hot_loop():
+    (name, lines), = cc.split_functions(_ASM).items()
+    row = cc.analyze_function(lines)
+    assert row["matrix_instructions"] == 2
+    assert row["load_widths_bytes"] == [2, 4, 16]
+    assert row["hot_loop"] == "BB0_2"
+    assert row["hot_loop_load_widths_bytes"] == [16]
+    assert row["bytes_in_flight_per_lane"] == 64 and row["bytes_before_vmcnt0_per_lane"] == 64
+    # vmcnt(N) keeps the N newest loads outstanding
+    prof = cc.loop_load_profile(["global_load_dwordx4 v[0:3]", "s_waitcnt vmcnt(0)", "global_load_dwordx4 v[0:3]",
+                                 "global_load_ushort v4", "s_waitcnt vmcnt(1)", "global_load_dwordx4 v[4:7]",
+                                 "s_waitcnt vmcnt(0)"])
+    assert prof["peak_bytes_per_lane"] == 18 and prof["bytes_before_vmcnt0_per_lane"] == 16
+    assert prof["load_widths_bytes"] == [2, 16]
+
+
+def _row(**kw):
+    base = dict(kernel="paged_attention<bf16,128,wave64>", kind="attention", dtype="bf16", target="gfx90a", wave=64,
+                vgprs=128, spills=0, scratch_bytes=0, waves_per_simd=2, matrix_instructions=64,
+                hot_loop_load_widths_bytes=[16], bytes_in_flight_per_lane=192)
+    base.update(kw)
+    return base
+
+
+def test_occupancy_counts_lds():
+    assert cc.effective_occupancy("gfx90a", 8, 14464, 4) == 4      # 4 blocks of 4 waves on 4 SIMDs
+    assert cc.effective_occupancy("gfx940", 2, 8832, 4) == 2        # register-bound
+    assert cc.effective_occupancy("gfx1030", 8, 25184, 4) == 4      # 2 blocks of 4 waves on 2 SIMDs
+    assert cc.effective_occupancy("gfx90a", 8, 0, 4) == 8
+
+
+def test_ci_thresholds_flag_each_violation():
+    assert cc.row_problems(_row()) == []
+    assert any("spilled" in p for p in cc.row_problems(_row(spills=2)))
+    assert any("scratch" in p for p in cc.row_problems(_row(scratch_bytes=16)))
+    assert any("occupancy" in p for p in cc.row_problems(_row(waves_per_simd=1)))
+    assert any("v_mfma" in p for p in cc.row_problems(_row(matrix_instructions=0)))
+    assert cc.row_problems(_row(matrix_instructions=0, target="gfx1030", wave=32)) == []
+    assert cc.row_problems(_row(matrix_instructions=0, dtype="fp32")) == []
+    assert any("hot-loop global loads" in p for p in cc.row_problems(_row(hot_loop_load_widths_bytes=[2, 16])))
+    assert any("in flight" in p for p in cc.row_problems(_row(bytes_in_flight_per_lane=48)))
+
+
+def test_report_rows_per_kernel_and_target():
+    """The static figures (also imported by benchmarks/gpu_report.py) meet the CI thresholds."""
+    _require(amd=True, nvidia=False)
+    rows = cc.report_rows()
+    keys = {"kernel", "target", "vgprs", "sgprs", "lds_bytes", "waves_per_simd", "spills", "matrix_instructions",
+            "load_widths_bytes", "bytes_in_flight_per_lane"}
+    assert all(keys <= set(r) for r in rows)
+    per_target = {a: [r for r in rows if r["target"] == a] for a in cc.AMD_ARCHS}
+    for arch, rs in per_target.items():
+        attention = [r for r in rs if r["kind"] == "attention"]
+        assert len(attention) == len(cc.DTYPES) * len(cc.HEAD_SIZES), arch
+        assert {r["wave"] for r in attention} == {cc._wave_of(arch)}
+        for r in rs:
+            assert cc.row_problems(r) == [], cc.row_problems(r)
+        for r in attention:
+            assert r["hot_loop_load_widths_bytes"] == [16] and r["bytes_in_flight_per_lane"] >= 64
+            uses_mfma = arch in cc.MFMA_ARCHS and r["dtype"] != "fp32"
+            assert (r["matrix_instructions"] > 0) == uses_mfma, r

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,6 +47,8 @@ def selftest_lib(request):
     lib.kvcpu_set_warp_size.argtypes = [ctypes.c_int]
     lib.kvcpu_last_error.restype = ctypes.c_char_p
     lib.kvcpu_static_shared_bytes.restype = ctypes.c_longlong
+    lib.selftest_mfma.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.selftest_mfma.restype = ctypes.c_int
     return lib
 
 
@@ -100,6 +104,89 @@ def test_wave_shuffles(selftest_lib, wave):
     np.testing.assert_array_equal(out[:, 3], np.tile(np.arange(wave), x.size // wave))
     err, _, msg = _run(selftest_lib, 6, x[:threads], 1, threads)
     assert err != 0 and "deadlock" in msg and "shuffle" in msg
+
+
+# ------------------------------------------------------------------- matrix builtins vs AMD's tables
+# AMD's register-layout tables (amd_matrix_instruction_calculator --register-layout --csv), copied
+# from shared/ref/amd_matrix_layouts into the repository: the independent oracle for the emulation.
+REF_TABLES = sorted((Path(__file__).resolve().parents[1] / "hip" / "cpu_harness" / "selftest" / "ref").glob("*.txt"))
+_ENTRY = re.compile(r"^v(\d+)\{(\d+)\}(?:\.\[(\d+):(\d+)\])?$")
+
+
+def _layout_tables(path: Path) -> dict[str, dict[tuple[int, int], tuple[int, int, int]]]:
+    """{"A"|"B"|"D": {(row, col): (vgpr, lane, low bit)}} from one reference file."""
+    tables: dict[str, dict] = {}
+    current = None
+    for line in path.read_text().splitlines():
+        m = re.match(r"^## ([ABD])$", line)
+        if m:
+            current = tables.setdefault(m.group(1), {})
+            continue
+        cells = line.split(",")
+        if current is None or not cells[0].isdigit():
+            continue
+        for col, cell in enumerate(cells[1:]):
+            e = _ENTRY.match(cell)
+            assert e, f"{path.name}: cannot parse {cell!r}"
+            current[(int(cells[0]), col)] = (int(e.group(1)), int(e.group(2)), int(e.group(4) or 0))
+    return tables
+
+
+def _bits16(x: float, bf16: bool) -> int:
+    if bf16:
+        return int(np.array([x], dtype=np.float32).view(np.uint32)[0] >> 16)
+    return int(np.array([x], dtype=np.float16).view(np.uint16)[0])
+
+
+def _run_table_mfma(lib, tables, bf16: bool, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Places A and B in lane registers as AMD's tables say, runs the harness's MFMA builtin, and reads
+    D back from where the table says each entry is."""
+    regs = np.zeros((64, 4), dtype=np.uint32)
+    for (i, k), (v, lane, lo) in tables["A"].items():
+        regs[lane, v] |= np.uint32(_bits16(a[i, k], bf16) << lo)
+    for (k, j), (v, lane, lo) in tables["B"].items():
+        regs[lane, 2 + v] |= np.uint32(_bits16(b[k, j], bf16) << lo)
+    d = np.full((64, 4), np.nan, dtype=np.float32)
+    lib.kvcpu_clear_error()
+    err = lib.selftest_mfma(int(bf16), regs.ctypes.data, d.ctypes.data)
+    assert err == 0, lib.kvcpu_last_error().decode()
+    out = np.full((16, 16), np.nan, dtype=np.float32)
+    for (i, j), (v, lane, _) in tables["D"].items():
+        out[i, j] = d[lane, v]
+    return out
+
+
+@pytest.mark.parametrize("table", REF_TABLES, ids=[t.stem for t in REF_TABLES])
+def test_mfma_emulation_matches_amd_register_layouts(selftest_lib, table):
+    """Entry by entry: with B = I the D entry the table names for (i, j) must be the A entry the table
+    names for (i, j); with A = I likewise for B; and a random product is exact."""
+    assert len(REF_TABLES) == 4   # CDNA2 + CDNA3, f16 + bf16: the instructions the kernels use
+    tables = _layout_tables(table)
+    for name in "ABD":
+        assert len(tables[name]) == 256, f"{table.name}: {name} table has {len(tables[name])} entries"
+        assert len(set(tables[name].values())) == 256, f"{table.name}: {name} entries not distinct"
+    bf16 = "bf16" in table.name
+    selftest_lib.kvcpu_set_warp_size(64)
+    rng = np.random.default_rng(7)
+    eye = np.eye(16, dtype=np.float32)
+    x = rng.integers(-8, 9, size=(16, 16)).astype(np.float32)
+    y = rng.integers(-8, 9, size=(16, 16)).astype(np.float32)
+    d = _run_table_mfma(selftest_lib, tables, bf16, x, eye)
+    bad = [(i, j) for i in range(16) for j in range(16) if d[i, j] != x[i, j]]
+    assert not bad, f"D != A with B = I: the emulation's lane mapping differs from {table.name} at {bad[:8]}"
+    d = _run_table_mfma(selftest_lib, tables, bf16, eye, y)
+    bad = [(i, j) for i in range(16) for j in range(16) if d[i, j] != y[i, j]]
+    assert not bad, f"D != B with A = I: the emulation's lane mapping differs from {table.name} at {bad[:8]}"
+    np.testing.assert_array_equal(_run_table_mfma(selftest_lib, tables, bf16, x, y), x @ y)
+
+
+def test_mfma_reached_by_part_of_a_wave_is_detected(selftest_lib):
+    selftest_lib.kvcpu_set_warp_size(64)
+    regs = np.zeros((64, 4), dtype=np.uint32)
+    d = np.zeros((64, 4), dtype=np.float32)
+    selftest_lib.kvcpu_clear_error()
+    assert selftest_lib.selftest_mfma(2, regs.ctypes.data, d.ctypes.data) != 0
+    assert "deadlock" in selftest_lib.kvcpu_last_error().decode()
 
 
 # ------------------------------------------------------------------------ kernels vs oracle
@@ -163,11 +250,15 @@ def test_two_block_caches(hip_backend, order, dtype):
     _run_case(hip_backend, spec, wave=64, partition_size=4)
 
 
+@pytest.mark.parametrize("wave", [32, 64])
 @pytest.mark.parametrize("head_size", [80, 96, 256])
-def test_other_declared_head_sizes(hip_backend, head_size):
-    spec = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=2, head_size=head_size, dtype=torch.float16,
+def test_other_declared_head_sizes(hip_backend, head_size, wave):
+    """wave 64 + 16-bit: the MFMA engine's padded fragments (80, 96: K dims padded to 96, V to 128;
+    256: two V chunks per lane); wave 32: the FMA engine."""
+    dtype = torch.float16 if wave == 32 else torch.bfloat16
+    spec = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=2, head_size=head_size, dtype=dtype,
                     query_lens=(4, 1, 2), context_lens=(0, 33, 17), sliding_window=20, softcap=12.0)
-    _run_case(hip_backend, spec, wave=32)
+    _run_case(hip_backend, spec, wave=wave)
 
 
 def test_auto_split_heuristic_long_decode(hip_backend):
@@ -210,3 +301,36 @@ def test_token_tiles_with_windows_and_partitions(hip_backend, window, partition)
     spec = CaseSpec(order="HND", block_size=1, num_kv_heads=1, group=4, head_size=64, dtype=torch.float16,
                     query_lens=(7, 3), context_lens=(5, 0), sliding_window=window)
     _run_case(hip_backend, spec, wave=64, partition_size=partition)
+
+
+def _mfma_library():
+    lib = hip.library.load_cpu_library()
+    lib.kvcpu_mfma_count.restype = ctypes.c_ulonglong
+    lib.kvcpu_set_mfma_enabled.argtypes = [ctypes.c_int]
+    return lib
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mfma_path_runs_on_the_harness(hip_backend, dtype):
+    """16-bit on wave64 takes the MFMA engine: the harness counts exactly the emulated instructions the
+    tiling implies; with MFMA disabled the same case runs the FMA engine (wave64, 16 rows) instead."""
+    lib = _mfma_library()
+    # decode, 2 KV heads x GQA 4, head 128, 41 keys: 2 tiles of 32 keys per block (one block per KV
+    # head), each 2 x (8 QK + 8 PV) MFMAs.
+    spec = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=4, head_size=128, dtype=dtype,
+                    query_lens=(1,), context_lens=(40,), sliding_window=None)
+    lib.kvcpu_reset_mfma_count()
+    _run_case(hip_backend, spec, wave=64, partition_size=0)
+    assert lib.kvcpu_mfma_count() == 2 * 2 * 2 * (8 + 8)
+    lib.kvcpu_reset_mfma_count()
+    _run_case(hip_backend, spec, wave=32, partition_size=0)
+    assert lib.kvcpu_mfma_count() == 0   # wave32 (RDNA): FMA engine
+    lib.kvcpu_set_mfma_enabled(0)
+    try:
+        spec = CaseSpec(order="NHD", block_size=3, num_kv_heads=2, group=8, head_size=64, dtype=dtype,
+                        query_lens=(5, 1, 2), context_lens=(7, 60, 30), sliding_window=19, softcap=10.0)
+        _run_case(hip_backend, spec, wave=64, partition_size=0)
+        _run_case(hip_backend, spec, wave=64, partition_size=16)
+        assert lib.kvcpu_mfma_count() == 0
+    finally:
+        lib.kvcpu_set_mfma_enabled(1)

@@ -12,8 +12,18 @@
 //     block without runnable fibers: the harness reports a deadlock ("non-uniform barrier") and the
 //     launch fails (hipGetLastError() != hipSuccess, kvcpu_last_error() says why).
 //   * __shfl_xor / __shfl / __shfl_down: each lane writes its value into a per-warp exchange slot,
-//     warp barrier, reads the source lane's slot, warp barrier. Every lane of the warp must take part
-//     (uniform control flow), as on a GPU wavefront.
+//     warp barrier, reads the source lane's slot. The slots are double-buffered (a lane alternates
+//     between two slot sets), so one warp barrier per exchange suffices: a lane can only overwrite a
+//     set after every lane has passed the next exchange's barrier, i.e. has read the set. Every lane
+//     of the warp must take part (uniform control flow), as on a GPU wavefront.
+//   * Matrix builtins (__builtin_amdgcn_mfma_f32_16x16x16f16 / _16x16x16bf16_1k): wave-wide
+//     collectives like the shuffles (every lane of a 64-lane wave takes part); each lane publishes its
+//     A/B fragment registers, and computes its own D registers with the hardware's lane/register
+//     mapping (checked against AMD's register-layout tables by the self-test). kvcpu_mfma_count()
+//     counts emulated instructions; kvcpu_set_mfma_enabled(0) makes mfma_enabled() false (the kernels
+//     then take their FMA path, so both paths run on the harness).
+//   * kvcpu::warp_sync(): a warp barrier (what __builtin_amdgcn_wave_barrier + fences / __syncwarp
+//     give on a GPU: LDS writes of the wave visible to all its lanes).
 //   * __shared__ variables live in one ELF section ("kvcpu_shared"); dynamic shared memory is a
 //     per-launch buffer. Both are poisoned (all bytes 0xFF: NaN for floats, -1 for ints) before
 //     every block, so a thread that reads shared memory written by another thread without a
@@ -154,6 +164,7 @@ struct Fiber {
   uint3 tid{0, 0, 0};
   int linear = 0, lane = 0, warp = 0;
   bool done = false;
+  unsigned xround = 0;         // warp collectives this fiber has taken part in (slot-set parity)
   Barrier* waiting = nullptr;  // barrier this fiber is blocked on (nullptr = runnable)
   unsigned wait_gen = 0;
   char* stack = nullptr;
@@ -168,7 +179,7 @@ struct Fiber {
 struct Warp {
   Barrier bar;
   int size = 0;
-  uint64_t slot[64];
+  uint64_t slot[2][64][2];     // [parity][lane][16 bytes]: double-buffered exchange slots
 };
 
 struct State {
@@ -190,6 +201,8 @@ struct State {
   // device
   int warp_size = 64;
   int num_cus = 8;
+  bool mfma_enabled = true;
+  unsigned long long mfma_count = 0;  // emulated matrix instructions (one per wave-wide call)
   // errors
   hipError_t last_error = hipSuccess;
   std::string last_message;
@@ -320,6 +333,7 @@ inline bool run_block() {
   for (int i = 0; i < n; ++i) {
     Fiber& f = s.fibers[i];
     f.done = false;
+    f.xround = 0;
     f.waiting = nullptr;
     init_fiber(f);
   }
@@ -414,22 +428,34 @@ inline void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t shmem
   s.body = nullptr;
 }
 
-// ------------------------------------------------------------------------------ warp shuffles
-template <typename T>
-inline T exchange(T v, int src) {
-  static_assert(sizeof(T) <= sizeof(uint64_t), "kvcpu: shuffle of a type wider than 8 bytes");
+// ------------------------------------------------------------------------------ warp collectives
+// Publishes n <= 16 bytes of this lane into its slot of the current slot set and waits until every
+// lane of the warp has published; returns the set (read any lane's slot from it). One warp barrier.
+inline const uint64_t (*publish(const void* p, size_t n))[2] {
   State& s = st();
   Fiber* f = s.cur;
   Warp& w = s.warps[f->warp];
-  uint64_t bits = 0;
-  std::memcpy(&bits, &v, sizeof(T));
-  w.slot[f->lane] = bits;
+  const unsigned parity = f->xround++ & 1u;
+  std::memcpy(&w.slot[parity][f->lane][0], p, n);
   barrier_wait(w.bar, w.size);
-  if (src < 0 || src >= w.size) src = f->lane;
+  return w.slot[parity];
+}
+
+template <typename T>
+inline T exchange(T v, int src) {
+  static_assert(sizeof(T) <= 16, "kvcpu: shuffle of a type wider than 16 bytes");
+  State& s = st();
+  const auto* slots = publish(&v, sizeof(T));
+  if (src < 0 || src >= s.warps[s.cur->warp].size) src = s.cur->lane;
   T r;
-  std::memcpy(&r, &w.slot[src], sizeof(T));
-  barrier_wait(w.bar, w.size);  // nobody overwrites a slot before every lane has read
+  std::memcpy(&r, &slots[src][0], sizeof(T));
   return r;
+}
+
+// Warp barrier (every lane must call it).
+inline void warp_sync() {
+  const int dummy = 0;
+  (void)publish(&dummy, sizeof dummy);
 }
 
 inline int lane_id() { return st().cur->lane; }
@@ -522,7 +548,61 @@ inline uint16_t float_to_bf16_bits(float f) {  // round to nearest even, quiet N
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 inline float bf16_bits_to_float(uint16_t b) { return u2f((uint32_t)b << 16); }
+
+// ------------------------------------------------------------------------------ matrix builtins
+// Register types of the emulated builtins: 4 x fp32 (C/D: 4 VGPRs), 4 x 16-bit (A/B: 2 VGPRs; the
+// f16 variant's bit patterns are carried in unsigned shorts, g++ has no portable _Float16 vector).
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef unsigned short f16x4 __attribute__((vector_size(8)));
+typedef short bf16x4 __attribute__((vector_size(8)));
+
+// v_mfma_f32_16x16x16{f16,bf16_1k} for one 64-lane wave (CDNA2/CDNA3 layout):
+//   A[i][k] is element k%4 of lane i + 16*(k/4)        (element e = VGPR e/2, bits [16*(e%2), +16))
+//   B[k][j] is element k%4 of lane j + 16*(k/4)
+//   D[i][j] is element i%4 of lane j + 16*(i/4)        (element = VGPR)
+// D = A*B + C with fp32 products and accumulation. Every lane must call it (wave-wide collective).
+template <float (*TO_FLOAT)(uint16_t), typename V>
+inline f32x4 mfma_16x16x16(V a, V b, f32x4 c) {
+  State& s = st();
+  if (s.warps[s.cur->warp].size != 64) {
+    fail(hipErrorLaunchFailure, "kvcpu: 16x16x16 MFMA emulated only for 64-lane waves");
+    return c;
+  }
+  uint16_t ab[8];
+  std::memcpy(&ab[0], &a, 8);
+  std::memcpy(&ab[4], &b, 8);
+  const auto* slots = publish(ab, sizeof ab);
+  const int lane = s.cur->lane;
+  if (lane == 0) ++s.mfma_count;
+  auto element = [&](int src_lane, int which, int e) {  // which 0 = A, 1 = B
+    uint16_t v[8];
+    std::memcpy(v, &slots[src_lane][0], sizeof v);
+    return TO_FLOAT(v[4 * which + e]);
+  };
+  const int j = lane % 16, i0 = 4 * (lane / 16);
+  f32x4 d = c;
+  for (int r = 0; r < 4; ++r) {
+    float acc = 0.f;
+    for (int k = 0; k < 16; ++k) acc += element(i0 + r + 16 * (k / 4), 0, k % 4) *
+                                         element(j + 16 * (k / 4), 1, k % 4);
+    d[r] += acc;
+  }
+  return d;
+}
+
+inline f32x4 mfma_f32_16x16x16f16(f16x4 a, f16x4 b, f32x4 c, int cbsz, int abid, int blgp) {
+  if (cbsz || abid || blgp) fail(hipErrorLaunchFailure, "kvcpu: MFMA broadcast modifiers are not emulated");
+  return mfma_16x16x16<half_bits_to_float>(a, b, c);
+}
+inline f32x4 mfma_f32_16x16x16bf16_1k(bf16x4 a, bf16x4 b, f32x4 c, int cbsz, int abid, int blgp) {
+  if (cbsz || abid || blgp) fail(hipErrorLaunchFailure, "kvcpu: MFMA broadcast modifiers are not emulated");
+  return mfma_16x16x16<bf16_bits_to_float>(a, b, c);
+}
+inline bool mfma_enabled() { return st().mfma_enabled; }
 }  // namespace kvcpu
+
+#define __builtin_amdgcn_mfma_f32_16x16x16f16 ::kvcpu::mfma_f32_16x16x16f16
+#define __builtin_amdgcn_mfma_f32_16x16x16bf16_1k ::kvcpu::mfma_f32_16x16x16bf16_1k
 
 struct __half {
   uint16_t x;
@@ -596,6 +676,15 @@ extern "C" __attribute__((visibility("default"), weak)) long long kvcpu_static_s
 }
 extern "C" __attribute__((visibility("default"), weak)) void kvcpu_set_seed(unsigned long long seed) {
   ::kvcpu::st().rng = seed ? seed : 0x9E3779B97F4A7C15ull;
+}
+// Emulated matrix instructions since the last reset (one per wave-wide builtin call).
+extern "C" __attribute__((visibility("default"), weak)) unsigned long long kvcpu_mfma_count() {
+  return ::kvcpu::st().mfma_count;
+}
+extern "C" __attribute__((visibility("default"), weak)) void kvcpu_reset_mfma_count() { ::kvcpu::st().mfma_count = 0; }
+// 0: kernels see mfma_enabled() == false and take their FMA path (the default is 1).
+extern "C" __attribute__((visibility("default"), weak)) void kvcpu_set_mfma_enabled(int on) {
+  ::kvcpu::st().mfma_enabled = on != 0;
 }
 extern "C" __attribute__((visibility("default"), weak)) const char* kvcpu_last_error() {
   return ::kvcpu::st().last_message.c_str();

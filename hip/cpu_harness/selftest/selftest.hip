@@ -61,6 +61,42 @@ __global__ void divergent_shuffle(const float* in, float* out) {
   out[t] = v;
 }
 
+#if defined(KVMULTI_HIP_CPU_HARNESS) || defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || \
+    defined(__gfx942__)
+#define SELFTEST_HAS_MFMA 1
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+typedef ::kvcpu::f32x4 f32x4;
+typedef ::kvcpu::f16x4 f16x4;
+typedef ::kvcpu::bf16x4 bf16x4;
+#else
+typedef float f32x4 __attribute__((ext_vector_type(4)));
+typedef _Float16 f16x4 __attribute__((ext_vector_type(4)));
+typedef short bf16x4 __attribute__((ext_vector_type(4)));
+#endif
+
+// One 16x16x16 MFMA on raw registers: regs[lane] = {A VGPR 0, A VGPR 1, B VGPR 0, B VGPR 1} (bit
+// patterns), C = 0; d[lane][i] = D VGPR i. One 64-lane wave.
+template <bool BF16, bool DIVERGENT = false>
+__global__ void mfma_raw(const unsigned* regs, float* d) {
+  const int lane = (int)threadIdx.x;
+  if (DIVERGENT && lane >= 32) return;  // half a wave calls the wave-wide builtin: a deadlock here
+  unsigned a[2] = {regs[4 * lane], regs[4 * lane + 1]}, b[2] = {regs[4 * lane + 2], regs[4 * lane + 3]};
+  f32x4 c = {0.f, 0.f, 0.f, 0.f};
+  if constexpr (BF16) {
+    bf16x4 x, y;
+    __builtin_memcpy(&x, a, 8);
+    __builtin_memcpy(&y, b, 8);
+    c = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(x, y, c, 0, 0, 0);
+  } else {
+    f16x4 x, y;
+    __builtin_memcpy(&x, a, 8);
+    __builtin_memcpy(&y, b, 8);
+    c = __builtin_amdgcn_mfma_f32_16x16x16f16(x, y, c, 0, 0, 0);
+  }
+  for (int i = 0; i < 4; ++i) d[4 * lane + i] = c[i];
+}
+#endif
+
 }  // namespace selftest
 
 // which: 0/1 neighbor_sum with/without barrier, 2/3 dynamic-shared variant with/without barrier,
@@ -91,4 +127,19 @@ extern "C" __attribute__((visibility("default"))) int selftest_run(int which, co
     default: return (int)hipErrorInvalidValue;
   }
   return (int)hipGetLastError();
+}
+
+// Runs selftest::mfma_raw (bf16: 1 = v_mfma_f32_16x16x16bf16_1k, 0 = v_mfma_f32_16x16x16f16, 2 = the
+// f16 one called by half of the wave only) on one 64-lane wave. Returns the hipError_t of the launch
+// (hipErrorInvalidDeviceFunction without MFMA).
+extern "C" __attribute__((visibility("default"))) int selftest_mfma(int bf16, const unsigned* regs, float* d) {
+#if defined(SELFTEST_HAS_MFMA)
+  if (bf16 == 2) hipLaunchKernelGGL((selftest::mfma_raw<false, true>), dim3(1), dim3(64), 0, 0, regs, d);
+  else if (bf16) hipLaunchKernelGGL(selftest::mfma_raw<true>, dim3(1), dim3(64), 0, 0, regs, d);
+  else hipLaunchKernelGGL(selftest::mfma_raw<false>, dim3(1), dim3(64), 0, 0, regs, d);
+  return (int)hipGetLastError();
+#else
+  (void)bf16, (void)regs, (void)d;
+  return (int)hipErrorInvalidDeviceFunction;
+#endif
 }

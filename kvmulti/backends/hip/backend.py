@@ -151,8 +151,8 @@ class HipBackend(Backend):
             err = lib.kvmulti_hip_write_kv(
                 DTYPE_CODES[kv_cache.dtype], key.data_ptr(), v.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(),
                 key.stride(0), key.stride(1), key.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                s.block, s.token, s.head, key.shape[0], layout.num_kv_heads, layout.head_size, hv,
-                layout.block_size, stream)
+                s.block, s.token, s.head, min(key.shape[0], v.shape[0], slots.numel()), layout.num_kv_heads,
+                layout.head_size, hv, layout.block_size, min(layout.num_blocks, kv_cache.shape[0]), stream)
         check(lib, err, "write_kv", kv_cache.device.type == "cpu")
 
     def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
@@ -171,10 +171,13 @@ class HipBackend(Backend):
                 DTYPE_CODES[query.dtype], layout.head_size, wave, dst.data_ptr(), query.data_ptr(),
                 kv_cache.data_ptr(), plan.query_start_loc.data_ptr(), plan.seq_lens.data_ptr(),
                 plan.block_table.data_ptr(), query.stride(0), query.stride(1), dst.stride(0), dst.stride(1),
-                s.block, s.token, s.head, plan.block_table.stride(0), common.num_reqs, num_tokens, query.shape[1],
-                layout.num_kv_heads, layout.block_size, int(step.sliding_window or 0), float(scale),
+                s.block, s.token, s.head, plan.block_table.stride(0),
+                min(common.num_reqs, plan.query_start_loc.numel() - 1, plan.seq_lens.numel()), num_tokens,
+                query.shape[1], layout.num_kv_heads, layout.block_size, int(step.sliding_window or 0), float(scale),
                 float(softcap or 0.0), plan.partition_size, plan.num_partitions,
-                plan.workspace.data_ptr() if plan.workspace is not None else None, stream)
+                plan.workspace.data_ptr() if plan.workspace is not None else None,
+                min(query.shape[0], dst.shape[0]), plan.block_table.shape[0], plan.block_table.shape[1],
+                min(layout.num_blocks, kv_cache.shape[0]), stream)
         check(lib, err, "paged_attention", kv_cache.device.type == "cpu")
         if dst is not out:
             out.copy_(dst)
