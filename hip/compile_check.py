@@ -70,10 +70,12 @@ class Report:
 
 
 def hipcc() -> str | None:
-    rocm = os.environ.get("ROCM_PATH")
-    if rocm and (Path(rocm) / "bin" / "hipcc").exists():
-        return str(Path(rocm) / "bin" / "hipcc")
-    return shutil.which("hipcc")
+    """The host's hipcc, looked up once for everyone by the standalone builder hip/build_rocm.py."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("kvmulti_hip_build_rocm", Path(__file__).with_name("build_rocm.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.hipcc()
 
 
 def nvcc() -> str | None:

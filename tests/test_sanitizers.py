@@ -1,0 +1,67 @@
+"""The native paths under AddressSanitizer + UndefinedBehaviorSanitizer.
+
+One test runs a selection of the suite in a subprocess with ``KVMULTI_SANITIZE=1`` (the CPU kernel,
+the HIP CPU-harness library and the SYCL host shim are rebuilt with ``-fsanitize=address,undefined``
+into their own cache) and ``libasan`` preloaded into Python. Any sanitizer report aborts that
+process, so the test fails on the first out-of-bounds access, use-after-free or undefined behaviour.
+
+What it covers (``SELECTION``): the CPU kernel against the oracle (valid batches, partitions, the
+bf16 direct path), the fuzzing of valid and corrupted metadata on every backend that runs here, the
+kernels' own bounds tests (corrupted metadata handed to backend objects directly), and the HIP
+harness and SYCL suites' bad-input and cross-backend tests. Hypothesis examples are fewer there
+(the ``sanitizer`` profile): the point is the sanitizers watching every native path once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: pytest node selections run under the sanitizers.
+SELECTION = (
+    "tests/test_fuzz_metadata.py",
+    "tests/test_cpu_native.py",
+    "tests/test_validation.py",
+    "tests/test_hip_backend.py",
+    "tests/test_sycl_backend.py::test_split_kv_forced_matches_reference",
+    "tests/test_sycl_backend.py::test_split_and_unsplit_agree",
+)
+
+
+def sanitizer_runtime() -> str | None:
+    """Path of gcc's libasan.so (None when the compiler has none)."""
+    try:
+        path = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True,
+                              timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path if path and os.path.isabs(path) and os.path.exists(path) else None
+
+
+@pytest.mark.slow
+def test_native_paths_under_asan_and_ubsan(tmp_path):
+    runtime = sanitizer_runtime()
+    if runtime is None:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("CI needs gcc's AddressSanitizer runtime (libasan.so) for the sanitizer run")
+        pytest.skip("no libasan.so next to gcc")
+    env = dict(os.environ)
+    env.update(KVMULTI_SANITIZE="1", LD_PRELOAD=runtime,
+               KVMULTI_CACHE_DIR=os.environ.get("KVMULTI_SANITIZE_CACHE_DIR", str(Path.home() / ".cache" /
+                                                                                   "kvmulti-sanitize")),
+               ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:detect_stack_use_after_return=0:"
+                            "handle_segv=1:allocator_may_return_null=1",
+               UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
+               KVMULTI_HYPOTHESIS_PROFILE="sanitizer")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SELECTION],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
+    tail = (run.stdout[-6000:] + "\n" + run.stderr[-6000:])
+    assert run.returncode == 0, tail
+    assert "ERROR: AddressSanitizer" not in run.stderr and "runtime error:" not in run.stderr, tail
+    assert " passed" in run.stdout, tail
