@@ -34,6 +34,8 @@ import tempfile
 from pathlib import Path
 
 TARGETS = ("acm-g10", "pvc")
+#: Extra compiles reported as their own "target" rows: (row name, ocloc device, ocloc -options).
+VARIANTS = (("pvc-large-grf", "pvc", "-ze-opt-large-register-file"),)
 #: The decode case of sycl/README.md's paper model: bf16, head size 128.
 DEFAULT_CONFIG = {"dtype": "bfloat16", "head_size": 128, "head_size_v": 128}
 KERNELS = ("kvm_paged_attention", "kvm_split_reduce", "kvm_write_kv")
@@ -61,9 +63,9 @@ def _options(config: dict) -> list[str]:
     return S.kernel_options(dtype, config["head_size"], config["head_size_v"], S.WG)
 
 
-def dump_spirv(config: dict, out_dir: Path, timeout: int = 900) -> Path:
-    """Build the kernels for ``config`` in a child process with SYCL_DUMP_IMAGES=1; the SPIR-V image
-    holding our kernels, copied to ``out_dir / 'kernels.spv'``."""
+def dump_spirv(config: dict, out_dir: Path, timeout: int = 900) -> list[Path]:
+    """Build the kernels for ``config`` in a child process with SYCL_DUMP_IMAGES=1; the SPIR-V images
+    holding our kernels (the runtime splits them over several images), copied to ``out_dir``."""
     work = Path(tempfile.mkdtemp(prefix="kvm-spv-"))
     code = ("import sys, json; from kvmulti.backends import sycl as S\n"
             "S.default_session().build(S.kernel_source(), json.loads(sys.argv[1]))\n")
@@ -73,14 +75,16 @@ def dump_spirv(config: dict, out_dir: Path, timeout: int = 900) -> Path:
                              capture_output=True, text=True, timeout=timeout)
         if res.returncode != 0:
             raise EvidenceUnavailable(f"building the kernels with SYCL_DUMP_IMAGES=1 failed:\n{res.stderr[-3000:]}")
-        images = [p for p in work.glob("*.spv") if b"__sycl_kernel_kvm_paged_attention" in p.read_bytes()]
-        if not images:
+        images = sorted(p for p in work.glob("*.spv") if b"__sycl_kernel_kvm_" in p.read_bytes())
+        if not any(b"__sycl_kernel_kvm_paged_attention" in p.read_bytes() for p in images):
             raise EvidenceUnavailable(f"SYCL_DUMP_IMAGES=1 wrote no image with our kernels in {work} "
                                       f"(files: {sorted(p.name for p in work.iterdir())})")
         out_dir.mkdir(parents=True, exist_ok=True)
-        dst = out_dir / "kernels.spv"
-        shutil.copyfile(images[0], dst)
-        return dst
+        copies = []
+        for i, image in enumerate(images):
+            copies.append(out_dir / f"kernels-{i}.spv")
+            shutil.copyfile(image, copies[-1])
+        return copies
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -88,12 +92,12 @@ def dump_spirv(config: dict, out_dir: Path, timeout: int = 900) -> Path:
 def compile_spirv(spv: Path, target: str, out_dir: Path, options: str = "") -> tuple[str, dict[str, str]]:
     """``ocloc compile -spirv_input`` for ``target`` with IGC's shader dumps; (ocloc output, {asm file
     name: text}). Raises EvidenceUnavailable (with ocloc's output) when ocloc fails."""
-    dump = out_dir / f"igc-{target}"
+    dump = out_dir / f"igc-{spv.stem}-{target}{'-' + str(abs(hash(options))) if options else ''}"
     shutil.rmtree(dump, ignore_errors=True)
     dump.mkdir(parents=True)
     env = {**os.environ, "IGC_ShaderDumpEnable": "1", "IGC_DumpToCustomDir": str(dump)}
     cmd = [ocloc(), "compile", "-spirv_input", "-file", str(spv), "-device", target, "-output",
-           str(out_dir / f"kernels-{target}"), "-output_no_suffix"]
+           str(out_dir / f"{spv.stem}-{target}"), "-output_no_suffix"]
     if options:
         cmd += ["-options", options]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -190,11 +194,13 @@ def report_rows(config: dict | None = None) -> list[dict]:
         return json.loads(cached.read_text())
     with tempfile.TemporaryDirectory(prefix="kvm-gpu-evidence-") as tmp:
         out = Path(tmp)
-        spv = dump_spirv(config, out)
+        images = dump_spirv(config, out)
         rows = []
-        for target in TARGETS:
-            _, asm = compile_spirv(spv, target, out)
-            rows += rows_for_target(asm, target, _slm_bytes(config))
+        for name, device, options in [(t, t, "") for t in TARGETS] + list(VARIANTS):
+            asm: dict[str, str] = {}
+            for spv in images:
+                asm.update({f"{spv.stem}/{k}": v for k, v in compile_spirv(spv, device, out, options)[1].items()})
+            rows += rows_for_target(asm, name, _slm_bytes(config))
     cached.parent.mkdir(parents=True, exist_ok=True)
     cached.write_text(json.dumps(rows, indent=1))
     return rows

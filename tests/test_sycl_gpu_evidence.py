@@ -31,6 +31,9 @@ def test_ocloc_compiles_the_runtime_spirv_for_dg2_and_pvc():
         assert 256 in attn["load_widths_bytes"], attn
         assert attn["slm_bytes"] == 4 * S.lm_floats(128, S.WG)
         assert ("kvm_write_kv", target) in by and ("kvm_split_reduce", target) in by
+    # PVC's 256-register mode (ocloc -ze-opt-large-register-file) holds the attention kernel without spills
+    large = by[("kvm_paged_attention", "pvc-large-grf")]
+    assert large["regs_or_grf_mode"] == "256 GRF" and large["spills"] == 0, large
 
 
 def test_load_message_parser():
