@@ -49,6 +49,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace syclext = sycl::ext::oneapi;
 namespace syclexp = sycl::ext::oneapi::experimental;
@@ -183,12 +184,19 @@ static inline float step_sum(sycl::sub_group sg, float x) {
   return x;
 }
 
+// The chunk as raw bits of its natural alignment: a load through raw_t tells the device compiler
+// the address is VW * sizeof(elem_t)-aligned, so it emits one wide message per sub-group instead
+// of 2-byte pieces (the host refuses a misaligned cache base).
+constexpr int VBYTES = VW * static_cast<int>(sizeof(elem_t));
+using raw_t = std::conditional_t<VBYTES == 16, sycl::vec<uint32_t, 4>,
+              std::conditional_t<VBYTES == 8, sycl::vec<uint32_t, 2>,
+              std::conditional_t<VBYTES == 4, uint32_t, uint16_t>>>;
+static_assert(sizeof(raw_t) == sizeof(vec_t), "raw_t must have the size of a chunk");
+
 // One vector chunk of a cache row; zero when the row is masked (off < 0) or the chunk is past n.
 static inline vec_t load_chunk(const elem_t *row, int64_t off, int e, int n) {
-  vec_t v(elem_t(0));
-  if (off >= 0 && e < n) v.load(0, sycl::address_space_cast<sycl::access::address_space::global_space,
-                                                            sycl::access::decorated::no>(row + off + e));
-  return v;
+  if (off < 0 || e >= n) return vec_t(elem_t(0));
+  return sycl::bit_cast<vec_t>(*reinterpret_cast<const raw_t *>(row + off + e));
 }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }

@@ -88,7 +88,9 @@ def test_head_size_v_differs():
     check_against_reference(spec, "SYCL")
 
 
-def test_padded_tokens_are_skipped_and_zero():
+@pytest.mark.parametrize("partition", [0, 16])
+def test_padded_tokens_are_skipped_and_zero(monkeypatch, sycl_backend, partition):
+    monkeypatch.setattr(sycl_backend, "partition_size", partition)     # 16: split-KV + reduce
     spec = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=torch.float32,
                     query_lens=(5, 1), context_lens=(0, 30))
     case = build_case(spec)

@@ -731,8 +731,8 @@ class SyclBackend(Backend):
             args = [(ARG_PTR, ptr(key)), (ARG_I64, key.stride(0)), (ARG_I64, key.stride(1)),
                     (ARG_PTR, ptr(value)), (ARG_I64, value.stride(0)), (ARG_I64, value.stride(1)),
                     (ARG_PTR, ptr(kv_cache, True)), (ARG_I64, s.block), (ARG_I64, s.token), (ARG_I64, s.head),
-                    (ARG_I64, layout.num_blocks), (ARG_PTR, ptr(slot_mapping)), (ARG_I64, num_tokens), (ARG_I32, layout.num_kv_heads),
-                    (ARG_I32, layout.block_size)]
+                    (ARG_I64, layout.num_blocks), (ARG_PTR, ptr(slot_mapping)), (ARG_I64, num_tokens),
+                    (ARG_I32, layout.num_kv_heads), (ARG_I32, layout.block_size)]
             glob = -(-total // WRITE_WG) * WRITE_WG
             session.launch(bundle, K_WRITE, glob, WRITE_WG, args, wait=not on_xpu)
             ok = True
@@ -803,7 +803,12 @@ class SyclBackend(Backend):
                 session.launch(bundle, K_SPLIT, groups * plan.num_parts * wg, wg, split, wait=False)
                 reduce = [(ARG_PTR, part_acc.data_ptr()), (ARG_PTR, part_ml.data_ptr())] + out_args + \
                     [(ARG_I32, query.shape[1]), (ARG_I32, plan.num_parts)]
-                session.launch(bundle, K_REDUCE, rows * REDUCE_WG, REDUCE_WG, reduce, wait=not on_xpu)
+                # only the batch's own rows: padded rows have no partials and stay as they are
+                reduce_rows = max(0, min(metadata.num_actual_tokens, num_tokens)) * query.shape[1]
+                if reduce_rows:
+                    session.launch(bundle, K_REDUCE, reduce_rows * REDUCE_WG, REDUCE_WG, reduce, wait=not on_xpu)
+                elif not on_xpu:
+                    session.shim.check(session.shim.lib.kvm_wait(session.handle), "waiting for the SYCL queue")
                 if not on_xpu:
                     del part_acc, part_ml
             ok = True
