@@ -761,6 +761,8 @@ class SyclBackend(Backend):
         target = out if out.stride(-1) == 1 else torch.zeros_like(out, memory_format=torch.contiguous_format)
         num_tokens = min(query.shape[0], target.shape[0])    # rows the kernels may touch
         check_cache_alignment(kv_cache, layout)
+        if metadata.block_table.shape[-1] * layout.block_size >= 1 << 30:
+            raise SyclError("block table too wide: the SYCL kernels address key positions with 32-bit ints")
         block_table = metadata.block_table
         if block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
             block_table = block_table.to(torch.int32).contiguous()
