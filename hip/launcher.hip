@@ -112,7 +112,7 @@ __attribute__((visibility("default"))) int kvmulti_hip_plan(int num_tokens, int 
     ps = kDefaultPartition;
   }
   int np = 1;
-  if (ps > 0) np = max_span > 0 ? (max_span + ps - 1) / ps : 1;
+  if (ps > 0) np = max_span > 0 ? (int)(((long long)max_span + ps - 1) / ps) : 1;
   if (np <= 1) {
     np = 1;
     ps = 0;

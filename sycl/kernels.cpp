@@ -8,30 +8,48 @@
 //   -DKVM_DTYPE=0|1|2       element type of cache, query, key, value and out: fp32, fp16, bf16
 //   -DKVM_HEAD_SIZE=D       key/query head size
 //   -DKVM_HEAD_SIZE_V=DV    value head size
-//   -DKVM_ROWS=R            (query token, query head) rows per work-group tile
-//   -DKVM_KC=KC             keys per chunk staged in local memory
-//   -DKVM_WG=WG             work-group size of the attention kernels
+//   -DKVM_ROWS=R            (query token, query head) rows per work-group tile (host tiling)
+//   -DKVM_WG=WG             work-group size of the attention kernels (a multiple of KVM_SG)
+//   -DKVM_SG=SG             sub-group size the attention kernels require (default 16)
+//   -DKVM_RB=RB             tile rows held in registers per pass over the keys (default 4)
+//   -DKVM_KB=KB             keys per sub-group step, a power of two <= SG (default 4)
 //
 // Cache addressing (named strides, in elements): element d of K of (block, token, kv head) is at
 // cache[block * s_block + token * s_token + head * s_head + d]; V follows at + D. Both physical
 // orders (NHD, HND) differ only in s_token / s_head.
 //
-// Attention: one work-group per (tile, KV head[, KV partition]). A tile is up to R consecutive rows
-// of a request's flattened (query token, query head-in-group) space, so GQA groups of any size and
-// any mix of prefill / chunked prefill / decode / multi-token verification share one launch. The
-// work-group loops over the visible key range in chunks of KC keys: K/V chunk and the score tile
-// live in local memory (plain local_accessor arguments), the online softmax runs one row per
-// sub-group with sub-group max/sum reductions, and each work-item keeps its share of the fp32
-// output accumulator in registers. Keys outside the causal / sliding-window range of a tile are
-// never visited, so block-table entries for blocks wholly outside the window are never read.
+// Attention (v2): one work-group per (tile, KV head[, KV partition]); a tile is up to R consecutive
+// rows of a request's flattened (query token, query head-in-group) space, so all GQA rows of a KV
+// head (up to RB per pass) use every K/V row the sub-group loads. The NSG = WG / SG sub-groups of
+// the work-group split the visible key range: sub-group s takes key steps s, s + NSG, ... of KB keys
+// each and runs its own online softmax. Per step:
+//   * lane j < KB reads the block-table entry of key j (one coalesced int load per step);
+//   * each K row and then each V row is read by the whole sub-group with one vector load per lane
+//     (lane l holds elements [c * SG * VW + l * VW, + VW) of the row, VW elements = up to 16 bytes in
+//     the cache dtype, so one sub-group load is one contiguous up-to-256-byte message);
+//   * the KB x RB partial dot products are finished with a butterfly reduce-scatter (KB - 1 + log2(SG
+//     / KB) shuffles per row per step, lane l ends with the score of key bitrev(l mod KB));
+//   * probabilities reach every lane by a sub-group broadcast for the P.V update;
+//   * the next step's K/V rows are prefetched (sycl_ext_oneapi_prefetch) while this one computes.
+// K/V never touch local memory and the key loop has no barrier. At the end of a pass the sub-groups
+// merge their (max, sum, accumulator) through local memory: one group_barrier per pass (and one more
+// before a second pass reuses the scratch). Keys outside the causal / sliding-window range of a tile
+// are never visited, so block-table entries for blocks wholly outside the window are never read.
 //
-// Split-KV (long contexts, few work-groups): the same body over one partition of the key range
+// Split-KV (long contexts, few work-groups): the same kernel over one partition of the key range
 // writes an unnormalised partial output + (max, sum) per row; kvm_split_reduce combines them.
+//
+// Memory safety: every index that comes from metadata is guarded. A tile whose request has
+// query_start_loc entries outside [0, num_tokens] (or decreasing) is skipped; key positions stop
+// at the block-table width (bt_cols * block_size) and at 0; a request index >= bt_rows is skipped;
+// a block id outside [0, num_blocks) is a masked key whose row is never read. write_kv skips slots
+// outside [0, num_blocks * block_size) and reads only num_tokens rows of key/value/slot_mapping.
 
 #include <sycl/sycl.hpp>
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace syclext = sycl::ext::oneapi;
 namespace syclexp = sycl::ext::oneapi::experimental;
@@ -48,34 +66,33 @@ namespace syclexp = sycl::ext::oneapi::experimental;
 #ifndef KVM_ROWS
 #define KVM_ROWS 16
 #endif
-#ifndef KVM_KC
-#define KVM_KC 32
-#endif
 #ifndef KVM_WG
 #define KVM_WG 128
+#endif
+#ifndef KVM_SG
+#define KVM_SG 16
+#endif
+#ifndef KVM_RB
+#define KVM_RB 4
+#endif
+#ifndef KVM_KB
+#define KVM_KB 4
 #endif
 
 constexpr int D = KVM_HEAD_SIZE;
 constexpr int DV = KVM_HEAD_SIZE_V;
 constexpr int E = D + DV;               // content elements per (token, head)
 constexpr int ROWS = KVM_ROWS;
-constexpr int KC = KVM_KC;
 constexpr int WG = KVM_WG;
-constexpr int KCP = KC + 1;             // padded row of the transposed K tile (fewer bank conflicts)
-constexpr int ACC_PER = (ROWS * DV + WG - 1) / WG;
-
-// Local-memory carve-up of the float scratch (the host sizes the accessor with the same numbers).
-constexpr int LM_Q = 0;                         // [ROWS][D]   scaled queries
-constexpr int LM_K = LM_Q + ROWS * D;           // [D][KCP]    keys of the chunk, transposed
-constexpr int LM_V = LM_K + D * KCP;            // [KC][DV]    values of the chunk
-constexpr int LM_S = LM_V + KC * DV;            // [ROWS][KC]  scores, then probabilities
-constexpr int LM_M = LM_S + ROWS * KC;          // [ROWS] running max
-constexpr int LM_L = LM_M + ROWS;               // [ROWS] running sum
-constexpr int LM_A = LM_L + ROWS;               // [ROWS] rescale factor of this chunk
-constexpr int LM_FLOATS = LM_A + ROWS;
+constexpr int SG = KVM_SG;
+constexpr int NSG = WG / SG;
+constexpr int RB = KVM_RB < ROWS ? KVM_RB : ROWS;
+constexpr int KB = KVM_KB;
 
 static_assert(D > 0 && DV > 0, "head sizes must be positive");
-static_assert(WG % 8 == 0, "work-group size must be a multiple of 8");
+static_assert(WG % SG == 0, "the work-group size must be a multiple of the sub-group size");
+static_assert(KB >= 1 && KB <= SG && (KB & (KB - 1)) == 0 && (SG & (SG - 1)) == 0,
+              "KB and SG must be powers of two with KB <= SG");
 
 // ---------------------------------------------------------------------------------------------
 // Element type: loads widen to fp32, stores round from fp32 (bf16: round to nearest even).
@@ -102,226 +119,343 @@ static inline elem_t from_f(float x) {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
+// Vector width VW (elements per lane per load): the widest power of two with VW * sizeof(elem_t)
+// <= 16 bytes dividing both D and DV, so every K and V row chunk is VW-aligned when the cache base
+// is (the host checks the base pointer). NJ / NJV: chunks of SG * VW elements per K / V row.
+constexpr int widest_vec() {
+  int v = 16 / static_cast<int>(sizeof(elem_t));
+  while (v > 1 && (D % v != 0 || DV % v != 0)) v /= 2;
+  return v;
+}
+constexpr int VW = widest_vec();
+constexpr int NJ = (D + SG * VW - 1) / (SG * VW);
+constexpr int NJV = (DV + SG * VW - 1) / (SG * VW);
+using vec_t = sycl::vec<elem_t, VW>;
+
+// Local scratch of the end-of-pass merge: per sub-group and row, the accumulator [DV], max, sum.
+constexpr int MERGE_STRIDE = DV + 2;
+constexpr int LM_FLOATS = NSG * RB * MERGE_STRIDE;
+
+// The key of a step lane l scores after the butterfly: bit t of l selects the upper half at step t.
+static inline int key_of_lane(int lane) {
+  int key = 0;
+#pragma unroll
+  for (int half = KB / 2, t = 0; half >= 1; half /= 2, ++t) key += ((lane >> t) & 1) * half;
+  return key;
+}
+
+// The lane holding key j's score (bit reversal of j over log2(KB) bits; the inverse of key_of_lane).
+constexpr int lane_of_key(int j) {
+  int lane = 0;
+  for (int half = KB / 2, t = 0; half >= 1; half /= 2, ++t) lane |= ((j / half) & 1) << t, j %= half;
+  return lane;
+}
+
+// v[j] holds this lane's partial dot product for key j of the step; returns the full dot product of
+// key key_of_lane(lane). log2(KB) halving exchanges (KB - 1 shuffles), then log2(SG / KB) sums.
+static inline float reduce_scatter(sycl::sub_group sg, int lane, float (&v)[KB]) {
+#pragma unroll
+  for (int half = KB / 2, t = 0; half >= 1; half /= 2, ++t) {
+    const bool upper = (lane >> t) & 1;
+#pragma unroll
+    for (int i = 0; i < KB / 2; ++i) {
+      if (i < half) {
+        const float send = upper ? v[i] : v[i + half];
+        const float keep = upper ? v[i + half] : v[i];
+        v[i] = keep + sycl::permute_group_by_xor(sg, send, 1 << t);
+      }
+    }
+  }
+  float s = v[0];
+#pragma unroll
+  for (int m = KB; m < SG; m <<= 1) s += sycl::permute_group_by_xor(sg, s, m);
+  return s;
+}
+
+// Max / sum over the KB distinct keys of a step (lanes that differ only above bit log2(KB) agree).
+static inline float step_max(sycl::sub_group sg, float x) {
+#pragma unroll
+  for (int m = 1; m < KB; m <<= 1) x = sycl::fmax(x, sycl::permute_group_by_xor(sg, x, m));
+  return x;
+}
+static inline float step_sum(sycl::sub_group sg, float x) {
+#pragma unroll
+  for (int m = 1; m < KB; m <<= 1) x += sycl::permute_group_by_xor(sg, x, m);
+  return x;
+}
+
+// The chunk as raw bits of its natural alignment: a load through raw_t tells the device compiler
+// the address is VW * sizeof(elem_t)-aligned, so it emits one wide message per sub-group instead
+// of 2-byte pieces (the host refuses a misaligned cache base).
+constexpr int VBYTES = VW * static_cast<int>(sizeof(elem_t));
+using raw_t = std::conditional_t<VBYTES == 16, sycl::vec<uint32_t, 4>,
+              std::conditional_t<VBYTES == 8, sycl::vec<uint32_t, 2>,
+              std::conditional_t<VBYTES == 4, uint32_t, uint16_t>>>;
+static_assert(sizeof(raw_t) == sizeof(vec_t), "raw_t must have the size of a chunk");
+
+// One vector chunk of a cache row; zero when the row is masked (off < 0) or the chunk is past n.
+static inline vec_t load_chunk(const elem_t *row, int64_t off, int e, int n) {
+  if (off < 0 || e >= n) return vec_t(elem_t(0));
+  return sycl::bit_cast<vec_t>(*reinterpret_cast<const raw_t *>(row + off + e));
+}
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// Everything one work-group needs to know about its tile; valid == false: nothing to do.
+struct Tile {
+  bool valid;
+  int req, f0, nrows;
+  int64_t q0, ctx;                       // first query row of the request; position of its first new token
+  int k_lo, k_hi;                        // visible key positions [k_lo, k_hi) of the whole tile (this partition)
+};
+
+static inline Tile locate_tile(const int32_t *query_start_loc, const int32_t *seq_lens, const int32_t *tiles,
+                               int64_t tile, int64_t num_tokens, int64_t bt_rows, int64_t bt_cols, int group,
+                               int block_size, int window) {
+  Tile t{false, 0, 0, 0, 0, 0, 0, 0};
+  t.req = tiles[2 * tile];
+  t.f0 = tiles[2 * tile + 1];
+  if (t.req < 0 || t.req >= bt_rows || t.f0 < 0) return t;
+  const int64_t q0 = query_start_loc[t.req], q1 = query_start_loc[t.req + 1];
+  if (q0 < 0 || q1 < q0 || q1 > num_tokens) return t;
+  const int64_t qlen = q1 - q0;
+  const int64_t nrows = min64(ROWS, qlen * group - t.f0);
+  if (nrows <= 0) return t;
+  t.q0 = q0;
+  t.nrows = static_cast<int>(nrows);
+  t.ctx = static_cast<int64_t>(seq_lens[t.req]) - qlen;
+  const int64_t p_first = t.ctx + t.f0 / group;
+  const int64_t p_last = t.ctx + (t.f0 + nrows - 1) / group;
+  const int64_t k_max = bt_cols * block_size;  // the block table holds no key past this
+  const int64_t lo = window > 0 ? p_first - window + 1 : 0;
+  t.k_lo = static_cast<int>(clamp64(lo, 0, k_max));
+  t.k_hi = static_cast<int>(clamp64(p_last + 1, 0, k_max));
+  t.valid = true;
+  return t;
+}
+
 // ---------------------------------------------------------------------------------------------
-// The shared attention body. SPLIT: write partial results of partition `part` of the key range.
-template <bool SPLIT>
-static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_sh, const elem_t *cache,
-                                  int64_t s_block, int64_t s_token, int64_t s_head, const int32_t *block_table,
-                                  int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
+// The attention body. part_acc != nullptr (split-KV): write the partial results of partition
+// `part` of the key range instead of out (one body for both, so the device compiles it once).
+static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens,
+                                  const elem_t *cache, int64_t s_block, int64_t s_token, int64_t s_head,
+                                  int64_t num_blocks, const int32_t *block_table, int64_t bt_stride, int64_t bt_rows,
+                                  int64_t bt_cols, const int32_t *seq_lens, const int32_t *query_start_loc,
                                   const int32_t *tiles, elem_t *out, int64_t o_st, int64_t o_sh, float *part_acc,
                                   float *part_ml, int32_t num_parts, int32_t part_size, int32_t num_kv_heads,
                                   int32_t group, int32_t block_size, float scale, int32_t window, float softcap,
-                                  sycl::decorated_local_ptr<float> lm,
-                                  sycl::decorated_local_ptr<int64_t> loff) {
+                                  sycl::decorated_local_ptr<float> lm) {
   auto it = syclext::this_work_item::get_nd_item<1>();
   auto wg = it.get_group();
   auto sg = it.get_sub_group();
   const int lid = static_cast<int>(it.get_local_id(0));
   const int sg_id = static_cast<int>(sg.get_group_linear_id());
-  const int n_sg = static_cast<int>(sg.get_group_linear_range());
   const int lane = static_cast<int>(sg.get_local_linear_id());
-  const int sg_size = static_cast<int>(sg.get_local_linear_range());
 
+  const bool split = part_acc != nullptr;
   int64_t gid = static_cast<int64_t>(it.get_group(0));
-  const int part = SPLIT ? static_cast<int>(gid % num_parts) : 0;
-  if (SPLIT) gid /= num_parts;
+  const int part = split ? static_cast<int>(gid % num_parts) : 0;
+  if (split) gid /= num_parts;
   const int h = static_cast<int>(gid % num_kv_heads);
-  const int64_t tile = gid / num_kv_heads;
-
-  const int req = tiles[2 * tile];
-  const int f0 = tiles[2 * tile + 1];                // first flattened row of the tile
-  const int q0 = query_start_loc[req];
-  const int qlen = query_start_loc[req + 1] - q0;
-  const int seq = seq_lens[req];
-  const int ctx = seq - qlen;                        // position of the request's first new token
-  const int nrows = sycl::min(ROWS, qlen * group - f0);
-  const int p_first = ctx + f0 / group;
-  const int p_last = ctx + (f0 + nrows - 1) / group;
-  int k_lo = window > 0 ? sycl::max(0, p_first - window + 1) : 0;
-  int k_hi = p_last + 1;                              // causal
+  const int64_t tile_id = gid / num_kv_heads;
   const int num_q_heads = num_kv_heads * group;
 
-  if (SPLIT) {
-    const int lo = k_lo + part * part_size;
-    k_hi = sycl::min(k_hi, lo + part_size);
-    k_lo = lo;
-    if (k_lo >= k_hi) {  // empty partition (uniform over the work-group): neutral partial result
-      for (int idx = lid; idx < nrows * DV; idx += WG) {
-        const int r = idx / DV, d = idx - r * DV, flat = f0 + r;
-        const int64_t row = static_cast<int64_t>(q0 + flat / group) * num_q_heads + h * group + flat % group;
-        part_acc[(row * num_parts + part) * DV + d] = 0.f;
-        if (d == 0) {
-          part_ml[(row * num_parts + part) * 2 + 0] = NEG_INF;
-          part_ml[(row * num_parts + part) * 2 + 1] = 0.f;
+  Tile t = locate_tile(query_start_loc, seq_lens, tiles, tile_id, num_tokens, bt_rows, bt_cols, group, block_size,
+                       window);
+  if (!t.valid) return;  // uniform over the work-group
+  if (split) {
+    const int64_t lo = static_cast<int64_t>(t.k_lo) + static_cast<int64_t>(part) * part_size;
+    t.k_hi = static_cast<int>(min64(t.k_hi, lo + part_size));
+    t.k_lo = static_cast<int>(min64(lo, t.k_hi));
+  }
+
+  const int32_t *bt = block_table + static_cast<int64_t>(t.req) * bt_stride;
+  const int64_t head_off = static_cast<int64_t>(h) * s_head;
+  const int my_key = key_of_lane(lane);
+  const int step_keys = NSG * KB;
+
+  for (int rb0 = 0; rb0 < t.nrows; rb0 += RB) {
+    const int nr = sycl::min(RB, t.nrows - rb0);
+    // Queries of this pass's rows: lane chunks in the cache dtype (read once per pass).
+    vec_t q[RB][NJ];
+    int64_t qpos[RB];
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+      const int flat = t.f0 + rb0 + r;
+      const int64_t token = t.q0 + flat / group;
+      const int qh = h * group + flat % group;
+      qpos[r] = r < nr ? t.ctx + flat / group : std::numeric_limits<int64_t>::min();
+#pragma unroll
+      for (int c = 0; c < NJ; ++c) {
+        const int e = c * SG * VW + lane * VW;
+#pragma unroll
+        for (int i = 0; i < VW; ++i)
+          q[r][c][i] = (r < nr && e < D) ? query[token * q_st + qh * q_sh + e + i] : elem_t(0);
+      }
+    }
+    float m[RB], l[RB], acc[RB][NJV][VW];
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+      m[r] = NEG_INF;
+      l[r] = 0.f;
+#pragma unroll
+      for (int c = 0; c < NJV; ++c)
+#pragma unroll
+        for (int i = 0; i < VW; ++i) acc[r][c][i] = 0.f;
+    }
+
+    // Cache offset (elements) of the row of key position k; -1: masked (out of range / bad block id).
+    auto key_offset = [&](int k) -> int64_t {
+      if (k < t.k_lo || k >= t.k_hi) return -1;
+      const int32_t bid = bt[k / block_size];
+      if (bid < 0 || bid >= num_blocks) return -1;
+      return static_cast<int64_t>(bid) * s_block + static_cast<int64_t>(k % block_size) * s_token + head_off;
+    };
+
+    int k0 = t.k_lo + sg_id * KB;
+    int64_t off = key_offset(k0 + (lane < KB ? lane : 0));
+    for (; k0 < t.k_hi; k0 += step_keys) {
+      // Prefetch the next step's rows (their block-table entries are read now, used next step).
+      const int64_t next_off = key_offset(k0 + step_keys + (lane < KB ? lane : 0));
+      if (lane < KB && next_off >= 0) syclexp::prefetch(const_cast<elem_t *>(cache + next_off), E);
+
+      // The step's K rows: one vector load per lane per chunk, in the cache dtype.
+      vec_t k[KB][NJ];
+#pragma unroll
+      for (int j = 0; j < KB; ++j) {
+        const int64_t o = sycl::select_from_group(sg, off, j);
+#pragma unroll
+        for (int c = 0; c < NJ; ++c) k[j][c] = load_chunk(cache, o, c * SG * VW + lane * VW, D);
+      }
+      const int64_t kpos = k0 + my_key;
+      const bool key_ok = sycl::select_from_group(sg, off, my_key) >= 0;
+
+      // Scores and the online softmax of every row of the pass over the step's KB keys (rows
+      // unrolled with uniform guards, so every per-row value stays in registers).
+      float p[RB];
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+        if (r < nr) {
+          float part_dot[KB];
+#pragma unroll
+          for (int j = 0; j < KB; ++j) {
+            float d = 0.f;
+#pragma unroll
+            for (int c = 0; c < NJ; ++c)
+#pragma unroll
+              for (int i = 0; i < VW; ++i) d += to_f(q[r][c][i]) * to_f(k[j][c][i]);
+            part_dot[j] = d;
+          }
+          float s = reduce_scatter(sg, lane, part_dot) * scale;
+          if (softcap > 0.f) s = softcap * sycl::tanh(s / softcap);
+          const bool visible = key_ok && kpos <= qpos[r] && (window <= 0 || qpos[r] - kpos < window);
+          s = visible ? s : NEG_INF;
+          const float m_old = m[r];
+          const float m_new = sycl::fmax(m_old, step_max(sg, s));
+          p[r] = (m_new == NEG_INF || s == NEG_INF) ? 0.f : sycl::exp(s - m_new);
+          const float alpha = m_new == NEG_INF ? 1.f : (m_old == NEG_INF ? 0.f : sycl::exp(m_old - m_new));
+          l[r] = l[r] * alpha + step_sum(sg, p[r]);
+          m[r] = m_new;
+#pragma unroll
+          for (int c = 0; c < NJV; ++c)
+#pragma unroll
+            for (int i = 0; i < VW; ++i) acc[r][c][i] *= alpha;
         }
       }
-      return;
+      // P.V: the step's V rows (loaded after the K registers are free), p broadcast per key.
+#pragma unroll
+      for (int j = 0; j < KB; ++j) {
+        const int64_t o = sycl::select_from_group(sg, off, j);
+        vec_t v[NJV];
+#pragma unroll
+        for (int c = 0; c < NJV; ++c) v[c] = load_chunk(cache + D, o, c * SG * VW + lane * VW, DV);
+#pragma unroll
+        for (int r = 0; r < RB; ++r) {
+          if (r < nr) {
+            const float pj = sycl::select_from_group(sg, p[r], lane_of_key(j));
+#pragma unroll
+            for (int c = 0; c < NJV; ++c)
+#pragma unroll
+              for (int i = 0; i < VW; ++i) acc[r][c][i] += pj * to_f(v[c][i]);
+          }
+        }
+      }
+      off = next_off;
     }
-  }
 
-  // Typed local-space pointers (not generic ones): local memory accesses stay local on every device.
-  auto q_lm = lm + LM_Q, k_lm = lm + LM_K, v_lm = lm + LM_V, s_lm = lm + LM_S;
-  auto m_lm = lm + LM_M, l_lm = lm + LM_L, a_lm = lm + LM_A;
-
-  // Scaled queries of the tile -> local memory (rows past nrows are zero).
-  for (int idx = lid; idx < ROWS * D; idx += WG) {
-    const int r = idx / D, d = idx - r * D;
-    float v = 0.f;
-    if (r < nrows) {
-      const int flat = f0 + r;
-      const int64_t token = q0 + flat / group;
+    // Merge the sub-groups' (max, sum, accumulator) per row through local memory.
+    if (rb0 > 0) sycl::group_barrier(wg);  // the previous pass's readers are done with the scratch
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+      if (r < nr) {
+        auto row = lm + (sg_id * RB + r) * MERGE_STRIDE;
+#pragma unroll
+        for (int c = 0; c < NJV; ++c) {
+          const int e = c * SG * VW + lane * VW;
+#pragma unroll
+          for (int i = 0; i < VW; ++i)
+            if (e < DV) row[e + i] = acc[r][c][i];
+        }
+        if (lane == 0) {
+          row[DV] = m[r];
+          row[DV + 1] = l[r];
+        }
+      }
+    }
+    sycl::group_barrier(wg);
+    for (int idx = lid; idx < nr * DV; idx += WG) {
+      const int r = idx / DV, d = idx - r * DV, flat = t.f0 + rb0 + r;
+      float mx = NEG_INF;
+      for (int g = 0; g < NSG; ++g) mx = sycl::fmax(mx, lm[(g * RB + r) * MERGE_STRIDE + DV]);
+      float sum = 0.f, a = 0.f;
+      if (mx != NEG_INF) {
+        for (int g = 0; g < NSG; ++g) {
+          const auto row = lm + (g * RB + r) * MERGE_STRIDE;
+          const float w = row[DV] == NEG_INF ? 0.f : sycl::exp(row[DV] - mx);
+          sum += row[DV + 1] * w;
+          a += row[d] * w;
+        }
+      }
+      const int64_t token = t.q0 + flat / group;
       const int qh = h * group + flat % group;
-      v = to_f(query[token * q_st + qh * q_sh + d]) * scale;
-    }
-    q_lm[idx] = v;
-  }
-  for (int r = lid; r < ROWS; r += WG) {
-    m_lm[r] = NEG_INF;
-    l_lm[r] = 0.f;
-  }
-  float acc[ACC_PER];
-#pragma unroll
-  for (int e = 0; e < ACC_PER; ++e) acc[e] = 0.f;
-
-  const int32_t *bt = block_table + static_cast<int64_t>(req) * bt_stride;
-  const int64_t head_off = static_cast<int64_t>(h) * s_head;
-
-  for (int k0 = k_lo; k0 < k_hi; k0 += KC) {
-    const int nk = sycl::min(KC, k_hi - k0);
-    // Cache offsets of the chunk's keys: only block-table entries of positions in [k_lo, k_hi) are read.
-    for (int j = lid; j < KC; j += WG) {
-      const int pos = k0 + j;
-      loff[j] = j < nk ? static_cast<int64_t>(bt[pos / block_size]) * s_block +
-                             static_cast<int64_t>(pos % block_size) * s_token + head_off
-                       : 0;
-    }
-    sycl::group_barrier(wg);
-
-    for (int idx = lid; idx < KC * D; idx += WG) {
-      const int j = idx / D, d = idx - j * D;
-      k_lm[d * KCP + j] = j < nk ? to_f(cache[loff[j] + d]) : 0.f;
-    }
-    for (int idx = lid; idx < KC * DV; idx += WG) {
-      const int j = idx / DV, d = idx - j * DV;
-      v_lm[idx] = j < nk ? to_f(cache[loff[j] + D + d]) : 0.f;
-    }
-    sycl::group_barrier(wg);
-
-    // Score tile: causal + sliding-window mask, softcap.
-    for (int idx = lid; idx < nrows * KC; idx += WG) {
-      const int r = idx / KC, j = idx - r * KC;
-      const int kpos = k0 + j;
-      const int qpos = ctx + (f0 + r) / group;
-      float s = NEG_INF;
-      if (j < nk && kpos <= qpos && (window <= 0 || qpos - kpos < window)) {
-        const auto qr = q_lm + r * D;    // same row for neighbouring work-items: broadcast
-        const auto kc = k_lm + j;         // neighbouring work-items read neighbouring keys
-        float dot = 0.f;
-#pragma unroll 8
-        for (int d = 0; d < D; ++d) dot += qr[d] * kc[d * KCP];
-        if (softcap > 0.f) dot = softcap * sycl::tanh(dot / softcap);
-        s = dot;
-      }
-      s_lm[idx] = s;
-    }
-    sycl::group_barrier(wg);
-
-    // Online softmax: one row per sub-group, sub-group reductions over the chunk's columns.
-    for (int r = sg_id; r < nrows; r += n_sg) {
-      float cmax = NEG_INF;
-      for (int j = lane; j < KC; j += sg_size) cmax = sycl::fmax(cmax, s_lm[r * KC + j]);
-      cmax = sycl::reduce_over_group(sg, cmax, sycl::maximum<float>());
-      const float m_old = m_lm[r];
-      const float m_new = sycl::fmax(m_old, cmax);
-      float psum = 0.f;
-      for (int j = lane; j < KC; j += sg_size) {
-        const float s = s_lm[r * KC + j];
-        const float p = (m_new == NEG_INF || s == NEG_INF) ? 0.f : sycl::exp(s - m_new);
-        s_lm[r * KC + j] = p;
-        psum += p;
-      }
-      psum = sycl::reduce_over_group(sg, psum, sycl::plus<float>());
-      if (lane == 0) {
-        const float alpha = (m_new == NEG_INF) ? 1.f : (m_old == NEG_INF ? 0.f : sycl::exp(m_old - m_new));
-        m_lm[r] = m_new;
-        l_lm[r] = l_lm[r] * alpha + psum;
-        a_lm[r] = alpha;
-      }
-    }
-    sycl::group_barrier(wg);
-
-    // acc[r][d] = acc * alpha[r] + sum_j p[r][j] * v[j][d]
-#pragma unroll
-    for (int e = 0; e < ACC_PER; ++e) {
-      const int idx = lid + e * WG;
-      if (idx < nrows * DV) {
-        const int r = idx / DV, d = idx - r * DV;
-        const auto pr = s_lm + r * KC;
-        float a = acc[e] * a_lm[r];
-        for (int j = 0; j < nk; ++j) a += pr[j] * v_lm[j * DV + d];
-        acc[e] = a;
-      }
-    }
-    sycl::group_barrier(wg);  // the next chunk overwrites the local tiles
-  }
-
-#pragma unroll
-  for (int e = 0; e < ACC_PER; ++e) {
-    const int idx = lid + e * WG;
-    if (idx < nrows * DV) {
-      const int r = idx / DV, d = idx - r * DV, flat = f0 + r;
-      const int64_t token = q0 + flat / group;
-      const int qh = h * group + flat % group;
-      if (SPLIT) {
-        const int64_t row = token * num_q_heads + qh;
-        part_acc[(row * num_parts + part) * DV + d] = acc[e];
+      if (split) {
+        const int64_t prow = (token * num_q_heads + qh) * num_parts + part;
+        part_acc[prow * DV + d] = a;
         if (d == 0) {
-          part_ml[(row * num_parts + part) * 2 + 0] = m_lm[r];
-          part_ml[(row * num_parts + part) * 2 + 1] = l_lm[r];
+          part_ml[prow * 2 + 0] = mx;
+          part_ml[prow * 2 + 1] = sum;
         }
       } else {
-        const float l = l_lm[r];
-        out[token * o_st + qh * o_sh + d] = from_f(l > 0.f ? acc[e] / l : 0.f);
+        out[token * o_st + qh * o_sh + d] = from_f(sum > 0.f ? a / sum : 0.f);
       }
     }
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Kernels. Grid: nd_range<1>(num_tiles * num_kv_heads [* num_parts] * WG, WG).
+// Kernel. Grid: nd_range<1>(num_tiles * num_kv_heads * num_parts * WG, WG), sub-groups of SG.
 // tiles: int32 [num_tiles][2] = (request, first flattened row), built by the host.
-// lm: float[LM_FLOATS] local scratch, loff: int64[KC] local cache offsets of the chunk's keys.
-
+// num_tokens: rows of query and out (and of the partial buffers); bt_rows / bt_cols: the block
+// table's shape; num_blocks: blocks in the cache. lm: float[LM_FLOATS] local scratch.
+// Unsplit: part_acc == part_ml == nullptr, num_parts == 1, writes out.
+// Split-KV: out may be null; num_parts work-groups per (tile, KV head); partition p covers keys
+// [k_lo + p * part_size, k_lo + (p + 1) * part_size) of the tile's visible range. Writes part_acc
+// float [num_tokens][Hq][num_parts][DV] (unnormalised) and part_ml float [..][2] = (max, sum); an
+// empty partition writes (-inf, 0) and a zero accumulator.
 extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
-void kvm_paged_attention(const elem_t *query, int64_t q_st, int64_t q_sh, const elem_t *cache, int64_t s_block,
-                         int64_t s_token, int64_t s_head, const int32_t *block_table, int64_t bt_stride,
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<SG>))
+void kvm_paged_attention(const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens, const elem_t *cache,
+                         int64_t s_block, int64_t s_token, int64_t s_head, int64_t num_blocks,
+                         const int32_t *block_table, int64_t bt_stride, int64_t bt_rows, int64_t bt_cols,
                          const int32_t *seq_lens, const int32_t *query_start_loc, const int32_t *tiles, elem_t *out,
-                         int64_t o_st, int64_t o_sh, int32_t num_kv_heads, int32_t group, int32_t block_size,
-                         float scale, int32_t window, float softcap, sycl::local_accessor<float, 1> lm,
-                         sycl::local_accessor<int64_t, 1> loff) {
-  attention_body<false>(query, q_st, q_sh, cache, s_block, s_token, s_head, block_table, bt_stride, seq_lens,
-                        query_start_loc, tiles, out, o_st, o_sh, nullptr, nullptr, 1, 0, num_kv_heads, group,
-                        block_size, scale, window, softcap,
-                        lm.get_multi_ptr<sycl::access::decorated::yes>(),
-                        loff.get_multi_ptr<sycl::access::decorated::yes>());
-}
-
-// Split-KV variant: grid has num_parts work-groups per (tile, KV head); partition p covers keys
-// [k_lo + p * part_size, k_lo + (p + 1) * part_size) of the tile's visible range. Writes
-// part_acc float [T][Hq][num_parts][DV] (unnormalised) and part_ml float [T][Hq][num_parts][2].
-extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
-void kvm_paged_attention_split(const elem_t *query, int64_t q_st, int64_t q_sh, const elem_t *cache,
-                               int64_t s_block, int64_t s_token, int64_t s_head, const int32_t *block_table,
-                               int64_t bt_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
-                               const int32_t *tiles, float *part_acc, float *part_ml, int32_t num_parts,
-                               int32_t part_size, int32_t num_kv_heads, int32_t group, int32_t block_size,
-                               float scale, int32_t window, float softcap, sycl::local_accessor<float, 1> lm,
-                               sycl::local_accessor<int64_t, 1> loff) {
-  attention_body<true>(query, q_st, q_sh, cache, s_block, s_token, s_head, block_table, bt_stride, seq_lens,
-                       query_start_loc, tiles, nullptr, 0, 0, part_acc, part_ml, num_parts, part_size,
-                       num_kv_heads, group, block_size, scale, window, softcap,
-                       lm.get_multi_ptr<sycl::access::decorated::yes>(),
-                       loff.get_multi_ptr<sycl::access::decorated::yes>());
+                         int64_t o_st, int64_t o_sh, float *part_acc, float *part_ml, int32_t num_parts,
+                         int32_t part_size, int32_t num_kv_heads, int32_t group, int32_t block_size, float scale,
+                         int32_t window, float softcap, sycl::local_accessor<float, 1> lm) {
+  attention_body(query, q_st, q_sh, num_tokens, cache, s_block, s_token, s_head, num_blocks, block_table, bt_stride,
+                 bt_rows, bt_cols, seq_lens, query_start_loc, tiles, out, o_st, o_sh, part_acc, part_ml, num_parts,
+                 part_size, num_kv_heads, group, block_size, scale, window, softcap,
+                 lm.get_multi_ptr<sycl::access::decorated::yes>());
 }
 
 // Combine the partitions of one (token, query head) per work-group:
@@ -351,13 +485,14 @@ void kvm_split_reduce(const float *part_acc, const float *part_ml, elem_t *out, 
   }
 }
 
-// write_kv: one work-item per (token, KV head, content element); slot -1 (any negative) is skipped.
-// key [T][Hkv][D] with strides (k_st, k_sh, 1); value [T][Hkv][DV] with strides (v_st, v_sh, 1).
-// Grid: nd_range<1>(round_up(T * Hkv * E, wg), wg). Bit-exact copy (no conversion).
+// write_kv: one work-item per (token, KV head, content element); a slot outside
+// [0, num_blocks * block_size) (-1 = padding) is skipped. key [T][Hkv][D] with strides (k_st, k_sh,
+// 1); value [T][Hkv][DV] with strides (v_st, v_sh, 1); T = num_tokens rows of key, value and
+// slot_mapping. Grid: nd_range<1>(round_up(T * Hkv * E, wg), wg). Bit-exact copy (no conversion).
 extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 void kvm_write_kv(const elem_t *key, int64_t k_st, int64_t k_sh, const elem_t *value, int64_t v_st, int64_t v_sh,
-                  elem_t *cache, int64_t s_block, int64_t s_token, int64_t s_head, const int64_t *slot_mapping,
-                  int64_t num_tokens, int32_t num_kv_heads, int32_t block_size) {
+                  elem_t *cache, int64_t s_block, int64_t s_token, int64_t s_head, int64_t num_blocks,
+                  const int64_t *slot_mapping, int64_t num_tokens, int32_t num_kv_heads, int32_t block_size) {
   auto it = syclext::this_work_item::get_nd_item<1>();
   const int64_t i = static_cast<int64_t>(it.get_global_id(0));
   if (i >= num_tokens * num_kv_heads * E) return;
@@ -366,7 +501,7 @@ void kvm_write_kv(const elem_t *key, int64_t k_st, int64_t k_sh, const elem_t *v
   const int h = static_cast<int>(th % num_kv_heads);
   const int64_t t = th / num_kv_heads;
   const int64_t slot = slot_mapping[t];
-  if (slot < 0) return;
+  if (slot < 0 || slot / block_size >= num_blocks) return;
   const int64_t dst = (slot / block_size) * s_block + (slot % block_size) * s_token + h * s_head + e;
   cache[dst] = e < D ? key[t * k_st + h * k_sh + e] : value[t * v_st + h * v_sh + (e - D)];
 }

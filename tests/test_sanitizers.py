@@ -6,10 +6,14 @@ into their own cache) and ``libasan`` preloaded into Python. Any sanitizer repor
 process, so the test fails on the first out-of-bounds access, use-after-free or undefined behaviour.
 
 What it covers (``SELECTION``): the CPU kernel against the oracle (valid batches, partitions, the
-bf16 direct path), the fuzzing of valid and corrupted metadata on every backend that runs here, the
-kernels' own bounds tests (corrupted metadata handed to backend objects directly), and the HIP
-harness and SYCL suites' bad-input and cross-backend tests. Hypothesis examples are fewer there
-(the ``sanitizer`` profile): the point is the sanitizers watching every native path once.
+bf16 direct path, its bounds tests), the fuzzing of valid and corrupted metadata on the backends
+that run here, and the HIP harness backend tests (bad inputs and corrupted metadata handed to the
+backend directly). Hypothesis examples are fewer there (the ``sanitizer`` profile).
+
+Not covered: the SYCL host shim. It is BUILT with the sanitizers under ``KVMULTI_SANITIZE=1``, but the
+SYCL runtime cannot be loaded into an ASan process: its loader dlopens libraries with RTLD_DEEPBIND,
+which the ASan runtime refuses (google/sanitizers issue 611) and aborts. The run therefore points
+``KVMULTI_SYCL_ROOT`` at an empty folder, so SYCL reports itself unavailable there.
 """
 
 from __future__ import annotations
@@ -29,8 +33,6 @@ SELECTION = (
     "tests/test_cpu_native.py",
     "tests/test_validation.py",
     "tests/test_hip_backend.py",
-    "tests/test_sycl_backend.py::test_split_kv_forced_matches_reference",
-    "tests/test_sycl_backend.py::test_split_and_unsplit_agree",
 )
 
 
@@ -58,7 +60,7 @@ def test_native_paths_under_asan_and_ubsan(tmp_path):
                ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:detect_stack_use_after_return=0:"
                             "handle_segv=1:allocator_may_return_null=1",
                UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
-               KVMULTI_HYPOTHESIS_PROFILE="sanitizer")
+               KVMULTI_HYPOTHESIS_PROFILE="sanitizer", KVMULTI_SYCL_ROOT=str(tmp_path / "no-sycl-under-asan"))
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SELECTION],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
     tail = (run.stdout[-6000:] + "\n" + run.stderr[-6000:])

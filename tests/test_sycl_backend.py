@@ -88,7 +88,9 @@ def test_head_size_v_differs():
     check_against_reference(spec, "SYCL")
 
 
-def test_padded_tokens_are_skipped_and_zero():
+@pytest.mark.parametrize("partition", [0, 16])
+def test_padded_tokens_are_skipped_and_zero(monkeypatch, sycl_backend, partition):
+    monkeypatch.setattr(sycl_backend, "partition_size", partition)     # 16: split-KV + reduce
     spec = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=torch.float32,
                     query_lens=(5, 1), context_lens=(0, 30))
     case = build_case(spec)
@@ -125,15 +127,19 @@ def test_strided_key_value_and_query_views():
 
 
 # ------------------------------------------------------------------------------------ split-KV
+SPLIT_ARG = 19      # kvm_paged_attention's part_acc argument (null: unsplit)
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """Names of the kernels launched while the test runs."""
     seen: list[str] = []
     orig = S.runtime.Session.launch
 
-    def record(self, bundle, kernel, *args, **kwargs):
-        seen.append(S.runtime.KERNEL_NAMES[kernel])
-        return orig(self, bundle, kernel, *args, **kwargs)
+    def record(self, bundle, kernel, global_size, local_size, args, *rest, **kwargs):
+        split = kernel == S.runtime.K_ATTN and args[SPLIT_ARG][1] != 0     # partial buffers given: split-KV
+        seen.append(S.runtime.KERNEL_NAMES[kernel] + ("[split]" if split else ""))
+        return orig(self, bundle, kernel, global_size, local_size, args, *rest, **kwargs)
 
     monkeypatch.setattr(S.runtime.Session, "launch", record)
     return seen
@@ -145,7 +151,7 @@ def test_split_kv_forced_matches_reference(monkeypatch, sycl_backend, launches, 
     spec = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=dtype,
                     query_lens=(1, 1, 4, 9), context_lens=(150, 7, 60, 0), sliding_window=window, softcap=15.0)
     check_against_reference(spec, "SYCL")
-    assert "kvm_paged_attention_split" in launches and "kvm_split_reduce" in launches
+    assert "kvm_paged_attention[split]" in launches and "kvm_split_reduce" in launches
     assert "kvm_paged_attention" not in launches
 
 
@@ -157,7 +163,7 @@ def test_split_kv_auto_heuristic(monkeypatch, sycl_backend, launches):
     spec = CaseSpec(order="NHD", block_size=32, num_kv_heads=1, group=8, head_size=64, dtype=torch.float32,
                     query_lens=(1,), context_lens=(200,))
     check_against_reference(spec, "SYCL")
-    assert "kvm_paged_attention_split" in launches
+    assert "kvm_paged_attention[split]" in launches
     launches.clear()
     check_against_reference(CaseSpec(**{**spec.__dict__, "context_lens": (20,)}), "SYCL")
     assert launches == ["kvm_write_kv", "kvm_paged_attention"]
@@ -272,12 +278,12 @@ def test_usm_allocator_is_zero_copy_and_freed(monkeypatch):
 
 # ------------------------------------------------------------------------------------ compiler errors
 def test_broken_kernel_source_raises_with_compiler_log():
-    session = S.runtime.default_session()
-    broken = S.runtime.kernel_source().replace("const int nk = sycl::min(KC, k_hi - k0);",
-                                       "const int nk = sycl::min(KC, k_hi - kvm_no_such_identifier);")
-    assert broken != S.runtime.kernel_source()
-    opts = S.kernel_options(torch.float32, 64, 64, 32)
-    with pytest.raises(S.runtime.SyclBuildError) as info:
+    session = S.default_session()
+    broken = S.kernel_source().replace("const int64_t kpos = k0 + my_key;",
+                                       "const int64_t kpos = k0 + kvm_no_such_identifier;")
+    assert broken != S.kernel_source()
+    opts = S.kernel_options(torch.float32, 64, 64)
+    with pytest.raises(S.SyclBuildError) as info:
         session.build(broken, opts)
     message = str(info.value)
     assert "kvm_no_such_identifier" in message and "error" in message
@@ -336,3 +342,139 @@ def test_import_without_runtime_reports_reasons():
     res = _run(code, env)
     assert res.returncode == 0, res.stderr
     assert "SYCL runtime not found" in res.stdout and "kvmulti[sycl]" in res.stdout
+
+
+# ------------------------------------------------------------------------------------ memory safety
+# The backend object is called directly (no validation in kvmulti/ops.py) with invalid metadata;
+# query / out / cache are views in the middle of guard buffers whose margins hold a sentinel.
+SENTINEL = 1234.5
+MARGIN = 64                       # elements on each side (keeps the views 16-byte aligned)
+SAFE_LAYOUT = dict(num_blocks=4, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+
+
+def _guarded(shape: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype, fill=None):
+    """(guard buffer, view of ``shape``/``strides`` at offset MARGIN): margins hold SENTINEL."""
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    buf = torch.full((span + 2 * MARGIN,), SENTINEL, dtype=dtype)
+    view = buf.as_strided(shape, strides, MARGIN)
+    view.copy_(torch.randn(shape).to(dtype) if fill is None else fill)
+    return buf, view
+
+
+def _assert_margins(buf: torch.Tensor, span: int, what: str):
+    for margin in (buf[:MARGIN], buf[MARGIN + span:]):
+        assert torch.all(margin == SENTINEL), f"{what}: a guard margin was written"
+
+
+def _span(t: torch.Tensor) -> int:
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def _metadata(qsl, seq, table, tokens: int):
+    qsl, seq = torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq, dtype=torch.int32)
+    return kvmulti.CommonAttentionMetadata(qsl, seq, torch.tensor(table, dtype=torch.int32),
+                                           torch.full((tokens,), -1, dtype=torch.int64), len(seq), tokens,
+                                           max(1, tokens), int(seq.abs().max()), True)
+
+
+BIG = 2**31 - 1
+_BAD_METADATA = {
+    # qsl decreasing, and past the 6 query rows; block table fine
+    "qsl_not_monotonic_and_past_rows": ([0, 4, 2, 9], [20, 30, 40], [[0, 1], [2, 3], [1, 0]]),
+    "seq_lens_huge_and_negative": ([0, 1, 3, 6], [BIG, -50, BIG - 3], [[0, 1], [2, 3], [1, 0]]),
+    # one column for 40 keys, and two table rows for three requests
+    "table_narrow_and_short": ([0, 1, 2, 6], [40, 33, 60], [[3], [1]]),
+    "block_ids_out_of_range": ([0, 2, 3, 6], [30, 20, 35], [[-1, 4, 0], [BIG, -BIG - 1, 1], [4, 2, 7]]),
+}
+
+
+@pytest.mark.parametrize("partition", [0, 16])
+@pytest.mark.parametrize("case", sorted(_BAD_METADATA))
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_invalid_metadata_never_touches_memory_outside_the_tensors(monkeypatch, sycl_backend, order, case,
+                                                                  partition):
+    monkeypatch.setattr(sycl_backend, "partition_size", partition)
+    layout = kvmulti.KVCacheLayout(**SAFE_LAYOUT, order=order)
+    ref = layout.allocate("cpu")
+    cache_buf, cache = _guarded(tuple(ref.shape), tuple(ref.stride()), layout.dtype)
+    cache_before = cache.clone()
+    tokens, hq = 6, 2 * 4
+    q_buf, query = _guarded((tokens, hq, 64), (hq * 64, 64, 1), layout.dtype)
+    o_buf, out = _guarded((tokens, hq, 64), (hq * 64, 64, 1), layout.dtype, fill=0.0)
+    query_before = query.clone()
+    qsl, seq, table = _BAD_METADATA[case]
+    md = _metadata(qsl, seq, table, tokens)
+    window = 24 if partition else None
+    sycl_backend.paged_attention(query, cache, sycl_backend.build_metadata(md, layout, hq, window), 0.125, None, out)
+    _assert_margins(cache_buf, _span(cache), "cache")
+    _assert_margins(q_buf, _span(query), "query")
+    _assert_margins(o_buf, _span(out), "out")
+    assert torch.equal(cache, cache_before) and torch.equal(query, query_before)
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_write_kv_skips_out_of_range_slots(sycl_backend, order):
+    layout = kvmulti.KVCacheLayout(**SAFE_LAYOUT, order=order)
+    ref = layout.allocate("cpu")
+    cache_buf, cache = _guarded(tuple(ref.shape), tuple(ref.stride()), layout.dtype)
+    expected = cache.clone()
+    n_slots = layout.num_blocks * layout.block_size
+    slots = torch.tensor([n_slots, 2**62, -7, 5, n_slots - 1, -1, 2**40], dtype=torch.int64)
+    key = torch.randn(len(slots), 2, 64)
+    value = torch.randn(len(slots), 2, 64)
+    valid = (slots >= 0) & (slots < n_slots)
+    reference.write_kv(key[valid], value[valid], expected, layout, slots[valid])
+    sycl_backend.write_kv(key, value, cache, layout, slots)
+    _assert_margins(cache_buf, _span(cache), "cache")
+    assert torch.equal(cache, expected)
+    # a slot_mapping shorter than key/value: only its rows are read
+    sycl_backend.write_kv(key, value, cache, layout, slots[:3])
+    _assert_margins(cache_buf, _span(cache), "cache")
+    assert torch.equal(cache, expected)
+
+
+def test_misaligned_cache_view_is_refused(sycl_backend):
+    layout = kvmulti.KVCacheLayout(**SAFE_LAYOUT)
+    ref = layout.allocate("cpu")
+    buf = torch.zeros(ref.numel() + 1, dtype=layout.dtype)
+    cache = buf.as_strided(tuple(ref.shape), tuple(ref.stride()), 1)     # 4 bytes past 16-byte alignment
+    md = _metadata([0, 1], [5], [[0]], 1)
+    out = torch.zeros(1, 8, 64)
+    with pytest.raises(S.SyclError, match="not aligned"):
+        sycl_backend.paged_attention(torch.randn(1, 8, 64), cache, sycl_backend.build_metadata(md, layout, 8, None),
+                                     0.125, None, out)
+
+
+# ------------------------------------------------------------------------------------ XMX probe
+def test_joint_matrix_probe_records_what_the_device_does():
+    """A joint_matrix kernel from the kernel_compiler: on Intel's OpenCL CPU device (no
+    aspect::ext_intel_matrix) build() succeeds but the bundle holds no such kernel, which is the
+    documented reason kernels.cpp has no XMX path (sycl/README.md). A device that does keep the
+    kernel must run it and get the right product."""
+    session = S.default_session()
+    source = open(os.path.join(REPO, "sycl", "probes", "joint_matrix_probe.cpp")).read()
+    name = "kvm_joint_matrix_probe"
+    try:
+        handle = session.build(source, [], names=(name,))
+    except S.SyclBuildError as e:
+        assert session.device.type == "cpu", f"joint_matrix probe failed on {session.device.line()}: {e}"
+        assert f"kernel '{name}' not found in the bundle" in str(e)
+        return
+    a, b, c = S.usm_empty(128, torch.float16), S.usm_empty(256, torch.float16), S.usm_empty(128, torch.float32)
+    a.copy_(torch.randn(128).half())
+    b.copy_(torch.randn(256).half())
+    c.zero_()
+    session.launch(handle, 0, 16, 16, [(S.runtime.ARG_PTR, a.data_ptr()), (S.runtime.ARG_PTR, b.data_ptr()),
+                                       (S.runtime.ARG_PTR, c.data_ptr())], wait=True)
+    torch.testing.assert_close(c.view(8, 16), a.float().view(8, 16) @ b.float().view(16, 16), atol=1e-2, rtol=1e-2)
+
+
+def test_slm_traffic_and_barriers_at_least_4x_lower():
+    """sycl/traffic_model.py (the loop-structure count quoted in sycl/README.md): even a work-group
+    that sees a single 32-key chunk moves >= 4x fewer SLM bytes per KV byte and syncs >= 4x less."""
+    from kvmulti.sycl_src import traffic_model as T
+    for span in (32, 512, 4096):
+        m = T.summary(rows=4, d=128, dv=128, elem=2, span=span)
+        assert m["slm_per_kv_byte_before"] >= 4 * m["slm_per_kv_byte_after"]
+        assert m["barriers_per_32_keys_before"] >= 4 * m["barriers_per_32_keys_after"]
+    assert T.after_slm_bytes_per_pass(4, 128, S.WG, S.backend.SG) == 82176

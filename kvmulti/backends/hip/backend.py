@@ -128,9 +128,11 @@ class HipBackend(Backend):
         if num_tokens == 0:
             return HipPlan(qsl, seq_lens, table, 0, 1, None)
         lib, _, _ = self._library(device)
+        # keys past the table's width are never read (the kernels stop there)
+        max_span = min(max_visible_span(common.max_seq_len, sliding_window), table.shape[1] * layout.block_size)
         ps, npart = ctypes.c_int(0), ctypes.c_int(1)
         check(lib, lib.kvmulti_hip_plan(num_tokens, num_query_heads, layout.num_kv_heads,
-                                        max_visible_span(common.max_seq_len, sliding_window), self.partition_size,
+                                        max_span, self.partition_size,
                                         ctypes.byref(ps), ctypes.byref(npart)), "plan", device.type == "cpu")
         workspace = None
         if npart.value > 1:

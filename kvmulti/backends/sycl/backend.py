@@ -27,15 +27,17 @@ from ... import settings
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata, first_visible_position
 from ..base import Backend, StepMetadata
-from .runtime import (ARG_F32, ARG_I32, ARG_I64, ARG_LOCAL_F32, ARG_LOCAL_I64, ARG_PTR, DTYPE_CODES, K_ATTN,
+from .runtime import (ARG_F32, ARG_I32, ARG_I64, ARG_LOCAL_F32, ARG_PTR, DTYPE_CODES, K_ATTN,
                       K_REDUCE, K_SPLIT, K_WRITE, Session, SyclError, Staging, default_session, find_runtime,
                       get_runtime, kernel_source, runtime_reasons, runtime_version, usm_allocator, usm_empty,
                       xpu_session)
 
 #: Tile shape of the attention kernels (build options of kernels.cpp).
 ROWS = 16          # (query token, query head) rows per work-group
-WG = 128           # work-items per attention work-group
-KC_CHOICES = (32, 16, 8)   # keys per local-memory chunk: the largest that fits the device
+WG = 128           # work-items per attention work-group (the largest of WG_CHOICES that fits)
+WG_CHOICES = (128, 64, 32, 16)   # the merge scratch grows with the sub-groups per work-group
+SG = 16            # sub-group size the attention kernels require (KVM_SG)
+RB = 4             # tile rows held in registers per pass over the keys (KVM_RB)
 REDUCE_WG = 64
 WRITE_WG = 256
 #: Split-KV heuristic (partition_size=-1): split when the longest visible key span of a tile exceeds
@@ -45,21 +47,32 @@ SPLIT_WG_PER_CU = 4
 
 
 
-def lm_floats(head_size: int, head_size_v: int, kc: int) -> int:
-    """Floats of local scratch kernels.cpp carves up (LM_FLOATS there)."""
-    return ROWS * head_size + head_size * (kc + 1) + kc * head_size_v + ROWS * kc + 3 * ROWS
+def lm_floats(head_size_v: int, wg: int) -> int:
+    """Floats of the merge scratch of the attention kernels (LM_FLOATS in kernels.cpp)."""
+    return (wg // SG) * min(RB, ROWS) * (head_size_v + 2)
 
 
-def choose_kc(head_size: int, head_size_v: int, local_mem: int) -> int:
-    for kc in KC_CHOICES:
-        if 4 * lm_floats(head_size, head_size_v, kc) + 8 * kc <= local_mem - 1024:
-            return kc
-    raise SyclError(f"head sizes {head_size}/{head_size_v} need more local memory than the device has ({local_mem} B)")
+def choose_wg(head_size_v: int, local_mem: int) -> int:
+    """The largest attention work-group size whose merge scratch fits the device's local memory."""
+    for wg in WG_CHOICES:
+        if 4 * lm_floats(head_size_v, wg) <= local_mem - 1024:
+            return wg
+    raise SyclError(f"head size {head_size_v} needs more local memory than the device has ({local_mem} B)")
 
 
-def kernel_options(dtype: torch.dtype, head_size: int, head_size_v: int, kc: int) -> list[str]:
+def vector_bytes(dtype: torch.dtype, head_size: int, head_size_v: int) -> int:
+    """Bytes of one per-lane K/V vector load (VW * element size in kernels.cpp): the cache base
+    pointer must be aligned to it."""
+    size = dtype.itemsize
+    v = 16 // size
+    while v > 1 and (head_size % v or head_size_v % v):
+        v //= 2
+    return v * size
+
+
+def kernel_options(dtype: torch.dtype, head_size: int, head_size_v: int, wg: int = WG) -> list[str]:
     return [f"-DKVM_DTYPE={DTYPE_CODES[dtype]}", f"-DKVM_HEAD_SIZE={head_size}", f"-DKVM_HEAD_SIZE_V={head_size_v}",
-            f"-DKVM_ROWS={ROWS}", f"-DKVM_KC={kc}", f"-DKVM_WG={WG}"]
+            f"-DKVM_ROWS={ROWS}", f"-DKVM_WG={wg}", f"-DKVM_SG={SG}", f"-DKVM_RB={RB}"]
 
 
 @dataclass
@@ -88,10 +101,12 @@ class SyclStep:
 
 
 def plan_attention(metadata: CommonAttentionMetadata, group: int, num_kv_heads: int, sliding_window: int | None,
-                   partition_size: int, compute_units: int) -> Plan:
-    qsl = metadata.query_start_loc_cpu.long()
-    seq = metadata.seq_lens_cpu.long()
-    qlen = qsl[1:] - qsl[:-1]
+                   partition_size: int, compute_units: int, block_size: int = 1 << 30) -> Plan:
+    num_reqs = min(metadata.query_start_loc_cpu.shape[0] - 1, metadata.seq_lens_cpu.shape[0],
+                   metadata.block_table.shape[0])
+    qsl = metadata.query_start_loc_cpu.long()[: num_reqs + 1]
+    seq = metadata.seq_lens_cpu.long()[:num_reqs]
+    qlen = (qsl[1:] - qsl[:-1]).clamp(min=0)          # invalid metadata: no rows, never a crash
     rows = qlen * group
     per_req = (rows + ROWS - 1) // ROWS
     num_tiles = int(per_req.sum())
@@ -106,7 +121,8 @@ def plan_attention(metadata: CommonAttentionMetadata, group: int, num_kv_heads: 
     p_first = ctx + f0 // group
     p_last = ctx + (f0 + nrows - 1) // group
     lo = first_visible_position(p_first, sliding_window)
-    max_span = int((p_last + 1 - lo).max())
+    k_max = metadata.block_table.shape[1] * block_size    # the kernels stop at the table's width
+    max_span = int(((p_last + 1).clamp(max=k_max) - lo.clamp(max=k_max)).clamp(min=0).max())
     if partition_size > 0:
         part = partition_size
     elif partition_size < 0 and max_span > SPLIT_MIN_SPAN and num_tiles * num_kv_heads < SPLIT_WG_PER_CU * compute_units:
@@ -114,6 +130,15 @@ def plan_attention(metadata: CommonAttentionMetadata, group: int, num_kv_heads: 
     else:
         return Plan(tiles, num_tiles, max_span, 1, 0)
     return Plan(tiles, num_tiles, max_span, max(1, -(-max_span // part)), part)
+
+
+def check_cache_alignment(kv_cache: torch.Tensor, layout: KVCacheLayout) -> None:
+    """The attention kernels read K/V rows with vector loads of :func:`vector_bytes`; a cache view
+    whose base is not aligned to that is refused (SyclError) rather than read misaligned."""
+    need = vector_bytes(layout.dtype, layout.head_size, layout.value_size)
+    if kv_cache.data_ptr() % need:
+        raise SyclError(f"the KV cache's base address {kv_cache.data_ptr():#x} is not aligned to {need} bytes "
+                        "(the SYCL kernels load K/V rows as vectors)")
 
 
 # ------------------------------------------------------------------------------------ the backend
@@ -178,8 +203,8 @@ class SyclBackend(Backend):
         key = (session.key, layout.dtype, layout.head_size, layout.value_size)
         handle = self._bundles.get(key)
         if handle is None:
-            kc = choose_kc(layout.head_size, layout.value_size, session.device.local_mem)
-            opts = kernel_options(layout.dtype, layout.head_size, layout.value_size, kc)
+            wg = choose_wg(layout.value_size, session.device.local_mem)
+            opts = kernel_options(layout.dtype, layout.head_size, layout.value_size, wg)
             handle = self._bundles[key] = session.build(kernel_source(), opts)
         return handle
 
@@ -198,7 +223,7 @@ class SyclBackend(Backend):
                  slot_mapping: torch.Tensor) -> None:
         if layout.is_latent:
             raise SyclError("the SYCL backend does not support latent caches (head_size_v=0)")
-        num_tokens = key.shape[0]
+        num_tokens = min(key.shape[0], value.shape[0], slot_mapping.shape[0])   # rows the kernel may read
         total = num_tokens * layout.num_kv_heads * layout.entry_size
         if total == 0:
             return
@@ -216,8 +241,8 @@ class SyclBackend(Backend):
             args = [(ARG_PTR, ptr(key)), (ARG_I64, key.stride(0)), (ARG_I64, key.stride(1)),
                     (ARG_PTR, ptr(value)), (ARG_I64, value.stride(0)), (ARG_I64, value.stride(1)),
                     (ARG_PTR, ptr(kv_cache, True)), (ARG_I64, s.block), (ARG_I64, s.token), (ARG_I64, s.head),
-                    (ARG_PTR, ptr(slot_mapping)), (ARG_I64, num_tokens), (ARG_I32, layout.num_kv_heads),
-                    (ARG_I32, layout.block_size)]
+                    (ARG_I64, layout.num_blocks), (ARG_PTR, ptr(slot_mapping)), (ARG_I64, num_tokens),
+                    (ARG_I32, layout.num_kv_heads), (ARG_I32, layout.block_size)]
             glob = -(-total // WRITE_WG) * WRITE_WG
             session.launch(bundle, K_WRITE, glob, WRITE_WG, args, wait=not on_xpu)
             ok = True
@@ -231,7 +256,9 @@ class SyclBackend(Backend):
         session = self.session_for(device)
         hkv = layout.num_kv_heads
         plan = plan_attention(common, num_query_heads // hkv, hkv, sliding_window, self.partition_size,
-                              session.device.compute_units)
+                              session.device.compute_units, layout.block_size)
+        if common.block_table.shape[-1] * layout.block_size >= 1 << 30:
+            raise SyclError("block table too wide: the SYCL kernels address key positions with 32-bit ints")
         block_table = common.block_table
         if block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
             block_table = block_table.to(torch.int32).contiguous()
@@ -241,7 +268,7 @@ class SyclBackend(Backend):
         else:
             step = SyclStep(plan, plan.tiles, common.query_start_loc_cpu, common.seq_lens_cpu, block_table.cpu())
         if plan.part_size:
-            rows = common.num_actual_tokens * num_query_heads
+            rows = max(common.num_actual_tokens, 0) * num_query_heads
             alloc = ((lambda n: torch.empty(n, dtype=torch.float32, device=device)) if device.type == "xpu" else
                      (lambda n: usm_empty(n, torch.float32, session)))
             step.part_acc = alloc(rows * plan.num_parts * layout.value_size)
@@ -264,33 +291,45 @@ class SyclBackend(Backend):
         group = query.shape[1] // hkv
         query = query if query.stride(-1) == 1 else query.contiguous()
         target = out if out.stride(-1) == 1 else torch.zeros_like(out, memory_format=torch.contiguous_format)
+        # rows the kernels may touch: the query's and out's, and the split workspace's
+        num_tokens = min(query.shape[0], target.shape[0])
+        if plan.part_size:
+            num_tokens = min(num_tokens, max(step.common.num_actual_tokens, 0))
+        check_cache_alignment(kv_cache, layout)
         block_table = sstep.block_table
         s = layout.strides(kv_cache)
         staging = None if on_xpu else self._staging(session, kv_cache)
         ok = False
         try:
             ptr = (lambda t, written=False: t.data_ptr() if t.numel() else 0) if on_xpu else staging.ptr
-            kc = choose_kc(layout.head_size, layout.value_size, session.device.local_mem)
-            local = [(ARG_LOCAL_F32, lm_floats(layout.head_size, layout.value_size, kc)), (ARG_LOCAL_I64, kc)]
+            wg = choose_wg(layout.value_size, session.device.local_mem)
+            local = [(ARG_LOCAL_F32, lm_floats(layout.value_size, wg))]
             common = [(ARG_PTR, ptr(query)), (ARG_I64, query.stride(0)), (ARG_I64, query.stride(1)),
-                      (ARG_PTR, ptr(kv_cache)), (ARG_I64, s.block), (ARG_I64, s.token), (ARG_I64, s.head),
+                      (ARG_I64, num_tokens), (ARG_PTR, ptr(kv_cache)), (ARG_I64, s.block), (ARG_I64, s.token),
+                      (ARG_I64, s.head), (ARG_I64, layout.num_blocks),
                       (ARG_PTR, ptr(block_table)), (ARG_I64, block_table.stride(0)),
+                      (ARG_I64, block_table.shape[0]), (ARG_I64, block_table.shape[1]),
                       (ARG_PTR, ptr(sstep.seq_lens)), (ARG_PTR, ptr(sstep.query_start_loc)),
                       (ARG_PTR, ptr(sstep.tiles))]
             tail = [(ARG_I32, hkv), (ARG_I32, group), (ARG_I32, layout.block_size), (ARG_F32, scale),
                     (ARG_I32, step.sliding_window or 0), (ARG_F32, softcap or 0.0)] + local
-            out_ptr = ptr(target, True)
-            out_args = [(ARG_PTR, out_ptr), (ARG_I64, target.stride(0)), (ARG_I64, target.stride(1))]
+            out_args = [(ARG_PTR, ptr(target, True)), (ARG_I64, target.stride(0)), (ARG_I64, target.stride(1))]
             groups = plan.num_tiles * hkv
             if not plan.part_size:
-                session.launch(bundle, K_ATTN, groups * WG, WG, common + out_args + tail, wait=not on_xpu)
+                unsplit = [(ARG_PTR, 0), (ARG_PTR, 0), (ARG_I32, 1), (ARG_I32, 0)]
+                session.launch(bundle, K_ATTN, groups * wg, wg, common + out_args + unsplit + tail, wait=not on_xpu)
             else:
-                rows = step.common.num_actual_tokens * query.shape[1]
                 workspace = [(ARG_PTR, sstep.part_acc.data_ptr()), (ARG_PTR, sstep.part_ml.data_ptr())]
-                split = common + workspace + [(ARG_I32, plan.num_parts), (ARG_I32, plan.part_size)] + tail
-                session.launch(bundle, K_SPLIT, groups * plan.num_parts * WG, WG, split, wait=False)
+                split = common + [(ARG_PTR, 0), (ARG_I64, 0), (ARG_I64, 0)] + workspace + \
+                    [(ARG_I32, plan.num_parts), (ARG_I32, plan.part_size)] + tail
+                session.launch(bundle, K_SPLIT, groups * plan.num_parts * wg, wg, split, wait=False)
                 reduce = workspace + out_args + [(ARG_I32, query.shape[1]), (ARG_I32, plan.num_parts)]
-                session.launch(bundle, K_REDUCE, rows * REDUCE_WG, REDUCE_WG, reduce, wait=not on_xpu)
+                # only the batch's own rows: padded rows have no partials and stay as they are
+                reduce_rows = num_tokens * query.shape[1]
+                if reduce_rows:
+                    session.launch(bundle, K_REDUCE, reduce_rows * REDUCE_WG, REDUCE_WG, reduce, wait=not on_xpu)
+                elif not on_xpu:
+                    session.shim.check(session.shim.lib.kvm_wait(session.handle), "waiting for the SYCL queue")
             ok = True
         finally:
             if staging is not None:

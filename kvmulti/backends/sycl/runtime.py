@@ -31,8 +31,9 @@ from ... import native_build, settings
 SHIM_ABI = 3
 SHIM_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-DSYCL_DISABLE_FSYCL_SYCLHPP_WARNING", "-w")
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-KERNEL_NAMES = ("kvm_paged_attention", "kvm_paged_attention_split", "kvm_split_reduce", "kvm_write_kv")
-K_ATTN, K_SPLIT, K_REDUCE, K_WRITE = range(4)
+KERNEL_NAMES = ("kvm_paged_attention", "kvm_split_reduce", "kvm_write_kv")
+K_ATTN, K_REDUCE, K_WRITE = range(3)
+K_SPLIT = K_ATTN       # one attention kernel: split-KV when given partial buffers
 
 ARG_PTR, ARG_I32, ARG_I64, ARG_F32, ARG_LOCAL_F32, ARG_LOCAL_I32, ARG_LOCAL_I64 = range(7)
 USM_UNKNOWN, USM_HOST, USM_DEVICE, USM_SHARED = range(4)
@@ -72,8 +73,11 @@ def _read_text(path: str) -> str:
 
 
 def runtime_candidates() -> list[Path]:
+    named = settings.get("KVMULTI_SYCL_ROOT")
+    if named:                     # a named runtime is the only candidate: no silent fallback
+        return [Path(named)]
     out = []
-    for c in (settings.get("KVMULTI_SYCL_ROOT"), sys.prefix, os.environ.get("CMPLR_ROOT")):
+    for c in (sys.prefix, os.environ.get("CMPLR_ROOT")):
         if c and Path(c) not in out:
             out.append(Path(c))
     return out

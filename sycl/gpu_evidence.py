@@ -1,0 +1,219 @@
+"""Intel GPU compile evidence for the SYCL kernels, on a host without an Intel GPU.
+
+Pipeline (each step is a public tool, nothing is emulated):
+
+1. The SPIR-V of ``sycl/kernels.cpp`` for one build configuration is taken from the SYCL runtime
+   itself: a child process builds the kernels through the project's shim (the oneAPI
+   kernel_compiler, as at run time) with ``SYCL_DUMP_IMAGES=1``, which makes the runtime write every
+   device image it creates (``sycl_spir64*.spv``) into the working directory. The image holding
+   ``__sycl_kernel_kvm_paged_attention`` is ours.
+2. Debian 12's ``ocloc`` (package ``intel-opencl-icd`` 22.43.24595.41, IGC 1.0.12504) compiles that
+   SPIR-V for Intel GPU targets (``acm-g10`` = DG2 / Arc A770, ``pvc`` = Data Center GPU Max) with
+   ``IGC_ShaderDumpEnable=1``, which writes IGC's final assembly per kernel.
+3. The assembly headers and instructions give, per kernel: SIMD width (file name ``simdN``), register
+   file size (``//.thread_config numGRF=``), spill bytes (``//.spill size``), global load messages
+   (LSC ``load.ugm.*``: bytes per lane x lanes, or the whole block for transposed ``*t`` loads) and
+   the number of ``dpas`` (XMX) instructions.
+
+:func:`report_rows` returns one dict per (kernel, target) with the keys
+``kernel, target, regs_or_grf_mode, spills, slm_bytes, simd_width, matrix_instructions,
+load_widths_bytes, notes``. Results are cached in ``<kvmulti cache>/sycl/gpu_evidence/`` by the hash
+of the kernel source, the build options and the ocloc binary (a cold run takes a minute or two).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TARGETS = ("acm-g10", "pvc")
+#: Extra compiles reported as their own "target" rows: (row name, ocloc device, ocloc -options).
+VARIANTS = (("pvc-large-grf", "pvc", "-ze-opt-large-register-file"),)
+#: The decode case of sycl/README.md's paper model: bf16, head size 128.
+DEFAULT_CONFIG = {"dtype": "bfloat16", "head_size": 128, "head_size_v": 128}
+KERNELS = ("kvm_paged_attention", "kvm_split_reduce", "kvm_write_kv")
+KEYS = ("kernel", "target", "regs_or_grf_mode", "spills", "slm_bytes", "simd_width", "matrix_instructions",
+        "load_widths_bytes", "notes")
+
+
+class EvidenceUnavailable(RuntimeError):
+    """A tool of the pipeline is missing or failed; the message says which and why."""
+
+
+def ocloc() -> str:
+    path = shutil.which("ocloc")
+    if path is None:
+        raise EvidenceUnavailable("ocloc not found: apt-get install intel-opencl-icd (Debian 12 ships ocloc with "
+                                  "IGC 1.0.12504); scripts/setup.sh --test installs it where it runs as root")
+    return path
+
+
+def _options(config: dict) -> list[str]:
+    import torch
+
+    from kvmulti.backends import sycl as S
+    dtype = getattr(torch, config["dtype"])
+    return S.kernel_options(dtype, config["head_size"], config["head_size_v"], S.WG)
+
+
+def dump_spirv(config: dict, out_dir: Path, timeout: int = 900) -> list[Path]:
+    """Build the kernels for ``config`` in a child process with SYCL_DUMP_IMAGES=1; the SPIR-V images
+    holding our kernels (the runtime splits them over several images), copied to ``out_dir``."""
+    work = Path(tempfile.mkdtemp(prefix="kvm-spv-"))
+    code = ("import sys, json; from kvmulti.backends import sycl as S\n"
+            "S.default_session().build(S.kernel_source(), json.loads(sys.argv[1]))\n")
+    env = {**os.environ, "SYCL_DUMP_IMAGES": "1", "SYCL_CACHE_PERSISTENT": "0"}
+    try:
+        res = subprocess.run([sys.executable, "-c", code, json.dumps(_options(config))], cwd=work, env=env,
+                             capture_output=True, text=True, timeout=timeout)
+        if res.returncode != 0:
+            raise EvidenceUnavailable(f"building the kernels with SYCL_DUMP_IMAGES=1 failed:\n{res.stderr[-3000:]}")
+        images = sorted(p for p in work.glob("*.spv") if b"__sycl_kernel_kvm_" in p.read_bytes())
+        if not any(b"__sycl_kernel_kvm_paged_attention" in p.read_bytes() for p in images):
+            raise EvidenceUnavailable(f"SYCL_DUMP_IMAGES=1 wrote no image with our kernels in {work} "
+                                      f"(files: {sorted(p.name for p in work.iterdir())})")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        copies = []
+        for i, image in enumerate(images):
+            copies.append(out_dir / f"kernels-{i}.spv")
+            shutil.copyfile(image, copies[-1])
+        return copies
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def compile_spirv(spv: Path, target: str, out_dir: Path, options: str = "") -> tuple[str, dict[str, str]]:
+    """``ocloc compile -spirv_input`` for ``target`` with IGC's shader dumps; (ocloc output, {asm file
+    name: text}). Raises EvidenceUnavailable (with ocloc's output) when ocloc fails."""
+    dump = out_dir / f"igc-{spv.stem}-{target}{'-' + str(abs(hash(options))) if options else ''}"
+    shutil.rmtree(dump, ignore_errors=True)
+    dump.mkdir(parents=True)
+    env = {**os.environ, "IGC_ShaderDumpEnable": "1", "IGC_DumpToCustomDir": str(dump)}
+    cmd = [ocloc(), "compile", "-spirv_input", "-file", str(spv), "-device", target, "-output",
+           str(out_dir / f"{spv.stem}-{target}"), "-output_no_suffix"]
+    if options:
+        cmd += ["-options", options]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    log = res.stdout + res.stderr
+    if res.returncode != 0 or "Build succeeded" not in log:
+        raise EvidenceUnavailable(f"ocloc could not compile our SPIR-V for {target} (rc {res.returncode}):\n{log}")
+    asm = {p.name: p.read_text(errors="replace") for p in sorted(dump.glob("*.asm"), key=lambda p: p.stat().st_mtime)}
+    return log, asm
+
+
+_LSC_LOAD = re.compile(r"\bload\.ugm\.(d\d+)(?:u32)?(?:x(\d+))?(t?)\S*\s+\((\d+)\|M\d+\)")
+
+
+def load_message_bytes(asm: str) -> dict[int, int]:
+    """{bytes per global load message: count} over the LSC ``load.ugm`` instructions of ``asm``.
+
+    A ``dNxM`` load reads M elements of N bits per lane (x the execution size); a transposed
+    ``dNxMt`` load (a block load) reads M elements once for the whole message."""
+    out: dict[int, int] = {}
+    for m in _LSC_LOAD.finditer(asm):
+        bits, vec, transposed, lanes = int(m.group(1)[1:]), int(m.group(2) or 1), m.group(3) == "t", int(m.group(4))
+        elem = 4 if bits >= 32 and bits != 64 else (8 if bits == 64 else 4)   # d8/d16 travel as u32 per lane
+        per_lane = elem * vec
+        nbytes = per_lane if transposed else per_lane * lanes
+        out[nbytes] = out.get(nbytes, 0) + 1
+    return out
+
+
+def parse_kernel_asm(name: str, text: str) -> dict:
+    """SIMD width, GRF count, spill bytes, load messages and dpas count of one IGC assembly dump."""
+    kernel = re.search(r"^//\.kernel\s+(\S+)", text, re.M)
+    grf = re.search(r"numGRF=(\d+)", text)
+    spill = re.search(r"^//\.spill size (\d+)", text, re.M)
+    simd = re.search(r"simd(\d+)", name)
+    return {
+        "kernel": kernel.group(1).removeprefix("__sycl_kernel_") if kernel else name,
+        "grf": int(grf.group(1)) if grf else None,
+        "spill_bytes": int(spill.group(1)) if spill else 0,
+        "simd_width": int(simd.group(1)) if simd else None,
+        "loads": load_message_bytes(text),
+        "slm_ops": len(re.findall(r"\b(?:load|store)\.slm\.", text)),
+        "dpas": len(re.findall(r"\bdpas", text)),
+        "barriers": text.count("signal barrier"),
+    }
+
+
+def rows_for_target(asm: dict[str, str], target: str, slm_bytes: dict[str, int]) -> list[dict]:
+    """One report row per kernel; when IGC compiled a kernel twice (its spill retry), the last
+    dump is the one kept, and the notes name the other attempt's spills."""
+    parsed: dict[str, list[dict]] = {}
+    for name, text in asm.items():
+        info = parse_kernel_asm(name, text)
+        parsed.setdefault(info["kernel"], []).append(info)
+    rows = []
+    for kernel in KERNELS:
+        attempts = parsed.get(kernel)
+        if not attempts:
+            continue
+        last = attempts[-1]
+        notes = [f"global load messages {{bytes: count}} = {dict(sorted(last['loads'].items()))}",
+                 f"SLM load/store instructions {last['slm_ops']}", f"barriers {last['barriers']}"]
+        if len(attempts) > 1:
+            notes.append("IGC retried the compile; spills per attempt: "
+                         + ", ".join(str(a["spill_bytes"]) for a in attempts))
+        rows.append({"kernel": kernel, "target": target, "regs_or_grf_mode": f"{last['grf']} GRF",
+                     "spills": last["spill_bytes"], "slm_bytes": slm_bytes.get(kernel, 0),
+                     "simd_width": last["simd_width"], "matrix_instructions": last["dpas"],
+                     "load_widths_bytes": sorted(last["loads"]), "notes": "; ".join(notes)})
+    return rows
+
+
+def _slm_bytes(config: dict) -> dict[str, int]:
+    from kvmulti.backends import sycl as S
+    return {"kvm_paged_attention": 4 * S.lm_floats(config["head_size_v"], S.WG)}
+
+
+def _cache_file(config: dict) -> Path:
+    from kvmulti import native_build
+    from kvmulti.backends import sycl as S
+    h = hashlib.sha256(S.kernel_source().encode())
+    h.update(json.dumps([config, _options(config), TARGETS]).encode())
+    h.update(Path(ocloc()).read_bytes()[:1 << 20])
+    return native_build.cache_root() / "sycl" / "gpu_evidence" / f"{h.hexdigest()[:16]}.json"
+
+
+def report_rows(config: dict | None = None) -> list[dict]:
+    """Per (kernel, target) compile facts of the SYCL kernels for Intel GPUs (see the module doc).
+
+    Raises :class:`EvidenceUnavailable` when ocloc is missing, the SPIR-V cannot be obtained, or
+    ocloc cannot compile it (the message carries ocloc's output)."""
+    config = dict(config or DEFAULT_CONFIG)
+    cached = _cache_file(config)
+    if cached.exists():
+        return json.loads(cached.read_text())
+    with tempfile.TemporaryDirectory(prefix="kvm-gpu-evidence-") as tmp:
+        out = Path(tmp)
+        images = dump_spirv(config, out)
+        rows = []
+        for name, device, options in [(t, t, "") for t in TARGETS] + list(VARIANTS):
+            asm: dict[str, str] = {}
+            for spv in images:
+                asm.update({f"{spv.stem}/{k}": v for k, v in compile_spirv(spv, device, out, options)[1].items()})
+            rows += rows_for_target(asm, name, _slm_bytes(config))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def main() -> int:
+    rows = report_rows()
+    print("| " + " | ".join(KEYS) + " |")
+    print("|" + "---|" * len(KEYS))
+    for r in rows:
+        print("| " + " | ".join(str(r[k]) for k in KEYS) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
