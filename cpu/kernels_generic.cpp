@@ -1,4 +1,6 @@
 // The attention kernel compiled for generic (4 fp32 lanes); see attention_kernel.h.
+// KV_GENERIC_LANES=16 (or 8) with KV_PORTABLE_VECTORS builds this variant with the AVX-512 (AVX2)
+// lane logic in plain vector extensions, so that logic is tested on any host (tests/test_cpu_native.py).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,11 +14,14 @@
 #include "kvmulti_cpu.h"
 
 namespace kvmulti_cpu {
+#ifndef KV_GENERIC_LANES
+#define KV_GENERIC_LANES 4
+#endif
 namespace generic {
-#define KV_W 4
+#define KV_W KV_GENERIC_LANES
 #include "attention_kernel.h"
 #undef KV_W
 }  // namespace generic
 RunItemFn run_item_generic() { return &generic::run_item; }
-int lanes_generic() { return 4; }
+int lanes_generic() { return KV_GENERIC_LANES; }
 }  // namespace kvmulti_cpu

@@ -25,6 +25,7 @@ struct AttnParams {
   int64_t o_stride_token, o_stride_head;
   const int32_t* block_table;
   int64_t bt_stride;
+  int num_blocks;      // cache blocks: a block id outside [0, num_blocks) is never dereferenced
   int head_size, head_size_v, num_q_heads, num_kv_heads, block_size;
   int dtype;           // DType
   float scale;
@@ -34,23 +35,27 @@ struct AttnParams {
 };
 
 // One unit of parallel work: query tokens [q_row0, q_row0 + num_tokens) of one request (their
-// positions start at pos0), all query heads of KV head kv_head, keys at positions [k_lo, k_hi).
+// positions start at pos0), all query heads of KV heads [kv_head, kv_head + num_heads), keys at
+// positions [k_lo, k_hi). The planner guarantees these rows, heads and block-table columns exist.
 struct WorkItem {
   int req;
   int kv_head;
+  int num_heads;
   int q_row0;
   int num_tokens;
   int pos0;
   int k_lo, k_hi;
   float* partial;      // nullptr: normalise and write `out`; else [rows][dvp] O, then m[rows], l[rows]
+                       // (rows = num_heads x num_tokens x G, head-major)
 };
 
-// Floats of per-thread workspace a kernel of `lanes` SIMD width needs for max_rows rows.
+// Floats of per-thread workspace a kernel of `lanes` SIMD width needs for items of up to
+// max_rows_per_head rows (tokens x G) per KV head and max_heads KV heads.
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-inline int64_t workspace_floats(int max_rows, int head_size, int head_size_v, int lanes) {
+inline int64_t workspace_floats(int max_rows_per_head, int max_heads, int head_size, int head_size_v, int lanes) {
   int64_t dp = round_up(head_size, lanes), dvp = round_up(head_size_v, lanes);
   int64_t zero = dp > dvp ? dp : dvp;
-  const int64_t rows = round_up(max_rows, kRowBlock);   // whole row blocks (padding rows)
+  const int64_t rows = max_heads * round_up(max_rows_per_head, kRowBlock);   // whole row blocks per head
   return rows * (2 * dp + dvp + 2) + kChunk * (dp + dvp) + zero + 2 * kRowBlock * kChunk + 64;
 }
 

@@ -13,6 +13,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -79,8 +80,57 @@ int dtype_code(const torch::Tensor& t) {
 
 }  // namespace
 
+namespace {
+
+// The largest element offset (+1) the kernel may touch in a cache of these strides, or -1 on overflow.
+int64_t cache_extent(int64_t num_blocks, int64_t block_size, int64_t num_kv_heads, int64_t s_block, int64_t s_token,
+                     int64_t s_head, int64_t row) {
+  if (num_blocks <= 0) return 0;
+  return (num_blocks - 1) * s_block + (block_size - 1) * s_token + (num_kv_heads - 1) * s_head + row;
+}
+
+// Elements from data_ptr() to the last element of t, +1 (t's strides must be non-negative).
+int64_t tensor_span(const torch::Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t span = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    TORCH_CHECK(t.stride(d) >= 0, "negative strides are not supported");
+    span += (t.size(d) - 1) * t.stride(d);
+  }
+  return span;
+}
+
+// The query tiles of one request, each with the key range its rows can see. Metadata is not trusted:
+// a request whose query rows leave [0, num_query_rows) or are not ordered is skipped, the key range is
+// clipped to [0, table_cols x block_size), and positions are computed in 64 bits.
+struct Tile { int req, q_row0, ntok, pos0, lo, hi; };
+std::vector<Tile> plan_tiles(const int32_t* qsl, const int32_t* seq, int num_reqs, int64_t num_query_rows,
+                             int64_t table_rows, int64_t table_cols, int block_size, int window, bool causal,
+                             int tile_tokens) {
+  std::vector<Tile> tiles;
+  const int64_t max_keys = table_cols * block_size;
+  for (int r = 0; r < num_reqs && r < table_rows; ++r) {
+    const int64_t q0 = qsl[r], q1 = qsl[r + 1];
+    if (q0 < 0 || q1 <= q0 || q1 > num_query_rows) continue;
+    const int64_t qlen = q1 - q0, first = int64_t(seq[r]) - qlen;
+    for (int64_t t0 = 0; t0 < qlen; t0 += tile_tokens) {
+      const int64_t nt = std::min<int64_t>(tile_tokens, qlen - t0);
+      const int64_t p0 = first + t0, p1 = p0 + nt - 1;
+      const int64_t lo = std::max<int64_t>(0, window > 0 ? p0 - window + 1 : 0);
+      const int64_t hi = std::min<int64_t>(max_keys, causal ? p1 + 1 : seq[r]);
+      if (p0 < INT32_MIN / 2 || p1 > INT32_MAX / 2) continue;   // positions the kernel's int math cannot hold
+      tiles.push_back({r, int(q0 + t0), int(nt), int(p0), int(std::min(lo, hi)), int(std::max<int64_t>(hi, 0))});
+    }
+  }
+  return tiles;
+}
+
+}  // namespace
+
 // isa: -1 = best available, else 0 generic / 1 avx2 / 2 avx512 / 3 avx512bf16 (must be usable).
 // partition_len: 0 = automatic, else keys per context partition.
+// The bounds of every tensor come from the tensors themselves (query / out rows, block-table rows and
+// columns, cache blocks); metadata values never index outside them (see plan_tiles, rows_of).
 void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, torch::Tensor& out,
                      const torch::Tensor& block_table, const torch::Tensor& query_start_loc_cpu,
                      const torch::Tensor& seq_lens_cpu, int64_t s_block, int64_t s_token, int64_t s_head,
@@ -88,12 +138,24 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
                      double scale, int64_t window, double softcap, bool causal, int64_t partition_len,
                      int64_t isa_req) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && block_table.dim() == 2 && kv_cache.dim() >= 1,
+              "query/out [T, H, D], block_table [R, W]");
   TORCH_CHECK((query.size(2) <= 1 || query.stride(2) == 1) && (out.size(2) <= 1 || out.stride(2) == 1),
               "query/out need a contiguous last dimension");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && (block_table.size(1) <= 1 || block_table.stride(1) == 1),
               "block_table must be int32 with contiguous rows");
   TORCH_CHECK(query_start_loc_cpu.scalar_type() == torch::kInt32 && seq_lens_cpu.scalar_type() == torch::kInt32, "int32 lens");
+  TORCH_CHECK(query_start_loc_cpu.is_contiguous() && seq_lens_cpu.is_contiguous(), "contiguous lens");
   TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(num_kv_heads > 0 && block_size > 0 && head_size > 0 && head_size_v > 0 &&
+              query.size(1) % num_kv_heads == 0, "bad head counts or sizes");
+  TORCH_CHECK(query.size(2) >= head_size && out.size(2) >= head_size_v && out.size(1) >= query.size(1) &&
+              out.size(0) >= query.size(0), "query/out smaller than the head sizes / rows");
+  TORCH_CHECK(s_block >= 0 && s_token >= 0 && s_head >= 0, "negative strides");
+  const int64_t num_blocks = kv_cache.size(0);
+  TORCH_CHECK(cache_extent(num_blocks, block_size, num_kv_heads, s_block, s_token, s_head, head_size + head_size_v) <=
+                  tensor_span(kv_cache),
+              "the cache strides reach outside kv_cache");
   const Isa isa = isa_req < 0 ? best_isa() : Isa(isa_req);
   TORCH_CHECK(usable(isa), "ISA ", isa_name(isa), " is not available here");
   const RunItemFn run = kernel_of(isa);
@@ -112,6 +174,7 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
   P.o_stride_head = out.stride(1);
   P.block_table = block_table.data_ptr<int32_t>();
   P.bt_stride = block_table.stride(0);
+  P.num_blocks = int(std::min<int64_t>(num_blocks, INT32_MAX));
   P.head_size = int(head_size);
   P.head_size_v = int(head_size_v);
   P.num_q_heads = int(query.size(1));
@@ -119,44 +182,36 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
   P.block_size = int(block_size);
   P.dtype = dtype_code(query);
   P.scale = float(scale);
-  P.window = window > 0 ? int(window) : 0;
+  P.window = window > 0 ? int(std::min<int64_t>(window, INT32_MAX / 4)) : 0;
   P.softcap = softcap > 0 ? float(softcap) : 0.0f;
   P.causal = causal;
 
   const int G = P.num_q_heads / P.num_kv_heads;
   const int tile_tokens = std::max(1, 64 / G);
-  const int num_reqs = int(seq_lens_cpu.size(0));
+  const int num_reqs = int(std::min<int64_t>(seq_lens_cpu.size(0), query_start_loc_cpu.size(0) - 1));
   const int32_t* qsl = query_start_loc_cpu.data_ptr<int32_t>();
   const int32_t* seq = seq_lens_cpu.data_ptr<int32_t>();
   const int nthreads = std::max(1, omp_get_max_threads());
 
-  struct Tile { int req, q_row0, ntok, pos0, lo, hi; };
-  std::vector<Tile> tiles;
-  int64_t total_keys = 0;
-  for (int r = 0; r < num_reqs; ++r) {
-    const int qlen = qsl[r + 1] - qsl[r];
-    if (qlen <= 0) continue;
-    const int first = seq[r] - qlen;
-    for (int t0 = 0; t0 < qlen; t0 += tile_tokens) {
-      const int nt = std::min(tile_tokens, qlen - t0);
-      const int p0 = first + t0, p1 = p0 + nt - 1;
-      const int lo = P.window > 0 ? std::max(0, p0 - P.window + 1) : 0;
-      const int hi = causal ? p1 + 1 : seq[r];
-      tiles.push_back({r, qsl[r] + t0, nt, p0, lo, hi});
-      total_keys += int64_t(hi - lo) * P.num_kv_heads;
-    }
-  }
+  const std::vector<Tile> tiles = plan_tiles(qsl, seq, num_reqs, query.size(0), block_table.size(0),
+                                             block_table.size(1), P.block_size, P.window, causal, tile_tokens);
   if (tiles.empty()) return;
+  // One KV head per item. Items over all KV heads of an NHD cache (each token row read once, in
+  // order) measured slower, hot and cold (README, "Performance"), so the kernel's multi-head items
+  // (WorkItem::num_heads) are not used by this plan.
+  const int heads_per_item = 1;
+  int64_t total_keys = 0;
+  for (const Tile& t : tiles) total_keys += int64_t(t.hi - t.lo) * P.num_kv_heads;
 
   int64_t part = partition_len;
-  if (part <= 0) {  // aim for >= 8 items per thread, partitions of at least 512 keys
-    part = std::max<int64_t>(512, (total_keys + 8 * nthreads - 1) / (8 * nthreads));
+  if (part <= 0) {  // aim for >= 8 items per thread, partitions of at least 512 keys x heads
+    part = std::max<int64_t>(512, (total_keys + 8 * nthreads - 1) / (8 * nthreads)) / heads_per_item;
   }
-  part = round_up(part, kChunk);
+  part = round_up(std::max<int64_t>(part, 1), kChunk);
 
   const int dvp = int(round_up(P.head_size_v, lanes));
   std::vector<WorkItem> items;
-  struct Merge { int tile, kv_head, first_item, nparts; };
+  struct Merge { int tile, kv_head, num_heads, first_item, nparts; };
   std::vector<Merge> merges;
   std::vector<int64_t> part_offsets;  // per item: offset into partial buffer or -1
   int64_t partial_floats = 0;
@@ -166,15 +221,16 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
     const int rows = t.ntok * G;
     max_rows = std::max(max_rows, rows);
     const int span = t.hi - t.lo;
-    const int nparts = int((span + part - 1) / part);
-    for (int h = 0; h < P.num_kv_heads; ++h) {
-      if (nparts > 1) merges.push_back({ti, h, int(items.size()), nparts});
+    const int nparts = span > 0 ? int((span + part - 1) / part) : 1;   // an empty range still writes its rows
+    for (int h = 0; h < P.num_kv_heads; h += heads_per_item) {
+      if (nparts > 1) merges.push_back({ti, h, heads_per_item, int(items.size()), nparts});
       for (int p = 0; p < nparts; ++p) {
-        WorkItem it{t.req, h, t.q_row0, t.ntok, t.pos0, int(t.lo + p * part), int(std::min<int64_t>(t.hi, t.lo + (p + 1) * part)), nullptr};
+        const int lo = int(std::min<int64_t>(t.hi, t.lo + p * part)), hi = int(std::min<int64_t>(t.hi, t.lo + (p + 1) * part));
+        WorkItem it{t.req, h, heads_per_item, t.q_row0, t.ntok, t.pos0, lo, std::max(lo, hi), nullptr};
         items.push_back(it);
         if (nparts > 1) {
           part_offsets.push_back(partial_floats);
-          partial_floats += int64_t(rows) * (dvp + 2);
+          partial_floats += int64_t(rows) * heads_per_item * (dvp + 2);
         } else {
           part_offsets.push_back(-1);
         }
@@ -193,7 +249,7 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
            int64_t(items[b].num_tokens) * (items[b].k_hi - items[b].k_lo);
   });
 
-  const int64_t ws_floats = workspace_floats(max_rows, P.head_size, P.head_size_v, lanes);
+  const int64_t ws_floats = workspace_floats(max_rows, heads_per_item, P.head_size, P.head_size_v, lanes);
   const int n_items = int(items.size());
   const int team = std::min(nthreads, n_items);
   if (team <= 1) {
@@ -209,11 +265,11 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
   }
 
   if (merges.empty()) return;
-  // Log-sum-exp merge of the partitions of each (tile, KV head).
+  // Log-sum-exp merge of the partitions of each (tile, KV heads); partial rows are head-major.
   const int Dv = P.head_size_v;
   auto merge_one = [&](const Merge& mg) {
     const Tile& t = tiles[mg.tile];
-    const int rows = t.ntok * G;
+    const int rows_h = t.ntok * G, rows = rows_h * mg.num_heads;
     std::vector<float> acc(static_cast<size_t>(Dv));
     for (int r = 0; r < rows; ++r) {
       float mx = -std::numeric_limits<float>::infinity();
@@ -235,7 +291,8 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
         }
       }
       const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
-      const int tok = r / G, h = mg.kv_head * G + r % G;
+      const int hh = r / rows_h, rr = r % rows_h;
+      const int tok = rr / G, h = (mg.kv_head + hh) * G + rr % G;
       const int64_t off = int64_t(t.q_row0 + tok) * P.o_stride_token + int64_t(h) * P.o_stride_head;
       if (P.dtype == kF32) {
         float* dst = static_cast<float*>(P.out) + off;
@@ -255,15 +312,27 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
   }
 }
 
-// Write token t's K (and V) rows to slot slot_mapping[t] through the named strides; -1 skips.
+// Write token t's K (and V) rows to slot slot_mapping[t] through the named strides; -1 skips, and so
+// does any slot outside [0, kv_cache.size(0) x block_size). Tokens past key's / value's rows are not read.
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
               const torch::Tensor& slot_mapping, int64_t s_block, int64_t s_token, int64_t s_head,
               int64_t head_size, int64_t head_size_v, int64_t block_size) {
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && kv_cache.dim() >= 1, "key/value [T, H, D]");
   TORCH_CHECK((key.size(2) <= 1 || key.stride(2) == 1) && (head_size_v <= 1 || value.stride(2) == 1),
               "key/value need a contiguous last dim");
-  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == key.scalar_type(), "dtype mismatch");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping int64");
-  const int64_t T = slot_mapping.size(0), H = key.size(1);
+  TORCH_CHECK(block_size > 0 && head_size >= 0 && head_size_v >= 0 && key.size(2) >= head_size &&
+              (head_size_v == 0 || (value.size(2) >= head_size_v && value.size(1) >= key.size(1))),
+              "key/value smaller than the head sizes");
+  TORCH_CHECK(s_block >= 0 && s_token >= 0 && s_head >= 0, "negative strides");
+  const int64_t num_blocks = kv_cache.size(0), H = key.size(1);
+  TORCH_CHECK(cache_extent(num_blocks, block_size, H, s_block, s_token, s_head, head_size + head_size_v) <=
+                  tensor_span(kv_cache),
+              "the cache strides (or key's head count) reach outside kv_cache");
+  int64_t T = std::min<int64_t>(slot_mapping.size(0), key.size(0));
+  if (head_size_v) T = std::min<int64_t>(T, value.size(0));
+  const int64_t num_slots = num_blocks * block_size;
   const int64_t es = kv_cache.element_size();
   char* cache = static_cast<char*>(kv_cache.data_ptr());
   const char* k = static_cast<const char*>(key.data_ptr());
@@ -273,7 +342,7 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   auto one = [&](int64_t t) {
     const int64_t slot = slots[t];
-    if (slot < 0) return;
+    if (slot < 0 || slot >= num_slots) return;
     const int64_t blk = slot / block_size, off = slot % block_size;
     for (int64_t h = 0; h < H; ++h) {
       char* dst = cache + (blk * s_block + off * s_token + h * s_head) * es;
@@ -305,4 +374,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available_isas", &kvmulti_cpu::available_isas, "usable kernels here, best first");
   m.def("best_isa", []() { return std::string(kvmulti_cpu::isa_name(kvmulti_cpu::best_isa())); });
   m.def("num_threads", []() { return omp_get_max_threads(); });
+  m.def("lanes", [](const std::string& isa) {
+    for (int i = 0; i < 4; ++i)
+      if (isa == kvmulti_cpu::isa_name(i)) return kvmulti_cpu::lanes_of(kvmulti_cpu::Isa(i));
+    return 0;
+  }, "fp32 lanes of an ISA variant (0: unknown name)");
 }

@@ -224,3 +224,41 @@ def test_bf16_direct_path_row_counts(native, order, head_size):
         check_native(spec)
         with patched(get_backend("CPU"), "partition_size", 64):
             check_native(spec)
+
+
+PORTABLE_16_LANES = "-DKV_GENERIC_LANES=16 -DKV_PORTABLE_VECTORS -DKV_BF16DOT_EMULATE"
+PORTABLE_CHECK = """
+import torch, kvmulti
+from kvmulti.backends.cpu import native as cpu_native
+from kvmulti.backends.registry import get_backend
+from batches import CaseSpec, check_against_reference
+module, reason = cpu_native.status()
+assert module is not None, reason
+assert module.lanes("generic") == 16, module.lanes("generic")
+for order in ("NHD", "HND"):
+    for group, qlens, ctx, window, softcap, dtype in [
+            (4, (1, 1), (300, 70), None, None, torch.bfloat16),      # decode: one row block of 4 per KV head
+            (3, (1, 2), (40, 300), None, None, torch.bfloat16),      # 3 rows as 4, 6 rows as 4 + 2
+            (1, (3, 5, 1), (70, 9, 129), 33, 15.0, torch.bfloat16),  # windows, softcap
+            (2, (6, 1), (20, 90), None, None, torch.float32)]:       # the general path
+        spec = CaseSpec(order=order, block_size=16, num_kv_heads=2, group=group, head_size=64, dtype=dtype,
+                        query_lens=qlens, context_lens=ctx, sliding_window=window, softcap=softcap)
+        check_against_reference(spec, "CPU")
+        get_backend("CPU").partition_size = 64
+        check_against_reference(spec, "CPU")
+        get_backend("CPU").partition_size = -1
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_portable_16_lane_build_runs_the_avx512_lane_logic(native):
+    # The AVX-512 variants cannot run on an AVX2 host; the generic variant built with 16 portable
+    # lanes (and vdpbf16ps emulated) runs the same lane logic: transposing tree, key-major scores,
+    # per-lane row folds, the bf16-dot QK path. A separate process: the build flags are per process.
+    env = dict(os.environ, KVMULTI_CPU_EXTRA_CFLAGS=PORTABLE_16_LANES, KVMULTI_CPU_ISA="generic",
+               PYTHONPATH=os.path.dirname(__file__))
+    env.pop(cpu_native.ENV_NATIVE, None)
+    result = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=env, capture_output=True, text=True,
+                            timeout=1800)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
