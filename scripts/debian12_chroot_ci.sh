@@ -31,7 +31,7 @@ cleanup() { for ((i=${#mounts[@]}-1; i>=0; i--)); do umount -R "$root/${mounts[i
 trap cleanup EXIT
 mount -t proc proc "$root/proc"
 mount -t sysfs sys "$root/sys"
-mount --rbind /dev "$root/dev"
+mount --rbind /dev "$root/dev" && mount --make-rslave "$root/dev"   # unmounting it never reaches the host
 
 
 ca_setup=""
