@@ -168,8 +168,9 @@ def paper_model(rows: list[dict]) -> list[dict]:
     out = []
     for dev in DEVICES:
         for case in ("decode", "prefill"):
-            spec = f"model_{case}_{dev.target}_large_cache"
-            attn = [r for r in rows if r["target"] == dev.target and r["spec"] == spec
+            # NVIDIA compiles the > 2 GiB cache like the small one (one specialisation, named after the first)
+            attn = [r for spec in (f"model_{case}_{dev.target}_large_cache", f"model_{case}_{dev.target}")
+                    for r in rows if r["target"] == dev.target and r["spec"] == spec
                     and r["kernel"] == "unified_attention" and not r.get("problem")]
             if not attn:
                 out.append({"device": dev.name, "target": dev.target, "kind": case, "problem": "not compiled"})
@@ -333,9 +334,18 @@ def build_report(section_names: list[str], jobs: int = 2) -> dict:
     if "rows" in sections.get("triton", {}):
         report["paper_model"] = paper_model(sections["triton"]["rows"])
     report["seconds"] = round(time.monotonic() - t0, 1)
+    report["triton_version"] = _triton_version()
     report["threshold_failures"] = threshold_failures(report)
     report["devices"] = [asdict(d) for d in DEVICES]
     return report
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:
+        return None
 
 
 def print_report(report: dict, full: bool) -> None:

@@ -13,8 +13,8 @@ softmaxes. Everything else (any prefill / verification row, many requests, short
 takes the single pass. ``split_kv=True/False`` forces a path.
 
 Tiles per target family (:func:`tile_sizes`, :func:`pipeline_stages`), chosen from the static
-report ``benchmarks/gpu_report.py``: on AMD, decode tiles of 32 key positions keep a work-group's
-LDS under 32 KiB, so two or more fit a CU's 64 KiB; on NVIDIA, three stages give the KV loop two
+report ``benchmarks/gpu_report.py``: on AMD, tiles of 32 key positions keep a decode work-group's
+LDS under 32 KiB, so two or more fit a CU's 64 KiB, and prefill runs unpipelined; on NVIDIA, three stages give the KV loop two
 shared-memory buffers, so the next tile's ``cp.async`` loads are in flight during this tile's dots
 (``cp.async.wait_group 1`` in the PTX). Other targets (XPU, the interpreter) keep the base tiles.
 
@@ -79,14 +79,21 @@ def tile_sizes(decode: bool, num_qpk: int, head_pad_: int, head_pad_v: int, dtyp
         tile_n = 32 if widest <= 128 else 16      # fp32 K/V tiles of 256-wide heads must fit 64 KiB LDS
     else:
         tile_n = 64 if widest <= 128 else 32
-    if family == "amd" and decode:
-        tile_n = min(tile_n, 32 if widest <= 128 else 16)   # >= 2 work-groups per CU (64 KiB LDS)
+    if family == "amd":
+        # decode: >= 2 work-groups per CU (64 KiB LDS); prefill: fewer live registers (SGPR spills)
+        tile_n = min(tile_n, 32 if widest <= 128 else 16)
     return block_m, tile_n
 
 
 def pipeline_stages(decode: bool, family: str) -> int:
-    """Triton num_stages: 3 on NVIDIA (two K/V buffers: the next tile loads during this tile's dots)."""
-    return 3 if family == "nvidia" else 2
+    """Triton num_stages: 3 on NVIDIA (two K/V buffers: the next tile loads during this tile's dots);
+    on AMD 2 for decode (the next tile prefetched into registers) and 1 for prefill (the prefetch's
+    live registers made gfx942 spill SGPRs; two work-groups per CU hide the latency instead)."""
+    if family == "nvidia":
+        return 3
+    if family == "amd":
+        return 2 if decode else 1
+    return 2
 
 
 def device_family(device: torch.device) -> str:
@@ -203,13 +210,13 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
     args = dict(
         q_ptr=query, kv_ptr=kv_cache, out_ptr=out, qsl_ptr=query_start_loc, seq_lens_ptr=seq_lens,
         block_table_ptr=block_table, part_acc_ptr=part_acc, part_ml_ptr=part_ml,
-        scale=float(scale), softcap=float(softcap or 0.0), window=int(sliding_window or 0),
-        num_reqs=num_reqs, num_q_heads=num_q_heads, num_parts=plan.num_parts,
+        scale=float(scale), num_reqs=num_reqs, num_q_heads=num_q_heads, num_parts=plan.num_parts,
         num_rows=num_rows, num_blocks=kv_cache.shape[0], table_rows=block_table.shape[0],
         table_cols=block_table.shape[1],
         stride_qt=query.stride(0), stride_qh=query.stride(1), stride_qd=query.stride(2),
         stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2),
-        stride_cb=sb, stride_ct=st, stride_ch=sh, stride_bt=block_table.stride(0), stride_bn=block_table.stride(1),
+        stride_bt=block_table.stride(0), stride_bn=block_table.stride(1),
+        STRIDE_CB=sb, STRIDE_CT=st, STRIDE_CH=sh, WINDOW=int(sliding_window or 0), SOFTCAP=float(softcap or 0.0),
         NUM_QPK=num_qpk, BLOCK_Q=plan.block_q, BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_SIZE_V=head_size_v,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, HEAD_PAD=plan.head_pad, HEAD_PAD_V=plan.head_pad_v,
         SPLIT=plan.split, PART_SIZE=plan.partition_size if plan.split else 16, DOT_F32=dot_f32,

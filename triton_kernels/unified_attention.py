@@ -21,8 +21,11 @@ Two kernels serve every batch:
   touch), ``num_blocks`` and the block table's ``table_rows`` x ``table_cols`` are passed in; a
   request whose rows leave ``[0, num_rows)`` is skipped, keys stop at the table's width, a request
   without a table row sees no keys, and a block id outside ``[0, num_blocks)`` is a masked key.
-* Block size, head sizes, G and ``block_q`` are constexprs (one specialisation per model shape):
-  the per-key block/offset split is a shift and a mask for power-of-two block sizes.
+* Block size, head sizes, G, ``block_q``, the sliding window, the softcap and the cache's named
+  strides are constexprs (fixed per
+  model shape, so one specialisation per model): the per-key block/offset split is a shift and a
+  mask for power-of-two block sizes, and the scalar registers they would hold are free (gfx942
+  prefill spilled SGPRs with them as arguments).
 * Split-KV (``SPLIT=True``): the same kernel with the context cut in partitions of
   ``PART_SIZE`` positions (grid dim 2); each program writes its unnormalised partial output,
   running max and sum to a fp32 workspace, and ``reduce_partitions_kernel`` combines them.
@@ -51,13 +54,14 @@ def unified_attention_kernel(
     q_ptr, kv_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
     part_acc_ptr, part_ml_ptr,
-    scale, softcap, window,
+    scale,
     num_reqs, num_q_heads, num_parts,
     num_rows, num_blocks, table_rows, table_cols,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
-    stride_cb, stride_ct, stride_ch,
     stride_bt, stride_bn,
+    STRIDE_CB: tl.constexpr, STRIDE_CT: tl.constexpr, STRIDE_CH: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     NUM_QPK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
@@ -108,7 +112,9 @@ def unified_attention_kernel(
     # Keys this program can need: causal end of its last row, window start of its first row.
     last_local = tl.minimum(q_len, (q_block + 1) * BLOCK_Q) - 1
     k_end = ctx_len + last_local + 1
-    k_lo = tl.where(window > 0, tl.maximum(ctx_len + q_block * BLOCK_Q - window + 1, 0), 0)
+    k_lo = num_reqs * 0
+    if WINDOW > 0:
+        k_lo = tl.maximum(ctx_len + q_block * BLOCK_Q - WINDOW + 1, 0)
     if SPLIT:
         k_lo = tl.maximum(k_lo, part * PART_SIZE)
         k_end = tl.minimum(k_end, (part + 1) * PART_SIZE)
@@ -121,27 +127,28 @@ def unified_attention_kernel(
     acc = tl.full([BLOCK_M, HEAD_PAD_V], 0.0, tl.float32)
     offs_n = tl.arange(0, TILE_N)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    head_off = kvh.to(tl.int64) * stride_ch
+    head_off = kvh.to(tl.int64) * STRIDE_CH
 
     for start in range(tile_start, k_end, TILE_N):
         k_pos = start + offs_n
         in_range = (k_pos >= k_lo) & (k_pos < k_end)     # never touch table entries outside [k_lo, k_end)
         blk = tl.load(bt_row + (k_pos // BLOCK_SIZE) * stride_bn, mask=in_range, other=0)
         k_ok = in_range & (blk >= 0) & (blk < num_blocks)    # a block id outside the cache: a masked key
-        off = blk.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_ct + head_off
+        off = blk.to(tl.int64) * STRIDE_CB + (k_pos % BLOCK_SIZE).to(tl.int64) * STRIDE_CT + head_off
         k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0.0)
         v = tl.load(kv_ptr + off[:, None] + HEAD_SIZE + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :],
                     other=0.0)
         if DOT_F32:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision="ieee") * scale          # [BLOCK_M, TILE_N], fp32
-        if softcap > 0:
+        if SOFTCAP > 0:
             # softcap * tanh(s / softcap), tanh via exp(-2|x|): no overflow, exact sign.
-            e = tl.exp(-2.0 * tl.abs(s / softcap))
+            e = tl.exp(-2.0 * tl.abs(s / SOFTCAP))
             t = (1.0 - e) / (1.0 + e)
-            s = softcap * tl.where(s < 0, -t, t)
+            s = SOFTCAP * tl.where(s < 0, -t, t)
         visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        visible = visible & ((window <= 0) | ((q_pos[:, None] - k_pos[None, :]) < window))
+        if WINDOW > 0:
+            visible = visible & ((q_pos[:, None] - k_pos[None, :]) < WINDOW)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
