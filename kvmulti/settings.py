@@ -79,6 +79,9 @@ _SETTINGS: tuple[Setting, ...] = (
             "tests: hypothesis profile (the sanitizer run uses 'sanitizer': fewer examples)", read_by="tests"),
     Setting("KVMULTI_SANITIZE_CACHE_DIR", "path", None,
             "tests: build cache of the sanitizer run (default ~/.cache/kvmulti-sanitize)", read_by="tests"),
+    Setting("KVMULTI_REQUIRE_VENDOR", "str", None,
+            "tests: cuda, rocm or xpu -- that vendor's suite must run here (no device is an error, zero passed "
+            "a failure); set by the vendor CI jobs", read_by="tests"),
     Setting("KVMULTI_SYSTEM_SITE_PACKAGES", "bool", False,
             "scripts/setup.sh: let the venv see the system's (vendor) torch", read_by="install"),
 )

@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # Install kvmulti into ./.venv. With --test, also everything the full test suite needs:
-# the test/triton/sycl extras and, where apt-get can run, Debian's HIP compiler packages.
+# the test/triton/sycl extras, where apt-get can run Debian's HIP compiler packages, and where no
+# nvcc is on PATH NVIDIA's nvcc from PyPI (cuda-toolkit[nvcc] wheels) into the venv.
+# --test --vendor (the GPU jobs): the extras only; the compile-check toolchains are the cpu job's.
 # Idempotent: a second run only checks that everything is there.
+#
+# Variables read here: PYTHON (interpreter for the venv), KVMULTI_SYSTEM_SITE_PACKAGES=1 (the venv
+# sees the system's torch, as in the vendor containers), KVMULTI_BUILD_HIP=1 (build the HIP library
+# for this host's GPUs now; the install is editable, so setup.py's install-time hook cannot keep
+# it), CI=true (a missing compile-check toolchain is an error).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
+toolchains=yes
+[ "${2:-}" = --vendor ] && toolchains=no
+[ "$mode" = --test ] || toolchains=no
 python=${PYTHON:-python3}
+# nvcc from PyPI: the CUDA release torch 2.13's own cuda-toolkit pin names, so the two never conflict.
+cuda_toolkit="cuda-toolkit[nvcc,cudart,cccl,nvvm]==13.0.3"
 
-if [ "$mode" = "--test" ] && ! command -v hipcc >/dev/null 2>&1; then
+if [ "$toolchains" = yes ] && ! command -v hipcc >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     echo "setup: installing Debian's HIP toolchain (hipcc, libamdhip64-dev, rocm-device-libs) for the HIP compile checks"
     apt-get -o DPkg::Lock::Timeout=900 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=900 install -y -qq hipcc libamdhip64-dev rocm-device-libs >/dev/null
@@ -34,12 +46,6 @@ if [ "$mode" = "--test" ] && ! command -v ocloc >/dev/null 2>&1; then
 fi
 
 # On vendor runners, KVMULTI_SYSTEM_SITE_PACKAGES=1 lets the venv see the preinstalled ROCm/CUDA/XPU torch.
-if [ "$mode" = "--test" ] && [ "${CI:-}" = true ]; then
-  for tool in hipcc nvcc g++; do
-    command -v "$tool" >/dev/null || { echo "setup: error: CI needs $tool for the compile checks" >&2; exit 1; }
-  done
-fi
-
 [ -x .venv/bin/python ] || "$python" -m venv ${KVMULTI_SYSTEM_SITE_PACKAGES:+--system-site-packages} .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # torch 2.13.0: a CPU build where a local wheel is provided, else whatever the index serves for this host.
@@ -48,5 +54,31 @@ if [ "$mode" = "--test" ]; then
   "${pip[@]}" -e ".[test,triton,sycl]"
 else
   "${pip[@]}" -e .
+fi
+
+# nvcc for the NVIDIA compile checks: the wheels put a CUDA tree in site-packages/nvidia/cu13 whose
+# nvcc.profile expects its headers and libraries under targets/<arch>-linux/; .venv/bin/nvcc runs it
+# (the tests put the venv's bin directory on PATH).
+if [ "$toolchains" = yes ] && ! command -v nvcc >/dev/null 2>&1 && [ ! -x .venv/bin/nvcc ]; then
+  echo "setup: installing NVIDIA's nvcc from PyPI ($cuda_toolkit) into .venv"
+  "${pip[@]}" "$cuda_toolkit"
+  cuda_root=$(.venv/bin/python -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')
+  mkdir -p "$cuda_root/targets/$(uname -m)-linux"
+  ln -sfn ../../include "$cuda_root/targets/$(uname -m)-linux/include"
+  ln -sfn ../../lib "$cuda_root/targets/$(uname -m)-linux/lib"
+  printf '#!/bin/sh\nexec "%s/bin/nvcc" "$@"\n' "$cuda_root" > .venv/bin/nvcc
+  chmod +x .venv/bin/nvcc
+fi
+
+if [ "${KVMULTI_BUILD_HIP:-}" = 1 ]; then
+  echo "setup: building the HIP library for this host's GPUs (KVMULTI_BUILD_HIP=1)"
+  .venv/bin/python -m kvmulti.backends.hip build-rocm
+fi
+
+if [ "$toolchains" = yes ] && [ "${CI:-}" = true ]; then
+  for tool in hipcc nvcc g++; do
+    command -v "$tool" >/dev/null || [ -x ".venv/bin/$tool" ] || {
+      echo "setup: error: CI needs $tool for the compile checks" >&2; exit 1; }
+  done
 fi
 echo "setup: kvmulti installed in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

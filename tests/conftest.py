@@ -1,4 +1,13 @@
-"""Vendor markers (cuda / rocm / xpu) and the session line that says which vendor suites ran."""
+"""Vendor markers (cuda / rocm / xpu) and the session line that says which vendor suites ran.
+
+``KVMULTI_REQUIRE_VENDOR=cuda|rocm|xpu`` (set by that vendor's CI job) turns "this host has no such
+device" into an ERROR of every test marked for that vendor instead of a skip, and fails the session
+when none of them passed: a vendor job cannot go green by skipping. Without it, a vendor's tests
+skip with the reason on hosts that lack its device.
+
+Tools ``scripts/setup.sh --test`` installs into the venv (nvcc from PyPI) are found through PATH:
+the directory of the interpreter running the tests is put on it.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +25,9 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))
+_VENV_BIN = os.path.dirname(sys.executable)
+if _VENV_BIN not in os.environ.get("PATH", "").split(os.pathsep):
+    os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
 
 settings.register_profile("kvmulti", deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                             HealthCheck.data_too_large])
@@ -24,6 +36,15 @@ settings.register_profile("sanitizer", parent=settings.get_profile("kvmulti"), m
 settings.load_profile(os.environ.get("KVMULTI_HYPOTHESIS_PROFILE") or "kvmulti")
 
 VENDORS = ("cuda", "rocm", "xpu")
+ENV_REQUIRE_VENDOR = "KVMULTI_REQUIRE_VENDOR"
+
+
+def required_vendor() -> str | None:
+    """The vendor whose tests must run here (KVMULTI_REQUIRE_VENDOR), or None."""
+    value = os.environ.get(ENV_REQUIRE_VENDOR, "").strip().lower()
+    if value and value not in VENDORS:
+        raise pytest.UsageError(f"{ENV_REQUIRE_VENDOR}={value!r}: expected one of {', '.join(VENDORS)}")
+    return value or None
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +72,21 @@ _ran: dict[str, int] = {v: 0 for v in VENDORS}
 
 
 def pytest_collection_modifyitems(config, items):
+    required = required_vendor()
     for item in items:
         for vendor in VENDORS:
-            if vendor in item.keywords:
+            if vendor in item.keywords and vendor != required:
                 reason = vendor_available(vendor)
                 if reason:
                     item.add_marker(pytest.mark.skip(reason=f"{vendor} suite: {reason}"))
+
+
+def pytest_runtest_setup(item):
+    required = required_vendor()
+    if required and required in item.keywords:
+        reason = vendor_available(required)
+        if reason:   # an exception in setup: the test is reported as an ERROR, not skipped
+            raise RuntimeError(f"{ENV_REQUIRE_VENDOR}={required} but {reason}")
 
 
 def pytest_runtest_logreport(report):
@@ -66,7 +96,17 @@ def pytest_runtest_logreport(report):
                 _ran[vendor] += 1
 
 
+def pytest_sessionfinish(session, exitstatus):
+    required = required_vendor()
+    if required and _ran[required] == 0 and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter):
     parts = [f"{v}: {_ran[v]} passed" if _ran[v] else f"{v}: not run ({vendor_available(v) or 'none selected'})"
              for v in VENDORS]
     terminalreporter.write_line("kvmulti vendor suites -- cpu: ran; " + "; ".join(parts))
+    required = required_vendor()
+    if required and _ran[required] == 0:
+        terminalreporter.write_line(f"FAILED: {ENV_REQUIRE_VENDOR}={required} and no {required} test passed",
+                                    red=True)

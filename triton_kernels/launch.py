@@ -11,6 +11,16 @@ the device's compute units (SMs / CUs) and the longest context spans at least tw
 ``partition_size`` positions (one program each) and a second kernel reduces the partial
 softmaxes. Everything else (any prefill / verification row, many requests, short contexts)
 takes the single pass. ``split_kv=True/False`` forces a path.
+
+Tiles per target family (:func:`tile_sizes`, :func:`pipeline_stages`), chosen from the static
+report ``benchmarks/gpu_report.py``: on AMD, tiles of 32 key positions keep a decode work-group's
+LDS under 32 KiB, so two or more fit a CU's 64 KiB, and prefill runs unpipelined; on NVIDIA, three stages give the KV loop two
+shared-memory buffers, so the next tile's ``cp.async`` loads are in flight during this tile's dots
+(``cp.async.wait_group 1`` in the PTX). Other targets (XPU, the interpreter) keep the base tiles.
+
+Memory safety: the launchers pass the kernels the bounds of every tensor that metadata indexes
+(usable query/output rows, block-table rows and columns, cache blocks, cache slots); the kernels
+guard every metadata-derived index with them (see the kernels' docstrings).
 """
 
 from __future__ import annotations
@@ -55,8 +65,13 @@ class AttentionPlan:
     num_stages: int = 2
 
 
-def tile_sizes(decode: bool, num_qpk: int, head_pad_: int, head_pad_v: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_M, TILE_N). Decode rows are one token x G heads; prefill tiles hold several tokens."""
+FAMILIES = ("nvidia", "amd", "other")
+
+
+def tile_sizes(decode: bool, num_qpk: int, head_pad_: int, head_pad_v: int, dtype: torch.dtype,
+               family: str = "other") -> tuple[int, int]:
+    """(BLOCK_M, TILE_N). Decode rows are one token x G heads; prefill tiles hold several tokens.
+    ``family``: "nvidia", "amd" or "other" (see the module docstring)."""
     widest = max(head_pad_, head_pad_v)
     base_m = 16 if decode else (64 if widest <= 128 else 32)
     block_m = max(base_m, triton.next_power_of_2(num_qpk))
@@ -64,12 +79,34 @@ def tile_sizes(decode: bool, num_qpk: int, head_pad_: int, head_pad_v: int, dtyp
         tile_n = 32 if widest <= 128 else 16      # fp32 K/V tiles of 256-wide heads must fit 64 KiB LDS
     else:
         tile_n = 64 if widest <= 128 else 32
+    if family == "amd":
+        # decode: >= 2 work-groups per CU (64 KiB LDS); prefill: fewer live registers (SGPR spills)
+        tile_n = min(tile_n, 32 if widest <= 128 else 16)
     return block_m, tile_n
+
+
+def pipeline_stages(decode: bool, family: str) -> int:
+    """Triton num_stages: 3 on NVIDIA (two K/V buffers: the next tile loads during this tile's dots);
+    on AMD 2 for decode (the next tile prefetched into registers) and 1 for prefill (the prefetch's
+    live registers made gfx942 spill SGPRs; two work-groups per CU hide the latency instead)."""
+    if family == "nvidia":
+        return 3
+    if family == "amd":
+        return 2 if decode else 1
+    return 2
+
+
+def device_family(device: torch.device) -> str:
+    """"nvidia", "amd" (a ROCm build's cuda device) or "other" (XPU, CPU tensors under the interpreter)."""
+    if torch.device(device).type != "cuda":
+        return "other"
+    return "amd" if torch.version.hip else "nvidia"
 
 
 def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_len: int, max_seq_len: int,
                    head_size: int, head_size_v: int, dtype: torch.dtype, num_compute_units: int,
-                   split_kv: bool | None = None, partition_size: int = DEFAULT_PARTITION_SIZE) -> AttentionPlan:
+                   split_kv: bool | None = None, partition_size: int = DEFAULT_PARTITION_SIZE,
+                   family: str = "other") -> AttentionPlan:
     """Tiles and path for one batch (see the module docstring for the split-KV heuristic)."""
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
@@ -77,13 +114,15 @@ def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_
         split_kv = (max_query_len == 1 and max_seq_len >= 2 * partition_size
                     and num_reqs * num_kv_heads < num_compute_units)
     hp, hpv = head_pad(head_size), head_pad(head_size_v)
-    block_m, tile_n = tile_sizes(max_query_len <= 1 or split_kv, num_qpk, hp, hpv, dtype)
+    decode = max_query_len <= 1 or split_kv
+    block_m, tile_n = tile_sizes(decode, num_qpk, hp, hpv, dtype, family)
     num_parts = 1
     if split_kv:
         tile_n = min(tile_n, partition_size)
         num_parts = max(1, triton.cdiv(max_seq_len, partition_size))
     return AttentionPlan(split=bool(split_kv), block_m=block_m, block_q=block_m // num_qpk, tile_n=tile_n,
-                         head_pad=hp, head_pad_v=hpv, partition_size=partition_size, num_parts=num_parts)
+                         head_pad=hp, head_pad_v=hpv, partition_size=partition_size, num_parts=num_parts,
+                         num_stages=pipeline_stages(decode, family))
 
 
 def num_compute_units(device: torch.device) -> int:
@@ -136,25 +175,37 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
                        scale: float, sliding_window: int | None, softcap: float | None,
                        split_kv: bool | None = None, partition_size: int = DEFAULT_PARTITION_SIZE,
                        num_compute_units_: int | None = None,
+                       family: str | None = None,
                        plan: AttentionPlan | None = None) -> tuple[AttentionPlan, list[Launch]]:
-    """The plan (``plan`` when given: made once per step) and the launches (one, or two on the
-    split path) for one attention call; the split path's fp32 workspace is allocated here."""
+    """The plan (``plan`` when given: made once per step by the backend's per-step hook) and the
+    launches (one, or two on the split path) for one attention call; the split path's fp32
+    workspace is allocated here. ``family`` (default: the query's device's) picks the target's
+    tiles; the cross-compilation names it.
+
+    Bounds for the kernels come from the tensors, not the metadata values: rows =
+    min(num_tokens, query rows, out rows); requests = min(num_reqs, len(seq_lens),
+    len(query_start_loc) - 1); the block table's shape; the cache's num_blocks; max_seq_len is
+    capped at the table's width in positions (the kernel stops there)."""
     num_qpk = query.shape[1] // num_kv_heads
+    family = device_family(query.device) if family is None else family
+    max_seq_len = max(0, min(max_seq_len, block_table.shape[1] * block_size))   # keys past the table: never read
     if plan is None:
         plan = plan_attention(num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_qpk=num_qpk,
                               max_query_len=max_query_len, max_seq_len=max_seq_len, head_size=head_size,
                               head_size_v=head_size_v, dtype=kv_cache.dtype,
                               num_compute_units=(num_compute_units(query.device) if num_compute_units_ is None
                                                  else num_compute_units_),
-                              split_kv=split_kv, partition_size=partition_size)
-    if num_tokens == 0 or num_reqs == 0:
+                              split_kv=split_kv, partition_size=partition_size, family=family)
+    num_rows = min(num_tokens, query.shape[0], out.shape[0])
+    num_reqs = min(num_reqs, seq_lens.shape[0], query_start_loc.shape[0] - 1)
+    if num_rows <= 0 or num_reqs <= 0:
         return plan, []
     dot_f32 = interpreting() and kv_cache.dtype == torch.bfloat16
     num_q_heads = query.shape[1]
     if plan.split:
-        part_acc = torch.empty(num_tokens * num_q_heads * plan.num_parts * plan.head_pad_v,
+        part_acc = torch.empty(num_rows * num_q_heads * plan.num_parts * plan.head_pad_v,
                                dtype=torch.float32, device=query.device)
-        part_ml = torch.empty(num_tokens * num_q_heads * plan.num_parts * 2, dtype=torch.float32,
+        part_ml = torch.empty(num_rows * num_q_heads * plan.num_parts * 2, dtype=torch.float32,
                               device=query.device)
     else:
         part_acc = part_ml = out   # unused on the single pass
@@ -162,23 +213,25 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
     args = dict(
         q_ptr=query, kv_ptr=kv_cache, out_ptr=out, qsl_ptr=query_start_loc, seq_lens_ptr=seq_lens,
         block_table_ptr=block_table, part_acc_ptr=part_acc, part_ml_ptr=part_ml,
-        scale=float(scale), softcap=float(softcap or 0.0), window=int(sliding_window or 0),
-        num_reqs=num_reqs, num_q_heads=num_q_heads, num_qpk=num_qpk, block_q=plan.block_q, block_size=block_size,
-        head_size=head_size, head_size_v=head_size_v, num_parts=plan.num_parts,
+        scale=float(scale), num_reqs=num_reqs, num_q_heads=num_q_heads, num_parts=plan.num_parts,
+        num_rows=num_rows, num_blocks=kv_cache.shape[0], table_rows=block_table.shape[0],
+        table_cols=block_table.shape[1],
         stride_qt=query.stride(0), stride_qh=query.stride(1), stride_qd=query.stride(2),
         stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2),
-        stride_cb=sb, stride_ct=st, stride_ch=sh, stride_bt=block_table.stride(0), stride_bn=block_table.stride(1),
+        stride_bt=block_table.stride(0), stride_bn=block_table.stride(1),
+        STRIDE_CB=sb, STRIDE_CT=st, STRIDE_CH=sh, WINDOW=int(sliding_window or 0), SOFTCAP=float(softcap or 0.0),
+        NUM_QPK=num_qpk, BLOCK_Q=plan.block_q, BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_SIZE_V=head_size_v,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, HEAD_PAD=plan.head_pad, HEAD_PAD_V=plan.head_pad_v,
         SPLIT=plan.split, PART_SIZE=plan.partition_size if plan.split else 16, DOT_F32=dot_f32,
     )
-    grid = (num_tokens // plan.block_q + num_reqs, num_kv_heads, plan.num_parts)
+    grid = (num_rows // plan.block_q + num_reqs, num_kv_heads, plan.num_parts)
     launches = [Launch("unified_attention", grid, args, plan.num_warps, plan.num_stages)]
     if plan.split:
-        launches.append(Launch("reduce_partitions", (num_tokens, num_q_heads), dict(
+        launches.append(Launch("reduce_partitions", (num_rows, num_q_heads), dict(
             out_ptr=out, part_acc_ptr=part_acc, part_ml_ptr=part_ml, num_q_heads=num_q_heads,
-            num_parts=plan.num_parts, head_size_v=head_size_v,
+            num_parts=plan.num_parts,
             stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2),
-            HEAD_PAD_V=plan.head_pad_v, PART_CHUNK=REDUCE_PART_CHUNK)))
+            HEAD_SIZE_V=head_size_v, HEAD_PAD_V=plan.head_pad_v, PART_CHUNK=REDUCE_PART_CHUNK)))
     return plan, launches
 
 
@@ -197,18 +250,21 @@ def write_block_h(num_kv_heads: int, head_pad_: int, head_pad_v: int) -> int:
 def write_kv_launches(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                       cache_strides: tuple[int, int, int], block_size: int, num_kv_heads: int, head_size: int,
                       head_size_v: int) -> list[Launch]:
-    num_tokens = slot_mapping.shape[0]
-    if num_tokens == 0:
+    """The write_kv launch: one program per token row that key, value and slot_mapping all have;
+    the kernel skips slots outside [0, num_blocks * block_size)."""
+    num_tokens = min(slot_mapping.shape[0], key.shape[0], value.shape[0])
+    if num_tokens <= 0:
         return []
     hp, hpv = head_pad(head_size), head_pad(head_size_v)
     block_h = write_block_h(num_kv_heads, hp, hpv)
     sb, st, sh = cache_strides
     return [Launch("write_kv", (num_tokens, triton.cdiv(num_kv_heads, block_h)), dict(
         key_ptr=key, value_ptr=value, kv_ptr=kv_cache, slot_ptr=slot_mapping, num_kv_heads=num_kv_heads,
-        block_size=block_size, head_size=head_size, head_size_v=head_size_v,
+        num_slots=kv_cache.shape[0] * block_size,
         stride_kt=key.stride(0), stride_kh=key.stride(1), stride_kd=key.stride(2),
         stride_vt=value.stride(0), stride_vh=value.stride(1), stride_vd=value.stride(2),
-        stride_cb=sb, stride_ct=st, stride_ch=sh, BLOCK_H=block_h, HEAD_PAD=hp, HEAD_PAD_V=hpv))]
+        stride_cb=sb, stride_ct=st, stride_ch=sh, BLOCK_SIZE=block_size, HEAD_SIZE=head_size,
+        HEAD_SIZE_V=head_size_v, BLOCK_H=block_h, HEAD_PAD=hp, HEAD_PAD_V=hpv))]
 
 
 def write_kv(*args, **kwargs) -> None:

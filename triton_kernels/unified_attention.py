@@ -17,6 +17,15 @@ Two kernels serve every batch:
   positions before it are never loaded (their block-table entries may be garbage). Softcap is
   ``c * tanh(s / c)``; accumulation is fp32 (online softmax), fp32 inputs use exact ("ieee") dots.
   Head sizes are padded to powers of two inside the kernel and masked.
+* Memory safety: metadata values are not trusted. ``num_rows`` (query/output rows the kernel may
+  touch), ``num_blocks`` and the block table's ``table_rows`` x ``table_cols`` are passed in; a
+  request whose rows leave ``[0, num_rows)`` is skipped, keys stop at the table's width, a request
+  without a table row sees no keys, and a block id outside ``[0, num_blocks)`` is a masked key.
+* Block size, head sizes, G, ``block_q``, the sliding window, the softcap and the cache's named
+  strides are constexprs (fixed per
+  model shape, so one specialisation per model): the per-key block/offset split is a shift and a
+  mask for power-of-two block sizes, and the scalar registers they would hold are free (gfx942
+  prefill spilled SGPRs with them as arguments).
 * Split-KV (``SPLIT=True``): the same kernel with the context cut in partitions of
   ``PART_SIZE`` positions (grid dim 2); each program writes its unnormalised partial output,
   running max and sum to a fp32 workspace, and ``reduce_partitions_kernel`` combines them.
@@ -45,12 +54,16 @@ def unified_attention_kernel(
     q_ptr, kv_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
     part_acc_ptr, part_ml_ptr,
-    scale, softcap, window,
-    num_reqs, num_q_heads, num_qpk, block_q, block_size, head_size, head_size_v, num_parts,
+    scale,
+    num_reqs, num_q_heads, num_parts,
+    num_rows, num_blocks, table_rows, table_cols,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
-    stride_cb, stride_ct, stride_ch,
     stride_bt, stride_bn,
+    STRIDE_CB: tl.constexpr, STRIDE_CT: tl.constexpr, STRIDE_CH: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    NUM_QPK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
     SPLIT: tl.constexpr, PART_SIZE: tl.constexpr, DOT_F32: tl.constexpr,
 ):
@@ -65,30 +78,31 @@ def unified_attention_kernel(
     hi = num_reqs - 1
     while req < hi:
         mid = (req + hi + 1) // 2
-        if tl.load(qsl_ptr + mid) // block_q + mid <= pid:
+        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= pid:
             req = mid
         else:
             hi = mid - 1
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
-    q_block = pid - (q_start // block_q + req)
-    if q_block * block_q >= q_len:
+    q_block = pid - (q_start // BLOCK_Q + req)
+    # Memory safety: metadata is not trusted. A request whose rows leave [0, num_rows) is skipped.
+    if (q_block < 0) | (q_block * BLOCK_Q >= q_len) | (q_start < 0) | (q_start > num_rows - q_len):
         return
     seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len
 
     # Rows of the tile: (new token, query head of this KV head) pairs.
     offs_m = tl.arange(0, BLOCK_M)
-    q_local = q_block * block_q + offs_m // num_qpk
-    head = kvh * num_qpk + offs_m % num_qpk
-    row_ok = (offs_m < block_q * num_qpk) & (q_local < q_len)
+    q_local = q_block * BLOCK_Q + offs_m // NUM_QPK
+    head = kvh * NUM_QPK + offs_m % NUM_QPK
+    row_ok = (offs_m < BLOCK_Q * NUM_QPK) & (q_local < q_len)
     q_pos = ctx_len + q_local
     tok = (q_start + q_local).to(tl.int64)
 
     offs_d = tl.arange(0, HEAD_PAD)
-    d_ok = offs_d < head_size
+    d_ok = offs_d < HEAD_SIZE
     offs_dv = tl.arange(0, HEAD_PAD_V)
-    dv_ok = offs_dv < head_size_v
+    dv_ok = offs_dv < HEAD_SIZE_V
 
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -96,12 +110,16 @@ def unified_attention_kernel(
         q = q.to(tl.float32)
 
     # Keys this program can need: causal end of its last row, window start of its first row.
-    last_local = tl.minimum(q_len, (q_block + 1) * block_q) - 1
+    last_local = tl.minimum(q_len, (q_block + 1) * BLOCK_Q) - 1
     k_end = ctx_len + last_local + 1
-    k_lo = tl.where(window > 0, tl.maximum(ctx_len + q_block * block_q - window + 1, 0), 0)
+    k_lo = num_reqs * 0
+    if WINDOW > 0:
+        k_lo = tl.maximum(ctx_len + q_block * BLOCK_Q - WINDOW + 1, 0)
     if SPLIT:
         k_lo = tl.maximum(k_lo, part * PART_SIZE)
         k_end = tl.minimum(k_end, (part + 1) * PART_SIZE)
+    # Never past the block table's width; a request without a table row sees no keys.
+    k_end = tl.minimum(k_end, tl.where(req < table_rows, table_cols * BLOCK_SIZE, 0))
     tile_start = (k_lo // TILE_N) * TILE_N          # whole tiles before the window are skipped
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -109,26 +127,28 @@ def unified_attention_kernel(
     acc = tl.full([BLOCK_M, HEAD_PAD_V], 0.0, tl.float32)
     offs_n = tl.arange(0, TILE_N)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    head_off = kvh.to(tl.int64) * stride_ch
+    head_off = kvh.to(tl.int64) * STRIDE_CH
 
     for start in range(tile_start, k_end, TILE_N):
         k_pos = start + offs_n
-        k_ok = (k_pos >= k_lo) & (k_pos < k_end)     # never touch table entries outside [k_lo, k_end)
-        blk = tl.load(bt_row + (k_pos // block_size) * stride_bn, mask=k_ok, other=0)
-        off = blk.to(tl.int64) * stride_cb + (k_pos % block_size).to(tl.int64) * stride_ct + head_off
+        in_range = (k_pos >= k_lo) & (k_pos < k_end)     # never touch table entries outside [k_lo, k_end)
+        blk = tl.load(bt_row + (k_pos // BLOCK_SIZE) * stride_bn, mask=in_range, other=0)
+        k_ok = in_range & (blk >= 0) & (blk < num_blocks)    # a block id outside the cache: a masked key
+        off = blk.to(tl.int64) * STRIDE_CB + (k_pos % BLOCK_SIZE).to(tl.int64) * STRIDE_CT + head_off
         k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0.0)
-        v = tl.load(kv_ptr + off[:, None] + head_size + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :],
+        v = tl.load(kv_ptr + off[:, None] + HEAD_SIZE + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :],
                     other=0.0)
         if DOT_F32:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision="ieee") * scale          # [BLOCK_M, TILE_N], fp32
-        if softcap > 0:
+        if SOFTCAP > 0:
             # softcap * tanh(s / softcap), tanh via exp(-2|x|): no overflow, exact sign.
-            e = tl.exp(-2.0 * tl.abs(s / softcap))
+            e = tl.exp(-2.0 * tl.abs(s / SOFTCAP))
             t = (1.0 - e) / (1.0 + e)
-            s = softcap * tl.where(s < 0, -t, t)
+            s = SOFTCAP * tl.where(s < 0, -t, t)
         visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        visible = visible & ((window <= 0) | ((q_pos[:, None] - k_pos[None, :]) < window))
+        if WINDOW > 0:
+            visible = visible & ((q_pos[:, None] - k_pos[None, :]) < WINDOW)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
@@ -157,9 +177,9 @@ def unified_attention_kernel(
 @triton.jit
 def reduce_partitions_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
-    num_q_heads, num_parts, head_size_v,
+    num_q_heads, num_parts,
     stride_ot, stride_oh, stride_od,
-    HEAD_PAD_V: tl.constexpr, PART_CHUNK: tl.constexpr,
+    HEAD_SIZE_V: tl.constexpr, HEAD_PAD_V: tl.constexpr, PART_CHUNK: tl.constexpr,
 ):
     """out[t, h] = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p, over the partitions."""
     tok = tl.program_id(0).to(tl.int64)
@@ -186,4 +206,4 @@ def reduce_partitions_kernel(
         m_run = m_new
     o = o / tl.where(l_run == 0.0, 1.0, l_run)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_dv * stride_od,
-             o.to(out_ptr.dtype.element_ty), mask=offs_dv < head_size_v)
+             o.to(out_ptr.dtype.element_ty), mask=offs_dv < HEAD_SIZE_V)

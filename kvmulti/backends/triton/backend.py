@@ -115,12 +115,14 @@ class TritonBackend(Backend):
              sliding_window: int | None):
         launch = _kernels()
         split_kv, partition = self._split()
+        # keys past the table's width are never read (the kernel stops there)
+        max_seq_len = max(0, min(common.max_seq_len, common.block_table.shape[1] * layout.block_size))
         return launch.plan_attention(
             num_reqs=common.num_reqs, num_kv_heads=layout.num_kv_heads,
             num_qpk=num_query_heads // layout.num_kv_heads, max_query_len=common.max_query_len,
-            max_seq_len=common.max_seq_len, head_size=layout.head_size, head_size_v=layout.value_size,
+            max_seq_len=max_seq_len, head_size=layout.head_size, head_size_v=layout.value_size,
             dtype=layout.dtype, num_compute_units=launch.num_compute_units(common.device), split_kv=split_kv,
-            partition_size=partition)
+            partition_size=partition, family=launch.device_family(common.device))
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
                  slot_mapping: torch.Tensor) -> None:
