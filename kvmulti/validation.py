@@ -221,13 +221,14 @@ def _check_device_values(metadata: CommonAttentionMetadata, layout: KVCacheLayou
     seq = metadata.seq_lens_cpu.numpy().astype(np.int64)
     query_lens = np.diff(metadata.query_start_loc_cpu.numpy().astype(np.int64))
     blocks = metadata.block_table[:n].cpu().numpy()
-    columns = blocks[:, : -(-int(seq.max()) // layout.block_size)]     # the longest request's blocks
-    if columns.size == 0 or (int(columns.min()) >= 0 and int(columns.max()) < layout.num_blocks):
+    ncols = -(-int(seq.max()) // layout.block_size)                     # the longest request's blocks
+    as_unsigned = blocks[:, :ncols].view(np.uint32)                      # negative ids become huge
+    if as_unsigned.size == 0 or int(as_unsigned.max()) < layout.num_blocks:
         return                                                # all in range: no need to mask per request
-    first = first_visible_position(seq - query_lens, sliding_window)
-    cols = np.arange(blocks.shape[1])[None, :]
-    read = (cols >= (first // layout.block_size)[:, None]) & (cols < (-(-seq // layout.block_size))[:, None])
-    bad = read & ((blocks < 0) | (blocks >= layout.num_blocks))
+    first = first_visible_position(seq - query_lens, sliding_window) // layout.block_size
+    cols = np.arange(ncols)
+    read = (cols >= first[:, None]) & (cols < (-(-seq // layout.block_size))[:, None])
+    bad = read & (as_unsigned >= layout.num_blocks)
     if bad.any():
         req, col = (int(x) for x in np.argwhere(bad)[0])
         raise ValueError(f"metadata.block_table[{req}, {col}] = {int(blocks[req, col])} is outside the cache's "
