@@ -138,10 +138,11 @@ def check_out(out: torch.Tensor, query: torch.Tensor, layout: KVCacheLayout) -> 
 
 
 def check_metadata(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_query_rows: int,
-                   sliding_window: int | None, device: torch.device) -> None:
+                   sliding_window: int | None, device: torch.device, check_values: bool = True) -> None:
     """Every invariant of ``metadata`` for a query of ``num_query_rows`` rows over a cache of
     ``layout`` (see the module docstring for what runs where). Raises TypeError/ValueError naming
-    the field and the rule."""
+    the field and the rule. ``check_values=False`` skips the block-id / host-copy value checks: for
+    metadata whose ids come from kvmulti's own block pools (the model runner's)."""
     if not isinstance(metadata, CommonAttentionMetadata):
         raise TypeError(f"metadata must be a kvmulti.CommonAttentionMetadata, got {type(metadata).__name__}")
     check_index("metadata.query_start_loc", metadata.query_start_loc, 1, device, (torch.int32,))
@@ -170,7 +171,7 @@ def check_metadata(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num
         raise ValueError(f"query has {num_query_rows} tokens, metadata.num_actual_tokens is "
                          f"{metadata.num_actual_tokens}")
     _check_host_values(metadata, layout)
-    if value_checks_enabled(metadata.block_table.device):
+    if check_values and value_checks_enabled(metadata.block_table.device):
         _check_device_values(metadata, layout, sliding_window)
 
 
