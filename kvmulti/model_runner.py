@@ -26,7 +26,7 @@ import torch
 from .backends.base import AttentionConfig, Backend, StepMetadata
 from .backends.registry import ROLES, get_backend, select_backend
 from .kv_cache import AttentionSpec, BlockPool, BlockTables, KVCacheConfig, OutOfBlocksError
-from .layout import Allocator, KVCacheLayout
+from .layout import KVCacheLayout
 from .metadata import CommonAttentionMetadata
 from .validation import check_metadata
 from .models.decoder import AttentionContext, CausalLM

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import kvmulti
 from kvmulti import reference
-from kvmulti.backends.registry import available_backends, get_backend
+from kvmulti.backends.registry import available_backends
 
 from batches import assert_close_to_reference
 

@@ -14,7 +14,6 @@ say which path is in use.
 
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 from types import ModuleType
