@@ -258,7 +258,7 @@ def test_portable_16_lane_build_runs_the_avx512_lane_logic(native):
     # per-lane row folds, the bf16-dot QK path. A separate process: the build flags are per process.
     env = dict(os.environ, KVMULTI_CPU_EXTRA_CFLAGS=PORTABLE_16_LANES, KVMULTI_CPU_ISA="generic",
                PYTHONPATH=os.path.dirname(__file__))
-    env.pop(cpu_native.ENV_NATIVE, None)
+    env.pop("KVMULTI_CPU_NATIVE", None)
     result = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=env, capture_output=True, text=True,
                             timeout=1800)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr

@@ -61,7 +61,8 @@ def test_native_paths_under_asan_and_ubsan(tmp_path):
                             "handle_segv=1:allocator_may_return_null=1",
                UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
                KVMULTI_HYPOTHESIS_PROFILE="sanitizer", KVMULTI_SYCL_ROOT=str(tmp_path / "no-sycl-under-asan"))
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SELECTION],
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow",
+                          *SELECTION],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
     tail = (run.stdout[-6000:] + "\n" + run.stderr[-6000:])
     assert run.returncode == 0, tail

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 import kvmulti  # noqa: E402
 from kvmulti.backends import get_backend  # noqa: E402
 from kvmulti.backends import triton as triton_backend  # noqa: E402
+from kvmulti.backends.triton import TritonBackend  # noqa: E402
 
 MARGIN = 4096          # elements of guard on each side of every tensor the kernels touch
 NUM_BLOCKS, BLOCK_SIZE, HKV, G, HS = 6, 16, 2, 2, 32
@@ -76,7 +77,7 @@ BAD_METADATA = [
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 @pytest.mark.parametrize("name,qsl,seq_lens,table,num_tokens", BAD_METADATA, ids=[c[0] for c in BAD_METADATA])
 def test_attention_stays_inside_its_tensors(name, qsl, seq_lens, table, num_tokens, order, split, monkeypatch):
-    monkeypatch.setattr(triton_backend, "PARTITION_SIZE", 16)
+    backend = TritonBackend(partition_size=16 if split else 0)
     dtype = torch.float16
     layout, cache, cache_buf = make_cache(order, dtype)
     cache_before = cache_buf.clone()
@@ -84,7 +85,8 @@ def test_attention_stays_inside_its_tensors(name, qsl, seq_lens, table, num_toke
     query, query_buf = guarded((rows, HKV * G, HS), None, dtype, torch.randn(rows, HKV * G, HS).to(dtype))
     out, out_buf = guarded((rows, HKV * G, HS), None, dtype, None)
     md = metadata(qsl, seq_lens, table, num_tokens)
-    get_backend("TRITON").paged_attention(query, cache, layout, md, HS ** -0.5, None, None, out, split_kv=split)
+    step = backend.build_metadata(md, layout, HKV * G, None)     # the unvalidated per-step hook
+    backend.paged_attention(query, cache, step, HS ** -0.5, None, out)
     assert margins_untouched(out_buf), "write outside the output"
     assert torch.equal(cache_buf.nan_to_num(7.0), cache_before.nan_to_num(7.0)), "attention changed the cache"
     assert margins_untouched(query_buf)
