@@ -102,11 +102,8 @@ template <int DT> static inline void convert_row(const typename Elem<DT>::T* src
 }
 
 // ---- math -------------------------------------------------------------------------------------
-// exp for x <= 88 (Cephes polynomial, ~1 ulp); x is clamped below at -87.3 (callers zero masked lanes).
-static KV_INLINE vf vexp(vf x) {
-  const vf lo = vsplat(-87.3365447504f), hi = vsplat(88.0f);
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
+// exp for -87.3 <= x <= 88 without clamps (Cephes polynomial, ~1 ulp).
+static KV_INLINE vf vexp_unclamped(vf x) {
   const vf magic = vsplat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
   vf t = x * 1.44269504088896341f + magic;
   vf fx = t - magic;
@@ -122,6 +119,15 @@ static KV_INLINE vf vexp(vf x) {
   y = y * (r * r) + r + 1.0f;
   return (vf)((vi)y + (n << 23));
 }
+
+// exp for x <= 88; x is clamped below at -87.3 (callers zero masked lanes).
+static KV_INLINE vf vexp(vf x) {
+  const vf lo = vsplat(-87.3365447504f), hi = vsplat(88.0f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  return vexp_unclamped(x);
+}
+
 static KV_INLINE vf vtanh(vf x) {
   const vf zero = vsplat(0.0f);
   vf ax = x < zero ? -x : x;
@@ -537,20 +543,7 @@ static KV_INLINE vf finish_scores(vf s, int g, int KG, const LaneRows& lr, const
 // the upper clamp, and one mask instead of the lower clamp plus the -inf select.
 static KV_INLINE vf vexp_nonpos(vf x) {
   const vi keep = x >= vsplat(-87.3365447504f);
-  const vf magic = vsplat(12582912.0f);
-  const vf t = x * 1.44269504088896341f + magic;
-  const vf fx = t - magic;
-  const vi n = (vi)t - (vi)magic;
-  vf r = x - fx * 0.693359375f;
-  r = r - fx * -2.12194440e-4f;
-  vf y = vsplat(1.9875691500e-4f);
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  return (vf)(((vi)y + (n << 23)) & keep);
+  return (vf)((vi)vexp_unclamped(x) & keep);
 }
 
 // Q: RR fp32 rows (stride D, pre-scaled, pair-permuted for bf16); Qb: raw bf16 rows (stride D) for
