@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...layout import KVCacheLayout
-from ...metadata import CommonAttentionMetadata
+from ...metadata import CommonAttentionMetadata, first_visible_position
 
 #: Bytes of fp32 scores one vectorised chunk of requests may hold.
 SCORE_BUDGET_BYTES = 256 * 2**20
@@ -40,11 +40,7 @@ def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, layout: K
     qsl = metadata.query_start_loc_cpu.long()
     seq_lens = metadata.seq_lens_cpu.long()
     query_lens = qsl[1:] - qsl[:-1]
-    first = seq_lens - query_lens
-    if sliding_window is not None:
-        first = (first - sliding_window + 1).clamp(min=0)     # earliest position any query sees
-    else:
-        first = torch.zeros_like(first)
+    first = first_visible_position(seq_lens - query_lens, sliding_window)   # earliest position any query sees
     spans = seq_lens - first
     heads = query.shape[1]
     start = 0
