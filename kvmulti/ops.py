@@ -22,6 +22,7 @@ import torch
 
 from .backends.base import Backend, StepMetadata
 from .backends.registry import get_backend, select_backend_for_layout
+from .fp8 import scale_tensor
 from .layout import KVCacheLayout
 from .metadata import CommonAttentionMetadata
 from .validation import (check_attention_args, check_metadata, check_out, check_slot_values, check_window,
@@ -73,34 +74,43 @@ def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_q
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor, layout: KVCacheLayout,
-             slot_mapping: torch.Tensor, backend: str | Backend | None = None, role: str = "target") -> None:
+             slot_mapping: torch.Tensor, backend: str | Backend | None = None, role: str = "target",
+             k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None) -> None:
     """Write key [T, Hkv, head_size] and value [T, Hkv, head_size_v] into ``kv_cache`` at
     ``slot_mapping`` [T] (int32/int64; slot = block * block_size + offset; -1 = skip).
+
+    An fp8 cache (``layout.dtype`` in :data:`kvmulti.fp8.FP8_DTYPES`) stores ``fp8(key / k_scale)``
+    and ``fp8(value / v_scale)`` (kvmulti/fp8.py: fp32 division, saturating, round to nearest even);
+    key and value may then be fp32, fp16 or bf16. Scales: a float, an fp32 tensor of shape [] or
+    [num_kv_heads], or None (1.0); giving one for a non-fp8 cache is an error.
 
     ``backend`` names one of HIP/SYCL/TRITON/CPU or is the backend object a step resolved; None
     dispatches (env var for ``role``, then platform priority). Raises TypeError/ValueError naming
     the bad argument; the cache is untouched then.
     """
     check_write(key, value, kv_cache, layout, slot_mapping)
+    k_scale, v_scale = _scales(k_scale, v_scale, layout, kv_cache.device)
     if value is None:
         value = key.new_empty((key.shape[0], layout.num_kv_heads, 0))
     if torch.compiler.is_compiling():
         name = _backend_name(layout, kv_cache.device, None, None, True, backend, role)
-        torch.ops.kvmulti.write_kv(key, value, kv_cache, slot_mapping, *_layout_args(layout), name)
+        torch.ops.kvmulti.write_kv(key, value, kv_cache, slot_mapping, *_layout_args(layout), name, k_scale, v_scale)
     else:
         _write(key, value, kv_cache, layout, slot_mapping, resolve_backend(layout, kv_cache.device, backend=backend,
-                                                                           role=role))
+                                                                           role=role), k_scale, v_scale)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
                     metadata: CommonAttentionMetadata | StepMetadata, scale: float | None = None,
                     sliding_window: int | None = None, softcap: float | None = None,
                     backend: str | Backend | None = None, role: str = "target",
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, k_scale: float | torch.Tensor | None = None,
+                    v_scale: float | torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention for a mixed batch (prefill, chunked prefill, decode, verification).
 
-    query [T, Hq, head_size] (cache dtype) -> out [T, Hq, head_size_v], same dtype; rows past
-    ``num_actual_tokens`` are zero. ``scale`` defaults to head_size ** -0.5; ``sliding_window`` W
+    query [T, Hq, head_size] (cache dtype; fp32/fp16/bf16 for an fp8 cache) -> out
+    [T, Hq, head_size_v], the query's dtype; rows past ``num_actual_tokens`` are zero. An fp8
+    cache is read as ``float(k) * k_scale`` / ``float(v) * v_scale`` (scales as in :func:`write_kv`). ``scale`` defaults to head_size ** -0.5; ``sliding_window`` W
     keeps keys with q_pos - k_pos < W; ``softcap`` c > 0 applies c * tanh(score / c) after scaling
     (0 or None: off). ``out``: a caller's buffer of that shape to fill (and return) instead of a new
     tensor. ``metadata`` from :func:`prepare_step` skips validation, selection and planning; its
@@ -111,6 +121,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         check_out(out, query, layout)
     softcap = float(softcap) if softcap else None
     scale = float(layout.head_size ** -0.5 if scale is None else scale)
+    k_scale, v_scale = _scales(k_scale, v_scale, layout, kv_cache.device)
     if torch.compiler.is_compiling():        # the custom op validates and prepares inside
         if isinstance(metadata, StepMetadata):
             common, name = metadata.common, metadata.backend.name
@@ -120,7 +131,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         result = torch.ops.kvmulti.paged_attention(
             query, kv_cache, common.query_start_loc, common.seq_lens, common.block_table,
             common.query_start_loc_cpu, common.seq_lens_cpu, common.num_actual_tokens, common.max_query_len,
-            common.max_seq_len, common.causal, *_layout_args(layout), scale, sliding_window, softcap, name)
+            common.max_seq_len, common.causal, *_layout_args(layout), scale, sliding_window, softcap, name,
+            k_scale, v_scale)
         return result if out is None else out.copy_(result)
     if isinstance(metadata, StepMetadata):
         step = _check_step(metadata, query, layout, sliding_window, backend)
@@ -128,7 +140,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         step = prepare_step(metadata, layout, query.shape[1], num_query_rows=query.shape[0],
                             sliding_window=sliding_window, softcap=softcap, backend=backend, role=role,
                             device=kv_cache.device)
-    return _attend(query, kv_cache, step, scale, softcap, out)
+    return _attend(query, kv_cache, step, scale, softcap, out, k_scale, v_scale)
+
+
+def _scales(k_scale: float | torch.Tensor | None, v_scale: float | torch.Tensor | None, layout: KVCacheLayout,
+            device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Both scale arguments in the form backends receive (kvmulti/fp8.py: fp32 [Hkv] or None)."""
+    return (scale_tensor(k_scale, "k_scale", layout.dtype, layout.num_kv_heads, device),
+            scale_tensor(v_scale, "v_scale", layout.dtype, layout.num_kv_heads, device))
 
 
 def _check_step(step: StepMetadata, query: torch.Tensor, layout: KVCacheLayout, sliding_window: int | None,
@@ -164,28 +183,33 @@ def _layout(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
 
 
 def _write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
-           slot_mapping: torch.Tensor, backend: Backend) -> None:
+           slot_mapping: torch.Tensor, backend: Backend, k_scale: torch.Tensor | None,
+           v_scale: torch.Tensor | None) -> None:
     check_slot_values(slot_mapping, layout)
-    backend.write_kv(key, None if layout.is_latent else value, kv_cache, layout, slot_mapping)
+    scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}   # fp8 caches only
+    backend.write_kv(key, None if layout.is_latent else value, kv_cache, layout, slot_mapping, **scales)
 
 
 def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
-            softcap: float | None, out: torch.Tensor | None) -> torch.Tensor:
+            softcap: float | None, out: torch.Tensor | None, k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     n = step.common.num_actual_tokens
     if out is None:
         out = torch.zeros(query.shape[0], query.shape[1], step.layout.value_size, dtype=query.dtype,
                           device=query.device)
     elif out.shape[0] > n:
         out[n:].zero_()
-    step.backend.paged_attention(query, kv_cache, step, scale, softcap, out)
+    scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}   # fp8 caches only
+    step.backend.paged_attention(query, kv_cache, step, scale, softcap, out, **scales)
     return out
 
 
 def _write_kv_impl(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, head_size_v: int,
-                   order: str, backend: str) -> None:
+                   order: str, backend: str, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
     layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, kv_cache.dtype)
-    _write(key, value, kv_cache, layout, slot_mapping, get_backend(backend))
+    _write(key, value, kv_cache, layout, slot_mapping, get_backend(backend), k_scale, v_scale)
 
 
 # Eager calls go straight to _write / _attend (no dispatcher overhead); torch.compile traces the
@@ -195,7 +219,7 @@ _write_kv_op = torch.library.custom_op("kvmulti::write_kv", _write_kv_impl, muta
 
 @_write_kv_op.register_fake
 def _(key, value, kv_cache, slot_mapping, num_blocks, block_size, num_kv_heads, head_size, head_size_v,
-      order, backend) -> None:
+      order, backend, k_scale=None, v_scale=None) -> None:
     return None
 
 
@@ -204,7 +228,8 @@ def _paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, query_sta
                           seq_lens_cpu: torch.Tensor, num_actual_tokens: int, max_query_len: int,
                           max_seq_len: int, causal: bool, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_size: int, head_size_v: int, order: str, scale: float,
-                          sliding_window: int | None, softcap: float | None, backend: str) -> torch.Tensor:
+                          sliding_window: int | None, softcap: float | None, backend: str,
+                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, kv_cache.dtype)
     metadata = CommonAttentionMetadata(
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
@@ -213,7 +238,7 @@ def _paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, query_sta
         causal=causal, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu)
     step = prepare_step(metadata, layout, query.shape[1], num_query_rows=query.shape[0],
                         sliding_window=sliding_window, softcap=softcap, backend=backend, device=kv_cache.device)
-    return _attend(query, kv_cache, step, scale, softcap, None)
+    return _attend(query, kv_cache, step, scale, softcap, None, k_scale, v_scale)
 
 
 _paged_attention_op = torch.library.custom_op("kvmulti::paged_attention", _paged_attention_impl, mutates_args=())
@@ -222,5 +247,5 @@ _paged_attention_op = torch.library.custom_op("kvmulti::paged_attention", _paged
 @_paged_attention_op.register_fake
 def _(query, kv_cache, query_start_loc, seq_lens, block_table, query_start_loc_cpu, seq_lens_cpu,
       num_actual_tokens, max_query_len, max_seq_len, causal, num_blocks, block_size, num_kv_heads, head_size,
-      head_size_v, order, scale, sliding_window, softcap, backend) -> torch.Tensor:
+      head_size_v, order, scale, sliding_window, softcap, backend, k_scale=None, v_scale=None) -> torch.Tensor:
     return query.new_empty(query.shape[0], query.shape[1], head_size_v)

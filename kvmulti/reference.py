@@ -7,15 +7,22 @@ from __future__ import annotations
 
 import torch
 
+from . import fp8
 from .layout import KVCacheLayout
 from .metadata import CommonAttentionMetadata
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
-             slot_mapping: torch.Tensor) -> None:
-    """Write token t's K/V to slot ``slot_mapping[t]``; a slot of -1 is skipped."""
+             slot_mapping: torch.Tensor, k_scale: float | torch.Tensor | None = None,
+             v_scale: float | torch.Tensor | None = None) -> None:
+    """Write token t's K/V to slot ``slot_mapping[t]``; a slot of -1 is skipped. An fp8 cache
+    stores ``fp8(x / scale)`` (kvmulti/fp8.py)."""
     keys = layout.keys(kv_cache)
     values = None if layout.is_latent else layout.values(kv_cache)
+    if fp8.is_fp8(layout.dtype):
+        key = fp8.quantize(key, _scale(k_scale, layout, key.device), layout.dtype)
+        if values is not None:
+            value = fp8.quantize(value, _scale(v_scale, layout, key.device), layout.dtype)
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
@@ -27,12 +34,18 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, lay
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
                     metadata: CommonAttentionMetadata, scale: float | None = None,
-                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    k_scale: float | torch.Tensor | None = None,
+                    v_scale: float | torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each new token over its request's context read from the paged cache.
 
     query [num_tokens, num_q_heads, head_size] -> out [num_tokens, num_q_heads, head_size_v]
-    (query dtype; rows past num_actual_tokens are zero).
+    (query dtype; rows past num_actual_tokens are zero). An fp8 cache reads as
+    ``float(k) * k_scale``, ``float(v) * v_scale``.
     """
+    quantized = fp8.is_fp8(layout.dtype)
+    k_scale = _scale(k_scale, layout, kv_cache.device) if quantized else None
+    v_scale = _scale(k_scale if layout.is_latent else v_scale, layout, kv_cache.device) if quantized else None
     num_q_heads = query.shape[1]
     group = num_q_heads // layout.num_kv_heads
     scale = layout.head_size ** -0.5 if scale is None else scale
@@ -50,8 +63,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         first = lowest_visible_position(seq_len, query_len, sliding_window)
         k = torch.stack([keys[blocks[p // layout.block_size], p % layout.block_size] for p in range(first, seq_len)])
         v = torch.stack([values[blocks[p // layout.block_size], p % layout.block_size] for p in range(first, seq_len)])
-        k = k.float().repeat_interleave(group, dim=1)            # [seq, Hq, D]
-        v = v.float().repeat_interleave(group, dim=1)[..., : layout.value_size]
+        k = fp8.dequantize(k, k_scale).repeat_interleave(group, dim=1)            # [seq, Hq, D]
+        v = fp8.dequantize(v, v_scale).repeat_interleave(group, dim=1)[..., : layout.value_size]
         q = query[start:end].float()                             # [qlen, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         if softcap is not None and softcap > 0:
@@ -67,6 +80,13 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
+
+
+def _scale(scale: float | torch.Tensor | None, layout: KVCacheLayout, device: torch.device) -> torch.Tensor:
+    """A scale argument as fp32 [num_kv_heads] on ``device`` (None: 1.0)."""
+    if isinstance(scale, torch.Tensor):
+        return scale.detach().float().to(device).expand(layout.num_kv_heads).contiguous()
+    return torch.full((layout.num_kv_heads,), 1.0 if scale is None else float(scale), device=device)
 
 
 def lowest_visible_position(seq_len: int, query_len: int, sliding_window: int | None) -> int:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from . import settings
+from .fp8 import activation_dtypes
 from .layout import KVCacheLayout
 from .metadata import CommonAttentionMetadata, first_visible_position
 
@@ -43,10 +44,11 @@ def check_layout_and_cache(layout: KVCacheLayout, kv_cache: torch.Tensor) -> Non
 
 def check_rows(name: str, tensor: torch.Tensor, layout: KVCacheLayout, heads: int | None, size: int,
                device: torch.device) -> None:
-    """``tensor`` is [tokens, heads, size] of the cache dtype on ``device`` (heads None: any)."""
+    """``tensor`` is [tokens, heads, size] on ``device`` (heads None: any), of the cache dtype (any
+    activation dtype for an fp8 cache)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype != layout.dtype:
+    if tensor.dtype not in activation_dtypes(layout.dtype):
         raise TypeError(f"{name} has dtype {tensor.dtype}, the cache holds {layout.dtype}")
     if tensor.dim() != 3:
         raise ValueError(f"{name} must be 3-D [num_tokens, num_heads, head_size], got shape {tuple(tensor.shape)}")

@@ -13,7 +13,7 @@ from ..metadata import CommonAttentionMetadata
 from .. import settings
 from ..platform import platform_of
 
-ALL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+from ..fp8 import ACTIVATION_DTYPES as ALL_DTYPES, FP8_DTYPES  # noqa: F401 (re-exported for backends)
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,8 @@ class Backend(abc.ABC):
 
     name: ClassVar[str]
     platforms: ClassVar[tuple[str, ...]]
+    #: cache dtypes served; a backend listing an fp8 dtype reads and writes it by kvmulti/fp8.py's rule
+    #: for queries, keys and values of any of ALL_DTYPES.
     dtypes: ClassVar[tuple[torch.dtype, ...]] = ALL_DTYPES
     head_sizes: ClassVar[tuple[int, ...] | None] = None      # None: any head size
     max_head_size: ClassVar[int | None] = None
@@ -159,11 +161,17 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 layout: KVCacheLayout, slot_mapping: torch.Tensor) -> None:
-        """Write key [T, Hkv, head_size] / value [T, Hkv, head_size_v] to their slots; -1 skips."""
+                 layout: KVCacheLayout, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+        """Write key [T, Hkv, head_size] / value [T, Hkv, head_size_v] to their slots; -1 skips.
+        ``k_scale`` / ``v_scale``: fp32 [Hkv] for an fp8 cache (quantise by kvmulti/fp8.py's rule),
+        else None."""
 
     @abc.abstractmethod
     def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
-                        softcap: float | None, out: torch.Tensor) -> None:
+                        softcap: float | None, out: torch.Tensor, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> None:
         """Write every row [:num_actual_tokens] of ``out`` [T, Hq, head_size_v] (query dtype; rows
-        after those are the caller's). ``step`` comes from this backend's :meth:`build_metadata`."""
+        after those are the caller's). ``step`` comes from this backend's :meth:`build_metadata`.
+        ``k_scale`` / ``v_scale``: fp32 [Hkv] for an fp8 cache (keys read as float(k) * k_scale),
+        else None."""

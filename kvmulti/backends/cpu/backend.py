@@ -79,7 +79,8 @@ class CPUBackend(Backend):
                        _contiguous_as(common.seq_lens_cpu, torch.int32), part, module, isa)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,
-                 layout: KVCacheLayout, slot_mapping: torch.Tensor) -> None:
+                 layout: KVCacheLayout, slot_mapping: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         module = self.module()
         if module is None:
             write_kv_torch(key, value, kv_cache, layout, slot_mapping)
@@ -91,7 +92,8 @@ class CPUBackend(Backend):
                         layout.head_size, 0 if layout.is_latent else layout.value_size, layout.block_size)
 
     def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
-                        softcap: float | None, out: torch.Tensor) -> None:
+                        softcap: float | None, out: torch.Tensor,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         layout, common, plan = step.layout, step.common, step.plan
         if layout.is_latent or common.num_actual_tokens == 0:
             return

@@ -141,7 +141,8 @@ class HipBackend(Backend):
         return HipPlan(qsl, seq_lens, table, ps.value, npart.value, workspace)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,
-                 layout: KVCacheLayout, slot_mapping: torch.Tensor) -> None:
+                 layout: KVCacheLayout, slot_mapping: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         if key.shape[0] == 0:
             return
         lib, _, stream = self._library(kv_cache.device)
@@ -158,7 +159,8 @@ class HipBackend(Backend):
         check(lib, err, "write_kv", kv_cache.device.type == "cpu")
 
     def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
-                        softcap: float | None, out: torch.Tensor) -> None:
+                        softcap: float | None, out: torch.Tensor,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         layout, common, plan = step.layout, step.common, step.plan
         num_tokens = common.num_actual_tokens
         if num_tokens == 0:

@@ -220,7 +220,8 @@ class SyclBackend(Backend):
 
     # -- ops ---------------------------------------------------------------------------------
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         if layout.is_latent:
             raise SyclError("the SYCL backend does not support latent caches (head_size_v=0)")
         num_tokens = min(key.shape[0], value.shape[0], slot_mapping.shape[0])   # rows the kernel may read
@@ -276,7 +277,8 @@ class SyclBackend(Backend):
         return step
 
     def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
-                        softcap: float | None, out: torch.Tensor) -> None:
+                        softcap: float | None, out: torch.Tensor,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         layout, sstep = step.layout, step.plan
         plan = sstep.plan
         if layout.is_latent:

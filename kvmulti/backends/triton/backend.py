@@ -125,14 +125,16 @@ class TritonBackend(Backend):
             partition_size=partition, family=launch.device_family(common.device))
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         s = layout.strides(kv_cache)
         _kernels().write_kv(key, value, kv_cache, slot_mapping, cache_strides=(s.block, s.token, s.head),
                             block_size=layout.block_size, num_kv_heads=layout.num_kv_heads,
                             head_size=layout.head_size, head_size_v=layout.value_size)
 
     def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
-                        softcap: float | None, out: torch.Tensor) -> None:
+                        softcap: float | None, out: torch.Tensor,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         layout, common = step.layout, step.common
         s = layout.strides(kv_cache)
         _kernels().unified_attention(
