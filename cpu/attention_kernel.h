@@ -94,6 +94,16 @@ template <int DT> static inline void store_one(typename Elem<DT>::T* p, float v)
   else if constexpr (DT == kBF16) *p = f32_to_bf16(v);
   else *p = f32_to_f16(v);
 }
+static inline bool row_has_nan(const float* x, int n) {   // n: a multiple of KV_W
+  vi nan = vsplat(0.0f) != vsplat(0.0f);
+  for (int d = 0; d < n; d += KV_W) {
+    const vf v = vload(x + d);
+    nan |= v != v;
+  }
+  for (int i = 0; i < KV_W; ++i)
+    if (nan[i]) return true;
+  return false;
+}
 // dst[0:n] = fp32(src[0:n]); dst's padding (up to a lane multiple) is left as it is (zeroed once).
 template <int DT> static inline void convert_row(const typename Elem<DT>::T* src, int n, float* dst) {
   int d = 0;
@@ -734,6 +744,9 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     const int t = rr / G, h = (it.kv_head + hh) * G + rr % G;
     const T* src = query + int64_t(it.q_row0 + t) * P.q_stride_token + int64_t(h) * P.q_stride_head;
     convert_row<DT>(src, D, q);
+    // A NaN query row gives an all-NaN output row (what the math gives); the running sum carries the
+    // mark, since max/exp arithmetic on NaN scores is order-dependent and can lose it.
+    if (row_has_nan(q, dp)) lrow[r] = std::numeric_limits<float>::quiet_NaN();
     if (Qb) std::memcpy(Qb + int64_t(r) * dp, src, sizeof(uint16_t) * D);
     for (int d = 0; d < dp; d += KV_W) vstore(q + d, vload(q + d) * P.scale);
     if (permuted) permute_pairs(q, D);
@@ -876,7 +889,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     }
     const int t = rr / G, h = (it.kv_head + hh) * G + rr % G;
     T* dst = out + int64_t(it.q_row0 + t) * P.o_stride_token + int64_t(h) * P.o_stride_head;
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const float inv = l != l ? l : l > 0.0f ? 1.0f / l : 0.0f;   // NaN l: NaN row
     for (int d = 0; d < Dv; ++d) store_one<DT>(dst + d, o[d] * inv);
   }
 }

@@ -279,7 +279,13 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       float lsum = 0.0f;
-      if (mx != -std::numeric_limits<float>::infinity()) {
+      bool nan_row = false;   // a partition's running sum is NaN for a NaN query row: all-NaN output
+      for (int p = 0; p < mg.nparts; ++p) {
+        const float l = items[mg.first_item + p].partial[int64_t(rows) * dvp + rows + r];
+        nan_row |= l != l;
+      }
+      if (nan_row) lsum = std::numeric_limits<float>::quiet_NaN();
+      else if (mx != -std::numeric_limits<float>::infinity()) {
         for (int p = 0; p < mg.nparts; ++p) {
           const float* base = items[mg.first_item + p].partial;
           const float m = base[int64_t(rows) * dvp + r], l = base[int64_t(rows) * dvp + rows + r];
@@ -290,7 +296,7 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
           for (int d = 0; d < Dv; ++d) acc[d] += o[d] * w;
         }
       }
-      const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+      const float inv = lsum != lsum ? lsum : lsum > 0.0f ? 1.0f / lsum : 0.0f;
       const int hh = r / rows_h, rr = r % rows_h;
       const int tok = rr / G, h = (mg.kv_head + hh) * G + rr % G;
       const int64_t off = int64_t(t.q_row0 + tok) * P.o_stride_token + int64_t(h) * P.o_stride_head;

@@ -118,6 +118,10 @@ static inline elem_t from_f(float x) {
 #endif
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+// A NaN query row's output row is all NaN (what the math gives). The row's running sum carries the
+// mark through the merges; NaN is tested on the bits, which no floating-point model folds away.
+constexpr float QNAN = std::numeric_limits<float>::quiet_NaN();
+static inline bool is_nan(float x) { return (sycl::bit_cast<uint32_t>(x) & 0x7fffffffu) > 0x7f800000u; }
 
 // Vector width VW (elements per lane per load): the widest power of two with VW * sizeof(elem_t)
 // <= 16 bytes dividing both D and DV, so every K and V row chunk is VW-aligned when the cache base
@@ -294,6 +298,16 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
           q[r][c][i] = (r < nr && e < D) ? query[token * q_st + qh * q_sh + e + i] : elem_t(0);
       }
     }
+    bool nan_row[RB];
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+      bool any = false;
+#pragma unroll
+      for (int c = 0; c < NJ; ++c)
+#pragma unroll
+        for (int i = 0; i < VW; ++i) any |= is_nan(to_f(q[r][c][i]));
+      nan_row[r] = sycl::any_of_group(sg, any);
+    }
     float m[RB], l[RB], acc[RB][NJV][VW];
 #pragma unroll
     for (int r = 0; r < RB; ++r) {
@@ -399,7 +413,7 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
         }
         if (lane == 0) {
           row[DV] = m[r];
-          row[DV + 1] = l[r];
+          row[DV + 1] = nan_row[r] ? QNAN : l[r];
         }
       }
     }
@@ -409,7 +423,12 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
       float mx = NEG_INF;
       for (int g = 0; g < NSG; ++g) mx = sycl::fmax(mx, lm[(g * RB + r) * MERGE_STRIDE + DV]);
       float sum = 0.f, a = 0.f;
-      if (mx != NEG_INF) {
+      bool row_nan = false;
+      for (int g = 0; g < NSG; ++g) row_nan |= is_nan(lm[(g * RB + r) * MERGE_STRIDE + DV + 1]);
+      if (row_nan) {
+        sum = QNAN;
+        a = QNAN;
+      } else if (mx != NEG_INF) {
         for (int g = 0; g < NSG; ++g) {
           const auto row = lm + (g * RB + r) * MERGE_STRIDE;
           const float w = row[DV] == NEG_INF ? 0.f : sycl::exp(row[DV] - mx);
@@ -427,7 +446,7 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
           part_ml[prow * 2 + 1] = sum;
         }
       } else {
-        out[token * o_st + qh * o_sh + d] = from_f(sum > 0.f ? a / sum : 0.f);
+        out[token * o_st + qh * o_sh + d] = from_f(row_nan ? QNAN : sum > 0.f ? a / sum : 0.f);
       }
     }
   }
@@ -474,6 +493,8 @@ void kvm_split_reduce(const float *part_acc, const float *part_ml, elem_t *out, 
   float M = NEG_INF;
   for (int p = 0; p < num_parts; ++p) M = sycl::fmax(M, ml[2 * p]);
   float L = 0.f;
+  bool row_nan = false;
+  for (int p = 0; p < num_parts; ++p) row_nan |= is_nan(ml[2 * p + 1]);
   for (int p = 0; p < num_parts; ++p)
     if (ml[2 * p] != NEG_INF) L += ml[2 * p + 1] * sycl::exp(ml[2 * p] - M);
   const float inv = L > 0.f ? 1.f / L : 0.f;
@@ -481,7 +502,7 @@ void kvm_split_reduce(const float *part_acc, const float *part_ml, elem_t *out, 
     float a = 0.f;
     for (int p = 0; p < num_parts; ++p)
       if (ml[2 * p] != NEG_INF) a += part_acc[(row * num_parts + p) * DV + d] * sycl::exp(ml[2 * p] - M);
-    out[token * o_st + qh * o_sh + d] = from_f(a * inv);
+    out[token * o_st + qh * o_sh + d] = from_f(row_nan ? QNAN : a * inv);
   }
 }
 

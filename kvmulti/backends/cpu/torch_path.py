@@ -97,7 +97,8 @@ def _attend_chunk(query, kv_cache, layout, metadata, scale, sliding_window, soft
     visible &= q_valid[:, :, None]
     visible = visible.to(device)[:, None, None]                               # [R, 1, 1, max_q, span]
     scores = scores.view(len(reqs), hkv, group, max_q, span).masked_fill_(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)                   # padded rows are all -inf
+    probs = torch.softmax(scores, dim=-1)                                     # a NaN query row stays NaN
+    probs.masked_fill_(~visible.any(-1, keepdim=True), 0.0)                  # padded rows: all -inf
     o = torch.matmul(probs.view(len(reqs), hkv, group * max_q, span), v)      # [R, Hkv, G*max_q, Dv]
     o = o.view(len(reqs), hkv, group, max_q, -1).permute(0, 3, 1, 2, 4).reshape(len(reqs), max_q, hkv * group, -1)
     out[q_idx[q_valid].to(device)] = o[q_valid.to(device)].to(out.dtype)
