@@ -11,6 +11,7 @@ the result.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from . import settings
 
@@ -118,14 +119,25 @@ def announce(what: str, where: Path) -> None:
           flush=True)
 
 
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Hold ``directory``'s build lock: an advisory file lock the kernel releases when its holder
+    exits, however it exits. Inside it, a ``lock`` file that torch's cpp_extension left behind
+    (its own lock is a file that only a clean exit removes; a killed build would make every later
+    process wait forever) is stale, and is removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        yield
+
+
 def locked_build(out: Path, cmd: list[str], what: str, env: dict | None = None) -> Path:
     """Run ``cmd`` (which writes the placeholder ``{tmp}``) under a lock next to ``out``, then move
     the result to ``out`` atomically. Returns ``out``; a build another process finished is reused."""
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with build_lock(out.parent):
         if out.exists():
             return out
         fd, tmp = tempfile.mkstemp(suffix=out.suffix, dir=out.parent)

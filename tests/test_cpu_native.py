@@ -7,6 +7,7 @@ skip); elsewhere they skip with the build's reason.
 import contextlib
 import os
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -208,6 +209,17 @@ def test_no_compiler_falls_back_with_reason(tmp_path):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("cpu: vectorised torch: no C++ compiler"), lines
     assert lines[1] == "[]", lines   # the backend stays usable through its fallback
+
+
+def test_a_killed_builds_leftover_lock_file_does_not_block_later_loads(native):
+    """torch's cpp_extension locks a build directory with a file that only a clean exit removes;
+    a build killed mid-way used to leave every later process waiting forever."""
+    build_dir = Path(native.__file__).parent
+    (build_dir / "lock").touch()
+    code = "from kvmulti.backends.cpu import native; assert native.load() is not None; print('loaded')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0 and result.stdout.strip() == "loaded", result.stderr
+    assert not (build_dir / "lock").exists()
 
 
 @pytest.mark.parametrize("order", ["NHD", "HND"])

@@ -101,13 +101,13 @@ def _build() -> tuple[ModuleType | None, str | None]:
     build_dir = native_build.cache_root() / "cpu" / name
     verbose = bool(settings.get("KVMULTI_CPU_VERBOSE"))
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        if not any(build_dir.glob(f"{name}*.so")):
-            native_build.announce("the native CPU attention kernel (about a minute)", build_dir)
-        module = cpp_extension.load(
-            name=name, sources=[str(src / n) for n in _SOURCES], extra_cflags=cflags,
-            extra_ldflags=ldflags, extra_include_paths=[str(src)], build_directory=str(build_dir),
-            verbose=verbose)
+        with native_build.build_lock(build_dir):
+            if not any(build_dir.glob(f"{name}*.so")):
+                native_build.announce("the native CPU attention kernel (about a minute)", build_dir)
+            module = cpp_extension.load(
+                name=name, sources=[str(src / n) for n in _SOURCES], extra_cflags=cflags,
+                extra_ldflags=ldflags, extra_include_paths=[str(src)], build_directory=str(build_dir),
+                verbose=verbose)
     except Exception as exc:  # a compiler error, a missing header, ...
         lines = str(exc).splitlines()
         errors = [ln.strip() for ln in lines if "error" in ln.lower() and not ln.lstrip().startswith("[")]
