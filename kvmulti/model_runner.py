@@ -28,7 +28,7 @@ from .backends.registry import ROLES, get_backend, select_backend
 from .kv_cache import AttentionSpec, BlockPool, BlockTables, KVCacheConfig, OutOfBlocksError
 from .layout import KVCacheLayout
 from .metadata import CommonAttentionMetadata
-from .validation import check_metadata
+from .validation import check_block_table, check_lengths
 from .models.decoder import AttentionContext, CausalLM
 from .models.loader import load_model
 
@@ -336,7 +336,8 @@ class ModelRunner:
                 slot_mapping=self._to_device(torch.from_numpy(slots)), num_reqs=r, num_actual_tokens=t,
                 max_query_len=max_q, max_seq_len=max_seq, causal=True, query_start_loc_cpu=qsl32,
                 seq_lens_cpu=seq32)
-        steps = {gid: self._prepare_step(gid, md, t) for gid, md in metadata.items()}
+        check_lengths(metadata[next(iter(metadata))], t, self.device)      # the groups share these tensors
+        steps = {gid: self._prepare_step(gid, md) for gid, md in metadata.items()}
 
         if num_logits is None and pure_decode:
             m = None                                          # decodes: one logit row each
@@ -361,11 +362,12 @@ class ModelRunner:
                          num_logits=[1] * r if m is None else m.tolist(),
                          logits_all_rows=one_each and t == r)
 
-    def _prepare_step(self, group_id: int, metadata: CommonAttentionMetadata, num_tokens: int) -> StepMetadata:
-        """The per-step hook for one group: its metadata checked once (structure and host values; the
-        block ids come from this runner's own pools), then prepared by its backend."""
+    def _prepare_step(self, group_id: int, metadata: CommonAttentionMetadata) -> StepMetadata:
+        """The per-step hook for one group: its block table checked (the lengths it shares with the
+        other groups are checked once per step by :meth:`prepare`; the block ids come from this
+        runner's own pools), then prepared by its backend."""
         layout, window = self.layouts[group_id], self.windows[group_id]
-        check_metadata(metadata, layout, num_tokens, window, self.device, check_values=False)
+        check_block_table(metadata, layout, self.device)
         return self.backends[group_id].build_metadata(metadata, layout, self.config.num_attention_heads, window)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:

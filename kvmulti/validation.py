@@ -145,11 +145,20 @@ def check_metadata(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num
     ``layout`` (see the module docstring for what runs where). Raises TypeError/ValueError naming
     the field and the rule. ``check_values=False`` skips the block-id / host-copy value checks: for
     metadata whose ids come from kvmulti's own block pools (the model runner's)."""
+    check_lengths(metadata, num_query_rows, device)
+    check_block_table(metadata, layout, device)
+    if check_values and value_checks_enabled(metadata.block_table.device):
+        _check_device_values(metadata, layout, sliding_window)
+
+
+def check_lengths(metadata: CommonAttentionMetadata, num_query_rows: int, device: torch.device) -> None:
+    """The layout-independent part of :func:`check_metadata`: types and shapes of the length
+    tensors, the scalar fields and the host values of ``query_start_loc`` / ``seq_lens``. KV-cache
+    groups that share those tensors (one runner's groups) need it once per step."""
     if not isinstance(metadata, CommonAttentionMetadata):
         raise TypeError(f"metadata must be a kvmulti.CommonAttentionMetadata, got {type(metadata).__name__}")
     check_index("metadata.query_start_loc", metadata.query_start_loc, 1, device, (torch.int32,))
     check_index("metadata.seq_lens", metadata.seq_lens, 1, device, (torch.int32,))
-    check_index("metadata.block_table", metadata.block_table, 2, device, (torch.int32,))
     cpu = torch.device("cpu")
     check_index("metadata.query_start_loc_cpu", metadata.query_start_loc_cpu, 1, cpu, (torch.int32,))
     check_index("metadata.seq_lens_cpu", metadata.seq_lens_cpu, 1, cpu, (torch.int32,))
@@ -163,8 +172,6 @@ def check_metadata(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num
     for name in ("seq_lens", "seq_lens_cpu"):
         if getattr(metadata, name).shape[0] != n:
             raise ValueError(f"metadata.{name} has {getattr(metadata, name).shape[0]} entries, expected num_reqs = {n}")
-    if metadata.block_table.shape[0] < n:
-        raise ValueError(f"metadata.block_table has {metadata.block_table.shape[0]} rows for {n} requests")
     for name in ("num_actual_tokens", "max_query_len", "max_seq_len"):
         value = getattr(metadata, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -172,42 +179,53 @@ def check_metadata(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num
     if metadata.num_actual_tokens > num_query_rows:
         raise ValueError(f"query has {num_query_rows} tokens, metadata.num_actual_tokens is "
                          f"{metadata.num_actual_tokens}")
-    _check_host_values(metadata, layout)
-    if check_values and value_checks_enabled(metadata.block_table.device):
-        _check_device_values(metadata, layout, sliding_window)
+    _check_host_values(metadata)
 
 
-def _check_host_values(metadata: CommonAttentionMetadata, layout: KVCacheLayout) -> None:
+def check_block_table(metadata: CommonAttentionMetadata, layout: KVCacheLayout, device: torch.device) -> None:
+    """The group-specific part of :func:`check_metadata`: the block table's type, a row per request
+    and enough columns for the longest request with ``layout``'s block size (after
+    :func:`check_lengths`)."""
+    check_index("metadata.block_table", metadata.block_table, 2, device, (torch.int32,))
+    if metadata.block_table.shape[0] < metadata.num_reqs:
+        raise ValueError(f"metadata.block_table has {metadata.block_table.shape[0]} rows for "
+                         f"{metadata.num_reqs} requests")
+    if not metadata.num_reqs:
+        return
+    longest = int(metadata.seq_lens_cpu.max())
+    if -(-longest // layout.block_size) > metadata.block_table.shape[1]:
+        raise ValueError(f"block_table has {metadata.block_table.shape[1]} columns, too narrow for "
+                         f"seq_len {longest} with block_size {layout.block_size}")
+
+
+def _check_host_values(metadata: CommonAttentionMetadata) -> None:
     qsl = metadata.query_start_loc_cpu.numpy().astype(np.int64)
-    seq = metadata.seq_lens_cpu.numpy().astype(np.int64)
     if qsl[0] != 0:
         raise ValueError(f"metadata.query_start_loc must start at 0, got {int(qsl[0])}")
-    query_lens = np.diff(qsl)
-    if (query_lens < 0).any():
-        i = int(np.flatnonzero(query_lens < 0)[0])
-        raise ValueError(f"metadata.query_start_loc must not decrease: entry {i + 1} ({int(qsl[i + 1])}) < "
-                         f"entry {i} ({int(qsl[i])})")
     if qsl[-1] != metadata.num_actual_tokens:
         raise ValueError(f"metadata.query_start_loc ends at {int(qsl[-1])} but num_actual_tokens is "
                          f"{metadata.num_actual_tokens}")
     if metadata.num_reqs == 0:
         return
-    if (seq < 0).any():
+    query_lens = np.diff(qsl)
+    seq = metadata.seq_lens_cpu.numpy().astype(np.int64)
+    shortest_query, longest_query = int(query_lens.min()), int(query_lens.max())
+    shortest, longest = int(seq.min()), int(seq.max())
+    if shortest_query < 0:
+        i = int(np.flatnonzero(query_lens < 0)[0])
+        raise ValueError(f"metadata.query_start_loc must not decrease: entry {i + 1} ({int(qsl[i + 1])}) < "
+                         f"entry {i} ({int(qsl[i])})")
+    if shortest < 0:
         i = int(np.flatnonzero(seq < 0)[0])
         raise ValueError(f"metadata: request {i} has a negative seq_len {int(seq[i])}")
-    too_long = query_lens > seq
-    if too_long.any():
-        i = int(np.flatnonzero(too_long)[0])
+    if int((query_lens - seq).max()) > 0:
+        i = int(np.flatnonzero(query_lens > seq)[0])
         raise ValueError(f"metadata: request {i} has query_len {int(query_lens[i])} > seq_len {int(seq[i])}")
-    if int(query_lens.max()) > metadata.max_query_len:
+    if longest_query > metadata.max_query_len:
         raise ValueError(f"metadata.max_query_len {metadata.max_query_len} is below the longest query_len "
-                         f"{int(query_lens.max())}")
-    longest = int(seq.max())
+                         f"{longest_query}")
     if longest > metadata.max_seq_len:
         raise ValueError(f"metadata.max_seq_len {metadata.max_seq_len} is below the longest seq_len {longest}")
-    if -(-longest // layout.block_size) > metadata.block_table.shape[1]:
-        raise ValueError(f"block_table has {metadata.block_table.shape[1]} columns, too narrow for "
-                         f"seq_len {longest} with block_size {layout.block_size}")
 
 
 def _check_device_values(metadata: CommonAttentionMetadata, layout: KVCacheLayout,
