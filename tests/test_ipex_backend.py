@@ -258,3 +258,40 @@ def test_varlen_prefill_ignores_the_token_stride_hazard(ipex, order):
                                 md.max_query_len, md.max_seq_len, layout.head_size ** -0.5, True, table, None)
     expected = reference.paged_attention(case.query, case.cache, case.layout, md)
     assert hq and float((out - expected).abs().max()) > 0.5, "IPEX's varlen prefill now reads kvmulti's views right"
+
+
+@pytest.mark.ipex
+def test_direct_calls_stay_inside_out_whatever_the_metadata(ipex):
+    """The unvalidated path (a backend object called directly): ``out`` sits in a guard buffer; valid
+    metadata gives the oracle's rows, corrupted metadata is an error before any write past ``out``."""
+    case = build_case(spec(query_lens=(1, 4, 1), context_lens=(40, 7, 100)))
+    backend, layout, hq = get_backend("IPEX"), case.layout, case.query.shape[1]
+    margin, sentinel = 256, 1234.5
+    rows = case.query.shape[0]
+    buffer = torch.full((rows * hq * 64 + 2 * margin,), sentinel)
+    out = buffer[margin:margin + rows * hq * 64].view(rows, hq, 64)
+
+    def intact() -> bool:
+        return bool((buffer[:margin] == sentinel).all() and (buffer[margin + out.numel():] == sentinel).all())
+
+    backend.paged_attention(case.query, case.cache, backend.build_metadata(case.metadata, layout, hq, None), 0.125,
+                            None, out)
+    assert intact()
+    assert_close_to_reference(out, reference.paged_attention(case.query, case.cache, layout, case.metadata,
+                                                             scale=0.125), torch.float32)
+    md = case.metadata
+    corruptions = {
+        "seq_len 0": dict(seq_lens=torch.tensor([0, 11, 101], dtype=torch.int32)),
+        "seq_len past the table": dict(seq_lens=torch.tensor([40, 11, 10**6], dtype=torch.int32)),
+        "rows past the query": dict(query_start_loc=torch.tensor([0, 1, 5, 60], dtype=torch.int32)),
+    }
+    for what, change in corruptions.items():
+        bad = kvmulti.CommonAttentionMetadata(**{**dict(query_start_loc=md.query_start_loc, seq_lens=md.seq_lens,
+                                                        block_table=md.block_table, slot_mapping=md.slot_mapping,
+                                                        num_reqs=md.num_reqs, num_actual_tokens=md.num_actual_tokens,
+                                                        max_query_len=md.max_query_len, max_seq_len=md.max_seq_len),
+                                                     **change})
+        with pytest.raises((ValueError, IndexError, RuntimeError)):
+            backend.paged_attention(case.query, case.cache, backend.build_metadata(bad, layout, hq, None), 0.125,
+                                    None, out)
+        assert intact(), what

@@ -137,6 +137,8 @@ class IpexBackend(Backend):
         if requests.numel() == 0:
             return None
         context_lens = seq_lens[requests]
+        if bool((context_lens < 1).any()):
+            raise ValueError(f"metadata.seq_lens[{int(requests[context_lens < 1][0])}] < 1 for a request with a query")
         table = common.block_table.to("cpu")[requests].long()
         tables = safe_block_tables(table, context_lens, layout, sliding_window)
         first_four_share = requests.numel() >= 4 and bool((tables[:4, 0] == tables[0, 0]).all())
