@@ -70,6 +70,21 @@ if [ "$toolchains" = yes ] && ! command -v nvcc >/dev/null 2>&1 && [ ! -x .venv/
   chmod +x .venv/bin/nvcc
 fi
 
+# The IPEX backend's venv (.venv-ipex): IPEX 2.8.0 is built for torch 2.8 only, so it cannot share
+# .venv's torch. PyPI serves torch 2.8.0 for x86_64 Linux only as the CUDA build (~6 GB with its
+# nvidia-* wheels); no CPU-only 2.8 wheel is reachable here.
+ipex_pins=("torch==2.8.0" "intel-extension-for-pytorch==2.8.0")
+if [ "$mode" = --test ] && [ "$toolchains" = yes ]; then
+  [ -x .venv-ipex/bin/python ] || "$python" -m venv .venv-ipex
+  ipex_pip=(.venv-ipex/bin/python -m pip install -q --disable-pip-version-check)
+  if ! .venv-ipex/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('intel-extension-for-pytorch') != '2.8.0' or not m.version('torch').startswith('2.8.0'))" 2>/dev/null; then
+    echo "setup: installing ${ipex_pins[*]} into .venv-ipex for the IPEX backend's tests (several minutes)"
+    "${ipex_pip[@]}" "${ipex_pins[@]}" numpy safetensors ninja "pytest>=8" hypothesis
+  fi
+  .venv-ipex/bin/python -c "import kvmulti" 2>/dev/null || "${ipex_pip[@]}" --no-deps -e .
+  echo "setup: .venv-ipex ready ($(.venv-ipex/bin/python -c 'import importlib.metadata as m; print("torch", m.version("torch"), "+ IPEX", m.version("intel-extension-for-pytorch"))'))"
+fi
+
 if [ "${KVMULTI_BUILD_HIP:-}" = 1 ]; then
   echo "setup: building the HIP library for this host's GPUs (KVMULTI_BUILD_HIP=1)"
   .venv/bin/python -m kvmulti.backends.hip build-rocm

@@ -90,5 +90,5 @@ def test_version_and_help():
     run = run_cli("--version")
     assert run.returncode == 0 and run.stdout.startswith("kvmulti 0.1.0")
     help_text = " ".join(run_cli("generate", "--help").stdout.split())
-    for text in ("(default: 96)", "(default: 4)", "HIP, SYCL, TRITON, CPU (default: dispatch)", "--kv-memory-mb", "--truncate-prompt"):
+    for text in ("(default: 96)", "(default: 4)", "HIP, SYCL, TRITON, CPU, IPEX (default: dispatch)", "--kv-memory-mb", "--truncate-prompt"):
         assert text in help_text, text

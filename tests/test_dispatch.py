@@ -97,7 +97,7 @@ def test_capability_reasons_are_declared():
 
 def test_available_backends_reports_reasons():
     avail = kvmulti.available_backends("cpu")
-    assert set(avail) == {"HIP", "SYCL", "TRITON", "CPU"} and avail["CPU"] == []
+    assert set(avail) == {"HIP", "SYCL", "TRITON", "CPU", "IPEX"} and avail["CPU"] == []
     for name, reasons in avail.items():
         assert isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons)
 

@@ -24,10 +24,12 @@ BACKEND_CLASSES: dict[str, tuple[str, str]] = {
     "SYCL": ("kvmulti.backends.sycl", "SyclBackend"),
     "TRITON": ("kvmulti.backends.triton", "TritonBackend"),
     "CPU": ("kvmulti.backends.cpu", "CPUBackend"),
+    "IPEX": ("kvmulti.backends.ipex", "IpexBackend"),
 }
 
 #: Backends tried, in order, when none is named. On a CPU-only host TRITON (interpreter),
-#: SYCL (OpenCL CPU device) and HIP (CPU harness) run only when named: they exist there to verify.
+#: SYCL (OpenCL CPU device) and HIP (CPU harness) run only when named: they exist there to verify;
+#: IPEX runs only when named (README: slower than CPU on the hosts measured; XPU not served).
 PLATFORM_PRIORITY: dict[str, tuple[str, ...]] = {
     "rocm": ("HIP", "TRITON"),
     "xpu": ("SYCL", "TRITON"),
