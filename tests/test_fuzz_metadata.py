@@ -5,8 +5,9 @@
 * corrupted metadata through the public ops is a TypeError/ValueError naming a field, and the
   cache is unchanged;
 * corrupted metadata handed to a backend object directly (the unvalidated path an accelerator takes
-  without ``KVMULTI_VALIDATE=1``) never crashes and never writes outside ``out``: the tensors sit
-  inside guard buffers whose margins are checked, and the cache is not written by attention.
+  without ``KVMULTI_VALIDATE=1``; named corruptions and arbitrary int32 values in any index field)
+  never crashes and never writes outside ``out``: the tensors sit inside guard buffers whose
+  margins are checked, and the cache is not written by attention.
 
 Seeds that found bugs stay below as ``@example`` s.
 """
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 
 import kvmulti
 from kvmulti import reference
-from kvmulti.backends.registry import available_backends
+from kvmulti.backends.registry import available_backends, get_backend
 
 from batches import assert_close_to_reference
 
@@ -124,3 +125,57 @@ def test_corrupted_metadata_is_a_clear_error(corruption, case):
     with pytest.raises((ValueError, TypeError), match="metadata|block_table|query|seq_len"):
         kvmulti.paged_attention(query, cache, layout, bad, sliding_window=window, backend="CPU")
     assert torch.equal(cache, before)
+
+
+def _guarded_cache(layout: kvmulti.KVCacheLayout, backend, fill: torch.Tensor, margin: int = 64):
+    """(buffer, cache view): a cache of ``layout``'s strides in the middle of a sentinel-filled
+    buffer allocated the way ``backend`` wants its caches (SYCL: USM)."""
+    numel = layout.num_blocks * layout.block_size * layout.num_kv_heads * layout.entry_size
+    allocator = backend.cache_allocator("cpu")
+    total = numel + 2 * margin
+    buffer = allocator(total, layout.dtype, torch.device("cpu")) if allocator else torch.empty(total, dtype=layout.dtype)
+    buffer.fill_(SENTINEL)
+    flat = buffer[margin:margin + numel]
+    b, n, h, e = layout.shape
+    view = flat.view(b, n, h, e) if layout.order == "NHD" else flat.view(b, h, n, e).permute(0, 2, 1, 3)
+    view.copy_(fill)
+    return buffer, view
+
+
+@st.composite
+def corruptions(draw, md: kvmulti.CommonAttentionMetadata):
+    """One named corruption, or arbitrary int32 values written into one metadata field."""
+    if draw(st.booleans()):
+        return CORRUPTIONS[draw(st.sampled_from(sorted(CORRUPTIONS)))](md)
+    field = draw(st.sampled_from(["query_start_loc", "seq_lens", "block_table"]))
+    tensor = getattr(md, field).clone()
+    if tensor.numel() == 0:
+        return md
+    values = st.one_of(st.integers(-2**31, 2**31 - 1), st.integers(-3, 70))
+    flat = tensor.view(-1)
+    for index in draw(st.lists(st.integers(0, flat.numel() - 1), min_size=1, max_size=4)):
+        flat[index] = draw(values)
+    return rebuilt(md, **{field: tensor})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=10, deadline=None)
+@given(case=batches(), data=st.data())
+def test_unvalidated_path_stays_inside_its_tensors(backend, case, data):
+    """The path an accelerator takes without KVMULTI_VALIDATE=1: corrupted metadata straight to the
+    backend object. Wrong numbers are allowed; a crash or a write outside ``out`` is not."""
+    layout, cache, query, md, window = case
+    bad = data.draw(corruptions(md))
+    impl = get_backend(backend)
+    cache_buf, cache_view = _guarded_cache(layout, impl, cache)
+    cache_before = cache_buf.clone()
+    query_buf, query_view = guarded(tuple(query.shape), query.dtype, query)
+    out_buf, out_view = guarded((query.shape[0], query.shape[1], layout.value_size), query.dtype)
+    try:
+        step = impl.build_metadata(bad, layout, query.shape[1], window)
+        impl.paged_attention(query_view, cache_view, step, layout.head_size ** -0.5, None, out_view)
+    except (ValueError, TypeError, RuntimeError, IndexError):
+        pass                                  # refusing is fine; the checks below still hold
+    assert margins_intact(out_buf, out_view), f"{backend}: write outside out"
+    assert margins_intact(query_buf, query_view) and torch.equal(query_view, query), f"{backend}: query changed"
+    assert torch.equal(cache_buf, cache_before), f"{backend}: attention changed the cache or its margins"
