@@ -103,7 +103,7 @@ def special_values(dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([row.expand(1, HKV, HS), torch.randn(7, HKV, HS, generator=gen) * 40])
 
 
-BACKENDS = ["TRITON", "SYCL"]
+BACKENDS = ["TRITON", "HIP", "SYCL"]
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
