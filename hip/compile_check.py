@@ -42,8 +42,12 @@ AMD_LIBRARY = "libkvmulti_hip_amd.so"   # the fat library (all AMD_ARCHS), as a 
 DTYPES = ("f", "6__half", "12hip_bfloat16")   # mangled template arguments
 HEAD_SIZES = (64, 80, 96, 128, 256)
 WAVES = (32, 64)
-#: every kernel the launcher instantiates: attention (dtype x head size x wave), reduce and write_kv per dtype
-EXPECTED_KERNELS = len(DTYPES) * len(HEAD_SIZES) * len(WAVES) + 2 * len(DTYPES)
+#: cache element types per query dtype: the query's own, fp8 e4m3fn, fp8 e5m2 (FMA engine)
+CACHES_PER_DTYPE = 3
+#: every kernel the launcher instantiates: attention (dtype x cache x head size x wave), reduce per
+#: dtype, write_kv per dtype x cache
+EXPECTED_KERNELS = (len(DTYPES) * CACHES_PER_DTYPE * len(HEAD_SIZES) * len(WAVES) + len(DTYPES)
+                    + len(DTYPES) * CACHES_PER_DTYPE)
 
 
 @dataclass
@@ -282,20 +286,37 @@ def instruction_mix(body: list[str]) -> dict[str, int]:
     return mix
 
 
+_DT = {"f": "fp32", "6__half": "fp16", "12hip_bfloat16": "bf16"}
+# the cache type argument after the query's: the same type ("f" again, or a substitution) or fp8
+_CACHE = r"(f|S\d*_|NS_7Fp8E4M3E|NS_7Fp8E5M2E)"
+_FP8_NAMES = {"NS_7Fp8E4M3E": "e4m3", "NS_7Fp8E5M2E": "e5m2"}
+
+
 def _kernel_kind(name: str) -> tuple[str, str | None, int | None, int | None]:
-    """(kind, dtype, head size, wave) from a mangled kernel name; kind: attention / reduce / write_kv."""
-    dt = {"f": "fp32", "6__half": "fp16", "12hip_bfloat16": "bf16"}
-    m = re.search(r"paged_attention_kernelI(f|6__half|12hip_bfloat16)Li(\d+)ELi(\d+)E", name)
+    """(kind, dtype, head size, wave) from a mangled kernel name; kind: attention / reduce / write_kv;
+    dtype: the query's (attention, write_kv: the key's) -- see :func:`cache_kind` for the cache's."""
+    m = re.search(r"paged_attention_kernelI(f|6__half|12hip_bfloat16)" + _CACHE + r"Li(\d+)ELi(\d+)E", name)
     if m:
-        return "attention", dt[m.group(1)], int(m.group(2)), int(m.group(3))
-    m = re.search(r"(paged_attention_reduce_kernel|write_kv_kernel)I(f|6__half|12hip_bfloat16)E", name)
+        return "attention", _DT[m.group(1)], int(m.group(3)), int(m.group(4))
+    m = re.search(r"write_kv_kernelI(f|6__half|12hip_bfloat16)" + _CACHE + "E", name)
     if m:
-        return ("reduce" if "reduce" in m.group(1) else "write_kv"), dt[m.group(2)], None, None
+        return "write_kv", _DT[m.group(1)], None, None
+    m = re.search(r"paged_attention_reduce_kernelI(f|6__half|12hip_bfloat16)E", name)
+    if m:
+        return "reduce", _DT[m.group(1)], None, None
     return "other", None, None, None
+
+
+def cache_kind(name: str) -> str | None:
+    """"e4m3" / "e5m2" for an fp8-cache instantiation, None when the cache has the query's type."""
+    m = re.search(r"(?:paged_attention_kernel|write_kv_kernel)I(?:f|6__half|12hip_bfloat16)" + _CACHE, name)
+    return _FP8_NAMES.get(m.group(1)) if m else None
 
 
 def short_name(name: str) -> str:
     kind, dtype, hs, wave = _kernel_kind(name)
+    cache = cache_kind(name)
+    dtype = f"{dtype},{cache}" if cache else dtype
     if kind == "attention":
         return f"paged_attention<{dtype},{hs},wave{wave}>"
     return f"{kind}<{dtype}>" if dtype else name
@@ -348,7 +369,8 @@ def rows_of(dp: DevicePass) -> list[dict]:
             continue
         a = dp.asm.get(name, analyze_function([]))
         rows.append({
-            "kernel": short_name(name), "symbol": name, "kind": kind, "dtype": dtype, "head_size": hs,
+            "kernel": short_name(name), "symbol": name, "kind": kind, "dtype": dtype, "cache": cache_kind(name),
+            "head_size": hs,
             "target": dp.arch, "wave": wave,
             "vgprs": f.get("VGPRs", 0), "agprs": f.get("AGPRs", 0), "sgprs": f.get("SGPRs", 0),
             "lds_bytes": f.get("LDS Size", 0),
@@ -376,7 +398,8 @@ def row_problems(row: dict) -> list[str]:
     if row["kind"] == "attention":
         if row["vgprs"] == 0:
             problems.append(f"{k}: wave-{row['wave']} instantiation compiled to an empty body")
-        if row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16") and row["matrix_instructions"] == 0:
+        if (row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16") and not row.get("cache")
+                and row["matrix_instructions"] == 0):
             problems.append(f"{k}: 16-bit prefill/verification tiles without v_mfma")
         narrow = [w for w in row["hot_loop_load_widths_bytes"] if w < 16]
         if narrow or not row["hot_loop_load_widths_bytes"]:

@@ -71,6 +71,8 @@ struct PagedAttentionParams {
   float scale;
   float softcap;                 // 0 = none
   float inv_softcap;             // 1 / softcap (0 when none)
+  const float* k_scale;          // fp8 caches: [num_kv_heads] (keys read as float(k) * k_scale); else unused
+  const float* v_scale;          // fp8 caches: [num_kv_heads]
 };
 
 struct WriteKVParams {
@@ -82,6 +84,8 @@ struct WriteKVParams {
   int64_t v_stride_token, v_stride_head, v_stride_dim;
   int64_t kv_stride_block, kv_stride_token, kv_stride_head;
   int num_tokens, num_kv_heads, head_size, head_size_v, block_size, num_blocks;
+  const float* k_scale;          // fp8 caches: [num_kv_heads] (stores fp8(k / k_scale)); else unused
+  const float* v_scale;          // fp8 caches: [num_kv_heads]
 };
 
 // Which (query token, query head) pairs -- "rows" -- one attention block computes. All rows of a
@@ -326,6 +330,14 @@ struct FmaShared {
   Combine<R> comb;
 };
 
+// x * scale for an fp8 cache element type C (the oracle's float(code) * scale), x otherwise.
+template <typename C>
+__device__ __forceinline__ float scaled(float x, float scale) {
+  if constexpr (is_fp8<C>()) return x * scale;
+  return x;
+}
+
+// T: the cache's element type (the query rows are fp32 in LDS already).
 template <typename T, int HS, int WAVE, int R, bool ALIGNED>
 __device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const BlockTask& b,
                                            FmaShared<T, HS, WAVE, R>& sh, float (&m)[R], float (&l)[R],
@@ -338,6 +350,9 @@ __device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const 
   constexpr int EPC = 16 / (int)sizeof(T);             // elements per chunk
   const int lane = (int)threadIdx.x % WAVE, warp = (int)threadIdx.x / WAVE;
   const T* cache = static_cast<const T*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
+  // fp8 caches (T is the cache's element type here): values read as float(code) * scale
+  const float k_scale = is_fp8<T>() ? p.k_scale[b.kv_head] : 1.f;
+  const float v_scale = is_fp8<T>() ? p.v_scale[b.kv_head] : 1.f;
   const TileRange<KT> tiles(b, warp);
   T* ks = sh.kv[warp][0];
   T* vs = sh.kv[warp][1];
@@ -377,7 +392,7 @@ __device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const 
         float s = 0.f;
         const T* krow = ks + kk * HS;
 #pragma unroll 4
-        for (int d = 0; d < HS; ++d) s += sh.qo.q[r][d] * Cvt<T>::to(krow[d]);
+        for (int d = 0; d < HS; ++d) s += sh.qo.q[r][d] * scaled<T>(Cvt<T>::to(krow[d]), k_scale);
         const bool vis = sh.key_ok[warp][kk] && t >= sh.rlo[r] && t < sh.rhi[r];
         sh.s[warp][r][kk] = finish_score(p, s, vis);
       }
@@ -402,7 +417,7 @@ __device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const 
 #pragma unroll
         for (int i = 0; i < DPL; ++i) {
           const int d = lane + i * WAVE;
-          v[i] = d < HS ? Cvt<T>::to(vs[kk * HS + d]) : 0.f;
+          v[i] = d < HS ? scaled<T>(Cvt<T>::to(vs[kk * HS + d]), v_scale) : 0.f;
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -417,11 +432,12 @@ __device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const 
   }
 }
 
-template <typename T, int HS, int WAVE, int R>
+// T: the query's and output's type; C: the cache's (T, or an fp8 type).
+template <typename T, typename C, int HS, int WAVE, int R>
 __device__ void fma_body(const PagedAttentionParams& p, const BlockTask& b) {
   constexpr int NT = kNumWarps * WAVE;
   constexpr int DPL = (HS + WAVE - 1) / WAVE;
-  __shared__ FmaShared<T, HS, WAVE, R> sh;
+  __shared__ FmaShared<C, HS, WAVE, R> sh;
   const int tid = (int)threadIdx.x, lane = tid % WAVE, warp = tid / WAVE;
   for (int i = tid; i < R * HS; i += NT) {
     const int r = i / HS, d = i % HS;
@@ -443,8 +459,8 @@ __device__ void fma_body(const PagedAttentionParams& p, const BlockTask& b) {
 #pragma unroll
     for (int i = 0; i < DPL; ++i) acc[r][i] = 0.f;
   }
-  if (p.kv_aligned16) fma_stream<T, HS, WAVE, R, true>(p, b, sh, m, l, acc);
-  else fma_stream<T, HS, WAVE, R, false>(p, b, sh, m, l, acc);
+  if (p.kv_aligned16) fma_stream<C, HS, WAVE, R, true>(p, b, sh, m, l, acc);
+  else fma_stream<C, HS, WAVE, R, false>(p, b, sh, m, l, acc);
 
   if (lane < R) {
     float mm = m[0], ll = l[0];
@@ -675,11 +691,11 @@ __device__ void mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
 #endif  // KVMULTI_HAS_MFMA
 
 // grid (num_tokens, num_kv_heads * RowMap::chunks, num_partitions), block kNumWarps * WAVE threads, no
-// dynamic shared memory.
-template <typename T, int HS, int WAVE>
+// dynamic shared memory. T: query and output type; C: cache element type (T, or an fp8 type: FMA path).
+template <typename T, typename C, int HS, int WAVE>
 __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_attention_kernel(const PagedAttentionParams p) {
   if (!wave_matches_target<WAVE>()) return;
-  constexpr int R = rows_per_block<T, WAVE>();
+  constexpr int R = rows_per_block<T, WAVE, C>();
   constexpr int NT = kNumWarps * WAVE;
   BlockTask b;
   const TaskKind kind = block_task<R>(p, b);
@@ -696,7 +712,7 @@ __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_attention_kernel(co
     }
   }
 #endif
-  fma_body<T, HS, WAVE, R>(p, b);
+  fma_body<T, C, HS, WAVE, R>(p, b);
 }
 
 // Combines the partitions of the split-KV path. grid (num_tokens, num_q_heads), any block size,
@@ -728,26 +744,34 @@ __global__ void __launch_bounds__(256) paged_attention_reduce_kernel(const Paged
 }
 
 // Writes the new tokens' K and V into their slots. grid (num_tokens), any block size; slot -1 (and any
-// slot outside [0, num_blocks * block_size)) skipped.
-template <typename T>
+// slot outside [0, num_blocks * block_size)) skipped. T: key/value type; C: cache element type (T, or
+// an fp8 type: stores fp8(x / scale[head]) by kvmulti/fp8.py's rule, an IEEE fp32 division).
+template <typename C, typename T>
+__device__ __forceinline__ C cache_element(T x, const float* scale, int head) {
+  if constexpr (is_fp8<C>()) return Cvt<C>::from(Cvt<T>::to(x) / scale[head]);
+  else return x;
+}
+
+template <typename T, typename C>
 __global__ void __launch_bounds__(256) write_kv_kernel(const WriteKVParams p) {
   const int tok = (int)blockIdx.x;
   const int64_t slot = p.slot_mapping[tok];
   // padding token (-1) or a slot outside the cache: skipped (uniform: no barriers in this kernel)
   if (slot < 0 || slot / p.block_size >= p.num_blocks) return;
   const int64_t blk = slot / p.block_size, off = slot % p.block_size;
-  T* dst = static_cast<T*>(p.kv_cache) + blk * p.kv_stride_block + off * p.kv_stride_token;
+  C* dst = static_cast<C*>(p.kv_cache) + blk * p.kv_stride_block + off * p.kv_stride_token;
   const T* key = static_cast<const T*>(p.key) + (int64_t)tok * p.k_stride_token;
   const T* value = static_cast<const T*>(p.value) + (int64_t)tok * p.v_stride_token;
   const int nk = p.num_kv_heads * p.head_size;
   for (int i = (int)threadIdx.x; i < nk; i += (int)blockDim.x) {
     const int h = i / p.head_size, d = i % p.head_size;
-    dst[h * p.kv_stride_head + d] = key[h * p.k_stride_head + d * p.k_stride_dim];
+    dst[h * p.kv_stride_head + d] = cache_element<C>(key[h * p.k_stride_head + d * p.k_stride_dim], p.k_scale, h);
   }
   const int nv = p.num_kv_heads * p.head_size_v;
   for (int i = (int)threadIdx.x; i < nv; i += (int)blockDim.x) {
     const int h = i / p.head_size_v, d = i % p.head_size_v;
-    dst[h * p.kv_stride_head + p.head_size + d] = value[h * p.v_stride_head + d * p.v_stride_dim];
+    dst[h * p.kv_stride_head + p.head_size + d] =
+        cache_element<C>(value[h * p.v_stride_head + d * p.v_stride_dim], p.v_scale, h);
   }
 }
 

@@ -18,12 +18,38 @@ namespace kvmulti {
 // Threads per attention block = kNumWarps * WAVE (256 on CDNA wave64, 128 on RDNA wave32 / NVIDIA).
 constexpr int kNumWarps = 4;
 
+// fp8 KV-cache elements (kvmulti/fp8.py): the raw byte of torch.float8_e4m3fn / torch.float8_e5m2.
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+struct Fp8E5M2 {
+  uint8_t bits;
+};
+template <typename C> struct Fp8Format {
+  static constexpr bool kIsFp8 = false;
+};
+template <> struct Fp8Format<Fp8E4M3> {  // 3 mantissa bits, bias 7, largest finite 448, NaN 0x7F
+  static constexpr bool kIsFp8 = true;
+  static constexpr int kMant = 3, kBias = 7;
+  static constexpr uint32_t kMaxBits = 0x43E00000u;
+};
+template <> struct Fp8Format<Fp8E5M2> {  // 2 mantissa bits, bias 15, largest finite 57344, IEEE inf/NaN
+  static constexpr bool kIsFp8 = true;
+  static constexpr int kMant = 2, kBias = 15;
+  static constexpr uint32_t kMaxBits = 0x47600000u;
+};
+template <typename C>
+__host__ __device__ constexpr bool is_fp8() {
+  return Fp8Format<C>::kIsFp8;
+}
+
 // (query token, query head) rows computed by one attention block (see RowMap in
 // kvmulti_attention.hip): 16 for 16-bit types on wave64 (the N dimension of the 16x16x16 MFMA tiles),
-// 8 otherwise (the FMA path keeps per-row state in registers).
-template <typename T, int WAVE>
+// 8 otherwise (the FMA path keeps per-row state in registers). T: the query's type, C: the cache's
+// (an fp8 cache always takes the FMA path).
+template <typename T, int WAVE, typename C = T>
 __host__ __device__ constexpr int rows_per_block() {
-  return (sizeof(T) == 2 && WAVE == 64) ? 16 : 8;
+  return (sizeof(T) == 2 && WAVE == 64 && !is_fp8<C>()) ? 16 : 8;
 }
 
 // Matrix cores: CDNA2 (gfx90a) and CDNA3 (gfx940/941/942) device passes, and the CPU harness (which
@@ -93,6 +119,63 @@ template <> struct Cvt<hip_bfloat16> {
   __device__ __forceinline__ static hip_bfloat16 from(float x) { return hip_bfloat16(x); }
 };
 
+// fp8 code -> fp32 (exact): the fp32 bit pattern of a normal code, m * 2^(1 - bias - mant) for a
+// subnormal one; e4m3fn has no inf and NaN at 0x7F, e5m2 IEEE inf/NaN at exponent 31.
+template <typename C>
+__device__ __forceinline__ float fp8_decode(uint8_t code) {
+  using F = Fp8Format<C>;
+  const uint32_t sign = (uint32_t)(code & 0x80u) << 24;
+  const uint32_t e = (code & 0x7Fu) >> F::kMant, m = code & ((1u << F::kMant) - 1u);
+  constexpr uint32_t kTopExp = (1u << (7 - F::kMant)) - 1u;
+  float mag;
+  if (F::kMant == 3 && (code & 0x7Fu) == 0x7Fu) {
+    mag = __uint_as_float(0x7FC00000u);
+  } else if (F::kMant == 2 && e == kTopExp) {
+    mag = __uint_as_float(m ? 0x7FC00000u : 0x7F800000u);
+  } else if (e == 0) {
+    mag = (float)m * __uint_as_float((uint32_t)(127 + 1 - F::kBias - F::kMant) << 23);
+  } else {
+    mag = __uint_as_float(((e + 127u - F::kBias) << 23) | (m << (23 - F::kMant)));
+  }
+  return __uint_as_float(__float_as_uint(mag) | sign);
+}
+
+// fp32 -> fp8 code by kvmulti/fp8.py's rule for an already divided value y: saturate to the largest
+// finite value (±inf too), NaN -> 0x7F with its sign, round to nearest even in integers (the normal
+// range: add half an ulp - 1 + the kept low bit, truncate; the subnormal range: the 24-bit
+// significand shifted to the fp8 quantum with the same rounding term).
+template <typename C>
+__device__ __forceinline__ uint8_t fp8_encode(float y) {
+  using F = Fp8Format<C>;
+  constexpr int kShift = 23 - F::kMant;
+  const uint32_t bits = __float_as_uint(y);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  uint32_t mag = bits & 0x7FFFFFFFu;
+  if (mag > 0x7F800000u) return (uint8_t)(0x7Fu | sign);
+  if (mag > F::kMaxBits) mag = F::kMaxBits;
+  const int exponent = (int)(mag >> 23);
+  uint32_t code;
+  if (exponent >= 128 - F::kBias) {
+    code = ((mag + ((1u << (kShift - 1)) - 1u) + ((mag >> kShift) & 1u)) >> kShift) -
+           ((uint32_t)(127 - F::kBias) << F::kMant);
+  } else {
+    int shift = (151 - F::kBias - F::kMant) - exponent;
+    shift = shift < 1 ? 1 : (shift > 31 ? 31 : shift);
+    const uint32_t sig = (mag & 0x7FFFFFu) | 0x800000u;
+    code = (sig + (1u << (shift - 1)) - 1u + ((sig >> shift) & 1u)) >> shift;
+  }
+  return (uint8_t)(code | sign);
+}
+
+template <> struct Cvt<Fp8E4M3> {
+  __device__ __forceinline__ static float to(Fp8E4M3 x) { return fp8_decode<Fp8E4M3>(x.bits); }
+  __device__ __forceinline__ static Fp8E4M3 from(float x) { return Fp8E4M3{fp8_encode<Fp8E4M3>(x)}; }
+};
+template <> struct Cvt<Fp8E5M2> {
+  __device__ __forceinline__ static float to(Fp8E5M2 x) { return fp8_decode<Fp8E5M2>(x.bits); }
+  __device__ __forceinline__ static Fp8E5M2 from(float x) { return Fp8E5M2{fp8_encode<Fp8E5M2>(x)}; }
+};
+
 // 16 bytes of a row: 4 floats or 8 halves / bf16s, read with one vector load.
 struct alignas(16) Chunk16 {
   uint32_t w[4];
@@ -133,6 +216,14 @@ template <typename T, bool ALIGNED>
 __device__ __forceinline__ Chunk16 load_chunk(const T* __restrict__ p) {
   if constexpr (ALIGNED) {
     return *reinterpret_cast<const Chunk16*>(p);
+  } else if constexpr (sizeof(T) == 1) {
+    Chunk16 c;
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(p);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      c.w[i] = (uint32_t)b[4 * i] | ((uint32_t)b[4 * i + 1] << 8) | ((uint32_t)b[4 * i + 2] << 16) |
+               ((uint32_t)b[4 * i + 3] << 24);
+    return c;
   } else {
     Chunk16 c;
     const unsigned short* h = reinterpret_cast<const unsigned short*>(p);

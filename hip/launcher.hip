@@ -27,6 +27,7 @@ constexpr int kDefaultPartition = 512;
 // Largest block size the attention kernel accepts (key indices inside a block-table window of 64
 // blocks stay far below 2^31).
 constexpr int kMaxBlockSize = 1 << 20;
+constexpr int kCacheE4M3 = 3, kCacheE5M2 = 4;   // cache_dtype codes of the fp8 formats
 
 int device_wave_size(int wave) {
   if (wave == 32 || wave == 64) return wave;
@@ -43,12 +44,12 @@ int device_cu_count() {
   return n;
 }
 
-template <typename T, int HS, int WAVE>
+template <typename T, typename C, int HS, int WAVE>
 hipError_t launch_attention(const PagedAttentionParams& p, hipStream_t stream) {
-  const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads, kvmulti::rows_per_block<T, WAVE>());
+  const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads, kvmulti::rows_per_block<T, WAVE, C>());
   dim3 grid((unsigned)p.num_tokens, (unsigned)(p.num_kv_heads * map.chunks), (unsigned)p.num_partitions);
   dim3 block(kvmulti::kNumWarps * WAVE);
-  hipLaunchKernelGGL((kvmulti::paged_attention_kernel<T, HS, WAVE>), grid, block, 0, stream, p);
+  hipLaunchKernelGGL((kvmulti::paged_attention_kernel<T, C, HS, WAVE>), grid, block, 0, stream, p);
   hipError_t e = hipGetLastError();
   if (e != hipSuccess || p.num_partitions <= 1) return e;
   dim3 rgrid((unsigned)p.num_tokens, (unsigned)p.num_q_heads);
@@ -57,25 +58,51 @@ hipError_t launch_attention(const PagedAttentionParams& p, hipStream_t stream) {
   return hipGetLastError();
 }
 
-template <typename T, int WAVE>
+template <typename T, typename C, int WAVE>
 hipError_t dispatch_head_size(int head_size, const PagedAttentionParams& p, hipStream_t s) {
   switch (head_size) {
-    case 64: return launch_attention<T, 64, WAVE>(p, s);
-    case 80: return launch_attention<T, 80, WAVE>(p, s);
-    case 96: return launch_attention<T, 96, WAVE>(p, s);
-    case 128: return launch_attention<T, 128, WAVE>(p, s);
-    case 256: return launch_attention<T, 256, WAVE>(p, s);
+    case 64: return launch_attention<T, C, 64, WAVE>(p, s);
+    case 80: return launch_attention<T, C, 80, WAVE>(p, s);
+    case 96: return launch_attention<T, C, 96, WAVE>(p, s);
+    case 128: return launch_attention<T, C, 128, WAVE>(p, s);
+    case 256: return launch_attention<T, C, 256, WAVE>(p, s);
     default: return hipErrorInvalidValue;
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 hipError_t dispatch_wave(int wave, int head_size, const PagedAttentionParams& p, hipStream_t s) {
   switch (wave) {
-    case 64: return dispatch_head_size<T, 64>(head_size, p, s);
-    case 32: return dispatch_head_size<T, 32>(head_size, p, s);
+    case 64: return dispatch_head_size<T, C, 64>(head_size, p, s);
+    case 32: return dispatch_head_size<T, C, 32>(head_size, p, s);
     default: return hipErrorInvalidDeviceFunction;
   }
+}
+
+// The cache's element type: the query's (cache_dtype == dtype) or fp8 (3 = e4m3fn, 4 = e5m2).
+template <typename T>
+hipError_t dispatch_cache(int dtype, int cache_dtype, int wave, int head_size, const PagedAttentionParams& p,
+                          hipStream_t s) {
+  if (cache_dtype == dtype) return dispatch_wave<T, T>(wave, head_size, p, s);
+  if (!p.k_scale || !p.v_scale) return hipErrorInvalidValue;
+  if (cache_dtype == kCacheE4M3) return dispatch_wave<T, kvmulti::Fp8E4M3>(wave, head_size, p, s);
+  if (cache_dtype == kCacheE5M2) return dispatch_wave<T, kvmulti::Fp8E5M2>(wave, head_size, p, s);
+  return hipErrorInvalidValue;
+}
+
+template <typename T>
+hipError_t launch_write(int dtype, int cache_dtype, const WriteKVParams& p, hipStream_t s) {
+  const dim3 grid((unsigned)p.num_tokens), block(128);
+  if (cache_dtype == dtype) {
+    hipLaunchKernelGGL((kvmulti::write_kv_kernel<T, T>), grid, block, 0, s, p);
+  } else if (p.k_scale && p.v_scale && cache_dtype == kCacheE4M3) {
+    hipLaunchKernelGGL((kvmulti::write_kv_kernel<T, kvmulti::Fp8E4M3>), grid, block, 0, s, p);
+  } else if (p.k_scale && p.v_scale && cache_dtype == kCacheE5M2) {
+    hipLaunchKernelGGL((kvmulti::write_kv_kernel<T, kvmulti::Fp8E5M2>), grid, block, 0, s, p);
+  } else {
+    return hipErrorInvalidValue;
+  }
+  return hipGetLastError();
 }
 
 }  // namespace
@@ -83,7 +110,7 @@ hipError_t dispatch_wave(int wave, int head_size, const PagedAttentionParams& p,
 extern "C" {
 
 // Bumped whenever an entry point's signature changes (checked by the Python side).
-__attribute__((visibility("default"))) int kvmulti_hip_abi_version() { return 3; }
+__attribute__((visibility("default"))) int kvmulti_hip_abi_version() { return 4; }
 
 // Head sizes with compiled instantiations (K and V head sizes must be equal for attention).
 __attribute__((visibility("default"))) int kvmulti_hip_head_sizes(int* out, int cap) {
@@ -129,14 +156,16 @@ __attribute__((visibility("default"))) long long kvmulti_hip_workspace_floats(in
   return (long long)num_tokens * num_q_heads * num_partitions * (head_size + 2);
 }
 
-// dtype: 0 = float32, 1 = float16, 2 = bfloat16. Strides in elements. sliding_window 0 = none,
+// dtype (query, out): 0 = float32, 1 = float16, 2 = bfloat16; cache_dtype: dtype, or 3 = float8_e4m3fn,
+// 4 = float8_e5m2 (then k_scale / v_scale: fp32 [num_kv_heads] on the device). Strides in elements. sliding_window 0 = none,
 // softcap 0 = none. num_partitions/partition_size from kvmulti_hip_plan; workspace: at least
 // kvmulti_hip_workspace_floats() floats on the device when num_partitions > 1.
 // Bounds (memory safety, whatever the metadata holds): num_query_rows = rows of query and out (tokens
 // past it are neither read nor written), block table [bt_rows, >= bt_cols] with row stride bt_stride,
 // num_blocks = blocks of kv_cache. query_start_loc must hold num_reqs + 1 and seq_lens num_reqs ints.
 __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
-    int dtype, int head_size, int wave, void* out, const void* query, const void* kv_cache,
+    int dtype, int cache_dtype, const float* k_scale, const float* v_scale, int head_size, int wave, void* out,
+    const void* query, const void* kv_cache,
     const int* query_start_loc, const int* seq_lens, const int* block_table, long long q_stride_token,
     long long q_stride_head, long long o_stride_token, long long o_stride_head, long long kv_stride_block,
     long long kv_stride_token, long long kv_stride_head, long long bt_stride, int num_reqs, int num_tokens,
@@ -181,24 +210,27 @@ __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
   p.num_partitions = num_partitions;
   // Row offsets are multiples of the strides (for the canonical layout: of the entry size,
   // 2 * head_size elements), so K rows are 16-byte aligned when the base and the strides are.
-  const long long esz = dtype == 0 ? 4 : 2;
+  const long long esz = cache_dtype == 0 ? 4 : cache_dtype <= 2 ? 2 : 1;
   p.kv_aligned16 = ((uintptr_t)kv_cache % 16 == 0 && (kv_stride_block * esz) % 16 == 0 &&
                     (kv_stride_token * esz) % 16 == 0 && (kv_stride_head * esz) % 16 == 0) ? 1 : 0;
   p.scale = scale;
   p.softcap = softcap > 0.f ? softcap : 0.f;
   p.inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
+  p.k_scale = k_scale;
+  p.v_scale = v_scale;
   hipStream_t s = (hipStream_t)stream;
   const int w = device_wave_size(wave);
   switch (dtype) {
-    case 0: return dispatch_wave<float>(w, head_size, p, s);
-    case 1: return dispatch_wave<__half>(w, head_size, p, s);
-    case 2: return dispatch_wave<hip_bfloat16>(w, head_size, p, s);
+    case 0: return dispatch_cache<float>(dtype, cache_dtype, w, head_size, p, s);
+    case 1: return dispatch_cache<__half>(dtype, cache_dtype, w, head_size, p, s);
+    case 2: return dispatch_cache<hip_bfloat16>(dtype, cache_dtype, w, head_size, p, s);
     default: return hipErrorInvalidValue;
   }
 }
 
 __attribute__((visibility("default"))) int kvmulti_hip_write_kv(
-    int dtype, const void* key, const void* value, void* kv_cache, const long long* slot_mapping,
+    int dtype, int cache_dtype, const float* k_scale, const float* v_scale, const void* key, const void* value,
+    void* kv_cache, const long long* slot_mapping,
     long long k_stride_token, long long k_stride_head, long long k_stride_dim, long long v_stride_token,
     long long v_stride_head, long long v_stride_dim, long long kv_stride_block, long long kv_stride_token,
     long long kv_stride_head, int num_tokens, int num_kv_heads, int head_size, int head_size_v, int block_size,
@@ -226,15 +258,15 @@ __attribute__((visibility("default"))) int kvmulti_hip_write_kv(
   p.head_size_v = head_size_v;
   p.block_size = block_size;
   p.num_blocks = num_blocks;
+  p.k_scale = k_scale;
+  p.v_scale = v_scale;
   hipStream_t s = (hipStream_t)stream;
-  dim3 grid((unsigned)num_tokens), block(128);
   switch (dtype) {
-    case 0: hipLaunchKernelGGL(kvmulti::write_kv_kernel<float>, grid, block, 0, s, p); break;
-    case 1: hipLaunchKernelGGL(kvmulti::write_kv_kernel<__half>, grid, block, 0, s, p); break;
-    case 2: hipLaunchKernelGGL(kvmulti::write_kv_kernel<hip_bfloat16>, grid, block, 0, s, p); break;
+    case 0: return launch_write<float>(dtype, cache_dtype, p, s);
+    case 1: return launch_write<__half>(dtype, cache_dtype, p, s);
+    case 2: return launch_write<hip_bfloat16>(dtype, cache_dtype, p, s);
     default: return hipErrorInvalidValue;
   }
-  return hipGetLastError();
 }
 
 __attribute__((visibility("default"))) const char* kvmulti_hip_error_string(int e) {

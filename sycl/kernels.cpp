@@ -117,6 +117,62 @@ static inline elem_t from_f(float x) {
 #error "KVM_DTYPE must be 0, 1 or 2"
 #endif
 
+// Cache element type: the activations' (KVM_CACHE unset or == KVM_DTYPE) or fp8 codes
+// (kvmulti/fp8.py; KVM_CACHE 3 = float8_e4m3fn, 4 = float8_e5m2). An fp8 cache is read as
+// float(code) * scale[KV head] and written as fp8(x / scale[KV head]) (IEEE fp32 division,
+// saturating, round to nearest even in integers, NaN kept), bit-identical to kvmulti.fp8.quantize.
+#if !defined(KVM_CACHE) || KVM_CACHE == KVM_DTYPE
+using cache_t = elem_t;
+constexpr bool FP8 = false;
+static inline float cache_to_f(cache_t x) { return to_f(x); }
+static inline cache_t cache_from(elem_t x, float) { return x; }
+#elif KVM_CACHE == 3 || KVM_CACHE == 4
+using cache_t = uint8_t;
+constexpr bool FP8 = true;
+constexpr int FP8_MANT = KVM_CACHE == 3 ? 3 : 2, FP8_BIAS = KVM_CACHE == 3 ? 7 : 15;
+constexpr uint32_t FP8_MAX_BITS = KVM_CACHE == 3 ? 0x43E00000u : 0x47600000u;  // 448, 57344
+static inline float cache_to_f(cache_t code) {
+  const uint32_t sign = static_cast<uint32_t>(code & 0x80u) << 24;
+  const uint32_t e = (code & 0x7Fu) >> FP8_MANT, m = code & ((1u << FP8_MANT) - 1u);
+  float mag;
+  if (KVM_CACHE == 3 && (code & 0x7Fu) == 0x7Fu) {
+    mag = std::numeric_limits<float>::quiet_NaN();
+  } else if (KVM_CACHE == 4 && e == 31u) {
+    mag = m ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+  } else if (e == 0u) {
+    mag = static_cast<float>(m) * sycl::bit_cast<float>(static_cast<uint32_t>(127 + 1 - FP8_BIAS - FP8_MANT) << 23);
+  } else {
+    mag = sycl::bit_cast<float>(((e + 127u - FP8_BIAS) << 23) | (m << (23 - FP8_MANT)));
+  }
+  return sycl::bit_cast<float>(sycl::bit_cast<uint32_t>(mag) | sign);
+}
+static inline cache_t cache_from(elem_t x, float scale) {
+  constexpr int SHIFT = 23 - FP8_MANT;
+  const uint32_t bits = sycl::bit_cast<uint32_t>(to_f(x) / scale);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  uint32_t mag = bits & 0x7FFFFFFFu;
+  if (mag > 0x7F800000u) return static_cast<cache_t>(0x7Fu | sign);
+  if (mag > FP8_MAX_BITS) mag = FP8_MAX_BITS;
+  const int exponent = static_cast<int>(mag >> 23);
+  uint32_t code;
+  if (exponent >= 128 - FP8_BIAS) {
+    code = ((mag + ((1u << (SHIFT - 1)) - 1u) + ((mag >> SHIFT) & 1u)) >> SHIFT) -
+           (static_cast<uint32_t>(127 - FP8_BIAS) << FP8_MANT);
+  } else {
+    int shift = (151 - FP8_BIAS - FP8_MANT) - exponent;
+    shift = shift < 1 ? 1 : (shift > 31 ? 31 : shift);
+    const uint32_t sig = (mag & 0x7FFFFFu) | 0x800000u;
+    code = (sig + (1u << (shift - 1)) - 1u + ((sig >> shift) & 1u)) >> shift;
+  }
+  return static_cast<cache_t>(code | sign);
+}
+#else
+#error "KVM_CACHE must be KVM_DTYPE, 3 or 4"
+#endif
+
+// A K/V element as fp32: float(code) * scale for an fp8 cache (the oracle's order), else the value.
+static inline float kv_value(cache_t x, float scale) { return FP8 ? cache_to_f(x) * scale : cache_to_f(x); }
+
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 // A NaN query row's output row is all NaN (what the math gives). The row's running sum carries the
 // mark through the merges; NaN is tested on the bits, which no floating-point model folds away.
@@ -135,6 +191,7 @@ constexpr int VW = widest_vec();
 constexpr int NJ = (D + SG * VW - 1) / (SG * VW);
 constexpr int NJV = (DV + SG * VW - 1) / (SG * VW);
 using vec_t = sycl::vec<elem_t, VW>;
+using cvec_t = sycl::vec<cache_t, VW>;  // a K/V chunk: the same VW elements of the cache's type
 
 // Local scratch of the end-of-pass merge: per sub-group and row, the accumulator [DV], max, sum.
 constexpr int MERGE_STRIDE = DV + 2;
@@ -191,16 +248,16 @@ static inline float step_sum(sycl::sub_group sg, float x) {
 // The chunk as raw bits of its natural alignment: a load through raw_t tells the device compiler
 // the address is VW * sizeof(elem_t)-aligned, so it emits one wide message per sub-group instead
 // of 2-byte pieces (the host refuses a misaligned cache base).
-constexpr int VBYTES = VW * static_cast<int>(sizeof(elem_t));
+constexpr int VBYTES = VW * static_cast<int>(sizeof(cache_t));
 using raw_t = std::conditional_t<VBYTES == 16, sycl::vec<uint32_t, 4>,
               std::conditional_t<VBYTES == 8, sycl::vec<uint32_t, 2>,
-              std::conditional_t<VBYTES == 4, uint32_t, uint16_t>>>;
-static_assert(sizeof(raw_t) == sizeof(vec_t), "raw_t must have the size of a chunk");
+              std::conditional_t<VBYTES == 4, uint32_t, std::conditional_t<VBYTES == 2, uint16_t, uint8_t>>>>;
+static_assert(sizeof(raw_t) == sizeof(cvec_t), "raw_t must have the size of a chunk");
 
 // One vector chunk of a cache row; zero when the row is masked (off < 0) or the chunk is past n.
-static inline vec_t load_chunk(const elem_t *row, int64_t off, int e, int n) {
-  if (off < 0 || e >= n) return vec_t(elem_t(0));
-  return sycl::bit_cast<vec_t>(*reinterpret_cast<const raw_t *>(row + off + e));
+static inline cvec_t load_chunk(const cache_t *row, int64_t off, int e, int n) {
+  if (off < 0 || e >= n) return cvec_t(cache_t(0));
+  return sycl::bit_cast<cvec_t>(*reinterpret_cast<const raw_t *>(row + off + e));
 }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -243,13 +300,13 @@ static inline Tile locate_tile(const int32_t *query_start_loc, const int32_t *se
 // The attention body. part_acc != nullptr (split-KV): write the partial results of partition
 // `part` of the key range instead of out (one body for both, so the device compiles it once).
 static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens,
-                                  const elem_t *cache, int64_t s_block, int64_t s_token, int64_t s_head,
+                                  const cache_t *cache, int64_t s_block, int64_t s_token, int64_t s_head,
                                   int64_t num_blocks, const int32_t *block_table, int64_t bt_stride, int64_t bt_rows,
                                   int64_t bt_cols, const int32_t *seq_lens, const int32_t *query_start_loc,
                                   const int32_t *tiles, elem_t *out, int64_t o_st, int64_t o_sh, float *part_acc,
                                   float *part_ml, int32_t num_parts, int32_t part_size, int32_t num_kv_heads,
                                   int32_t group, int32_t block_size, float scale, int32_t window, float softcap,
-                                  sycl::decorated_local_ptr<float> lm) {
+                                  const float *k_scale, const float *v_scale, sycl::decorated_local_ptr<float> lm) {
   auto it = syclext::this_work_item::get_nd_item<1>();
   auto wg = it.get_group();
   auto sg = it.get_sub_group();
@@ -276,6 +333,7 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
 
   const int32_t *bt = block_table + static_cast<int64_t>(t.req) * bt_stride;
   const int64_t head_off = static_cast<int64_t>(h) * s_head;
+  const float ks = FP8 ? k_scale[h] : 1.f, vs = FP8 ? v_scale[h] : 1.f;   // fp8 caches only
   const int my_key = key_of_lane(lane);
   const int step_keys = NSG * KB;
 
@@ -332,10 +390,10 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
     for (; k0 < t.k_hi; k0 += step_keys) {
       // Prefetch the next step's rows (their block-table entries are read now, used next step).
       const int64_t next_off = key_offset(k0 + step_keys + (lane < KB ? lane : 0));
-      if (lane < KB && next_off >= 0) syclexp::prefetch(const_cast<elem_t *>(cache + next_off), E);
+      if (lane < KB && next_off >= 0) syclexp::prefetch(const_cast<cache_t *>(cache + next_off), E);
 
       // The step's K rows: one vector load per lane per chunk, in the cache dtype.
-      vec_t k[KB][NJ];
+      cvec_t k[KB][NJ];
 #pragma unroll
       for (int j = 0; j < KB; ++j) {
         const int64_t o = sycl::select_from_group(sg, off, j);
@@ -358,7 +416,7 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
 #pragma unroll
             for (int c = 0; c < NJ; ++c)
 #pragma unroll
-              for (int i = 0; i < VW; ++i) d += to_f(q[r][c][i]) * to_f(k[j][c][i]);
+              for (int i = 0; i < VW; ++i) d += to_f(q[r][c][i]) * kv_value(k[j][c][i], ks);
             part_dot[j] = d;
           }
           float s = reduce_scatter(sg, lane, part_dot) * scale;
@@ -381,7 +439,7 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
 #pragma unroll
       for (int j = 0; j < KB; ++j) {
         const int64_t o = sycl::select_from_group(sg, off, j);
-        vec_t v[NJV];
+        cvec_t v[NJV];
 #pragma unroll
         for (int c = 0; c < NJV; ++c) v[c] = load_chunk(cache + D, o, c * SG * VW + lane * VW, DV);
 #pragma unroll
@@ -391,7 +449,7 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
 #pragma unroll
             for (int c = 0; c < NJV; ++c)
 #pragma unroll
-              for (int i = 0; i < VW; ++i) acc[r][c][i] += pj * to_f(v[c][i]);
+              for (int i = 0; i < VW; ++i) acc[r][c][i] += pj * kv_value(v[c][i], vs);
           }
         }
       }
@@ -464,16 +522,17 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
 // empty partition writes (-inf, 0) and a zero accumulator.
 extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<SG>))
-void kvm_paged_attention(const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens, const elem_t *cache,
+void kvm_paged_attention(const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens, const cache_t *cache,
                          int64_t s_block, int64_t s_token, int64_t s_head, int64_t num_blocks,
                          const int32_t *block_table, int64_t bt_stride, int64_t bt_rows, int64_t bt_cols,
                          const int32_t *seq_lens, const int32_t *query_start_loc, const int32_t *tiles, elem_t *out,
                          int64_t o_st, int64_t o_sh, float *part_acc, float *part_ml, int32_t num_parts,
                          int32_t part_size, int32_t num_kv_heads, int32_t group, int32_t block_size, float scale,
-                         int32_t window, float softcap, sycl::local_accessor<float, 1> lm) {
+                         int32_t window, float softcap, const float *k_scale, const float *v_scale,
+                         sycl::local_accessor<float, 1> lm) {
   attention_body(query, q_st, q_sh, num_tokens, cache, s_block, s_token, s_head, num_blocks, block_table, bt_stride,
                  bt_rows, bt_cols, seq_lens, query_start_loc, tiles, out, o_st, o_sh, part_acc, part_ml, num_parts,
-                 part_size, num_kv_heads, group, block_size, scale, window, softcap,
+                 part_size, num_kv_heads, group, block_size, scale, window, softcap, k_scale, v_scale,
                  lm.get_multi_ptr<sycl::access::decorated::yes>());
 }
 
@@ -509,11 +568,13 @@ void kvm_split_reduce(const float *part_acc, const float *part_ml, elem_t *out, 
 // write_kv: one work-item per (token, KV head, content element); a slot outside
 // [0, num_blocks * block_size) (-1 = padding) is skipped. key [T][Hkv][D] with strides (k_st, k_sh,
 // 1); value [T][Hkv][DV] with strides (v_st, v_sh, 1); T = num_tokens rows of key, value and
-// slot_mapping. Grid: nd_range<1>(round_up(T * Hkv * E, wg), wg). Bit-exact copy (no conversion).
+// slot_mapping. Grid: nd_range<1>(round_up(T * Hkv * E, wg), wg). Bit-exact copy (no conversion),
+// or for an fp8 cache fp8(x / scale[h]) (k_scale / v_scale: fp32 [Hkv]; unused otherwise).
 extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 void kvm_write_kv(const elem_t *key, int64_t k_st, int64_t k_sh, const elem_t *value, int64_t v_st, int64_t v_sh,
-                  elem_t *cache, int64_t s_block, int64_t s_token, int64_t s_head, int64_t num_blocks,
-                  const int64_t *slot_mapping, int64_t num_tokens, int32_t num_kv_heads, int32_t block_size) {
+                  cache_t *cache, int64_t s_block, int64_t s_token, int64_t s_head, int64_t num_blocks,
+                  const int64_t *slot_mapping, int64_t num_tokens, int32_t num_kv_heads, int32_t block_size,
+                  const float *k_scale, const float *v_scale) {
   auto it = syclext::this_work_item::get_nd_item<1>();
   const int64_t i = static_cast<int64_t>(it.get_global_id(0));
   if (i >= num_tokens * num_kv_heads * E) return;
@@ -524,5 +585,6 @@ void kvm_write_kv(const elem_t *key, int64_t k_st, int64_t k_sh, const elem_t *v
   const int64_t slot = slot_mapping[t];
   if (slot < 0 || slot / block_size >= num_blocks) return;
   const int64_t dst = (slot / block_size) * s_block + (slot % block_size) * s_token + h * s_head + e;
-  cache[dst] = e < D ? key[t * k_st + h * k_sh + e] : value[t * v_st + h * v_sh + (e - D)];
+  cache[dst] = e < D ? cache_from(key[t * k_st + h * k_sh + e], FP8 ? k_scale[h] : 1.f)
+                     : cache_from(value[t * v_st + h * v_sh + (e - D)], FP8 ? v_scale[h] : 1.f);
 }

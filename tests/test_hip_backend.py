@@ -44,7 +44,7 @@ def harness():
 def test_declared_capabilities():
     b = hip.HipBackend()
     assert b.head_sizes == (64, 80, 96, 128, 256) and b.min_block_size == 1
-    assert set(b.dtypes) == {torch.float32, torch.float16, torch.bfloat16}
+    assert set(b.dtypes) == {torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
     for hs in b.head_sizes:
         for bs in (1, 3, 16, 32, 128):
             assert not b.capability_reasons(_config(head_size=hs, head_size_v=hs, block_size=bs))

@@ -92,17 +92,21 @@ NVIDIA_RESERVED_SHARED = 1024
 
 # --------------------------------------------------------------------------------------- batches
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-DTYPE_NAMES = {F32: "fp32", F16: "fp16", BF16: "bf16"}
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+DTYPE_NAMES = {F32: "fp32", F16: "fp16", BF16: "bf16", E4M3: "e4m3", E5M2: "e5m2"}
 TWO_GIB = 2 ** 31
 
 
 @dataclass(frozen=True)
 class BatchSpec:
-    """A batch whose launches are compiled. ``large_cache``: the cache is a > 2 GiB meta tensor."""
+    """A batch whose launches are compiled. ``large_cache``: the cache is a > 2 GiB meta tensor.
+    ``dtype``: the cache's; ``query_dtype``: queries, keys, values and outputs (None: the cache's;
+    an fp8 cache needs one)."""
     name: str
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
     dtype: torch.dtype = F16
+    query_dtype: torch.dtype | None = None
     head_size: int = 64
     head_size_v: int | None = None
     num_kv_heads: int = 2
@@ -140,9 +144,25 @@ def batch_specs(target_name: str | None = None) -> list[BatchSpec]:
         BatchSpec("gqa32", (3, 1), (0, 20), group=32, num_kv_heads=1),
         BatchSpec("single_token_seq", (1,), (0,)),
     ]
+    out += fp8_specs()
     for target in TARGETS.values():
         if target_name in (None, target.name):
             out += model_specs(target)
+    return out
+
+
+def fp8_specs() -> list[BatchSpec]:
+    """fp8 caches (kvmulti/fp8.py): both formats x {mixed, decode, split} with bf16/fp16 queries,
+    plus an fp32-query and an HND batch."""
+    out = []
+    for dtype, act in ((E4M3, BF16), (E5M2, F16)):
+        d = f"{DTYPE_NAMES[dtype]}_{DTYPE_NAMES[act]}"
+        base = dict(dtype=dtype, query_dtype=act, head_size=128)
+        out.append(BatchSpec(f"{d}_mixed", (7, 1, 3), (0, 40, 9), sliding_window=20, softcap=10.0, **base))
+        out.append(BatchSpec(f"{d}_decode", (1, 1, 1), (40, 9, 100), **base))
+        out.append(BatchSpec(f"{d}_split", (1, 1), (1100, 300), split_kv=True, **base))
+    out += [BatchSpec("e4m3_fp32_mixed", (5, 1), (0, 30), dtype=E4M3, query_dtype=F32, head_size=64),
+            BatchSpec("e5m2_bf16_hnd_decode", (1, 1), (30, 70), dtype=E5M2, query_dtype=BF16, order="HND")]
     return out
 
 
@@ -190,10 +210,14 @@ def launches(spec: BatchSpec, family: str):
     layout, cache = _cache(spec, len(seq_lens) * width)
     md = kvmulti.CommonAttentionMetadata.from_lens(list(spec.query_lens), seq_lens, table, bs)
     tokens, hkv = md.num_actual_tokens, spec.num_kv_heads
-    query = torch.zeros(tokens, hkv * spec.group, spec.head_size, dtype=spec.dtype)
-    key = torch.zeros(tokens, hkv, spec.head_size, dtype=spec.dtype)
-    value = torch.zeros(tokens, hkv, layout.value_size, dtype=spec.dtype)
-    out = torch.zeros(tokens, hkv * spec.group, layout.value_size, dtype=spec.dtype)
+    act = spec.query_dtype or spec.dtype
+    query = torch.zeros(tokens, hkv * spec.group, spec.head_size, dtype=act)
+    key = torch.zeros(tokens, hkv, spec.head_size, dtype=act)
+    value = torch.zeros(tokens, hkv, layout.value_size, dtype=act)
+    out = torch.zeros(tokens, hkv * spec.group, layout.value_size, dtype=act)
+    scales = {}
+    if spec.dtype in (E4M3, E5M2):
+        scales = dict(k_scale=torch.ones(hkv), v_scale=torch.ones(hkv))
     s = layout.strides(cache)
     strides = (s.block, s.token, s.head)
     _, attn = launch.attention_launches(
@@ -202,9 +226,10 @@ def launches(spec: BatchSpec, family: str):
         num_reqs=md.num_reqs, num_tokens=tokens, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
         scale=spec.head_size ** -0.5, sliding_window=spec.sliding_window, softcap=spec.softcap,
         split_kv=spec.split_kv, partition_size=spec.partition_size, num_compute_units_=spec.compute_units,
-        family=family)
+        family=family, **scales)
     writes = launch.write_kv_launches(key, value, cache, md.slot_mapping, cache_strides=strides, block_size=bs,
-                                      num_kv_heads=hkv, head_size=spec.head_size, head_size_v=layout.value_size)
+                                      num_kv_heads=hkv, head_size=spec.head_size, head_size_v=layout.value_size,
+                                      **scales)
     result = []
     for ln in attn + writes:
         if "DOT_F32" in ln.args:

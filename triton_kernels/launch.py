@@ -32,6 +32,7 @@ import torch
 import triton
 
 from .unified_attention import reduce_partitions_kernel, unified_attention_kernel
+from .fp8 import fp8_code, raw_cache
 from .write_kv import write_kv_kernel
 
 DEFAULT_PARTITION_SIZE = 512
@@ -176,7 +177,8 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
                        split_kv: bool | None = None, partition_size: int = DEFAULT_PARTITION_SIZE,
                        num_compute_units_: int | None = None,
                        family: str | None = None,
-                       plan: AttentionPlan | None = None) -> tuple[AttentionPlan, list[Launch]]:
+                       plan: AttentionPlan | None = None, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> tuple[AttentionPlan, list[Launch]]:
     """The plan (``plan`` when given: made once per step by the backend's per-step hook) and the
     launches (one, or two on the split path) for one attention call; the split path's fp32
     workspace is allocated here. ``family`` (default: the query's device's) picks the target's
@@ -185,7 +187,10 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
     Bounds for the kernels come from the tensors, not the metadata values: rows =
     min(num_tokens, query rows, out rows); requests = min(num_reqs, len(seq_lens),
     len(query_start_loc) - 1); the block table's shape; the cache's num_blocks; max_seq_len is
-    capped at the table's width in positions (the kernel stops there)."""
+    capped at the table's width in positions (the kernel stops there).
+
+    An fp8 cache needs ``k_scale`` / ``v_scale`` (fp32 [num_kv_heads], kvmulti/fp8.py); the
+    query (and ``out``) may then be fp32, fp16 or bf16."""
     num_qpk = query.shape[1] // num_kv_heads
     family = device_family(query.device) if family is None else family
     max_seq_len = max(0, min(max_seq_len, block_table.shape[1] * block_size))   # keys past the table: never read
@@ -200,7 +205,9 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
     num_reqs = min(num_reqs, seq_lens.shape[0], query_start_loc.shape[0] - 1)
     if num_rows <= 0 or num_reqs <= 0:
         return plan, []
-    dot_f32 = interpreting() and kv_cache.dtype == torch.bfloat16
+    dot_f32 = interpreting() and query.dtype == torch.bfloat16
+    fp8 = fp8_code(kv_cache.dtype)
+    k_scale, v_scale = _scale_args(fp8, k_scale, v_scale, num_kv_heads, out)
     num_q_heads = query.shape[1]
     if plan.split:
         part_acc = torch.empty(num_rows * num_q_heads * plan.num_parts * plan.head_pad_v,
@@ -211,8 +218,9 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
         part_acc = part_ml = out   # unused on the single pass
     sb, st, sh = cache_strides
     args = dict(
-        q_ptr=query, kv_ptr=kv_cache, out_ptr=out, qsl_ptr=query_start_loc, seq_lens_ptr=seq_lens,
-        block_table_ptr=block_table, part_acc_ptr=part_acc, part_ml_ptr=part_ml,
+        q_ptr=query, kv_ptr=raw_cache(kv_cache), out_ptr=out, qsl_ptr=query_start_loc, seq_lens_ptr=seq_lens,
+        block_table_ptr=block_table, part_acc_ptr=part_acc, part_ml_ptr=part_ml, k_scale_ptr=k_scale,
+        v_scale_ptr=v_scale,
         scale=float(scale), num_reqs=num_reqs, num_q_heads=num_q_heads, num_parts=plan.num_parts,
         num_rows=num_rows, num_blocks=kv_cache.shape[0], table_rows=block_table.shape[0],
         table_cols=block_table.shape[1],
@@ -222,7 +230,7 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
         STRIDE_CB=sb, STRIDE_CT=st, STRIDE_CH=sh, WINDOW=int(sliding_window or 0), SOFTCAP=float(softcap or 0.0),
         NUM_QPK=num_qpk, BLOCK_Q=plan.block_q, BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_SIZE_V=head_size_v,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, HEAD_PAD=plan.head_pad, HEAD_PAD_V=plan.head_pad_v,
-        SPLIT=plan.split, PART_SIZE=plan.partition_size if plan.split else 16, DOT_F32=dot_f32,
+        SPLIT=plan.split, PART_SIZE=plan.partition_size if plan.split else 16, DOT_F32=dot_f32, FP8=fp8,
     )
     grid = (num_rows // plan.block_q + num_reqs, num_kv_heads, plan.num_parts)
     launches = [Launch("unified_attention", grid, args, plan.num_warps, plan.num_stages)]
@@ -243,28 +251,47 @@ def unified_attention(*args, **kwargs) -> AttentionPlan:
     return plan
 
 
+def _scale_args(fp8: int, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, num_kv_heads: int,
+                placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' scale pointers: the fp32 [num_kv_heads] scales of an fp8 cache (checked here:
+    the kernels read num_kv_heads of each), ``placeholder`` (never read) for other caches."""
+    if not fp8:
+        return placeholder, placeholder
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if (scale is None or scale.dtype != torch.float32 or not scale.is_contiguous()
+                or scale.shape != (num_kv_heads,) or scale.device != placeholder.device):
+            raise ValueError(f"an fp8 cache needs {name} as a contiguous fp32 [{num_kv_heads}] tensor on "
+                             f"{placeholder.device}, got {None if scale is None else (scale.dtype, tuple(scale.shape))}")
+    return k_scale, v_scale
+
+
 def write_block_h(num_kv_heads: int, head_pad_: int, head_pad_v: int) -> int:
     return min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // max(head_pad_, head_pad_v)))
 
 
 def write_kv_launches(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                       cache_strides: tuple[int, int, int], block_size: int, num_kv_heads: int, head_size: int,
-                      head_size_v: int) -> list[Launch]:
+                      head_size_v: int, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> list[Launch]:
     """The write_kv launch: one program per token row that key, value and slot_mapping all have;
-    the kernel skips slots outside [0, num_blocks * block_size)."""
+    the kernel skips slots outside [0, num_blocks * block_size). An fp8 cache needs ``k_scale`` /
+    ``v_scale`` (fp32 [num_kv_heads]); key and value may then be fp32, fp16 or bf16."""
     num_tokens = min(slot_mapping.shape[0], key.shape[0], value.shape[0])
     if num_tokens <= 0:
         return []
     hp, hpv = head_pad(head_size), head_pad(head_size_v)
     block_h = write_block_h(num_kv_heads, hp, hpv)
+    fp8 = fp8_code(kv_cache.dtype)
+    k_scale, v_scale = _scale_args(fp8, k_scale, v_scale, num_kv_heads, key)
     sb, st, sh = cache_strides
     return [Launch("write_kv", (num_tokens, triton.cdiv(num_kv_heads, block_h)), dict(
-        key_ptr=key, value_ptr=value, kv_ptr=kv_cache, slot_ptr=slot_mapping, num_kv_heads=num_kv_heads,
+        key_ptr=key, value_ptr=value, kv_ptr=raw_cache(kv_cache), slot_ptr=slot_mapping, k_scale_ptr=k_scale,
+        v_scale_ptr=v_scale, num_kv_heads=num_kv_heads,
         num_slots=kv_cache.shape[0] * block_size,
         stride_kt=key.stride(0), stride_kh=key.stride(1), stride_kd=key.stride(2),
         stride_vt=value.stride(0), stride_vh=value.stride(1), stride_vd=value.stride(2),
         stride_cb=sb, stride_ct=st, stride_ch=sh, BLOCK_SIZE=block_size, HEAD_SIZE=head_size,
-        HEAD_SIZE_V=head_size_v, BLOCK_H=block_h, HEAD_PAD=hp, HEAD_PAD_V=hpv))]
+        HEAD_SIZE_V=head_size_v, BLOCK_H=block_h, HEAD_PAD=hp, HEAD_PAD_V=hpv, FP8=fp8))]
 
 
 def write_kv(*args, **kwargs) -> None:

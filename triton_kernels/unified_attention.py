@@ -30,6 +30,12 @@ Two kernels serve every batch:
   ``PART_SIZE`` positions (grid dim 2); each program writes its unnormalised partial output,
   running max and sum to a fp32 workspace, and ``reduce_partitions_kernel`` combines them.
 
+* fp8 caches (``FP8`` != 0; kvmulti/fp8.py): the cache arrives as its uint8 bytes; each K/V tile
+  is decoded in registers (``fp8_decode``, exact) to the query's dtype (every fp8 value is exact
+  in fp16 and bf16), so the dots are those of a query-dtype cache holding the unscaled values. The
+  program's KV head has one ``k_scale`` and one ``v_scale``: ``k_scale`` joins the softmax scale
+  and ``v_scale`` multiplies the fp32 accumulator before it is stored.
+
 ``DOT_F32`` exists for the Triton interpreter only (TRITON_INTERPRET=1), whose ``tl.dot`` on
 bf16 operands is wrong (numpy has no bf16): the operands are rounded to their real dtype first
 and then widened to fp32, so the products equal those of a bf16 tensor-core dot.
@@ -39,6 +45,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .fp8 import fp8_decode
 
 # Row max / row sum as ``tl.reduce`` over Triton's own combine functions: exactly what tl.max /
 # tl.sum lower to for fp32 inputs; zeros as tl.full. Not tl.max / tl.sum / tl.zeros themselves:
@@ -53,7 +61,7 @@ _SUM = tl.standard._sum_combine
 def unified_attention_kernel(
     q_ptr, kv_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
-    part_acc_ptr, part_ml_ptr,
+    part_acc_ptr, part_ml_ptr, k_scale_ptr, v_scale_ptr,
     scale,
     num_reqs, num_q_heads, num_parts,
     num_rows, num_blocks, table_rows, table_cols,
@@ -65,7 +73,7 @@ def unified_attention_kernel(
     NUM_QPK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
-    SPLIT: tl.constexpr, PART_SIZE: tl.constexpr, DOT_F32: tl.constexpr,
+    SPLIT: tl.constexpr, PART_SIZE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -108,6 +116,9 @@ def unified_attention_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
+    qk_scale = scale
+    if FP8 > 0:
+        qk_scale = scale * tl.load(k_scale_ptr + kvh)
 
     # Keys this program can need: causal end of its last row, window start of its first row.
     last_local = tl.minimum(q_len, (q_block + 1) * BLOCK_Q) - 1
@@ -135,12 +146,15 @@ def unified_attention_kernel(
         blk = tl.load(bt_row + (k_pos // BLOCK_SIZE) * stride_bn, mask=in_range, other=0)
         k_ok = in_range & (blk >= 0) & (blk < num_blocks)    # a block id outside the cache: a masked key
         off = blk.to(tl.int64) * STRIDE_CB + (k_pos % BLOCK_SIZE).to(tl.int64) * STRIDE_CT + head_off
-        k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+        k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0)
         v = tl.load(kv_ptr + off[:, None] + HEAD_SIZE + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :],
-                    other=0.0)
+                    other=0)
+        if FP8 > 0:
+            k = fp8_decode(k, FP8).to(q_ptr.dtype.element_ty)
+            v = fp8_decode(v, FP8).to(q_ptr.dtype.element_ty)
         if DOT_F32:
             k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision="ieee") * scale          # [BLOCK_M, TILE_N], fp32
+        s = tl.dot(q, k, input_precision="ieee") * qk_scale         # [BLOCK_M, TILE_N], fp32
         if SOFTCAP > 0:
             # softcap * tanh(s / softcap), tanh via exp(-2|x|): no overflow, exact sign.
             e = tl.exp(-2.0 * tl.abs(s / SOFTCAP))
@@ -163,6 +177,8 @@ def unified_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision="ieee")
         m_i = m_new
 
+    if FP8 > 0:
+        acc = acc * tl.load(v_scale_ptr + kvh)
     if SPLIT:
         row = (tok * num_q_heads + head) * num_parts + part
         tl.store(part_acc_ptr + row[:, None] * HEAD_PAD_V + offs_dv[None, :], acc, mask=row_ok[:, None])

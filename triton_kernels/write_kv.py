@@ -7,6 +7,10 @@ trusted, the kernel never writes outside the cache. The grid covers only token r
 value and slot_mapping all have. The cache is addressed through its named strides (block, token, head; content stride 1,
 V after the ``head_size`` K elements), the key/value inputs through their own strides, so strided
 views (e.g. slices of a fused qkv projection) need no copy.
+
+fp8 caches (``FP8`` != 0, the cache passed as its uint8 bytes): each row is divided by its head's
+scale (``k_scale_ptr`` / ``v_scale_ptr``, fp32 [num_kv_heads]) with IEEE rounding (``div_rn``)
+and stored as ``fp8_encode`` of the quotient (kvmulti/fp8.py's rule, bit for bit).
 """
 
 from __future__ import annotations
@@ -14,16 +18,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .fp8 import fp8_encode
+
 
 @triton.jit
 def write_kv_kernel(
-    key_ptr, value_ptr, kv_ptr, slot_ptr,
+    key_ptr, value_ptr, kv_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     num_kv_heads, num_slots,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_cb, stride_ct, stride_ch,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
-    BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
+    BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr, FP8: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -38,10 +44,21 @@ def write_kv_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     k_mask = h_ok[:, None] & (offs_d < HEAD_SIZE)[None, :]
     k = tl.load(key_ptr + tok * stride_kt + heads[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=k_mask)
+    if FP8 > 0:
+        k = _quantize(k, k_scale_ptr, heads, h_ok, FP8)
     tl.store(dst + offs_d[None, :], k, mask=k_mask)
 
     offs_dv = tl.arange(0, HEAD_PAD_V)
     v_mask = h_ok[:, None] & (offs_dv < HEAD_SIZE_V)[None, :]
     v = tl.load(value_ptr + tok * stride_vt + heads[:, None] * stride_vh + offs_dv[None, :] * stride_vd,
                 mask=v_mask)
+    if FP8 > 0:
+        v = _quantize(v, v_scale_ptr, heads, h_ok, FP8)
     tl.store(dst + HEAD_SIZE + offs_dv[None, :], v, mask=v_mask)
+
+
+@triton.jit
+def _quantize(x, scale_ptr, heads, h_ok, FP8: tl.constexpr):
+    """rows x [BLOCK_H, D] of heads ``heads`` -> uint8 codes of fp8(x / scale[head])."""
+    head_scale = tl.load(scale_ptr + heads, mask=h_ok, other=1.0)
+    return fp8_encode(tl.div_rn(x.to(tl.float32), head_scale[:, None]), FP8)

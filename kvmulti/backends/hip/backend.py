@@ -25,9 +25,9 @@ import torch
 from ... import settings
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata, max_visible_span
-from ..base import AttentionConfig, Backend, StepMetadata
+from ..base import ALL_DTYPES, FP8_DTYPES, AttentionConfig, Backend, StepMetadata
 from . import build
-from .library import DTYPE_CODES, check, load_cpu_library, load_rocm_library
+from .library import CACHE_DTYPE_CODES, DTYPE_CODES, check, load_cpu_library, load_rocm_library
 
 #: Head sizes with compiled kernel instantiations (hip/launcher.hip dispatch_head_size).
 HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 128, 256)
@@ -48,6 +48,7 @@ class HipPlan:
 class HipBackend(Backend):
     name = "HIP"
     platforms = ("rocm",)
+    dtypes = ALL_DTYPES + FP8_DTYPES     # fp8 caches: the FMA engine, hip/kvmulti_common.h's fp8 codecs
     head_sizes = HEAD_SIZES
 
     def __init__(self, partition_size: int | None = None, cpu_wave: int | None = None):
@@ -149,10 +150,11 @@ class HipBackend(Backend):
         s = layout.strides(kv_cache)
         slots = slot_mapping.to(torch.int64).contiguous()
         hv = layout.value_size if value is not None else 0
-        v = value if value is not None else key
+        v = value.to(key.dtype) if value is not None else key
         with _device_guard(kv_cache.device):
             err = lib.kvmulti_hip_write_kv(
-                DTYPE_CODES[kv_cache.dtype], key.data_ptr(), v.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(),
+                DTYPE_CODES[key.dtype], CACHE_DTYPE_CODES[kv_cache.dtype], _ptr(k_scale), _ptr(v_scale),
+                key.data_ptr(), v.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(),
                 key.stride(0), key.stride(1), key.stride(2), v.stride(0), v.stride(1), v.stride(2),
                 s.block, s.token, s.head, min(key.shape[0], v.shape[0], slots.numel()), layout.num_kv_heads,
                 layout.head_size, hv, layout.block_size, min(layout.num_blocks, kv_cache.shape[0]), stream)
@@ -172,7 +174,8 @@ class HipBackend(Backend):
         dst = out if out.stride(2) == 1 else torch.empty_like(out)
         with _device_guard(kv_cache.device):
             err = lib.kvmulti_hip_paged_attention(
-                DTYPE_CODES[query.dtype], layout.head_size, wave, dst.data_ptr(), query.data_ptr(),
+                DTYPE_CODES[query.dtype], CACHE_DTYPE_CODES[kv_cache.dtype], _ptr(k_scale), _ptr(v_scale),
+                layout.head_size, wave, dst.data_ptr(), query.data_ptr(),
                 kv_cache.data_ptr(), plan.query_start_loc.data_ptr(), plan.seq_lens.data_ptr(),
                 plan.block_table.data_ptr(), query.stride(0), query.stride(1), dst.stride(0), dst.stride(1),
                 s.block, s.token, s.head, plan.block_table.stride(0),
@@ -209,6 +212,11 @@ def _rocm_reasons() -> list[str]:
         reasons.append(f"device arch {arch} is not among the built archs {built} "
                        "(set PYTORCH_ROCM_ARCH to include it)")
     return reasons
+
+
+def _ptr(scale: torch.Tensor | None) -> int | None:
+    """The data pointer of an fp8 cache's fp32 [num_kv_heads] scale (None for other caches)."""
+    return None if scale is None else scale.data_ptr()
 
 
 def _device_guard(device: torch.device):

@@ -26,7 +26,7 @@ import torch
 from ... import settings
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata, first_visible_position
-from ..base import Backend, StepMetadata
+from ..base import ALL_DTYPES, FP8_DTYPES, Backend, StepMetadata
 from .runtime import (ARG_F32, ARG_I32, ARG_I64, ARG_LOCAL_F32, ARG_PTR, DTYPE_CODES, K_ATTN,
                       K_REDUCE, K_SPLIT, K_WRITE, Session, SyclError, Staging, default_session, find_runtime,
                       get_runtime, kernel_source, runtime_reasons, runtime_version, usm_allocator, usm_empty,
@@ -60,19 +60,28 @@ def choose_wg(head_size_v: int, local_mem: int) -> int:
     raise SyclError(f"head size {head_size_v} needs more local memory than the device has ({local_mem} B)")
 
 
-def vector_bytes(dtype: torch.dtype, head_size: int, head_size_v: int) -> int:
-    """Bytes of one per-lane K/V vector load (VW * element size in kernels.cpp): the cache base
-    pointer must be aligned to it."""
+#: KVM_CACHE codes of the fp8 cache formats (kernels.cpp; kvmulti/fp8.py)
+FP8_CACHE_CODES = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+
+
+def vector_bytes(dtype: torch.dtype, head_size: int, head_size_v: int, cache_dtype: torch.dtype | None = None) -> int:
+    """Bytes of one per-lane K/V vector load (VW * cache element size in kernels.cpp; VW from the
+    activation ``dtype``): the cache base pointer must be aligned to it. ``cache_dtype``: an fp8
+    cache's dtype, None when the cache holds ``dtype``."""
     size = dtype.itemsize
     v = 16 // size
     while v > 1 and (head_size % v or head_size_v % v):
         v //= 2
-    return v * size
+    return v * (cache_dtype or dtype).itemsize
 
 
-def kernel_options(dtype: torch.dtype, head_size: int, head_size_v: int, wg: int = WG) -> list[str]:
+def kernel_options(dtype: torch.dtype, head_size: int, head_size_v: int, wg: int = WG,
+                   cache_dtype: torch.dtype | None = None) -> list[str]:
+    """Build options of kernels.cpp for activations (query, key, value, out) of ``dtype`` and a
+    cache of ``dtype`` (``cache_dtype`` None) or of the fp8 ``cache_dtype``."""
+    cache = [f"-DKVM_CACHE={FP8_CACHE_CODES[cache_dtype]}"] if cache_dtype in FP8_CACHE_CODES else []
     return [f"-DKVM_DTYPE={DTYPE_CODES[dtype]}", f"-DKVM_HEAD_SIZE={head_size}", f"-DKVM_HEAD_SIZE_V={head_size_v}",
-            f"-DKVM_ROWS={ROWS}", f"-DKVM_WG={wg}", f"-DKVM_SG={SG}", f"-DKVM_RB={RB}"]
+            f"-DKVM_ROWS={ROWS}", f"-DKVM_WG={wg}", f"-DKVM_SG={SG}", f"-DKVM_RB={RB}"] + cache
 
 
 @dataclass
@@ -132,10 +141,13 @@ def plan_attention(metadata: CommonAttentionMetadata, group: int, num_kv_heads: 
     return Plan(tiles, num_tiles, max_span, max(1, -(-max_span // part)), part)
 
 
-def check_cache_alignment(kv_cache: torch.Tensor, layout: KVCacheLayout) -> None:
+def check_cache_alignment(kv_cache: torch.Tensor, layout: KVCacheLayout, query_dtype: torch.dtype | None = None) -> None:
     """The attention kernels read K/V rows with vector loads of :func:`vector_bytes`; a cache view
-    whose base is not aligned to that is refused (SyclError) rather than read misaligned."""
-    need = vector_bytes(layout.dtype, layout.head_size, layout.value_size)
+    whose base is not aligned to that is refused (SyclError) rather than read misaligned.
+    ``query_dtype``: the activations' dtype of an fp8 cache (None: the cache's dtype)."""
+    fp8 = layout.dtype in FP8_CACHE_CODES
+    need = vector_bytes(query_dtype if fp8 else layout.dtype, layout.head_size, layout.value_size,
+                        layout.dtype if fp8 else None)
     if kv_cache.data_ptr() % need:
         raise SyclError(f"the KV cache's base address {kv_cache.data_ptr():#x} is not aligned to {need} bytes "
                         "(the SYCL kernels load K/V rows as vectors)")
@@ -147,6 +159,7 @@ class SyclBackend(Backend):
 
     name = "SYCL"
     platforms = ("xpu",)
+    dtypes = ALL_DTYPES + FP8_DTYPES    # fp8 caches: kernels.cpp built with KVM_CACHE
 
     def __init__(self, partition_size: int | None = None, stage_cpu_tensors: bool | None = None):
         super().__init__(partition_size)
@@ -198,13 +211,18 @@ class SyclBackend(Backend):
     def session_for(self, device: torch.device) -> Session:
         return xpu_session(device) if device.type == "xpu" else default_session()
 
-    def bundle(self, session: Session, layout: KVCacheLayout) -> int:
-        """The kernels for ``layout``'s dtype and head sizes on ``session``'s device (built on first use)."""
-        key = (session.key, layout.dtype, layout.head_size, layout.value_size)
+    def bundle(self, session: Session, layout: KVCacheLayout, activation_dtype: torch.dtype | None = None) -> int:
+        """The kernels for ``layout``'s dtype and head sizes on ``session``'s device (built on first use);
+        an fp8 cache needs the ``activation_dtype`` of its queries / keys / values (one bundle each)."""
+        fp8 = layout.dtype in FP8_CACHE_CODES
+        if fp8 and activation_dtype is None:
+            raise SyclError("an fp8 cache's kernels need the activation dtype (query / key / value)")
+        act = activation_dtype if fp8 else layout.dtype
+        key = (session.key, act, layout.dtype, layout.head_size, layout.value_size)
         handle = self._bundles.get(key)
         if handle is None:
             wg = choose_wg(layout.value_size, session.device.local_mem)
-            opts = kernel_options(layout.dtype, layout.head_size, layout.value_size, wg)
+            opts = kernel_options(act, layout.head_size, layout.value_size, wg, layout.dtype if fp8 else None)
             handle = self._bundles[key] = session.build(kernel_source(), opts)
         return handle
 
@@ -229,10 +247,10 @@ class SyclBackend(Backend):
         if total == 0:
             return
         key = key if key.stride(-1) == 1 else key.contiguous()
-        value = value if value.stride(-1) == 1 else value.contiguous()
+        value = value.to(key.dtype) if value.stride(-1) == 1 else value.to(key.dtype).contiguous()
         slot_mapping = slot_mapping.to(torch.int64).contiguous()
         session = self.session_for(kv_cache.device)
-        bundle = self.bundle(session, layout)
+        bundle = self.bundle(session, layout, key.dtype)
         s = layout.strides(kv_cache)
         on_xpu = kv_cache.device.type == "xpu"
         staging = None if on_xpu else self._staging(session, kv_cache)
@@ -243,7 +261,7 @@ class SyclBackend(Backend):
                     (ARG_PTR, ptr(value)), (ARG_I64, value.stride(0)), (ARG_I64, value.stride(1)),
                     (ARG_PTR, ptr(kv_cache, True)), (ARG_I64, s.block), (ARG_I64, s.token), (ARG_I64, s.head),
                     (ARG_I64, layout.num_blocks), (ARG_PTR, ptr(slot_mapping)), (ARG_I64, num_tokens),
-                    (ARG_I32, layout.num_kv_heads), (ARG_I32, layout.block_size)]
+                    (ARG_I32, layout.num_kv_heads), (ARG_I32, layout.block_size)] + _scale_args(ptr, k_scale, v_scale)
             glob = -(-total // WRITE_WG) * WRITE_WG
             session.launch(bundle, K_WRITE, glob, WRITE_WG, args, wait=not on_xpu)
             ok = True
@@ -288,7 +306,7 @@ class SyclBackend(Backend):
         device = kv_cache.device
         on_xpu = device.type == "xpu"
         session = self.session_for(device)
-        bundle = self.bundle(session, layout)
+        bundle = self.bundle(session, layout, query.dtype)
         hkv = layout.num_kv_heads
         group = query.shape[1] // hkv
         query = query if query.stride(-1) == 1 else query.contiguous()
@@ -297,7 +315,7 @@ class SyclBackend(Backend):
         num_tokens = min(query.shape[0], target.shape[0])
         if plan.part_size:
             num_tokens = min(num_tokens, max(step.common.num_actual_tokens, 0))
-        check_cache_alignment(kv_cache, layout)
+        check_cache_alignment(kv_cache, layout, query.dtype)
         block_table = sstep.block_table
         s = layout.strides(kv_cache)
         staging = None if on_xpu else self._staging(session, kv_cache)
@@ -314,7 +332,8 @@ class SyclBackend(Backend):
                       (ARG_PTR, ptr(sstep.seq_lens)), (ARG_PTR, ptr(sstep.query_start_loc)),
                       (ARG_PTR, ptr(sstep.tiles))]
             tail = [(ARG_I32, hkv), (ARG_I32, group), (ARG_I32, layout.block_size), (ARG_F32, scale),
-                    (ARG_I32, step.sliding_window or 0), (ARG_F32, softcap or 0.0)] + local
+                    (ARG_I32, step.sliding_window or 0), (ARG_F32, softcap or 0.0)] + \
+                _scale_args(ptr, k_scale, v_scale) + local
             out_args = [(ARG_PTR, ptr(target, True)), (ARG_I64, target.stride(0)), (ARG_I64, target.stride(1))]
             groups = plan.num_tiles * hkv
             if not plan.part_size:
@@ -340,3 +359,6 @@ class SyclBackend(Backend):
             out.copy_(target)
 
 
+def _scale_args(ptr, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> list[tuple[int, object]]:
+    """The kernels' k_scale / v_scale pointer arguments (fp32 [Hkv] for an fp8 cache; null otherwise)."""
+    return [(ARG_PTR, 0 if k_scale is None else ptr(k_scale)), (ARG_PTR, 0 if v_scale is None else ptr(v_scale))]

@@ -22,7 +22,7 @@ import torch
 from ... import settings
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata
-from ..base import Backend, StepMetadata
+from ..base import ALL_DTYPES, FP8_DTYPES, Backend, StepMetadata
 
 
 def interpreting() -> bool:
@@ -70,6 +70,7 @@ def _kernels():
 class TritonBackend(Backend):
     name = "TRITON"
     platforms = ("cuda", "rocm", "xpu")
+    dtypes = ALL_DTYPES + FP8_DTYPES    # fp8 caches: triton_kernels/fp8.py
     max_head_size = 256          # any head size up to 256 (padded to a power of two in the kernel)
 
     def __init__(self, partition_size: int | None = None):
@@ -130,7 +131,8 @@ class TritonBackend(Backend):
         s = layout.strides(kv_cache)
         _kernels().write_kv(key, value, kv_cache, slot_mapping, cache_strides=(s.block, s.token, s.head),
                             block_size=layout.block_size, num_kv_heads=layout.num_kv_heads,
-                            head_size=layout.head_size, head_size_v=layout.value_size)
+                            head_size=layout.head_size, head_size_v=layout.value_size, k_scale=k_scale,
+                            v_scale=v_scale)
 
     def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
                         softcap: float | None, out: torch.Tensor,
@@ -143,4 +145,4 @@ class TritonBackend(Backend):
             num_kv_heads=layout.num_kv_heads, head_size=layout.head_size, head_size_v=layout.value_size,
             num_reqs=common.num_reqs, num_tokens=common.num_actual_tokens,
             max_query_len=common.max_query_len, max_seq_len=common.max_seq_len, scale=scale,
-            sliding_window=step.sliding_window, softcap=softcap, plan=step.plan)
+            sliding_window=step.sliding_window, softcap=softcap, plan=step.plan, k_scale=k_scale, v_scale=v_scale)
