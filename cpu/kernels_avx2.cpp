@@ -22,9 +22,11 @@ namespace avx2 {
 }  // namespace avx2
 #pragma GCC pop_options
 RunItemFn run_item_avx2() { return &avx2::run_item; }
+WidenFp8Fn widen_fp8_avx2() { return &avx2::widen_fp8; }
 int lanes_avx2() { return 8; }
 #else
 RunItemFn run_item_avx2() { return nullptr; }  // compiled only with GCC on x86
+WidenFp8Fn widen_fp8_avx2() { return nullptr; }
 int lanes_avx2() { return 8; }
 #endif
 }  // namespace kvmulti_cpu

@@ -22,9 +22,11 @@ namespace avx512 {
 }  // namespace avx512
 #pragma GCC pop_options
 RunItemFn run_item_avx512() { return &avx512::run_item; }
+WidenFp8Fn widen_fp8_avx512() { return &avx512::widen_fp8; }
 int lanes_avx512() { return 16; }
 #else
 RunItemFn run_item_avx512() { return nullptr; }  // compiled only with GCC on x86
+WidenFp8Fn widen_fp8_avx512() { return nullptr; }
 int lanes_avx512() { return 16; }
 #endif
 }  // namespace kvmulti_cpu

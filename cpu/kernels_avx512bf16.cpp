@@ -24,9 +24,11 @@ namespace avx512bf16 {
 }  // namespace avx512bf16
 #pragma GCC pop_options
 RunItemFn run_item_avx512bf16() { return &avx512bf16::run_item; }
+WidenFp8Fn widen_fp8_avx512bf16() { return &avx512bf16::widen_fp8; }
 int lanes_avx512bf16() { return 16; }
 #else
 RunItemFn run_item_avx512bf16() { return nullptr; }  // compiled only with GCC on x86
+WidenFp8Fn widen_fp8_avx512bf16() { return nullptr; }
 int lanes_avx512bf16() { return 16; }
 #endif
 }  // namespace kvmulti_cpu

@@ -23,5 +23,6 @@ namespace generic {
 #undef KV_W
 }  // namespace generic
 RunItemFn run_item_generic() { return &generic::run_item; }
+WidenFp8Fn widen_fp8_generic() { return &generic::widen_fp8; }
 int lanes_generic() { return KV_GENERIC_LANES; }
 }  // namespace kvmulti_cpu

@@ -4,10 +4,14 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace kvmulti_cpu {
 
-enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kE4M3 = 3, kE5M2 = 4 };
+// fp8 cache formats (kvmulti/fp8.py): e4m3fn (bias 7, no infinities, NaN = S.1111.111) and e5m2
+// (bias 15, the top byte of an fp16).
+constexpr bool is_fp8(int dtype) { return dtype == kE4M3 || dtype == kE5M2; }
 
 // Keys per chunk: the unit of block-table walking, K/V conversion and online softmax.
 constexpr int kChunk = 64;
@@ -27,7 +31,10 @@ struct AttnParams {
   int64_t bt_stride;
   int num_blocks;      // cache blocks: a block id outside [0, num_blocks) is never dereferenced
   int head_size, head_size_v, num_q_heads, num_kv_heads, block_size;
-  int dtype;           // DType
+  int dtype;           // DType of query and out
+  int cache_dtype;     // DType of the cache: dtype, or kE4M3 / kE5M2 (then k_scale / v_scale are set)
+  const float* k_scale;  // fp8 caches: [num_kv_heads] (keys read as fp8 * k_scale), else nullptr
+  const float* v_scale;  // fp8 caches: [num_kv_heads], else nullptr
   float scale;
   int window;          // <= 0: no sliding window
   float softcap;       // <= 0: off
@@ -60,12 +67,18 @@ inline int64_t workspace_floats(int max_rows_per_head, int max_heads, int head_s
 }
 
 using RunItemFn = void (*)(const AttnParams&, const WorkItem&, float* workspace);
+// dst[0:n] = the fp8 codes src[0:n] (dtype kE4M3 / kE5M2) as fp32, through the kernel's in-register loads.
+using WidenFp8Fn = void (*)(int dtype, const uint8_t* src, int n, float* dst);
 
 // Provided by the kernel translation units (nullptr where an ISA was not compiled).
 RunItemFn run_item_avx512bf16();
 RunItemFn run_item_avx512();
 RunItemFn run_item_avx2();
 RunItemFn run_item_generic();
+WidenFp8Fn widen_fp8_avx512bf16();
+WidenFp8Fn widen_fp8_avx512();
+WidenFp8Fn widen_fp8_avx2();
+WidenFp8Fn widen_fp8_generic();
 int lanes_avx512bf16();
 int lanes_avx512();
 int lanes_avx2();
@@ -114,6 +127,51 @@ inline uint16_t f32_to_f16(float f) {
   }
   ax -= 0x38000000u;
   return uint16_t(sign | ((ax + 0xfffu + ((ax >> 13) & 1u)) >> 13));
+}
+
+
+// ---- fp8 (kvmulti/fp8.py's rule) -----------------------------------------------------------------
+// e5m2 is the top byte of an fp16. e4m3fn's 7 magnitude bits shifted left by 7 are an fp16 with the
+// same mantissa and an exponent 8 lower (bias 15 vs 7, subnormals included): x 2^8 restores it.
+// The one exception is NaN (0x7f / 0xff), which that mapping would make 480.
+inline float e5m2_to_f32(uint8_t b) { return f16_to_f32(uint16_t(b) << 8); }
+inline float e4m3_to_f32(uint8_t b) {
+  if ((b & 0x7fu) == 0x7fu) return std::numeric_limits<float>::quiet_NaN();
+  return f16_to_f32(uint16_t(((b & 0x80u) << 8) | ((b & 0x7fu) << 7))) * 256.0f;
+}
+
+// fp32 -> fp8 with EB exponent / MB mantissa bits, round to nearest even. |x| must be <= the
+// format's max finite value (callers clamp first) or NaN; NaN becomes sign | 0x7f (as torch).
+template <int EB, int MB> inline uint8_t f32_to_fp8(float x) {
+  constexpr int bias = (1 << (EB - 1)) - 1;
+  constexpr int min_exp = 1 - bias;                 // exponent of the smallest normal
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const uint32_t ax = u & 0x7fffffffu;
+  if (ax > 0x7f800000u) return uint8_t(sign | 0x7fu);
+  if (ax < uint32_t(127 + min_exp) << 23) {         // subnormal (or zero): a multiple of 2^(min_exp - MB)
+    float a;
+    std::memcpy(&a, &ax, 4);
+    const float magic = 8388608.0f;                  // 2^23: the sum rounds to an integer, ties to even
+    const float scaled = a * float(1u << (MB - min_exp));   // exact: a power-of-two scaling up
+    const float r = (scaled + magic) - magic;
+    return uint8_t(sign | uint8_t(r));
+  }
+  const uint32_t odd = (ax >> (23 - MB)) & 1u;
+  const uint32_t rebias = uint32_t(bias - 127) << 23;   // wraps: an unsigned subtraction of the exponent
+  return uint8_t(sign | ((ax + rebias + (1u << (22 - MB)) - 1u + odd) >> (23 - MB)));
+}
+inline uint8_t f32_to_e4m3(float x) { return f32_to_fp8<4, 3>(x); }
+inline uint8_t f32_to_e5m2(float x) { return f32_to_fp8<5, 2>(x); }
+
+// kvmulti/fp8.py's quantisation: fp32 division by the scale, clamp to +-max finite (NaN stays NaN),
+// round to nearest even.
+inline uint8_t quantize_fp8(float x, float scale, int dtype) {
+  const float limit = dtype == kE4M3 ? 448.0f : 57344.0f;
+  float y = x / scale;
+  y = y > limit ? limit : (y < -limit ? -limit : y);   // NaN compares false: passes through
+  return dtype == kE4M3 ? f32_to_e4m3(y) : f32_to_e5m2(y);
 }
 
 }  // namespace kvmulti_cpu

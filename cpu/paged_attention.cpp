@@ -60,6 +60,15 @@ const char* isa_name(int isa) {
   return isa == kAvx512Bf16 ? "avx512bf16" : isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2" : "generic";
 }
 
+WidenFp8Fn widen_fp8_of(Isa isa) {
+  switch (isa) {
+    case kAvx512Bf16: return widen_fp8_avx512bf16();
+    case kAvx512: return widen_fp8_avx512();
+    case kAvx2: return widen_fp8_avx2();
+    default: return widen_fp8_generic();
+  }
+}
+
 bool usable(Isa isa) { return kernel_of(isa) != nullptr && cpu_has(isa); }
 
 Isa best_isa() {
@@ -76,6 +85,23 @@ int dtype_code(const torch::Tensor& t) {
     default: TORCH_CHECK(false, "kvmulti native CPU attention: unsupported dtype ", t.scalar_type());
   }
   return kF32;
+}
+
+// The cache's DType: the activation dtypes, or the fp8 formats.
+int cache_dtype_code(const torch::Tensor& t) {
+  if (t.scalar_type() == torch::kFloat8_e4m3fn) return kE4M3;
+  if (t.scalar_type() == torch::kFloat8_e5m2) return kE5M2;
+  return dtype_code(t);
+}
+
+// An fp8 cache's per-head scale: fp32, contiguous, at least num_kv_heads values; its data pointer.
+const float* fp8_scale(const c10::optional<torch::Tensor>& scale, int64_t num_kv_heads, const char* name) {
+  TORCH_CHECK(scale.has_value(), name, " is required for an fp8 cache");
+  const torch::Tensor& t = *scale;
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 1 && t.is_contiguous() &&
+                  t.size(0) >= num_kv_heads,
+              name, " must be a contiguous fp32 CPU tensor of num_kv_heads values");
+  return t.data_ptr<float>();
 }
 
 }  // namespace
@@ -136,7 +162,8 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
                      const torch::Tensor& seq_lens_cpu, int64_t s_block, int64_t s_token, int64_t s_head,
                      int64_t head_size, int64_t head_size_v, int64_t num_kv_heads, int64_t block_size,
                      double scale, int64_t window, double softcap, bool causal, int64_t partition_len,
-                     int64_t isa_req) {
+                     int64_t isa_req, const c10::optional<torch::Tensor>& k_scale,
+                     const c10::optional<torch::Tensor>& v_scale) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && block_table.dim() == 2 && kv_cache.dim() >= 1,
               "query/out [T, H, D], block_table [R, W]");
@@ -146,7 +173,9 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
               "block_table must be int32 with contiguous rows");
   TORCH_CHECK(query_start_loc_cpu.scalar_type() == torch::kInt32 && seq_lens_cpu.scalar_type() == torch::kInt32, "int32 lens");
   TORCH_CHECK(query_start_loc_cpu.is_contiguous() && seq_lens_cpu.is_contiguous(), "contiguous lens");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(), "dtype mismatch");
+  const int cache_dtype = cache_dtype_code(kv_cache);
+  TORCH_CHECK((is_fp8(cache_dtype) || query.scalar_type() == kv_cache.scalar_type()) &&
+                  out.scalar_type() == query.scalar_type(), "dtype mismatch");
   TORCH_CHECK(num_kv_heads > 0 && block_size > 0 && head_size > 0 && head_size_v > 0 &&
               query.size(1) % num_kv_heads == 0, "bad head counts or sizes");
   TORCH_CHECK(query.size(2) >= head_size && out.size(2) >= head_size_v && out.size(1) >= query.size(1) &&
@@ -181,6 +210,9 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
   P.num_kv_heads = int(num_kv_heads);
   P.block_size = int(block_size);
   P.dtype = dtype_code(query);
+  P.cache_dtype = cache_dtype;
+  P.k_scale = is_fp8(cache_dtype) ? fp8_scale(k_scale, num_kv_heads, "k_scale") : nullptr;
+  P.v_scale = is_fp8(cache_dtype) ? fp8_scale(v_scale, num_kv_heads, "v_scale") : nullptr;
   P.scale = float(scale);
   P.window = window > 0 ? int(std::min<int64_t>(window, INT32_MAX / 4)) : 0;
   P.softcap = softcap > 0 ? float(softcap) : 0.0f;
@@ -364,6 +396,81 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   }
 }
 
+// write_kv for an fp8 cache: each element is quantised by kvmulti/fp8.py's rule (fp32 division by its
+// head's scale, clamp, round to nearest even); key/value are fp32, fp16 or bf16. Slots as in write_kv.
+void write_kv_fp8(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
+                  const torch::Tensor& slot_mapping, int64_t s_block, int64_t s_token, int64_t s_head,
+                  int64_t head_size, int64_t head_size_v, int64_t block_size, const torch::Tensor& k_scale,
+                  const torch::Tensor& v_scale) {
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && kv_cache.dim() >= 1, "key/value [T, H, D]");
+  TORCH_CHECK((key.size(2) <= 1 || key.stride(2) == 1) && (head_size_v <= 1 || value.stride(2) == 1),
+              "key/value need a contiguous last dim");
+  const int cache_dtype = cache_dtype_code(kv_cache);
+  TORCH_CHECK(is_fp8(cache_dtype) && value.scalar_type() == key.scalar_type(), "fp8 cache and key/value dtypes");
+  const int kdt = dtype_code(key);
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping int64");
+  TORCH_CHECK(block_size > 0 && head_size >= 0 && head_size_v >= 0 && key.size(2) >= head_size &&
+              (head_size_v == 0 || (value.size(2) >= head_size_v && value.size(1) >= key.size(1))),
+              "key/value smaller than the head sizes");
+  TORCH_CHECK(s_block >= 0 && s_token >= 0 && s_head >= 0, "negative strides");
+  const int64_t num_blocks = kv_cache.size(0), H = key.size(1);
+  TORCH_CHECK(cache_extent(num_blocks, block_size, H, s_block, s_token, s_head, head_size + head_size_v) <=
+                  tensor_span(kv_cache),
+              "the cache strides (or key's head count) reach outside kv_cache");
+  const float* ks = fp8_scale(k_scale, H, "k_scale");
+  const float* vs = head_size_v ? fp8_scale(v_scale, H, "v_scale") : nullptr;
+  int64_t T = std::min<int64_t>(slot_mapping.size(0), key.size(0));
+  if (head_size_v) T = std::min<int64_t>(T, value.size(0));
+  const int64_t num_slots = num_blocks * block_size;
+  const int64_t es = key.element_size();
+  uint8_t* cache = static_cast<uint8_t*>(kv_cache.data_ptr());
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = head_size_v ? static_cast<const char*>(value.data_ptr()) : nullptr;
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1);
+  const int64_t vs0 = head_size_v ? value.stride(0) : 0, vs1 = head_size_v ? value.stride(1) : 0;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  auto quantize_row = [&](const char* src, int64_t n, float scale, uint8_t* dst) {
+    for (int64_t d = 0; d < n; ++d) {
+      float x;
+      if (kdt == kF32) std::memcpy(&x, src + d * 4, 4);
+      else {
+        uint16_t h;
+        std::memcpy(&h, src + d * 2, 2);
+        x = kdt == kBF16 ? bf16_to_f32(h) : f16_to_f32(h);
+      }
+      dst[d] = quantize_fp8(x, scale, cache_dtype);
+    }
+  };
+  auto one = [&](int64_t t) {
+    const int64_t slot = slots[t];
+    if (slot < 0 || slot >= num_slots) return;
+    const int64_t blk = slot / block_size, off = slot % block_size;
+    for (int64_t h = 0; h < H; ++h) {
+      uint8_t* dst = cache + blk * s_block + off * s_token + h * s_head;
+      quantize_row(k + (t * ks0 + h * ks1) * es, head_size, ks[h], dst);
+      if (v) quantize_row(v + (t * vs0 + h * vs1) * es, head_size_v, vs[h], dst + head_size);
+    }
+  };
+  if (T * H * (head_size + head_size_v) < (1 << 18) || omp_get_max_threads() <= 1) {
+    for (int64_t t = 0; t < T; ++t) one(t);
+  } else {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; ++t) one(t);
+  }
+}
+
+// fp8 codes -> fp32 through one ISA variant's vector loads (tests compare them with torch's conversion).
+torch::Tensor fp8_to_f32(const torch::Tensor& codes, const std::string& isa_name_wanted) {
+  Isa isa = kGeneric;
+  for (int i = 0; i < 4; ++i)
+    if (isa_name_wanted == isa_name(i)) isa = Isa(i);
+  TORCH_CHECK(isa_name_wanted == isa_name(isa) && usable(isa), "ISA ", isa_name_wanted, " is not available here");
+  torch::Tensor out = torch::empty({codes.numel()}, codes.options().dtype(torch::kFloat32));
+  widen_fp8_of(isa)(cache_dtype_code(codes), static_cast<const uint8_t*>(codes.data_ptr()), int(codes.numel()),
+                    out.data_ptr<float>());
+  return out;
+}
+
 std::vector<std::string> available_isas() {
   std::vector<std::string> out;
   for (Isa isa : {kAvx512Bf16, kAvx512, kAvx2, kGeneric})
@@ -377,6 +484,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvmulti native CPU paged attention";
   m.def("paged_attention", &kvmulti_cpu::paged_attention, "paged attention over the canonical layout");
   m.def("write_kv", &kvmulti_cpu::write_kv, "write K/V rows to their slots (-1 skips)");
+  m.def("write_kv_fp8", &kvmulti_cpu::write_kv_fp8, "quantise K/V rows into an fp8 cache's slots (-1 skips)");
+  m.def("quantize_fp8", [](const torch::Tensor& x, double scale, const torch::Tensor& like) {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32");
+    const int dt = kvmulti_cpu::cache_dtype_code(like);
+    TORCH_CHECK(kvmulti_cpu::is_fp8(dt), "like: an fp8 tensor");
+    torch::Tensor q = torch::empty(x.sizes(), x.options().dtype(like.scalar_type()));
+    const float* src = x.data_ptr<float>();
+    uint8_t* dst = static_cast<uint8_t*>(q.data_ptr());
+    for (int64_t i = 0; i < x.numel(); ++i) dst[i] = kvmulti_cpu::quantize_fp8(src[i], float(scale), dt);
+    return q;
+  }, "the scalar quantiser write_kv_fp8 uses (tests)");
+  m.def("fp8_to_f32", [](const torch::Tensor& codes, const std::string& isa) {
+    TORCH_CHECK(kvmulti_cpu::is_fp8(kvmulti_cpu::cache_dtype_code(codes)) && codes.is_contiguous(), "fp8 codes");
+    return kvmulti_cpu::fp8_to_f32(codes, isa);
+  }, "fp8 codes widened by an ISA variant's in-register loads (tests)");
   m.def("available_isas", &kvmulti_cpu::available_isas, "usable kernels here, best first");
   m.def("best_isa", []() { return std::string(kvmulti_cpu::isa_name(kvmulti_cpu::best_isa())); });
   m.def("num_threads", []() { return omp_get_max_threads(); });

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .model_runner import DEFAULT_KV_MEMORY_BYTES
+from .model_runner import DEFAULT_KV_MEMORY_BYTES, KV_CACHE_DTYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,6 +68,10 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed of the sampler (default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="model and KV cache dtype (default: %(default)s)")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="target KV cache dtype: auto (the model's) or fp8 with scale 1.0 (default: %(default)s)")
+    p.add_argument("--draft-kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
+                   help="draft KV cache dtype (default: --kv-cache-dtype's)")
     p.add_argument("--threads", metavar="N", type=_positive_int, default=None,
                    help="torch CPU threads (default: 1 for the shipped tiny pair, whose matmuls are too small "
                         "to split, else torch's default)")
@@ -158,7 +162,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     memory = args.kv_memory_mb * 2**20
     runner = SpeculativeRunner(target=target, draft=draft, num_speculative_tokens=args.num_speculative_tokens,
                                target_backend=args.backend, draft_backend=args.draft_backend, device="cpu",
-                               dtype=dtype, memory_bytes=memory)
+                               dtype=dtype, memory_bytes=memory, kv_cache_dtype=args.kv_cache_dtype,
+                               draft_kv_cache_dtype=args.draft_kv_cache_dtype)
     print(f"target: {target}   ({torch.get_num_threads()} CPU threads)")
     print(_indent(runner.target.describe()))
     if runner.draft is not None:
@@ -191,7 +196,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"time: draft {stats.draft_time_s:.2f} s, target {stats.target_time_s:.2f} s")
         if not args.no_baseline:
             baseline = SpeculativeRunner(target=target, draft=None, target_backend=args.backend, device="cpu",
-                                         dtype=dtype, memory_bytes=memory)
+                                         dtype=dtype, memory_bytes=memory, kv_cache_dtype=args.kv_cache_dtype)
             baseline.generate(args.prompt[:1], max_new_tokens=4, temperature=args.temperature, seed=args.seed)
             bar = Progress("target-only", total)
             base_out = baseline.generate(args.prompt, max_new_tokens=args.max_new_tokens,

@@ -25,6 +25,7 @@ import torch
 
 from .backends.base import AttentionConfig, Backend, StepMetadata
 from .backends.registry import ROLES, get_backend, select_backend
+from .fp8 import FP8_DTYPES
 from .kv_cache import AttentionSpec, BlockPool, BlockTables, KVCacheConfig, OutOfBlocksError
 from .layout import KVCacheLayout
 from .metadata import CommonAttentionMetadata
@@ -96,6 +97,26 @@ class StepBatch:
     num_logits: list[int] = field(default_factory=list)
 
 
+#: ``kv_cache_dtype`` names (``kvmulti generate --kv-cache-dtype``): "auto" is the model's dtype.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn,
+                                                  "fp8_e5m2": torch.float8_e5m2}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: torch.dtype | str | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache dtype for a ``kv_cache_dtype`` argument: a name of :data:`KV_CACHE_DTYPES`, a torch
+    dtype (the model's or an fp8 format), or None (the model's dtype)."""
+    if isinstance(kv_cache_dtype, str):
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+    if kv_cache_dtype is None:
+        return model_dtype
+    if kv_cache_dtype != model_dtype and kv_cache_dtype not in FP8_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be the model's dtype ({model_dtype}) or an fp8 format, "
+                         f"got {kv_cache_dtype}")
+    return kv_cache_dtype
+
+
 class ModelRunner:
     """Runs one model over paged KV caches for a changing set of requests.
 
@@ -109,13 +130,17 @@ class ModelRunner:
         max_num_batched_tokens: per-step token budget of :meth:`schedule` (prefills are chunked).
         rollback_tokens: how far :meth:`truncate` may go back behind the computed length;
             sliding-window groups keep that many extra positions before freeing blocks.
+        kv_cache_dtype: the KV caches' dtype: None / ``"auto"`` (the model's dtype), or an fp8 format
+            (``"fp8_e4m3"`` / ``"fp8_e5m2"`` or the torch dtype; see :data:`KV_CACHE_DTYPES`). fp8
+            caches use scales of 1.0 (README, "fp8 KV cache": why no calibration).
     """
 
     def __init__(self, model: CausalLM | str | os.PathLike, *, role: str = "target",
                  backend: str | Mapping[int, str] | None = None, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, block_size: int | Mapping[str, int] = 16,
                  num_blocks: int | Mapping[int, int] | None = None, memory_bytes: int | None = None,
-                 max_num_batched_tokens: int = 512, rollback_tokens: int = 0, order: str = "NHD"):
+                 max_num_batched_tokens: int = 512, rollback_tokens: int = 0, order: str = "NHD",
+                 kv_cache_dtype: torch.dtype | str | None = None):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if max_num_batched_tokens < 1 or rollback_tokens < 0:
@@ -126,6 +151,7 @@ class ModelRunner:
             model = load_model(model, self.device, dtype)
         self.model, self.config, self.role = model, model.config, role
         self.dtype = next(model.parameters()).dtype
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.max_num_batched_tokens, self.rollback_tokens = max_num_batched_tokens, rollback_tokens
         if num_blocks is None and memory_bytes is None:
             memory_bytes = DEFAULT_KV_MEMORY_BYTES
@@ -154,7 +180,7 @@ class ModelRunner:
             kind = "full" if attn.sliding_window is None else "sliding"
             bs = block_size[kind] if isinstance(block_size, Mapping) else block_size
             specs[attn.layer_name] = AttentionSpec(block_size=bs, num_kv_heads=cfg.num_key_value_heads,
-                                                   head_size=cfg.head_dim, dtype=self.dtype,
+                                                   head_size=cfg.head_dim, dtype=self.kv_cache_dtype,
                                                    sliding_window=attn.sliding_window)
         return specs
 
@@ -166,8 +192,9 @@ class ModelRunner:
         return get_backend(select_backend(config, self.role, requested))
 
     def describe(self) -> str:
-        """One line per group: kind, sizes and the backend chosen."""
-        return "\n".join(f"{line} backend={self.backends[g.group_id].name}" for g, line in
+        """One line per group: kind, sizes, cache dtype and the backend chosen."""
+        return "\n".join(f"{line} kv_dtype={str(self.layouts[g.group_id].dtype).removeprefix('torch.')} "
+                         f"backend={self.backends[g.group_id].name}" for g, line in
                          zip(self.kv_cache_config.groups, self.kv_cache_config.describe().splitlines()))
 
     # -- requests ----------------------------------------------------------------------------

@@ -259,6 +259,18 @@ for order in ("NHD", "HND"):
         get_backend("CPU").partition_size = 64
         check_against_reference(spec, "CPU")
         get_backend("CPU").partition_size = -1
+from test_fp8_backends import FORMATS, check_fp8      # fp8 caches: the 16-lane direct and general paths
+for fmt in FORMATS.values():
+    codes = torch.arange(256, dtype=torch.uint8).view(fmt)
+    got, want = module.fp8_to_f32(codes, "generic"), codes.float()
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    for dtype, order, group, qlens, ctx, window, softcap in [
+            (torch.bfloat16, "NHD", 4, (1, 1), (300, 70), None, None),
+            (torch.float16, "HND", 3, (1, 2), (40, 90), 33, 15.0),
+            (torch.float32, "NHD", 2, (6, 1), (20, 90), None, None)]:
+        spec = CaseSpec(order=order, block_size=16, num_kv_heads=2, group=group, head_size=64, dtype=dtype,
+                        query_lens=qlens, context_lens=ctx, sliding_window=window, softcap=softcap)
+        check_fp8(spec, fmt, True, "CPU")
 print("ok")
 """
 

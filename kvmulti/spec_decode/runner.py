@@ -109,12 +109,15 @@ class SpeculativeRunner:
             dispatches (``KVMULTI_ATTENTION_BACKEND``, or ``KVMULTI_DRAFT_ATTENTION_BACKEND`` for
             the draft -- never inherited from the target).
         block_size, num_blocks, memory_bytes, max_num_batched_tokens: passed to each ModelRunner.
+        kv_cache_dtype / draft_kv_cache_dtype: each model's KV cache dtype (ModelRunner's
+            ``kv_cache_dtype``: "auto", "fp8_e4m3", "fp8_e5m2"); the draft's defaults to the target's.
     """
 
     def __init__(self, target, draft=None, num_speculative_tokens: int = 4, target_backend=None,
                  draft_backend=None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  *, block_size=16, num_blocks=None, memory_bytes: int | None = None,
-                 max_num_batched_tokens: int = 512):
+                 max_num_batched_tokens: int = 512, kv_cache_dtype: torch.dtype | str | None = None,
+                 draft_kv_cache_dtype: torch.dtype | str | None = None):
         k = num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
@@ -122,14 +125,15 @@ class SpeculativeRunner:
         runner_args = dict(device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                            memory_bytes=memory_bytes, max_num_batched_tokens=max_num_batched_tokens)
         # A speculative target rolls back up to k + 1 positions: keep that much sliding-window history.
-        self.target = ModelRunner(target, role="target", backend=target_backend,
+        self.target = ModelRunner(target, role="target", backend=target_backend, kv_cache_dtype=kv_cache_dtype,
                                   rollback_tokens=0 if draft is None else k + 1, **runner_args)
         self.draft: ModelRunner | None = None
         self.proposer: DraftProposer | None = None
         if draft is not None:
             # Its own KV groups, its own backend per group (draft role: never the target's choice).
+            draft_kv = kv_cache_dtype if draft_kv_cache_dtype is None else draft_kv_cache_dtype
             self.draft = ModelRunner(draft, role="draft", backend=draft_backend, rollback_tokens=k + 1,
-                                     **runner_args)
+                                     kv_cache_dtype=draft_kv, **runner_args)
             if self.draft.config.vocab_size != self.target.config.vocab_size:
                 raise ValueError(f"draft and target must share the vocabulary: the draft has "
                                  f"{self.draft.config.vocab_size} tokens, the target "

@@ -14,7 +14,7 @@ import torch
 from ... import host_memory, settings
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata
-from ..base import Backend, StepMetadata
+from ..base import ALL_DTYPES, FP8_DTYPES, Backend, StepMetadata
 from . import native
 from .torch_path import paged_attention_torch, write_kv_torch
 
@@ -46,6 +46,7 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 class CPUBackend(Backend):
     name = "CPU"
     platforms = ("cpu",)
+    dtypes = ALL_DTYPES + FP8_DTYPES
     supports_latent = True
     supports_non_causal = True
 
@@ -83,13 +84,17 @@ class CPUBackend(Backend):
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         module = self.module()
         if module is None:
-            write_kv_torch(key, value, kv_cache, layout, slot_mapping)
+            write_kv_torch(key, value, kv_cache, layout, slot_mapping, k_scale, v_scale)
             return
         s = layout.expected_strides()
         key = _last_dim_contiguous(key)
         value = key if layout.is_latent or value is None else _last_dim_contiguous(value)
-        module.write_kv(key, value, kv_cache, _contiguous_as(slot_mapping, torch.int64), s.block, s.token, s.head,
-                        layout.head_size, 0 if layout.is_latent else layout.value_size, layout.block_size)
+        args = (key, value, kv_cache, _contiguous_as(slot_mapping, torch.int64), s.block, s.token, s.head,
+                layout.head_size, 0 if layout.is_latent else layout.value_size, layout.block_size)
+        if k_scale is None:
+            module.write_kv(*args)
+        else:   # an fp8 cache: quantised in the native loop (kvmulti/fp8.py's rule)
+            module.write_kv_fp8(*args, k_scale, k_scale if v_scale is None else v_scale)
 
     def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
                         softcap: float | None, out: torch.Tensor,
@@ -99,13 +104,15 @@ class CPUBackend(Backend):
             return
         module = plan.module
         if module is None:
-            paged_attention_torch(query, kv_cache, layout, common, scale, step.sliding_window, softcap, out)
+            paged_attention_torch(query, kv_cache, layout, common, scale, step.sliding_window, softcap, out,
+                                  k_scale, v_scale)
             return
         s = layout.expected_strides()
         target = out if out.stride(-1) == 1 else torch.zeros_like(out, memory_format=torch.contiguous_format)
         module.paged_attention(_last_dim_contiguous(query), kv_cache, target, plan.block_table, plan.query_start_loc,
                                plan.seq_lens, s.block, s.token, s.head, layout.head_size, layout.value_size,
                                layout.num_kv_heads, layout.block_size, float(scale), int(step.sliding_window or 0),
-                               float(softcap or 0.0), bool(common.causal), plan.partition_len, plan.isa)
+                               float(softcap or 0.0), bool(common.causal), plan.partition_len, plan.isa,
+                               k_scale, v_scale)
         if target is not out:
             out.copy_(target)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import fp8
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata, first_visible_position
 
@@ -16,24 +17,34 @@ SCORE_BUDGET_BYTES = 256 * 2**20
 
 
 def write_kv_torch(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,
-                   layout: KVCacheLayout, slot_mapping: torch.Tensor) -> None:
-    """Scatter K/V rows into their slots through the strided cache view; slot -1 is skipped."""
+                   layout: KVCacheLayout, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
+    """Scatter K/V rows into their slots through the strided cache view; slot -1 is skipped. An fp8
+    cache (``k_scale`` / ``v_scale``: fp32 [Hkv]) stores the rows quantised by kvmulti/fp8.py's rule."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // layout.block_size, slots % layout.block_size
-    kv_cache[blocks, offsets, :, : layout.head_size] = key[keep]
+    key = key[keep]
+    if k_scale is not None:
+        key = fp8.quantize(key, k_scale, layout.dtype)
+    kv_cache[blocks, offsets, :, : layout.head_size] = key
     if not layout.is_latent:
-        kv_cache[blocks, offsets, :, layout.head_size:] = value[keep]
+        value = value[keep]
+        if v_scale is not None:
+            value = fp8.quantize(value, v_scale, layout.dtype)
+        kv_cache[blocks, offsets, :, layout.head_size:] = value
 
 
 def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
                           metadata: CommonAttentionMetadata, scale: float, sliding_window: int | None,
-                          softcap: float | None, out: torch.Tensor) -> None:
+                          softcap: float | None, out: torch.Tensor, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> None:
     """Padded-batch attention over chunks of requests, each chunk one set of batched matmuls.
 
     For a chunk the context of each request (only the part some query can see) is gathered from
     the paged cache into [R, span, Hkv, D], queries are padded to [R, max_q, Hq, D], and the
     causal / window mask is built from positions. Memory per chunk is bounded by SCORE_BUDGET_BYTES.
+    An fp8 cache is read as ``float(k) * k_scale``, ``float(v) * v_scale`` (fp32 [Hkv] each).
     """
     if layout.is_latent or metadata.num_actual_tokens == 0:
         return
@@ -53,12 +64,12 @@ def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, layout: K
                 break
             end += 1
         _attend_chunk(query, kv_cache, layout, metadata, scale, sliding_window, softcap, out,
-                      torch.arange(start, end), qsl, seq_lens, query_lens, first)
+                      torch.arange(start, end), qsl, seq_lens, query_lens, first, k_scale, v_scale)
         start = end
 
 
 def _attend_chunk(query, kv_cache, layout, metadata, scale, sliding_window, softcap, out,
-                  reqs, qsl, seq_lens, query_lens, first) -> None:
+                  reqs, qsl, seq_lens, query_lens, first, k_scale=None, v_scale=None) -> None:
     qlen, seq, lo = query_lens[reqs], seq_lens[reqs], first[reqs]
     max_q, span = int(qlen.max()), int((seq - lo).max())
     if max_q == 0:
@@ -74,8 +85,11 @@ def _attend_chunk(query, kv_cache, layout, metadata, scale, sliding_window, soft
     block_table = metadata.block_table[reqs.to(device)].long()
     blocks = torch.gather(block_table, 1, (k_pos // bs).to(device))
     context = kv_cache[blocks, (k_pos % bs).to(device)].float()              # [R, span, Hkv, E]
-    k = context[..., :hs].permute(0, 2, 3, 1)                                 # [R, Hkv, D, span]
-    v = context[..., hs:].transpose(1, 2)                                     # [R, Hkv, span, Dv]
+    k, v = context[..., :hs], context[..., hs:]
+    if k_scale is not None:                                                   # fp8: float(x) * scale
+        k, v = fp8.dequantize(k, k_scale), fp8.dequantize(v, v_scale)
+    k = k.permute(0, 2, 3, 1)                                                 # [R, Hkv, D, span]
+    v = v.transpose(1, 2)                                                     # [R, Hkv, span, Dv]
 
     # Pad queries to [R, max_q, Hq, D]; padded rows point at row 0 and are dropped later.
     q_idx = qsl[reqs][:, None] + torch.arange(max_q)[None, :]                 # [R, max_q]
