@@ -350,15 +350,41 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
   }
 }
 
-// Write token t's K (and V) rows to slot slot_mapping[t] through the named strides; -1 skips, and so
-// does any slot outside [0, kv_cache.size(0) x block_size). Tokens past key's / value's rows are not read.
-void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-              const torch::Tensor& slot_mapping, int64_t s_block, int64_t s_token, int64_t s_head,
-              int64_t head_size, int64_t head_size_v, int64_t block_size) {
+// What both KV writes share: the checks, then row(dst, k_row, v_row, h) for every (token, KV head)
+// whose slot lies in [0, kv_cache.size(0) x block_size) (-1 and every other slot skip); dst is the
+// element offset of that row in the cache. Tokens past key's / value's rows are not read.
+struct KVRows {
+  int64_t T, H, num_slots, block_size, s_block, s_token, s_head, head_size, head_size_v, es;
+  const char* k;
+  const char* v;   // nullptr for a latent (keys-only) cache
+  int64_t ks0, ks1, vs0, vs1;
+  const int64_t* slots;
+
+  template <class Row> void for_each(Row&& row) const {
+    auto one = [&](int64_t t) {
+      const int64_t slot = slots[t];
+      if (slot < 0 || slot >= num_slots) return;
+      const int64_t blk = slot / block_size, off = slot % block_size;
+      for (int64_t h = 0; h < H; ++h)
+        row(blk * s_block + off * s_token + h * s_head, k + (t * ks0 + h * ks1) * es,
+            v ? v + (t * vs0 + h * vs1) * es : nullptr, h);
+    };
+    if (T * H * (head_size + head_size_v) * es < (1 << 20) || omp_get_max_threads() <= 1) {
+      for (int64_t t = 0; t < T; ++t) one(t);
+    } else {
+#pragma omp parallel for schedule(static)
+      for (int64_t t = 0; t < T; ++t) one(t);
+    }
+  }
+};
+
+static KVRows kv_rows(const torch::Tensor& key, const torch::Tensor& value, const torch::Tensor& kv_cache,
+                      const torch::Tensor& slot_mapping, int64_t s_block, int64_t s_token, int64_t s_head,
+                      int64_t head_size, int64_t head_size_v, int64_t block_size) {
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && kv_cache.dim() >= 1, "key/value [T, H, D]");
   TORCH_CHECK((key.size(2) <= 1 || key.stride(2) == 1) && (head_size_v <= 1 || value.stride(2) == 1),
               "key/value need a contiguous last dim");
-  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == key.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(value.scalar_type() == key.scalar_type(), "key and value dtypes differ");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping int64");
   TORCH_CHECK(block_size > 0 && head_size >= 0 && head_size_v >= 0 && key.size(2) >= head_size &&
               (head_size_v == 0 || (value.size(2) >= head_size_v && value.size(1) >= key.size(1))),
@@ -370,30 +396,26 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
               "the cache strides (or key's head count) reach outside kv_cache");
   int64_t T = std::min<int64_t>(slot_mapping.size(0), key.size(0));
   if (head_size_v) T = std::min<int64_t>(T, value.size(0));
-  const int64_t num_slots = num_blocks * block_size;
-  const int64_t es = kv_cache.element_size();
+  return KVRows{T, H, num_blocks * block_size, block_size, s_block, s_token, s_head, head_size, head_size_v,
+                key.element_size(), static_cast<const char*>(key.data_ptr()),
+                head_size_v ? static_cast<const char*>(value.data_ptr()) : nullptr, key.stride(0), key.stride(1),
+                head_size_v ? value.stride(0) : 0, head_size_v ? value.stride(1) : 0,
+                slot_mapping.data_ptr<int64_t>()};
+}
+
+// Write token t's K (and V) rows to slot slot_mapping[t] through the named strides (see KVRows).
+void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
+              const torch::Tensor& slot_mapping, int64_t s_block, int64_t s_token, int64_t s_head,
+              int64_t head_size, int64_t head_size_v, int64_t block_size) {
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type(), "dtype mismatch");
+  const KVRows w = kv_rows(key, value, kv_cache, slot_mapping, s_block, s_token, s_head, head_size, head_size_v,
+                           block_size);
+  const int64_t es = w.es;
   char* cache = static_cast<char*>(kv_cache.data_ptr());
-  const char* k = static_cast<const char*>(key.data_ptr());
-  const char* v = head_size_v ? static_cast<const char*>(value.data_ptr()) : nullptr;
-  const int64_t ks0 = key.stride(0), ks1 = key.stride(1);
-  const int64_t vs0 = head_size_v ? value.stride(0) : 0, vs1 = head_size_v ? value.stride(1) : 0;
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  auto one = [&](int64_t t) {
-    const int64_t slot = slots[t];
-    if (slot < 0 || slot >= num_slots) return;
-    const int64_t blk = slot / block_size, off = slot % block_size;
-    for (int64_t h = 0; h < H; ++h) {
-      char* dst = cache + (blk * s_block + off * s_token + h * s_head) * es;
-      std::memcpy(dst, k + (t * ks0 + h * ks1) * es, size_t(head_size * es));
-      if (v) std::memcpy(dst + head_size * es, v + (t * vs0 + h * vs1) * es, size_t(head_size_v * es));
-    }
-  };
-  if (T * H * (head_size + head_size_v) * es < (1 << 20) || omp_get_max_threads() <= 1) {
-    for (int64_t t = 0; t < T; ++t) one(t);
-  } else {
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; ++t) one(t);
-  }
+  w.for_each([&](int64_t dst, const char* k, const char* v, int64_t) {
+    std::memcpy(cache + dst * es, k, size_t(head_size * es));
+    if (v) std::memcpy(cache + (dst + head_size) * es, v, size_t(head_size_v * es));
+  });
 }
 
 // write_kv for an fp8 cache: each element is quantised by kvmulti/fp8.py's rule (fp32 division by its
@@ -402,33 +424,14 @@ void write_kv_fp8(const torch::Tensor& key, const torch::Tensor& value, torch::T
                   const torch::Tensor& slot_mapping, int64_t s_block, int64_t s_token, int64_t s_head,
                   int64_t head_size, int64_t head_size_v, int64_t block_size, const torch::Tensor& k_scale,
                   const torch::Tensor& v_scale) {
-  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && kv_cache.dim() >= 1, "key/value [T, H, D]");
-  TORCH_CHECK((key.size(2) <= 1 || key.stride(2) == 1) && (head_size_v <= 1 || value.stride(2) == 1),
-              "key/value need a contiguous last dim");
   const int cache_dtype = cache_dtype_code(kv_cache);
-  TORCH_CHECK(is_fp8(cache_dtype) && value.scalar_type() == key.scalar_type(), "fp8 cache and key/value dtypes");
+  TORCH_CHECK(is_fp8(cache_dtype), "write_kv_fp8 needs an fp8 cache");
   const int kdt = dtype_code(key);
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping int64");
-  TORCH_CHECK(block_size > 0 && head_size >= 0 && head_size_v >= 0 && key.size(2) >= head_size &&
-              (head_size_v == 0 || (value.size(2) >= head_size_v && value.size(1) >= key.size(1))),
-              "key/value smaller than the head sizes");
-  TORCH_CHECK(s_block >= 0 && s_token >= 0 && s_head >= 0, "negative strides");
-  const int64_t num_blocks = kv_cache.size(0), H = key.size(1);
-  TORCH_CHECK(cache_extent(num_blocks, block_size, H, s_block, s_token, s_head, head_size + head_size_v) <=
-                  tensor_span(kv_cache),
-              "the cache strides (or key's head count) reach outside kv_cache");
-  const float* ks = fp8_scale(k_scale, H, "k_scale");
-  const float* vs = head_size_v ? fp8_scale(v_scale, H, "v_scale") : nullptr;
-  int64_t T = std::min<int64_t>(slot_mapping.size(0), key.size(0));
-  if (head_size_v) T = std::min<int64_t>(T, value.size(0));
-  const int64_t num_slots = num_blocks * block_size;
-  const int64_t es = key.element_size();
+  const KVRows w = kv_rows(key, value, kv_cache, slot_mapping, s_block, s_token, s_head, head_size, head_size_v,
+                           block_size);
+  const float* ks = fp8_scale(k_scale, w.H, "k_scale");
+  const float* vs = head_size_v ? fp8_scale(v_scale, w.H, "v_scale") : nullptr;
   uint8_t* cache = static_cast<uint8_t*>(kv_cache.data_ptr());
-  const char* k = static_cast<const char*>(key.data_ptr());
-  const char* v = head_size_v ? static_cast<const char*>(value.data_ptr()) : nullptr;
-  const int64_t ks0 = key.stride(0), ks1 = key.stride(1);
-  const int64_t vs0 = head_size_v ? value.stride(0) : 0, vs1 = head_size_v ? value.stride(1) : 0;
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   auto quantize_row = [&](const char* src, int64_t n, float scale, uint8_t* dst) {
     for (int64_t d = 0; d < n; ++d) {
       float x;
@@ -441,22 +444,10 @@ void write_kv_fp8(const torch::Tensor& key, const torch::Tensor& value, torch::T
       dst[d] = quantize_fp8(x, scale, cache_dtype);
     }
   };
-  auto one = [&](int64_t t) {
-    const int64_t slot = slots[t];
-    if (slot < 0 || slot >= num_slots) return;
-    const int64_t blk = slot / block_size, off = slot % block_size;
-    for (int64_t h = 0; h < H; ++h) {
-      uint8_t* dst = cache + blk * s_block + off * s_token + h * s_head;
-      quantize_row(k + (t * ks0 + h * ks1) * es, head_size, ks[h], dst);
-      if (v) quantize_row(v + (t * vs0 + h * vs1) * es, head_size_v, vs[h], dst + head_size);
-    }
-  };
-  if (T * H * (head_size + head_size_v) < (1 << 18) || omp_get_max_threads() <= 1) {
-    for (int64_t t = 0; t < T; ++t) one(t);
-  } else {
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; ++t) one(t);
-  }
+  w.for_each([&](int64_t dst, const char* k, const char* v, int64_t h) {
+    quantize_row(k, head_size, ks[h], cache + dst);
+    if (v) quantize_row(v, head_size_v, vs[h], cache + dst + head_size);
+  });
 }
 
 // fp8 codes -> fp32 through one ISA variant's vector loads (tests compare them with torch's conversion).

@@ -22,7 +22,7 @@ import kvmulti
 from kvmulti import fp8, reference
 from kvmulti.backends.registry import get_backend
 
-from batches import CaseSpec, assert_close_to_reference, batch_cases, build_case
+from batches import Case, CaseSpec, assert_close_to_reference, batch_cases, build_case
 
 BACKENDS = ["CPU", "TRITON", "HIP", "SYCL"]
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -30,15 +30,11 @@ warnings.filterwarnings("ignore", "kvmulti HIP backend on a CPU tensor", Runtime
 
 
 @dataclasses.dataclass
-class Fp8Case:
-    layout: kvmulti.KVCacheLayout
-    cache: torch.Tensor
-    metadata: kvmulti.CommonAttentionMetadata
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    k_scale: float | torch.Tensor
-    v_scale: float | torch.Tensor
+class Fp8Case(Case):
+    """A batch over an fp8 cache, with the scales to write and read it."""
+
+    k_scale: float | torch.Tensor = 1.0
+    v_scale: float | torch.Tensor = 1.0
 
 
 def fp8_case(spec: CaseSpec, cache_dtype: torch.dtype, per_head: bool) -> Fp8Case:
@@ -54,7 +50,7 @@ def fp8_case(spec: CaseSpec, cache_dtype: torch.dtype, per_head: bool) -> Fp8Cas
         v_scale = torch.rand(heads, generator=gen) * 1.5 + 0.25
     else:
         k_scale, v_scale = 0.75, 1.25
-    return Fp8Case(layout, cache, base.metadata, base.query, base.key, base.value, k_scale, v_scale)
+    return Fp8Case(spec, layout, cache, base.metadata, base.query, base.key, base.value, k_scale, v_scale)
 
 
 def oracle(case: Fp8Case, spec: CaseSpec) -> tuple[torch.Tensor, torch.Tensor]:
