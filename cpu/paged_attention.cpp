@@ -143,9 +143,10 @@ std::vector<Tile> plan_tiles(const int32_t* qsl, const int32_t* seq, int num_req
       const int64_t nt = std::min<int64_t>(tile_tokens, qlen - t0);
       const int64_t p0 = first + t0, p1 = p0 + nt - 1;
       const int64_t lo = std::max<int64_t>(0, window > 0 ? p0 - window + 1 : 0);
-      const int64_t hi = std::min<int64_t>(max_keys, causal ? p1 + 1 : seq[r]);
+      // A negative seq_len (corrupt metadata) gives no keys: [0, 0), never a negative table column.
+      const int64_t hi = std::max<int64_t>(0, std::min<int64_t>(max_keys, causal ? p1 + 1 : seq[r]));
       if (p0 < INT32_MIN / 2 || p1 > INT32_MAX / 2) continue;   // positions the kernel's int math cannot hold
-      tiles.push_back({r, int(q0 + t0), int(nt), int(p0), int(std::min(lo, hi)), int(std::max<int64_t>(hi, 0))});
+      tiles.push_back({r, int(q0 + t0), int(nt), int(p0), int(std::min(lo, hi)), int(hi)});
     }
   }
   return tiles;
