@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import dataclasses
+
 import torch
 from hypothesis import strategies as st
 
 import kvmulti
 from kvmulti import reference
-from kvmulti.layout import ORDERS
+from kvmulti.layout import ORDERS, token_order
 
 ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOLERANCE = {torch.float32: (2e-4, 2e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
@@ -128,6 +130,33 @@ def check_against_reference(spec: CaseSpec, backend: str, device: str | torch.de
                                      sliding_window=spec.sliding_window, softcap=spec.softcap, backend=backend)
     assert actual.dtype == spec.dtype and actual.shape == expected.shape
     assert_close_to_reference(actual, expected, spec.dtype, f"{backend} attention differs from the oracle for {spec}")
+
+
+def check_cross_layer(spec: CaseSpec, physical: str, backend: str, cache_dtype: torch.dtype | None = None,
+                      num_layers: int = 3) -> None:
+    """``check_against_reference`` on layer 1 of a ``num_layers`` cross-layer allocation of order
+    ``physical`` (random data in every layer): the write must equal the oracle's byte for byte and
+    leave the other layers untouched; the attention must match the oracle's over the same view.
+    ``cache_dtype`` (fp8) stores with k_scale 0.5, v_scale 1.5."""
+    case = build_case(spec)
+    layout = dataclasses.replace(case.layout, dtype=cache_dtype or spec.dtype, order=token_order(physical),
+                                 cross_layer_order=physical, num_layers=num_layers)
+    allocation = layout.allocate()
+    allocation.copy_(torch.randn(allocation.shape, generator=torch.Generator().manual_seed(spec.seed)).to(layout.dtype))
+    scales = dict(k_scale=0.5, v_scale=1.5) if cache_dtype else {}
+    want = allocation.clone()
+    reference.write_kv(case.key, case.value, layout.layer(want, 1), layout, case.metadata.slot_mapping,
+                       scales.get("k_scale"), scales.get("v_scale"))
+    cache = layout.layer(allocation, 1)
+    kvmulti.write_kv(case.key, case.value, cache, layout, case.metadata.slot_mapping, backend=backend, **scales)
+    assert torch.equal(allocation.view(torch.uint8), want.view(torch.uint8)), \
+        f"{backend} {physical}: the write differs from the oracle's or touched another layer ({spec})"
+    expected = reference.paged_attention(case.query, layout.layer(want, 1), layout, case.metadata,
+                                         sliding_window=spec.sliding_window, softcap=spec.softcap, **scales)
+    actual = kvmulti.paged_attention(case.query, cache, layout, case.metadata, sliding_window=spec.sliding_window,
+                                     softcap=spec.softcap, backend=backend, **scales)
+    assert_close_to_reference(actual, expected, spec.dtype, f"{backend} {physical} attention ({spec})")
+    assert torch.equal(allocation.view(torch.uint8), want.view(torch.uint8)), f"{backend} {physical}: a read wrote"
 
 
 def _to_cpu(md: kvmulti.CommonAttentionMetadata) -> kvmulti.CommonAttentionMetadata:

@@ -24,7 +24,9 @@ from kvmulti.backends.ipex import backend as ipex_backend
 from kvmulti.backends.ipex.library import ipex_status, paged_attention_module
 from kvmulti.backends.registry import PLATFORM_PRIORITY, BackendSelectionError
 
-from batches import CaseSpec, assert_close_to_reference, build_case, check_against_reference
+from kvmulti.layout import CROSS_LAYER_ORDERS, token_order
+
+from batches import CaseSpec, assert_close_to_reference, build_case, check_against_reference, check_cross_layer
 
 
 @pytest.fixture(scope="module")
@@ -295,3 +297,11 @@ def test_direct_calls_stay_inside_out_whatever_the_metadata(ipex):
             backend.paged_attention(case.query, case.cache, backend.build_metadata(bad, layout, hq, None), 0.125,
                                     None, out)
         assert intact(), what
+
+
+@pytest.mark.ipex
+@pytest.mark.parametrize("physical", CROSS_LAYER_ORDERS)
+def test_one_layer_of_a_cross_layer_allocation_matches_the_oracle(ipex, physical):
+    for n, (window, softcap) in enumerate([(None, None), (12, None), (None, 20.0)]):
+        check_cross_layer(spec(order=token_order(physical), sliding_window=window, softcap=softcap, seed=n,
+                               query_lens=(1, 3, 1), dtype=torch.bfloat16), physical, "IPEX")

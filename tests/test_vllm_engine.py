@@ -6,6 +6,8 @@ models, one engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 * with ``KVMULTI_VLLM=1`` every attention call is kvmulti's and the token ids equal vLLM's own
   CPU_ATTN's (block 32, vLLM's LBHNC layout);
 * block 16, which CPU_ATTN refuses, runs on kvmulti with the same ids;
+* every other vLLM KV-cache layout (LBNHC, and the cross-layer BLHNC, BLNHC, BHLNC, LHBNC that
+  vLLM's ``VLLM_KV_CACHE_LAYOUT`` selects) gives the same ids;
 * ``draft_model`` speculative decoding with target and draft on kvmulti equals target-only output;
 * without ``KVMULTI_VLLM`` the plugin leaves CPU_ATTN alone.
 
@@ -80,6 +82,14 @@ def test_block_16_runs_on_kvmulti(cpu_attn):
 def test_nhd_layout_equals_cpu_attn(cpu_attn):
     result = kvmulti_run("--block-size", "32", "--layout", "LBNHC")
     assert result["kv_cache_layout"].endswith("LBNHC")
+    assert result["token_ids"] == cpu_attn["token_ids"]
+
+
+@pytest.mark.parametrize("layout", ["BLHNC", "BLNHC", "BHLNC", "LHBNC"])
+def test_cross_layer_layouts_equal_cpu_attn(cpu_attn, layout):
+    # one allocation for all layers; each layer's view spans the others (CPU_ATTN reads LBHNC only)
+    result = kvmulti_run("--block-size", "16", "--layout", layout)
+    assert result["kv_cache_layout"].endswith(layout)
     assert result["token_ids"] == cpu_attn["token_ids"]
 
 

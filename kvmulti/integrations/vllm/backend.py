@@ -31,9 +31,11 @@ from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata
 from . import BACKEND_NAME
 
-#: Every vLLM KV-cache layout kvmulti serves in place, most preferred first (HND interiors first:
-#: the CPU kernel's fastest order).
-SUPPORTED_VLLM_LAYOUTS: tuple[VllmKVCacheLayout, ...] = (VllmKVCacheLayout.LBHNC, VllmKVCacheLayout.LBNHC)
+#: Every vLLM KV-cache layout, all served in place, most preferred first: per-layer before
+#: cross-layer, HND interiors (a head's tokens adjacent: the CPU kernel's fastest order) first.
+SUPPORTED_VLLM_LAYOUTS: tuple[VllmKVCacheLayout, ...] = (
+    VllmKVCacheLayout.LBHNC, VllmKVCacheLayout.LBNHC, VllmKVCacheLayout.BLHNC, VllmKVCacheLayout.BLNHC,
+    VllmKVCacheLayout.BHLNC, VllmKVCacheLayout.LHBNC)
 
 
 class KvmultiAttentionBackend(AttentionBackend):
@@ -126,20 +128,11 @@ class KvmultiMetadataBuilder(AttentionMetadataBuilder[KvmultiStepMetadata]):
 
 def layout_for_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, KVCacheLayout]:
     """kvmulti's view ``[num_blocks, N, H, C]`` of vLLM's per-layer cache ``[num_blocks, H, N, C]``
-    (C = head_size + head_size_v) and the layout that names its strides. Raises ValueError for a
-    view whose strides no kvmulti layout describes."""
+    (C = head_size + head_size_v) and the layout that names its strides: a per-layer NHD / HND
+    layout, or one layer of a cross-layer allocation (BLHNC, BLNHC, BHLNC; LHBNC). Raises
+    ValueError for a view whose strides no kvmulti layout describes."""
     view = kv_cache.transpose(1, 2)
-    num_blocks, block_size, num_kv_heads, entry = view.shape
-    for order in ("HND", "NHD"):
-        layout = KVCacheLayout(num_blocks, block_size, num_kv_heads, head_size, entry - head_size,
-                               kv_cache.dtype, order)
-        try:
-            layout.validate(view)
-        except ValueError:
-            continue
-        return view, layout
-    raise ValueError(f"kvmulti: a KV cache view with shape {tuple(kv_cache.shape)} and strides {kv_cache.stride()} "
-                     "matches no kvmulti layout")
+    return view, KVCacheLayout.of_view(view, head_size)
 
 
 class KvmultiAttentionImpl(AttentionImpl):
