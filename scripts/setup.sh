@@ -81,7 +81,8 @@ if [ "$mode" = --test ] && [ "$toolchains" = yes ]; then
     echo "setup: installing ${ipex_pins[*]} into .venv-ipex for the IPEX backend's tests (several minutes)"
     "${ipex_pip[@]}" "${ipex_pins[@]}" numpy safetensors ninja "pytest>=8" hypothesis
   fi
-  .venv-ipex/bin/python -c "import kvmulti" 2>/dev/null || "${ipex_pip[@]}" --no-deps -e .
+  # -P: the repository root (cwd) is not on sys.path, so only an installed kvmulti counts
+  .venv-ipex/bin/python -P -c "import kvmulti" 2>/dev/null || "${ipex_pip[@]}" --no-deps -e .
   echo "setup: .venv-ipex ready ($(.venv-ipex/bin/python -c 'import importlib.metadata as m; print("torch", m.version("torch"), "+ IPEX", m.version("intel-extension-for-pytorch"))'))"
 fi
 
@@ -103,7 +104,7 @@ if [ "$mode" = "--test" ] && [ "${2:-}" != --vendor ]; then
   # pip pulls torchvision/torchaudio/torchcodec wheels built for another torch; vLLM's text models
   # do not need them and a mismatched torchvision breaks `import vllm` (operator torchvision::nms).
   .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-  .venv-vllm/bin/python -c "import kvmulti.integrations.vllm" 2>/dev/null || "${vpip[@]}" --no-deps -e .
+  .venv-vllm/bin/python -P -c "import kvmulti.integrations.vllm" 2>/dev/null || "${vpip[@]}" --no-deps -e .
 fi
 
 if [ "$toolchains" = yes ] && [ "${CI:-}" = true ]; then
