@@ -38,13 +38,18 @@ SUPPORTED_VLLM_LAYOUTS: tuple[VllmKVCacheLayout, ...] = (
     VllmKVCacheLayout.BHLNC, VllmKVCacheLayout.LHBNC)
 
 
+#: vLLM's fp8 ``kv_cache_dtype`` names and the cache dtype kvmulti reads them as ("fp8" is e4m3, as
+#: on vLLM's CUDA and CPU platforms). vLLM allocates such caches as uint8: kvmulti views the bytes.
+FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                                               "fp8_e5m2": torch.float8_e5m2}
+
+
 class KvmultiAttentionBackend(AttentionBackend):
     """vLLM's view of kvmulti: which caches and features it serves, and its builder / impl."""
 
     forward_includes_kv_cache_update: bool = False      # vLLM calls do_kv_cache_update before forward
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    # fp8 KV caches ("fp8", "fp8_e4m3", "fp8_e5m2") join this list with kvmulti's fp8 layouts.
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", *FP8_KV_CACHE_DTYPES]
 
     @staticmethod
     def get_name() -> str:
@@ -144,8 +149,9 @@ class KvmultiAttentionImpl(AttentionImpl):
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None) -> None:
+        fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
         unsupported = [what for what, present in (("ALiBi", alibi_slopes is not None), ("attention sinks", sinks is not None),
-                                                  (f"kv_cache_dtype={kv_cache_dtype}", kv_cache_dtype != "auto"),
+                                                  (f"kv_cache_dtype={kv_cache_dtype}", kv_cache_dtype != "auto" and not fp8),
                                                   (f"attn_type={attn_type}", attn_type != AttentionType.DECODER))
                        if present]
         if unsupported:
@@ -157,6 +163,7 @@ class KvmultiAttentionImpl(AttentionImpl):
         self.sliding_window = sliding_window if sliding_window and sliding_window > 0 else None
         self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
         self.kv_cache_dtype = kv_cache_dtype
+        self._fp8_dtype = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self._backend: Backend | None = None
@@ -166,6 +173,8 @@ class KvmultiAttentionImpl(AttentionImpl):
     def _view(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, KVCacheLayout]:
         key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
         if key != self._cache_key:
+            if self._fp8_dtype is not None and kv_cache.dtype != self._fp8_dtype:
+                kv_cache = kv_cache.view(self._fp8_dtype)          # vLLM's uint8 bytes, reinterpreted
             self._cache_view = layout_for_cache(kv_cache, self.head_size)
             self._cache_key = key
         return self._cache_view
@@ -184,7 +193,14 @@ class KvmultiAttentionImpl(AttentionImpl):
         view, layout = self._view(kv_cache)
         n = slot_mapping.shape[0]
         ops.write_kv(key[:n], value[:n], view, layout, slot_mapping,
-                     backend=self._kvmulti_backend(layout, kv_cache.device))
+                     backend=self._kvmulti_backend(layout, kv_cache.device), **self._scales(layer))
+
+    def _scales(self, layer: torch.nn.Module) -> dict:
+        """fp8 caches: the layer's per-tensor scales (vLLM's ``_k_scale_float``; 1.0 unless
+        calibrated); nothing for other caches (kvmulti refuses scales there)."""
+        if self._fp8_dtype is None:
+            return {}
+        return dict(k_scale=layer._k_scale_float, v_scale=layer._v_scale_float)
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: KvmultiStepMetadata | None, output: torch.Tensor,
@@ -203,5 +219,5 @@ class KvmultiAttentionImpl(AttentionImpl):
         query = query.view(-1, self.num_heads, self.head_size)[:n]
         out = output.view(-1, self.num_heads, layout.value_size)[:n]
         ops.paged_attention(query, view, layout, step, self.scale, self.sliding_window, self.logits_soft_cap,
-                            out=out)
+                            out=out, **self._scales(layer))
         return output

