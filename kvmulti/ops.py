@@ -23,7 +23,7 @@ import torch
 from .backends.base import Backend, StepMetadata
 from .backends.registry import get_backend, select_backend_for_layout
 from .fp8 import scale_tensor
-from .layout import KVCacheLayout
+from .layout import CROSS_LAYER_ORDERS, KVCacheLayout, token_order
 from .metadata import CommonAttentionMetadata
 from .validation import (check_attention_args, check_metadata, check_out, check_slot_values, check_window,
                          check_write)
@@ -172,13 +172,17 @@ def get_backend_name(backend: str | Backend) -> str:
 
 
 def _layout_args(layout: KVCacheLayout) -> tuple:
+    """The layout as custom-op arguments; ``order`` is the cross-layer order where there is one."""
     return (layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_size, layout.value_size,
-            layout.order)
+            layout.cross_layer_order or layout.order, layout.num_layers)
 
 
 @functools.lru_cache(maxsize=256)
 def _layout(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, head_size_v: int,
-            order: str, dtype: torch.dtype) -> KVCacheLayout:
+            order: str, num_layers: int, dtype: torch.dtype) -> KVCacheLayout:
+    if order in CROSS_LAYER_ORDERS:
+        return KVCacheLayout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, dtype, token_order(order),
+                             order, num_layers)
     return KVCacheLayout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, dtype, order)
 
 
@@ -206,9 +210,9 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, sca
 
 def _write_kv_impl(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, head_size_v: int,
-                   order: str, backend: str, k_scale: torch.Tensor | None = None,
+                   order: str, num_layers: int, backend: str, k_scale: torch.Tensor | None = None,
                    v_scale: torch.Tensor | None = None) -> None:
-    layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, kv_cache.dtype)
+    layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, num_layers, kv_cache.dtype)
     _write(key, value, kv_cache, layout, slot_mapping, get_backend(backend), k_scale, v_scale)
 
 
@@ -219,7 +223,7 @@ _write_kv_op = torch.library.custom_op("kvmulti::write_kv", _write_kv_impl, muta
 
 @_write_kv_op.register_fake
 def _(key, value, kv_cache, slot_mapping, num_blocks, block_size, num_kv_heads, head_size, head_size_v,
-      order, backend, k_scale=None, v_scale=None) -> None:
+      order, num_layers, backend, k_scale=None, v_scale=None) -> None:
     return None
 
 
@@ -227,10 +231,10 @@ def _paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, query_sta
                           seq_lens: torch.Tensor, block_table: torch.Tensor, query_start_loc_cpu: torch.Tensor,
                           seq_lens_cpu: torch.Tensor, num_actual_tokens: int, max_query_len: int,
                           max_seq_len: int, causal: bool, num_blocks: int, block_size: int, num_kv_heads: int,
-                          head_size: int, head_size_v: int, order: str, scale: float,
+                          head_size: int, head_size_v: int, order: str, num_layers: int, scale: float,
                           sliding_window: int | None, softcap: float | None, backend: str,
                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, kv_cache.dtype)
+    layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, num_layers, kv_cache.dtype)
     metadata = CommonAttentionMetadata(
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
         slot_mapping=query_start_loc.new_empty(0, dtype=torch.int64), num_reqs=seq_lens.shape[0],
@@ -247,5 +251,6 @@ _paged_attention_op = torch.library.custom_op("kvmulti::paged_attention", _paged
 @_paged_attention_op.register_fake
 def _(query, kv_cache, query_start_loc, seq_lens, block_table, query_start_loc_cpu, seq_lens_cpu,
       num_actual_tokens, max_query_len, max_seq_len, causal, num_blocks, block_size, num_kv_heads, head_size,
-      head_size_v, order, scale, sliding_window, softcap, backend, k_scale=None, v_scale=None) -> torch.Tensor:
+      head_size_v, order, num_layers, scale, sliding_window, softcap, backend, k_scale=None,
+      v_scale=None) -> torch.Tensor:
     return query.new_empty(query.shape[0], query.shape[1], head_size_v)

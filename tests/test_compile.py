@@ -1,14 +1,17 @@
 """The public ops are torch.library custom ops: torch.compile(fullgraph=True) traces them."""
 
+import pytest
 import torch
 
 import kvmulti
 from kvmulti import reference
 
 
-def test_compile_fullgraph_write_and_attend():
-    layout = kvmulti.KVCacheLayout(4, 4, 2, 16, dtype=torch.float32, order="HND")
-    cache = layout.allocate()
+@pytest.mark.parametrize("cross_layer_order", [None, "BHLNC"])
+def test_compile_fullgraph_write_and_attend(cross_layer_order):
+    layout = kvmulti.KVCacheLayout(4, 4, 2, 16, dtype=torch.float32, order="HND",
+                                   cross_layer_order=cross_layer_order, num_layers=2 if cross_layer_order else 1)
+    cache = layout.layer(layout.allocate(), 1) if cross_layer_order else layout.allocate()
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     md = kvmulti.CommonAttentionMetadata.from_lens([5, 1], [5, 7], table, block_size=4)
     cache.copy_(torch.randn(layout.shape))
@@ -18,7 +21,9 @@ def test_compile_fullgraph_write_and_attend():
         kvmulti.write_kv(k, v, cache, layout, md.slot_mapping)
         return kvmulti.paged_attention(q * 2, cache, layout, md, sliding_window=3) + 1
 
-    expected_cache = cache.clone()
+    # a copy with the same strides (for a cross-layer layout: the same layer of another allocation)
+    expected_cache = layout.layer(layout.allocate(), 1) if cross_layer_order else layout.allocate()
+    expected_cache.copy_(cache)
     reference.write_kv(k, v, expected_cache, layout, md.slot_mapping)
     expected = reference.paged_attention(q * 2, expected_cache, layout, md, sliding_window=3) + 1
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
