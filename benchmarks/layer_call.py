@@ -10,10 +10,11 @@ median microseconds per call and the ratio to vLLM's op.
   call vLLM's CPU_ATTN makes per layer), and ``cpu_attn_reshape_and_cache`` for the write;
 * kvmulti prepared: ``kvmulti.paged_attention(q, cache, layout, step, out=buf)`` with a
   StepMetadata from ``prepare_step`` (the per-step hook: what the vLLM plugin calls per layer),
-  and ``kvmulti.write_kv(..., backend=step.backend)``;
+  and ``kvmulti.write_kv(..., step=step)`` (slot values checked once per step, not per layer);
 * kvmulti unprepared: the same op handed the CommonAttentionMetadata, so every call validates it
   and plans (what each layer paid before the per-step hook);
-* kvmulti backend: the backend object's methods (no per-call checks at all).
+* kvmulti backend: the backend object's methods (no per-call checks at all);
+* layer: write + attention, vLLM's ops against kvmulti's prepared public ops (goal: <= 1.15x).
 
     .venv-vllm/bin/python benchmarks/layer_call.py [--rounds 7] [--calls 300]
 """
@@ -73,9 +74,15 @@ def main() -> None:
                                                                                     backend=impl, out=out),
         "attention: kvmulti backend object": lambda: impl.paged_attention(query, cache, step, scale, None, out),
         "write: vLLM op": lambda: ops.cpu_attn_reshape_and_cache(key, key, kc, vc, slots, isa, kv_cache_dtype="auto"),
-        "write: kvmulti public op": lambda: kvmulti.write_kv(key, key, cache, layout, slots, backend=impl),
+        "write: kvmulti prepared (public op, step=)": lambda: kvmulti.write_kv(key, key, cache, layout, slots,
+                                                                             step=step),
+        "write: kvmulti unprepared (public op)": lambda: kvmulti.write_kv(key, key, cache, layout, slots,
+                                                                         backend=impl),
         "write: kvmulti backend object": lambda: impl.write_kv(key, key, cache, layout, slots),
     }
+    rows["layer: vLLM op"] = lambda: (rows["write: vLLM op"](), rows["attention: vLLM op"]())
+    rows["layer: kvmulti prepared (public ops)"] = lambda: (rows["write: kvmulti prepared (public op, step=)"](),
+                                                           rows["attention: kvmulti prepared (public op)"]())
     times = {name: [] for name in rows}
     for fn in rows.values():
         fn()
@@ -87,10 +94,10 @@ def main() -> None:
             times[name].append((time.perf_counter() - start) / args.calls * 1e6)
     print(f"per-layer call, decode {REQS} x {CTX}, {HQ}/{HKV} heads, head {HEAD}, bf16, block {BLOCK}, one thread; "
           f"median of {args.rounds} rounds x {args.calls} calls")
-    print(f"{'call':<42} {'us per call':>12} {'vs vLLM op':>11}")
+    print(f"{'call':<46} {'us per call':>12} {'vs vLLM op':>11}")
     for name, ts in times.items():
         base = statistics.median(times[name.split(':')[0] + ": vLLM op"])
-        print(f"{name:<42} {statistics.median(ts):>12.1f} {statistics.median(ts) / base:>10.2f}x")
+        print(f"{name:<46} {statistics.median(ts):>12.1f} {statistics.median(ts) / base:>10.2f}x")
 
 
 if __name__ == "__main__":

@@ -172,6 +172,10 @@ class KVCacheLayout:
 
     def expected_strides(self) -> LayoutStrides:
         """Strides (in elements) that a (layer's) cache of this layout must have."""
+        return self._expected_strides
+
+    @cached_property
+    def _expected_strides(self) -> LayoutStrides:
         st = self._physical_strides
         return LayoutStrides(block=st["B"], token=st["N"], head=st["H"], dim=1)
 
@@ -282,6 +286,14 @@ class KVCacheLayout:
             raise ValueError(f"{name} has strides {tuple(actual)}, layout {where} expects "
                              f"{tuple(expected)} (block, token, head, dim); a cache of another order or "
                              "layout is never reinterpreted")
+
+    def __hash__(self) -> int:            # layouts key per-step caches: hash the fields once
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.num_blocks, self.block_size, self.num_kv_heads, self.head_size, self._head_size_v,
+                     self.dtype, self.order, self.cross_layer_order, self.num_layers))
 
     @cached_property
     def _exact_signature(self) -> tuple:

@@ -22,7 +22,7 @@ import torch
 
 from .backends.base import Backend, StepMetadata
 from .backends.registry import get_backend, select_backend_for_layout
-from .fp8 import scale_tensor
+from .fp8 import is_fp8, scale_tensor
 from .layout import CROSS_LAYER_ORDERS, KVCacheLayout, token_order
 from .metadata import CommonAttentionMetadata
 from .validation import (check_attention_args, check_metadata, check_out, check_slot_values, check_window,
@@ -75,7 +75,8 @@ def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_q
 
 def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor, layout: KVCacheLayout,
              slot_mapping: torch.Tensor, backend: str | Backend | None = None, role: str = "target",
-             k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None) -> None:
+             k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None,
+             step: StepMetadata | None = None) -> None:
     """Write key [T, Hkv, head_size] and value [T, Hkv, head_size_v] into ``kv_cache`` at
     ``slot_mapping`` [T] (int32/int64; slot = block * block_size + offset; -1 = skip).
 
@@ -87,8 +88,19 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tens
     ``backend`` names one of HIP/SYCL/TRITON/CPU or is the backend object a step resolved; None
     dispatches (env var for ``role``, then platform priority). Raises TypeError/ValueError naming
     the bad argument; the cache is untouched then.
+
+    ``step``: the prepared step (:func:`prepare_step`) this write belongs to, for a cache of its
+    layout. Its backend serves the write (unless ``backend`` names one), and the slot VALUES are
+    checked once per step per ``slot_mapping`` tensor instead of once per layer (the layers of a
+    group share it); ``slot_mapping`` must then not change while the step is in use.
     """
     check_write(key, value, kv_cache, layout, slot_mapping)
+    if step is not None:
+        if not isinstance(step, StepMetadata):
+            raise TypeError(f"step must be a StepMetadata from prepare_step, got {type(step).__name__}")
+        if step.layout is not layout and step.layout != layout:
+            raise ValueError("step was prepared for another layout")
+        backend = step.backend if backend is None else backend
     k_scale, v_scale = _scales(k_scale, v_scale, layout, kv_cache.device)
     if value is None:
         value = key.new_empty((key.shape[0], layout.num_kv_heads, 0))
@@ -97,7 +109,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tens
         torch.ops.kvmulti.write_kv(key, value, kv_cache, slot_mapping, *_layout_args(layout), name, k_scale, v_scale)
     else:
         _write(key, value, kv_cache, layout, slot_mapping, resolve_backend(layout, kv_cache.device, backend=backend,
-                                                                           role=role), k_scale, v_scale)
+                                                                           role=role), k_scale, v_scale, step)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
@@ -146,13 +158,15 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
 def _scales(k_scale: float | torch.Tensor | None, v_scale: float | torch.Tensor | None, layout: KVCacheLayout,
             device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Both scale arguments in the form backends receive (kvmulti/fp8.py: fp32 [Hkv] or None)."""
+    if k_scale is None and v_scale is None and not is_fp8(layout.dtype):
+        return None, None                                   # the common case, without the calls
     return (scale_tensor(k_scale, "k_scale", layout.dtype, layout.num_kv_heads, device),
             scale_tensor(v_scale, "v_scale", layout.dtype, layout.num_kv_heads, device))
 
 
 def _check_step(step: StepMetadata, query: torch.Tensor, layout: KVCacheLayout, sliding_window: int | None,
                 backend: str | Backend | None) -> StepMetadata:
-    if step.layout != layout:
+    if step.layout is not layout and step.layout != layout:
         raise ValueError("metadata was prepared for another layout")
     if step.sliding_window != sliding_window:
         raise ValueError(f"metadata was prepared for sliding_window={step.sliding_window}, the call passes "
@@ -188,8 +202,14 @@ def _layout(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
 
 def _write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
            slot_mapping: torch.Tensor, backend: Backend, k_scale: torch.Tensor | None,
-           v_scale: torch.Tensor | None) -> None:
-    check_slot_values(slot_mapping, layout)
+           v_scale: torch.Tensor | None, step: StepMetadata | None = None) -> None:
+    if step is None:
+        check_slot_values(slot_mapping, layout)
+    else:      # once per step per slot tensor; the tensor is kept so its id is not reused this step
+        checked = step.extras.setdefault("checked_slot_mappings", {})
+        if checked.get(id(slot_mapping)) is not slot_mapping:
+            check_slot_values(slot_mapping, layout)
+            checked[id(slot_mapping)] = slot_mapping
     scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}   # fp8 caches only
     backend.write_kv(key, None if layout.is_latent else value, kv_cache, layout, slot_mapping, **scales)
 

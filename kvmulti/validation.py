@@ -78,6 +78,8 @@ def check_index(name: str, tensor: torch.Tensor, dims: int, device: torch.device
 def check_write(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor, layout: KVCacheLayout,
                 slot_mapping: torch.Tensor) -> None:
     """Static checks of a KV write."""
+    if _write_is_well_formed(key, value, kv_cache, layout, slot_mapping):
+        return
     check_layout_and_cache(layout, kv_cache)
     device = kv_cache.device
     check_rows("key", key, layout, layout.num_kv_heads, layout.head_size, device)
@@ -90,6 +92,37 @@ def check_write(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.T
     check_index("slot_mapping", slot_mapping, 1, device)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+
+
+def _write_is_well_formed(key, value, kv_cache, layout, slot_mapping) -> bool:
+    """:func:`check_write`'s rules for the common case (a cache of the layout, same-dtype key and
+    value, int64/int32 slots, one device) in a few attribute reads; False sends the call through
+    the full checks, which name what is wrong."""
+    try:
+        layout.validate(kv_cache)
+        if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
+                and isinstance(slot_mapping, torch.Tensor)) or layout.is_latent:
+            return False
+        shape, device = key.shape, kv_cache.device
+        return (key.dtype == kv_cache.dtype and value.dtype == kv_cache.dtype
+                and shape[1:] == (layout.num_kv_heads, layout.head_size)
+                and value.shape == (shape[0], layout.num_kv_heads, layout.value_size)
+                and slot_mapping.shape == shape[:1] and slot_mapping.dtype in INDEX_DTYPES
+                and key.device == device and value.device == device and slot_mapping.device == device)
+    except (TypeError, ValueError, AttributeError, IndexError):
+        return False
+
+
+def _query_is_well_formed(query, kv_cache, layout) -> bool:
+    """:func:`check_attention_args`' tensor rules for the common case (a query of the cache's dtype)
+    in a few attribute reads; False sends the call through the full checks."""
+    try:
+        layout.validate(kv_cache)
+        shape = query.shape
+        return (query.dtype == kv_cache.dtype and len(shape) == 3 and shape[2] == layout.head_size
+                and shape[1] % layout.num_kv_heads == 0 and query.device == kv_cache.device)
+    except (TypeError, ValueError, AttributeError, IndexError):
+        return False
 
 
 def check_slot_values(slot_mapping: torch.Tensor, layout: KVCacheLayout) -> None:
@@ -106,6 +139,9 @@ def check_slot_values(slot_mapping: torch.Tensor, layout: KVCacheLayout) -> None
 def check_attention_args(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
                          scale: float | None, sliding_window: int | None, softcap: float | None) -> None:
     """Static checks of an attention call's tensors and scalars (the metadata aside)."""
+    if sliding_window is None and softcap is None and (scale is None or type(scale) is float and math.isfinite(scale)) \
+            and _query_is_well_formed(query, kv_cache, layout):
+        return
     check_layout_and_cache(layout, kv_cache)
     check_rows("query", query, layout, None, layout.head_size, kv_cache.device)
     if query.shape[1] % layout.num_kv_heads:
@@ -132,7 +168,7 @@ def check_out(out: torch.Tensor, query: torch.Tensor, layout: KVCacheLayout) -> 
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     want = (query.shape[0], query.shape[1], layout.value_size)
-    if tuple(out.shape) != want:
+    if out.shape != want:
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {want} (query rows, query heads, head_size_v)")
     if out.dtype != query.dtype:
         raise TypeError(f"out has dtype {out.dtype}, the query {query.dtype}")

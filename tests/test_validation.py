@@ -41,10 +41,14 @@ WRITE_ERRORS = {
 }
 
 
+@pytest.mark.parametrize("prepared", [False, True], ids=["plain", "step"])
 @pytest.mark.parametrize("name", WRITE_ERRORS)
-def test_write_kv_rejects(name):
+def test_write_kv_rejects(name, prepared):
     change, error, message = WRITE_ERRORS[name]
     cache, args = write_case(change)
+    if prepared:       # a prepared step's write checks the same (slot values once per step and slot tensor)
+        _, md, *_ = fresh()
+        args["step"] = kvmulti.prepare_step(md, LAYOUT, 4)
     before = args["kv_cache"].clone()
     with pytest.raises(error, match=message):
         kvmulti.write_kv(**args)
@@ -90,6 +94,31 @@ def test_paged_attention_rejects(name):
     with pytest.raises(error, match=message):
         kvmulti.paged_attention(**args)
     assert torch.equal(args["kv_cache"], before)
+
+
+def test_write_with_a_step_checks_slot_values_once_per_step_and_slot_tensor(monkeypatch):
+    from kvmulti import ops
+    calls = []
+    check = ops.check_slot_values
+    monkeypatch.setattr(ops, "check_slot_values", lambda slots, layout: (calls.append(slots), check(slots, layout)))
+    cache, md, _, k, v = fresh()
+    step = kvmulti.prepare_step(md, LAYOUT, 4)
+    for _ in range(4):                                   # four layers of one group
+        kvmulti.write_kv(k, v, cache, LAYOUT, md.slot_mapping, step=step)
+    assert len(calls) == 1
+    bad = md.slot_mapping.clone()
+    bad[1] = LAYOUT.num_slots
+    before = cache.clone()
+    with pytest.raises(ValueError, match=f"slot {LAYOUT.num_slots}"):     # another tensor: checked
+        kvmulti.write_kv(k, v, cache, LAYOUT, bad, step=step)
+    assert torch.equal(cache, before) and len(calls) == 2
+    kvmulti.write_kv(k, v, cache, LAYOUT, md.slot_mapping, step=kvmulti.prepare_step(md, LAYOUT, 4))
+    assert len(calls) == 3                               # a new step checks again
+    other = kvmulti.KVCacheLayout(4, 4, 2, 8, dtype=torch.float32, order="NHD")
+    with pytest.raises(ValueError, match="step was prepared for another layout"):
+        kvmulti.write_kv(k, v, other.allocate(), other, md.slot_mapping, step=step)
+    with pytest.raises(TypeError, match="step must be a StepMetadata"):
+        kvmulti.write_kv(k, v, cache, LAYOUT, md.slot_mapping, step=md)
 
 
 def test_unknown_backend_argument():

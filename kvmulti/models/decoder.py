@@ -89,7 +89,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         step, cache = ctx.steps[ctx.layer_to_group[self.layer_name]], ctx.kv_caches[self.layer_name]
-        ops.write_kv(k, v, cache, step.layout, step.common.slot_mapping, backend=step.backend)
+        ops.write_kv(k, v, cache, step.layout, step.common.slot_mapping, step=step)
         out = ops.paged_attention(q, cache, step.layout, step, scale=self.scale, sliding_window=self.sliding_window,
                                   softcap=self.softcap)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -32,6 +32,7 @@ class CPUPlan:
     partition_len: int      # 0: the kernel decides; NEVER_SPLIT: one partition
     module: object          # the native module, or None: the torch path runs this step
     isa: int                # the native variant's code (native.ISAS)
+    cache_args: tuple       # ((strides, sizes), window, causal) as the kernel takes them
 
 
 def _contiguous_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -75,9 +76,13 @@ class CPUBackend(Backend):
         part = {-1: 0, 0: NEVER_SPLIT}.get(self.partition_size, self.partition_size)
         module = self.module()
         isa = native.ISAS[native.selected_isa(module, self.isa)] if module is not None else 0
+        s = layout.expected_strides()
+        cache_args = (s.block, s.token, s.head, layout.head_size, layout.value_size, layout.num_kv_heads,
+                      layout.block_size)
         return CPUPlan(_contiguous_as(common.block_table, torch.int32),
                        _contiguous_as(common.query_start_loc_cpu, torch.int32),
-                       _contiguous_as(common.seq_lens_cpu, torch.int32), part, module, isa)
+                       _contiguous_as(common.seq_lens_cpu, torch.int32), part, module, isa,
+                       (cache_args, int(sliding_window or 0), bool(common.causal)))
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,
                  layout: KVCacheLayout, slot_mapping: torch.Tensor,
@@ -107,12 +112,10 @@ class CPUBackend(Backend):
             paged_attention_torch(query, kv_cache, layout, common, scale, step.sliding_window, softcap, out,
                                   k_scale, v_scale)
             return
-        s = layout.expected_strides()
+        cache_args, window, causal = plan.cache_args
         target = out if out.stride(-1) == 1 else torch.zeros_like(out, memory_format=torch.contiguous_format)
         module.paged_attention(_last_dim_contiguous(query), kv_cache, target, plan.block_table, plan.query_start_loc,
-                               plan.seq_lens, s.block, s.token, s.head, layout.head_size, layout.value_size,
-                               layout.num_kv_heads, layout.block_size, float(scale), int(step.sliding_window or 0),
-                               float(softcap or 0.0), bool(common.causal), plan.partition_len, plan.isa,
-                               k_scale, v_scale)
+                               plan.seq_lens, *cache_args, float(scale), window, float(softcap or 0.0), causal,
+                               plan.partition_len, plan.isa, k_scale, v_scale)
         if target is not out:
             out.copy_(target)

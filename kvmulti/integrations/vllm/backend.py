@@ -23,6 +23,7 @@ import torch
 from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayer, AttentionMetadataBuilder,
                                        AttentionType, CommonAttentionMetadata as VllmCommonAttentionMetadata,
                                        MultipleOf)
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.v1.kv_cache_layout import KVCacheLayout as VllmKVCacheLayout
 
 from ... import ops
@@ -140,6 +141,20 @@ def layout_for_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tens
     return view, KVCacheLayout.of_view(view, head_size)
 
 
+def _step_metadata_of(layer: torch.nn.Module) -> KvmultiStepMetadata | None:
+    """This step's metadata for ``layer`` from vLLM's forward context (as vLLM's own
+    ``get_attention_context`` finds it), so a layer's write shares the step's once-per-step slot
+    check; None outside a forward pass."""
+    if not is_forward_context_available():
+        return None
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):               # speculative decoding: [0] is the base model's
+        metadata = metadata[0] if metadata else None
+    if isinstance(metadata, dict):
+        metadata = metadata.get(getattr(layer, "layer_name", None))
+    return metadata if isinstance(metadata, KvmultiStepMetadata) else None
+
+
 class KvmultiAttentionImpl(AttentionImpl):
     """One attention layer on kvmulti. The kvmulti backend is resolved at the layer's first call
     (platform priority, or ``KVMULTI_ATTENTION_BACKEND``), and its cache view once per cache."""
@@ -192,8 +207,12 @@ class KvmultiAttentionImpl(AttentionImpl):
             return
         view, layout = self._view(kv_cache)
         n = slot_mapping.shape[0]
-        ops.write_kv(key[:n], value[:n], view, layout, slot_mapping,
-                     backend=self._kvmulti_backend(layout, kv_cache.device), **self._scales(layer))
+        backend = self._kvmulti_backend(layout, kv_cache.device)
+        step_metadata = _step_metadata_of(layer)
+        step = None if step_metadata is None else step_metadata.step_for(layout, self.num_heads, self.sliding_window,
+                                                                          backend)
+        ops.write_kv(key[:n], value[:n], view, layout, slot_mapping, backend=backend, step=step,
+                     **self._scales(layer))
 
     def _scales(self, layer: torch.nn.Module) -> dict:
         """fp8 caches: the layer's per-tensor scales (vLLM's ``_k_scale_float``; 1.0 unless
