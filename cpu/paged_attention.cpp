@@ -21,6 +21,12 @@
 
 #include "kvmulti_cpu.h"
 
+namespace {
+// The kernels use as many threads as torch's intra-op pool (torch.set_num_threads), not their own
+// OpenMP runtime's default: an engine that pins torch to N threads gets N here too.
+int torch_threads() { return std::max(1, at::get_num_threads()); }
+}  // namespace
+
 namespace kvmulti_cpu {
 namespace {
 
@@ -224,7 +230,7 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
   const int num_reqs = int(std::min<int64_t>(seq_lens_cpu.size(0), query_start_loc_cpu.size(0) - 1));
   const int32_t* qsl = query_start_loc_cpu.data_ptr<int32_t>();
   const int32_t* seq = seq_lens_cpu.data_ptr<int32_t>();
-  const int nthreads = std::max(1, omp_get_max_threads());
+  const int nthreads = torch_threads();
 
   const std::vector<Tile> tiles = plan_tiles(qsl, seq, num_reqs, query.size(0), block_table.size(0),
                                              block_table.size(1), P.block_size, P.window, causal, tile_tokens);
@@ -289,7 +295,7 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
     std::vector<float> ws(static_cast<size_t>(ws_floats) + 16);
     for (int i = 0; i < n_items; ++i) run(P, items[order[i]], ws.data());
   } else {
-#pragma omp parallel
+#pragma omp parallel num_threads(team)
     {
       std::vector<float> ws(static_cast<size_t>(ws_floats) + 16);
 #pragma omp for schedule(dynamic, 1)
@@ -343,10 +349,11 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
     }
   };
   const int n_merges = int(merges.size());
-  if (std::min(nthreads, n_merges) <= 1) {
+  const int merge_team = std::min(nthreads, n_merges);
+  if (merge_team <= 1) {
     for (const Merge& mg : merges) merge_one(mg);
   } else {
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(merge_team)
     for (int i = 0; i < n_merges; ++i) merge_one(merges[i]);
   }
 }
@@ -370,10 +377,11 @@ struct KVRows {
         row(blk * s_block + off * s_token + h * s_head, k + (t * ks0 + h * ks1) * es,
             v ? v + (t * vs0 + h * vs1) * es : nullptr, h);
     };
-    if (T * H * (head_size + head_size_v) * es < (1 << 20) || omp_get_max_threads() <= 1) {
+    const int team = torch_threads();
+    if (T * H * (head_size + head_size_v) * es < (1 << 20) || team <= 1) {
       for (int64_t t = 0; t < T; ++t) one(t);
     } else {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(team)
       for (int64_t t = 0; t < T; ++t) one(t);
     }
   }
@@ -493,7 +501,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "fp8 codes widened by an ISA variant's in-register loads (tests)");
   m.def("available_isas", &kvmulti_cpu::available_isas, "usable kernels here, best first");
   m.def("best_isa", []() { return std::string(kvmulti_cpu::isa_name(kvmulti_cpu::best_isa())); });
-  m.def("num_threads", []() { return omp_get_max_threads(); });
+  m.def("num_threads", []() { return torch_threads(); });
   m.def("lanes", [](const std::string& isa) {
     for (int i = 0; i < 4; ++i)
       if (isa == kvmulti_cpu::isa_name(i)) return kvmulti_cpu::lanes_of(kvmulti_cpu::Isa(i));

@@ -53,11 +53,18 @@ def _backend_name(layout: KVCacheLayout, device: torch.device | str, sliding_win
 def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int, *,
                  num_query_rows: int | None = None, sliding_window: int | None = None,
                  softcap: float | None = None, backend: str | Backend | None = None,
-                 role: str = "target", device: torch.device | None = None) -> StepMetadata:
+                 role: str = "target", device: torch.device | None = None,
+                 check_values: bool = True) -> StepMetadata:
     """The per-step hook: validate ``metadata`` for one KV-cache group (query of ``num_query_rows``
     rows, default ``num_actual_tokens``; tensors on ``device``, default the metadata's), resolve its
     backend and let it prepare what every layer of the group reuses this step. Pass the result to
-    :func:`paged_attention` as ``metadata``."""
+    :func:`paged_attention` as ``metadata``.
+
+    ``check_values=False`` skips the checks of the block ids each request reads and of device
+    tensors against their host copies (a device sync on accelerators): for metadata an engine's
+    own block manager made (kvmulti's runner, vLLM's scheduler). Types, shapes and the host lengths
+    are still checked, and the kernels never access memory outside their tensors whatever the
+    values (tests/test_fuzz_metadata.py)."""
     check_window(sliding_window)
     if isinstance(num_query_heads, bool) or not isinstance(num_query_heads, int) or num_query_heads < 1 \
             or num_query_heads % layout.num_kv_heads:
@@ -67,7 +74,7 @@ def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_q
     if device is None and isinstance(metadata, CommonAttentionMetadata) \
             and isinstance(metadata.query_start_loc, torch.Tensor):
         device = metadata.query_start_loc.device
-    check_metadata(metadata, layout, rows, sliding_window, device)
+    check_metadata(metadata, layout, rows, sliding_window, device, check_values=check_values)
     chosen = resolve_backend(layout, device, sliding_window=sliding_window, softcap=softcap,
                              causal=metadata.causal, backend=backend, role=role)
     return chosen.build_metadata(metadata, layout, num_query_heads, sliding_window)

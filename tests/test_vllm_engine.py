@@ -11,6 +11,8 @@ models, one engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
   and cache dtype (tests/vllm_impl_check.py, run in vLLM's venv);
 * every other vLLM KV-cache layout (LBNHC, and the cross-layer BLHNC, BLNHC, BHLNC, LHBNC that
   vLLM's ``VLLM_KV_CACHE_LAYOUT`` selects) gives the same ids;
+* a Gemma-3-style model (sliding-window + full-attention layers: two KV-cache groups; a tiny random
+  checkpoint made by tests/vllm_gemma3_model.py) gives CPU_ATTN's ids;
 * ``draft_model`` speculative decoding with target and draft on kvmulti equals target-only output;
 * without ``KVMULTI_VLLM`` the plugin leaves CPU_ATTN alone.
 
@@ -117,6 +119,26 @@ def test_fp8_kv_cache_runs_on_kvmulti(cpu_attn, kv_cache_dtype):
     assert [t[0] for t in ids] == [t[0] for t in want]
     same = sum(a == b for got, exp in zip(ids, want) for a, b in zip(got, exp))
     assert same >= 0.6 * sum(len(t) for t in want), f"{same} of {sum(len(t) for t in want)} tokens equal"
+
+
+@pytest.fixture(scope="module")
+def gemma3_model(tmp_path_factory) -> str:
+    require_vllm()
+    path = tmp_path_factory.mktemp("gemma3")
+    run = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_gemma3_model.py"), str(path)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return str(path)
+
+
+@pytest.mark.parametrize("block_size", ["32", "16"])
+def test_gemma3_style_sliding_window_model_equals_cpu_attn(gemma3_model, block_size):
+    # sliding-window (8) and full-attention layers: two KV-cache groups; prompts of 9-40 tokens
+    # cross the window. CPU_ATTN runs block 32 only; kvmulti must give its ids at both sizes.
+    want = generate(False, "--block-size", "32", "--model", gemma3_model)
+    assert want["kvmulti_forward_calls"] == 0
+    result = kvmulti_run("--block-size", block_size, "--model", gemma3_model)
+    assert result["token_ids"] == want["token_ids"]
 
 
 def test_draft_model_speculative_equals_target_only(cpu_attn):

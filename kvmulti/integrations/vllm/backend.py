@@ -100,7 +100,7 @@ class KvmultiStepMetadata:
         step = self.prepared.get(key)
         if step is None:
             step = ops.prepare_step(self.common, layout, num_query_heads, sliding_window=sliding_window,
-                                    backend=backend)
+                                    backend=backend, check_values=False)     # vLLM's scheduler made the ids
             self.prepared[key] = step
         return step
 
