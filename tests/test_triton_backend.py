@@ -244,7 +244,7 @@ def test_partition_size_setting_forces_path(monkeypatch):
 
 # ---------------------------------------------------------------- heuristic and reporting (any host)
 def test_split_heuristic():
-    from kvmulti.triton_kernels.launch import plan_attention
+    from kvmulti.backends.triton.launch import plan_attention
 
     def plan(**kw):
         args = dict(num_reqs=2, num_kv_heads=8, num_qpk=4, max_query_len=1, max_seq_len=8192, head_size=128,

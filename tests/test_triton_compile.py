@@ -17,7 +17,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kvmulti.triton_kernels import cross_compile as xc  # noqa: E402
-from kvmulti.triton_kernels import launch  # noqa: E402
+from kvmulti.backends.triton import launch  # noqa: E402
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

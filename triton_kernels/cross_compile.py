@@ -202,7 +202,7 @@ def launches(spec: BatchSpec, family: str):
     """[(name, launch.Launch)] of one batch planned for ``family``: its attention launches and its
     write_kv launch."""
     import kvmulti
-    from . import launch
+    from kvmulti.backends.triton import launch
     seq_lens = [c + q for c, q in zip(spec.context_lens, spec.query_lens)]
     bs = spec.block_size
     width = max(-(-s // bs) for s in seq_lens)
@@ -274,7 +274,7 @@ def compile_target(target_name: str, specs: list[BatchSpec] | None = None) -> li
     import triton.runtime.jit
     from triton.compiler import ASTSource
     from triton.compiler.compiler import make_backend
-    from . import launch
+    from kvmulti.backends.triton import launch
     target = TARGETS[target_name]
     backend = make_backend(target.gpu_target())
     seen, results = set(), []

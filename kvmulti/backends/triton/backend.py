@@ -6,7 +6,7 @@ then reports why it is unusable. On a CPU-only host it runs only under Triton's 
 just CPU.
 
 Split-KV (the shared ``partition_size`` contract): -1 uses the heuristic of
-``kvmulti.triton_kernels.launch.plan_attention`` with partitions of
+``kvmulti.backends.triton.launch.plan_attention`` with partitions of
 ``settings.DEFAULT_PARTITION_SIZE`` keys, 0 never splits, N (a power of two >= 16) always splits.
 """
 
@@ -64,7 +64,7 @@ def _mode_reasons() -> list[str]:
 
 
 def _kernels():
-    return importlib.import_module("kvmulti.triton_kernels.launch")
+    return importlib.import_module("kvmulti.backends.triton.launch")
 
 
 class TritonBackend(Backend):

@@ -1,4 +1,4 @@
-"""Host side of the Triton kernels: tile choices, the split-KV heuristic, the launches, and the
+"""Host side of the Triton kernels (sources in the top-level ``triton_kernels/``): tile choices, the split-KV heuristic, the launches, and the
 list of compiled specialisations (used by the cross-compilation test).
 
 Importing this module imports triton; ``kvmulti.backends.triton`` imports it lazily.
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .unified_attention import reduce_partitions_kernel, unified_attention_kernel
-from .fp8 import fp8_code, raw_cache
-from .write_kv import write_kv_kernel
+from ...triton_kernels.fp8 import fp8_code, raw_cache
+from ...triton_kernels.unified_attention import reduce_partitions_kernel, unified_attention_kernel
+from ...triton_kernels.write_kv import write_kv_kernel
 
 DEFAULT_PARTITION_SIZE = 512
 #: Head sizes (K and V) the kernels are built and cross-compile-tested for: any size up to this,
