@@ -8,7 +8,7 @@
 // walked in chunks of kChunk positions: block-table lookups happen only for positions inside the
 // item's range (entries outside a sliding window are never read), K/V rows are addressed through
 // the named strides (no repacking) and, for fp16/bf16, widened to fp32 in a small per-thread
-// scratch; the next chunk's rows are prefetched. Scores use fp32 FMAs; the 16 (or 8/4) per-key dot
+// scratch; rows two chunks ahead are prefetched (into L2). Scores use fp32 FMAs; the 16 (or 8/4) per-key dot
 // product accumulators are reduced with a transposing shuffle tree, so one vector holds one score
 // per key. Online softmax (running max m, sum l) keeps O unnormalised; a work item either
 // normalises and writes `out` or, when the context is partitioned, leaves (O, m, l) for the
@@ -18,9 +18,27 @@
 // Requires before inclusion: <cstdint> <cstring> <cmath> <utility> <limits>, kvmulti_cpu.h,
 // <immintrin.h> on x86.
 
-// KV_PREFETCH=0: no software prefetch of the next chunk's K/V rows (on by default).
+// Software prefetch of the K/V rows KV_PREFETCH_DIST chunks ahead (KV_PREFETCH=0: none), with
+// KV_PREFETCH_LEVEL 0 / 1 / 2 / 3 = prefetcht0 / t1 / t2 / nta. Measured cold decode on a Zen 4 host
+// (benchmarks/attention.py): t1 (into L2) at distance 2 takes 0.55-0.75x the time of t0 at distance 1,
+// which filled L1 with lines evicted before use; distance 4 was slower again.
 #ifndef KV_PREFETCH
 #define KV_PREFETCH 1
+#endif
+#ifndef KV_PREFETCH_DIST
+#define KV_PREFETCH_DIST 2
+#endif
+#ifndef KV_PREFETCH_LEVEL
+#define KV_PREFETCH_LEVEL 1
+#endif
+#if KV_PREFETCH_LEVEL == 0
+#define KV_PREFETCH_INSN "prefetcht0"
+#elif KV_PREFETCH_LEVEL == 1
+#define KV_PREFETCH_INSN "prefetcht1"
+#elif KV_PREFETCH_LEVEL == 2
+#define KV_PREFETCH_INSN "prefetcht2"
+#else
+#define KV_PREFETCH_INSN "prefetchnta"
 #endif
 #ifndef KV_W
 #error "define KV_W (fp32 lanes) before including attention_kernel.h"
@@ -520,7 +538,7 @@ struct DirectCtx {
   float softcap;
   float qk_scale;           // applied to raw scores (1 where Q is pre-scaled)
   float* St;                // [kChunk][RR] key-major scores, then probabilities
-  const void* const* pf;    // the next chunk's rows, prefetched while this one's scores are computed
+  const void* const* pf;    // rows KV_PREFETCH_DIST chunks ahead, prefetched while this one's scores are computed
   int pf_n, pf_lines;       // rows to prefetch (0: none), 64-byte lines per row
 };
 
@@ -528,7 +546,7 @@ static KV_INLINE void prefetch_line(const char* p) {
 #if defined(__x86_64__) && !defined(KV_PORTABLE_VECTORS)
   // GCC drops __builtin_prefetch from the direct path's loops at -O2 and above; the asm keeps every
   // prefetch of the kernel (all of them go through here).
-  asm volatile("prefetcht0 %0" : : "m"(*p));
+  asm volatile(KV_PREFETCH_INSN " %0" : : "m"(*p));
 #else
   __builtin_prefetch(p, 0, 3);
 #endif
@@ -836,6 +854,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
 
   const T* raw_a[kChunk];
   const T* raw_b[kChunk];
+  const T* far[kChunk];
   const T** raw = raw_a;
   const T** next = raw_b;
   const T* hrow[kChunk + KV_W];   // this head's rows (direct path), padding keys -> the zero row
@@ -851,23 +870,38 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   const int chunk = direct && P.s_token > D + Dv ? kChunk / 2 : kChunk;
   int c0 = it.k_lo;
   if (c0 < it.k_hi) rows_of(c0, std::min(chunk, it.k_hi - c0), raw);
+#if KV_PREFETCH
+  // The loop prefetches KV_PREFETCH_DIST chunks ahead; the first chunks are requested here, all at once.
+  for (int c = c0; c < it.k_hi && c < c0 + KV_PREFETCH_DIST * chunk; c += chunk) {
+    const int n = std::min(chunk, it.k_hi - c);
+    rows_of(c, n, far);
+    for (int hh = 0; hh < (pf_lines == row_lines ? NH : 1); ++hh) {
+      for (int j = 0; j < n; ++j) {
+        const char* p = reinterpret_cast<const char*>(far[j] + int64_t(hh) * P.s_head);
+        for (int b = 0; b < pf_lines; ++b) prefetch_line(p + b * 64);
+      }
+    }
+  }
+#endif
   for (; c0 < it.k_hi; c0 += chunk) {
     const int n = std::min(chunk, it.k_hi - c0);
     const int c1 = c0 + chunk;
-    int nn = 0;
-    if (c1 < it.k_hi) {  // the next chunk's K/V rows, prefetched while this chunk is computed
-      nn = std::min(chunk, it.k_hi - c1);
-      rows_of(c1, nn, next);
-    }
+    if (c1 < it.k_hi) rows_of(c1, std::min(chunk, it.k_hi - c1), next);
+    // The rows KV_PREFETCH_DIST chunks ahead, prefetched while this chunk is computed.
+    const int cpf = c0 + KV_PREFETCH_DIST * chunk;
+    const int nn = cpf < it.k_hi ? std::min(chunk, it.k_hi - cpf) : 0;
+    const T** ahead = next;
+    if (KV_PREFETCH_DIST > 1 && nn > 0) rows_of(cpf, nn, far);
+    if (KV_PREFETCH_DIST > 1) ahead = far;
     for (int hh = 0; hh < NH; ++hh) {
       const int64_t hoff = int64_t(hh) * P.s_head;
-      // Prefetch the next chunk with the first head (all heads' lines when they are adjacent), or per head.
+      // Prefetch ahead with the first head (all heads' lines when they are adjacent), or per head.
       const bool pf_now = hh == 0 || pf_lines == row_lines;
       const int hpf_lines = pf_now ? pf_lines : 0;
-      const T** pf_rows = next;
+      const T** pf_rows = ahead;
       const T* pf_h[kChunk];
       if (pf_now && hh > 0) {
-        for (int j = 0; j < nn; ++j) pf_h[j] = next[j] + hoff;
+        for (int j = 0; j < nn; ++j) pf_h[j] = ahead[j] + hoff;
         pf_rows = pf_h;
       }
       if (direct) {
