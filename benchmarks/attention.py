@@ -364,8 +364,8 @@ def main() -> None:
         if args.no_torch_path:
             fns.pop("torch path")
         if args.no_sdpa:
-            fns.pop("gather+SDPA")
-            fns.pop("dense SDPA")
+            fns.pop("gather+SDPA", None)
+            fns.pop("dense SDPA", None)
         # Rounds alternate vLLM's and our measurements, so a burst of load on this shared machine
         # lands on one round of both rather than on one side of the comparison.
         runs = {(mode, name): [] for mode in ("hot", "cold") for name in [*fns, "vLLM"]}

@@ -207,7 +207,7 @@ def test_cache_written_by_sycl_reads_the_same_via_cpu_and_back(monkeypatch, sycl
     case = build_case(spec)
     layout, md = case.layout, case.metadata
     usm = mode == "usm-cache"
-    sycl_cache = layout.allocate("cpu", allocator=S.runtime.usm_allocator) if usm else layout.allocate("cpu")
+    sycl_cache = layout.allocate("cpu", allocator=S.usm_allocator) if usm else layout.allocate("cpu")
     cpu_cache = layout.allocate("cpu")
     sycl_cache.copy_(case.cache)
     cpu_cache.copy_(case.cache)
@@ -259,7 +259,7 @@ def test_usm_allocator_is_zero_copy_and_freed(monkeypatch):
     monkeypatch.setattr(S.runtime.Session, "free", lambda self, p: (freed.append(p), orig(self, p))[1])
     layout = kvmulti.KVCacheLayout(num_blocks=3, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16,
                                    order="HND")
-    cache = layout.allocate("cpu", allocator=S.runtime.usm_allocator)
+    cache = layout.allocate("cpu", allocator=S.usm_allocator)
     layout.validate(cache)
     base = cache.data_ptr()
     assert S.runtime.default_session().pointer_type(base) == S.runtime.USM_SHARED

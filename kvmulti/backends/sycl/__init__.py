@@ -3,7 +3,8 @@
 from .backend import (RB, ROWS, SG, WG, Plan, SyclBackend, SyclStep, check_cache_alignment, choose_wg, kernel_options, lm_floats,
                       plan_attention, vector_bytes)
 from .runtime import (SyclBuildError, SyclError, default_session, find_runtime, get_runtime, kernel_source,
-                      list_devices, runtime_reasons, source_dir, usm_allocator, usm_empty)
+                      list_devices, runtime_reasons, source_dir)
+from .usm import usm_allocator, usm_empty
 
 __all__ = ["RB", "ROWS", "SG", "WG", "Plan", "SyclBackend", "SyclBuildError", "SyclError", "SyclStep", "check_cache_alignment",
            "choose_wg", "vector_bytes",

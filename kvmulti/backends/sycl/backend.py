@@ -28,9 +28,9 @@ from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata, first_visible_position
 from ..base import ALL_DTYPES, FP8_DTYPES, Backend, StepMetadata
 from .runtime import (ARG_F32, ARG_I32, ARG_I64, ARG_LOCAL_F32, ARG_PTR, DTYPE_CODES, K_ATTN,
-                      K_REDUCE, K_SPLIT, K_WRITE, Session, SyclError, Staging, default_session, find_runtime,
-                      get_runtime, kernel_source, runtime_reasons, runtime_version, usm_allocator, usm_empty,
-                      xpu_session)
+                      K_REDUCE, K_SPLIT, K_WRITE, Session, SyclError, default_session, find_runtime,
+                      get_runtime, kernel_source, runtime_reasons, runtime_version, xpu_session)
+from .usm import Staging, usm_allocator, usm_empty
 
 #: Tile shape of the attention kernels (build options of kernels.cpp).
 ROWS = 16          # (query token, query head) rows per work-group
