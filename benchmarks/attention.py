@@ -5,7 +5,8 @@ gather + SDPA, dense SDPA, vLLM's CPU kernel (when importable) and the RAM-bandw
     python benchmarks/attention.py [--quick] [--rounds N] [--pages huge|4k] [--no-sdpa] [--orders HND,NHD (default: both)] [--vllm-python PATH] [--json FILE]
 
 Cases (8 query / 2 KV heads, head size 64): decode 32 requests x 1024 context, decode 4 x 16384,
-prefill 4 x 512 new tokens (causal, no context); fp32 and bf16 (and --dtypes fp8_e4m3,fp8_e5m2: an fp8
+prefill 4 x 512 new tokens (causal, no context); and "decode 8x1024 llama-8b": 8 x 1024 with one
+Llama-3-8B layer's heads (32 query / 8 KV heads, head size 128). fp32 and bf16 (and --dtypes fp8_e4m3,fp8_e5m2: an fp8
 cache, bf16 queries, scales 1.0; vLLM with its kv_cache_dtype of that name); block sizes 16 / 32 / 128.
 "hot": back-to-back calls; "cold": a 1 GiB buffer is written before every timed call, so the KV
 cache comes from RAM. Times are the median (and min) of several calls of the backend method
@@ -42,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,11 +53,20 @@ from kvmulti import host_memory
 from kvmulti.backends.cpu import CPUBackend
 from kvmulti.backends.cpu.torch_path import paged_attention_torch
 
-HQ, HKV, HEAD = 8, 2, 64
-CASES = {  # name: (requests, seq_len, query_len)
-    "decode 32x1024": (32, 1024, 1),
-    "decode 4x16384": (4, 16384, 1),
-    "prefill 4x512": (4, 512, 512),
+class Case(NamedTuple):
+    reqs: int            # requests
+    seq: int             # context tokens per request
+    qlen: int            # query tokens per request
+    hq: int = 8          # query heads
+    hkv: int = 2         # KV heads
+    head: int = 64       # head size (K and V)
+
+
+CASES = {
+    "decode 32x1024": Case(32, 1024, 1),
+    "decode 4x16384": Case(4, 16384, 1),
+    "prefill 4x512": Case(4, 512, 512),
+    "decode 8x1024 llama-8b": Case(8, 1024, 1, hq=32, hkv=8, head=128),   # one Llama-3-8B attention layer
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_QUERY_DTYPE = torch.bfloat16      # query / out dtype over an fp8 cache (scales 1.0)
@@ -69,17 +80,17 @@ FLUSH_BYTES = 1 << 30
 
 # ---- the case ---------------------------------------------------------------------------------
 def build(case: str, dtype: torch.dtype, block_size: int, order: str, pages: str = "huge", seed: int = 0):
-    reqs, seq, qlen = CASES[case]
+    reqs, seq, qlen, hq, hkv, head = CASES[case]
     gen = torch.Generator().manual_seed(seed)
     per = -(-seq // block_size)
-    layout = kvmulti.KVCacheLayout(num_blocks=reqs * per, block_size=block_size, num_kv_heads=HKV, head_size=HEAD,
+    layout = kvmulti.KVCacheLayout(num_blocks=reqs * per, block_size=block_size, num_kv_heads=hkv, head_size=head,
                                    dtype=dtype, order=order)
     cache = layout.allocate(huge_pages=None if pages == "huge" else False)
     cache.copy_(torch.randn(layout.shape, generator=gen).to(dtype))
     table = torch.randperm(reqs * per, generator=gen).to(torch.int32).view(reqs, per)   # scattered blocks
     md = kvmulti.CommonAttentionMetadata.from_lens([qlen] * reqs, [seq] * reqs, table, block_size)
-    query = torch.randn(reqs * qlen, HQ, HEAD, generator=gen).to(query_dtype(dtype))
-    kv_bytes = reqs * seq * HKV * layout.entry_size * dtype.itemsize
+    query = torch.randn(reqs * qlen, hq, head, generator=gen).to(query_dtype(dtype))
+    kv_bytes = reqs * seq * hkv * layout.entry_size * dtype.itemsize
     return layout, cache, md, query, kv_bytes
 
 
@@ -87,8 +98,8 @@ def gather_context(cache, layout, md, reqs, seq):
     """[R, Hkv, S, D] K and V of every request, gathered from the paged cache (uniform lengths)."""
     per = -(-seq // layout.block_size)
     ctx = cache[md.block_table[:, :per].long()]                  # [R, per, bs, Hkv, E]
-    ctx = ctx.reshape(reqs, per * layout.block_size, HKV, layout.entry_size)[:, :seq]
-    return ctx[..., :HEAD].transpose(1, 2), ctx[..., HEAD:].transpose(1, 2)
+    ctx = ctx.reshape(reqs, per * layout.block_size, layout.num_kv_heads, layout.entry_size)[:, :seq]
+    return ctx[..., :layout.head_size].transpose(1, 2), ctx[..., layout.head_size:].transpose(1, 2)
 
 
 # ---- timing -----------------------------------------------------------------------------------
@@ -148,17 +159,17 @@ def _timed(fn) -> float:
 # ---- our implementations ----------------------------------------------------------------------
 def kvmulti_fns(case, dtype, block_size, order, pages):
     layout, cache, md, query, kv_bytes = build(case, dtype, block_size, order, pages)
-    reqs, seq, qlen = CASES[case]
-    scale = HEAD ** -0.5
-    out = torch.zeros(query.shape[0], HQ, HEAD, dtype=query.dtype)
+    reqs, seq, qlen, hq, hkv, head = CASES[case]
+    scale = head ** -0.5
+    out = torch.zeros(query.shape[0], hq, head, dtype=query.dtype)
     fns = {}
     native = CPUBackend(native_kernel=True)
-    ones = torch.ones(HKV) if kvmulti.fp8.is_fp8(dtype) else None          # fp8: k_scale = v_scale = 1
+    ones = torch.ones(hkv) if kvmulti.fp8.is_fp8(dtype) else None          # fp8: k_scale = v_scale = 1
     if native.module() is not None:
-        native_step = native.build_metadata(md, layout, HQ, None)
+        native_step = native.build_metadata(md, layout, hq, None)
         fns["native"] = lambda: native.paged_attention(query, cache, native_step, scale, None, out, ones, ones)
     fns["torch path"] = lambda: paged_attention_torch(query, cache, layout, md, scale, None, None, out, ones, ones)
-    q4 = query.view(reqs, qlen, HQ, HEAD).transpose(1, 2)
+    q4 = query.view(reqs, qlen, hq, head).transpose(1, 2)
 
     def gather_sdpa():
         k, v = gather_context(cache, layout, md, reqs, seq)
@@ -201,39 +212,39 @@ def _vllm_measure(cfg: dict, timer: Timer, ops, _get_attn_isa) -> dict:
     kv_dtype = cfg["dtype"] if kvmulti.fp8.is_fp8(dtype) else "auto"
     qdtype = query_dtype(dtype)
     layout, cache, md, query, _ = build(cfg["case"], dtype, cfg["block_size"], cfg["order"], cfg["pages"])
-    reqs, seq, qlen = CASES[cfg["case"]]
+    reqs, seq, qlen, hq, hkv, head = CASES[cfg["case"]]
     bs = layout.block_size
-    isa = _get_attn_isa(qdtype, bs, HEAD, kv_dtype)
+    isa = _get_attn_isa(qdtype, bs, head, kv_dtype)
     store = torch.uint8 if kv_dtype != "auto" else dtype           # vLLM keeps fp8 caches as uint8
     # Repack our cache into vLLM's layout (outside the timed region).
-    vshape = (layout.num_blocks, HKV, bs, 2 * HEAD)               # in the same kind of pages as ours
+    vshape = (layout.num_blocks, hkv, bs, 2 * head)               # in the same kind of pages as ours
     vcache = host_memory.huge_page_empty(math.prod(vshape), store) if cfg["pages"] == "huge" else None
     vcache = torch.zeros(vshape, dtype=store) if vcache is None else vcache.view(vshape)
-    kc, vc = vcache.view(layout.num_blocks, HKV, bs * 2, HEAD).chunk(2, dim=2)
+    kc, vc = vcache.view(layout.num_blocks, hkv, bs * 2, head).chunk(2, dim=2)
     pos = torch.arange(seq)
     slots = (md.block_table.long()[:, pos // bs] * bs + (pos % bs)).reshape(-1)
     entries = cache[slots // bs, slots % bs].to(qdtype)        # [N, Hkv, E] through the strides
-    ops.cpu_attn_reshape_and_cache(entries[..., :HEAD].contiguous(), entries[..., HEAD:].contiguous(), kc, vc,
+    ops.cpu_attn_reshape_and_cache(entries[..., :head].contiguous(), entries[..., head:].contiguous(), kc, vc,
                                    slots, isa, kv_cache_dtype=kv_dtype)
     del entries
     qsl, seq_lens = md.query_start_loc, md.seq_lens
-    sched = ops.cpu_attn_get_scheduler_metadata(num_reqs=reqs, num_heads=HQ, num_kv_heads=HKV, head_dim=HEAD,
+    sched = ops.cpu_attn_get_scheduler_metadata(num_reqs=reqs, num_heads=hq, num_kv_heads=hkv, head_dim=head,
                                                 seq_lens=seq_lens, dtype=qdtype, query_start_loc=qsl, causal=True,
                                                 sliding_window_size=-1, isa=isa, enable_kv_split=True,
                                                 kv_cache_dtype=kv_dtype)
-    out = torch.empty(query.shape[0], HQ, HEAD, dtype=qdtype)
+    out = torch.empty(query.shape[0], hq, head, dtype=qdtype)
 
     def fn():
         ops.cpu_attention_with_kv_cache(query=query, key_cache=kc, value_cache=vc, output=out,
-                                        query_start_loc=qsl, seq_lens=seq_lens, scale=HEAD ** -0.5, causal=True,
+                                        query_start_loc=qsl, seq_lens=seq_lens, scale=head ** -0.5, causal=True,
                                         alibi_slopes=None, sliding_window=-1, block_table=md.block_table,
                                         softcap=0.0, scheduler_metadata=sched, s_aux=None,
                                         kv_cache_dtype=kv_dtype)
 
     fn()
     expected = torch.zeros_like(out)
-    ones = torch.ones(HKV) if kv_dtype != "auto" else None
-    paged_attention_torch(query, cache, layout, md, HEAD ** -0.5, None, None, expected, ones, ones)
+    ones = torch.ones(hkv) if kv_dtype != "auto" else None
+    paged_attention_torch(query, cache, layout, md, head ** -0.5, None, None, expected, ones, ones)
     result = dict(cfg, isa=isa, max_abs_err=(out.float() - expected.float()).abs().max().item())
     for mode in ("hot", "cold"):
         result[mode] = list(timer.run(fn, mode == "cold"))

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from attention import CASES, FLUSH_BYTES, HEAD, HQ, build
+from attention import CASES, FLUSH_BYTES, build
 from kvmulti.backends.cpu import CPUBackend
 
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -27,10 +27,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": t
 
 def decode_fn(backend: CPUBackend, case: str, dtype: torch.dtype, block_size: int, order: str):
     layout, cache, md, query, kv_bytes = build(case, dtype, block_size, order)
-    step = backend.build_metadata(md, layout, HQ, None)
-    out = torch.zeros(query.shape[0], HQ, HEAD, dtype=query.dtype)
+    hq, head = CASES[case].hq, CASES[case].head
+    step = backend.build_metadata(md, layout, hq, None)
+    out = torch.zeros(query.shape[0], hq, head, dtype=query.dtype)
     scales = torch.ones(layout.num_kv_heads) if dtype != torch.bfloat16 else None
-    return (lambda: backend.paged_attention(query, cache, step, HEAD ** -0.5, None, out, scales, scales)), kv_bytes
+    return (lambda: backend.paged_attention(query, cache, step, head ** -0.5, None, out, scales, scales)), kv_bytes
 
 
 def main() -> None:
