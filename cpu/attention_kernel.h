@@ -774,10 +774,11 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   const int Mhp = int(round_up(Mh, kRowBlock));     // padded to whole row blocks (the direct path runs 3 as 4)
   const int Mp = NH * Mhp;
   const float ninf = -std::numeric_limits<float>::infinity();
-  // The direct path (see row_block_direct): bf16 (every dtype with KV_DIRECT_ALL_DTYPES=1), few rows,
-  // head sizes in whole 2W pairs.
+  // The direct path (see row_block_direct): few rows, head sizes in whole 2W pairs; bf16 and fp8, and
+  // fp32 / fp16 unless KV_DIRECT_ALL_DTYPES=0 (on the Zen 4 host fp32 decode there measured as fast or
+  // faster cold, and 17% faster for small batches: benchmarks/layer_call.py).
 #ifndef KV_DIRECT_ALL_DTYPES
-#define KV_DIRECT_ALL_DTYPES 0
+#define KV_DIRECT_ALL_DTYPES 1
 #endif
   const bool direct = (CT == kBF16 || fp8 || KV_DIRECT_ALL_DTYPES) && D > 0 && Dv > 0 && D % kPair == 0 &&
                       Dv % kPair == 0 && Mh <= kDirectMaxRows;
