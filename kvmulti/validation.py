@@ -95,16 +95,18 @@ def check_write(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.T
 
 
 def _write_is_well_formed(key, value, kv_cache, layout, slot_mapping) -> bool:
-    """:func:`check_write`'s rules for the common case (a cache of the layout, same-dtype key and
-    value, int64/int32 slots, one device) in a few attribute reads; False sends the call through
+    """:func:`check_write`'s rules for the common case (a cache of the layout, key and value of an
+    activation dtype the cache takes, int64/int32 slots, one device) in a few attribute reads; False sends the call through
     the full checks, which name what is wrong."""
     try:
+        if not isinstance(layout, KVCacheLayout):
+            return False
         layout.validate(kv_cache)
         if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
                 and isinstance(slot_mapping, torch.Tensor)) or layout.is_latent:
             return False
-        shape, device = key.shape, kv_cache.device
-        return (key.dtype == kv_cache.dtype and value.dtype == kv_cache.dtype
+        shape, device, dtypes = key.shape, kv_cache.device, activation_dtypes(layout.dtype)
+        return (key.dtype in dtypes and value.dtype in dtypes
                 and shape[1:] == (layout.num_kv_heads, layout.head_size)
                 and value.shape == (shape[0], layout.num_kv_heads, layout.value_size)
                 and slot_mapping.shape == shape[:1] and slot_mapping.dtype in INDEX_DTYPES
@@ -114,12 +116,14 @@ def _write_is_well_formed(key, value, kv_cache, layout, slot_mapping) -> bool:
 
 
 def _query_is_well_formed(query, kv_cache, layout) -> bool:
-    """:func:`check_attention_args`' tensor rules for the common case (a query of the cache's dtype)
-    in a few attribute reads; False sends the call through the full checks."""
+    """:func:`check_attention_args`' tensor rules for the common case (a query of an activation
+    dtype the cache takes) in a few attribute reads; False sends the call through the full checks."""
     try:
+        if not isinstance(layout, KVCacheLayout):
+            return False
         layout.validate(kv_cache)
         shape = query.shape
-        return (query.dtype == kv_cache.dtype and len(shape) == 3 and shape[2] == layout.head_size
+        return (query.dtype in activation_dtypes(layout.dtype) and len(shape) == 3 and shape[2] == layout.head_size
                 and shape[1] % layout.num_kv_heads == 0 and query.device == kv_cache.device)
     except (TypeError, ValueError, AttributeError, IndexError):
         return False

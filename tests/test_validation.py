@@ -96,6 +96,25 @@ def test_paged_attention_rejects(name):
     assert torch.equal(args["kv_cache"], before)
 
 
+FP8_LAYOUT = kvmulti.KVCacheLayout(num_blocks=4, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float8_e4m3fn)
+
+
+def test_fp8_activations_into_an_fp8_cache_are_refused_by_name():
+    """fp8 keys, values or queries for an fp8 cache: the write and attention checks (their common-case
+    fast paths included) raise TypeError naming the argument before any kernel runs."""
+    cache = FP8_LAYOUT.allocate()
+    before = cache.clone()
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    md = kvmulti.CommonAttentionMetadata.from_lens([1, 1], [6, 5], table, block_size=4)
+    k = torch.randn(2, 2, 8)
+    for key, value, name in ((k.to(torch.float8_e4m3fn), k, "key"), (k, k.to(torch.float8_e4m3fn), "value")):
+        with pytest.raises(TypeError, match=f"{name} has dtype"):
+            kvmulti.write_kv(key, value, cache, FP8_LAYOUT, md.slot_mapping)
+    with pytest.raises(TypeError, match="query has dtype"):
+        kvmulti.paged_attention(torch.randn(2, 4, 8).to(torch.float8_e4m3fn), cache, FP8_LAYOUT, md)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
 def test_write_with_a_step_checks_slot_values_once_per_step_and_slot_tensor(monkeypatch):
     from kvmulti import ops
     calls = []
