@@ -24,6 +24,7 @@ so no backend can confuse the token and head strides.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable, Literal, NamedTuple
@@ -160,14 +161,18 @@ class KVCacheLayout:
         return self.cross_layer_order or _PER_LAYER_PHYSICAL[self.order]
 
     @cached_property
+    def _sizes(self) -> dict[str, int]:
+        """Size of each dimension letter of a (cross-layer) allocation."""
+        return {"B": self.num_blocks, "L": self.num_layers, "H": self.num_kv_heads, "N": self.block_size,
+                "C": self.entry_size}
+
+    @cached_property
     def _physical_strides(self) -> dict[str, int]:
         """Element stride of each dimension letter of :attr:`physical_order` (L: 0 if absent)."""
-        sizes = {"B": self.num_blocks, "L": self.num_layers, "H": self.num_kv_heads, "N": self.block_size,
-                 "C": self.entry_size}
         strides, step = {"L": 0}, 1
         for letter in reversed(self.physical_order):
             strides[letter] = step
-            step *= sizes[letter]
+            step *= self._sizes[letter]
         return strides
 
     def expected_strides(self) -> LayoutStrides:
@@ -196,7 +201,7 @@ class KVCacheLayout:
         kernel allows THP; True = the same but raise where it cannot; False = an ordinary tensor.
         """
         device = torch.device(device)
-        numel = self.num_layers * self.num_blocks * self.block_size * self.num_kv_heads * self.entry_size
+        numel = math.prod(self._sizes.values())
         if huge_pages and (allocator is not None or device.type != "cpu"):
             raise ValueError("huge_pages=True applies to CPU caches without a custom allocator")
         if allocator is not None:
@@ -219,9 +224,7 @@ class KVCacheLayout:
                                       f"{str(e).splitlines()[0]}; lower num_blocks") from e
         if zero:
             flat.zero_()                     # also faults a huge-page mapping in now, not in the first step
-        sizes = {"B": self.num_blocks, "L": self.num_layers, "H": self.num_kv_heads, "N": self.block_size,
-                 "C": self.entry_size}
-        physical = flat.view(*(sizes[letter] for letter in self.physical_order))
+        physical = flat.view(*(self._sizes[letter] for letter in self.physical_order))
         logical = "LBNHC" if self.cross_layer_order else "BNHC"
         return physical.permute(*(self.physical_order.index(letter) for letter in logical))
 
