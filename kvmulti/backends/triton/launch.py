@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ...settings import DEFAULT_PARTITION_SIZE
 from ...triton_kernels.fp8 import fp8_code, raw_cache
 from ...triton_kernels.unified_attention import reduce_partitions_kernel, unified_attention_kernel
 from ...triton_kernels.write_kv import write_kv_kernel
 
-DEFAULT_PARTITION_SIZE = 512
 #: Head sizes (K and V) the kernels are built and cross-compile-tested for: any size up to this,
 #: padded inside the kernel to the next power of two >= 16.
 MAX_HEAD_SIZE = 256
