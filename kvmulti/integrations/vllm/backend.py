@@ -148,8 +148,8 @@ def _step_metadata_of(layer: torch.nn.Module) -> KvmultiStepMetadata | None:
     if not is_forward_context_available():
         return None
     metadata = get_forward_context().attn_metadata
-    if isinstance(metadata, list):               # speculative decoding: [0] is the base model's
-        metadata = metadata[0] if metadata else None
+    if isinstance(metadata, list):    # dual-batch overlap: one dict per micro-batch; the first's step
+        metadata = metadata[0] if metadata else None   # serves (the slot check keys on the slot tensor)
     if isinstance(metadata, dict):
         metadata = metadata.get(getattr(layer, "layer_name", None))
     return metadata if isinstance(metadata, KvmultiStepMetadata) else None
