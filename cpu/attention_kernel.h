@@ -853,11 +853,11 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     }
   };
 
-  const T* raw_a[kChunk];
-  const T* raw_b[kChunk];
-  const T* far[kChunk];
-  const T** raw = raw_a;
-  const T** next = raw_b;
+  // Row pointers of the chunks from this one to kAhead ahead, chunk k in slot k % kRing: each chunk's
+  // rows are looked up once, when it is prefetched, and used kAhead iterations later.
+  constexpr int kAhead = KV_PREFETCH ? KV_PREFETCH_DIST : 1;
+  constexpr int kRing = kAhead + 1;
+  const T* ring[kRing][kChunk];
   const T* hrow[kChunk + KV_W];   // this head's rows (direct path), padding keys -> the zero row
   const float* kp[kChunk];
   const void* vp[kChunk];
@@ -869,37 +869,37 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   // L1 sets; the direct path then walks 32-key chunks (NHD compute-only ~10% faster on the AVX2 host;
   // HND keeps 64, where 32 measured slower: twice the per-chunk work).
   const int chunk = direct && P.s_token > D + Dv ? kChunk / 2 : kChunk;
-  int c0 = it.k_lo;
-  if (c0 < it.k_hi) rows_of(c0, std::min(chunk, it.k_hi - c0), raw);
-#if KV_PREFETCH
-  // The loop prefetches KV_PREFETCH_DIST chunks ahead; the first chunks are requested here, all at once.
-  for (int c = c0; c < it.k_hi && c < c0 + KV_PREFETCH_DIST * chunk; c += chunk) {
+  auto fill = [&](int k) -> int {   // chunk k's row pointers into its slot; its key count (0: past the end)
+    const int c = it.k_lo + k * chunk;
+    if (c >= it.k_hi) return 0;
     const int n = std::min(chunk, it.k_hi - c);
-    rows_of(c, n, far);
+    rows_of(c, n, ring[k % kRing]);
+    return n;
+  };
+  for (int k = 0; k < kAhead; ++k) {
+    [[maybe_unused]] const int n = fill(k);
+#if KV_PREFETCH
+    // The loop prefetches kAhead chunks ahead; the first chunks are requested here, all at once.
+    const T* head_rows[kChunk];
     for (int hh = 0; hh < (pf_lines == row_lines ? NH : 1); ++hh) {
-      for (int j = 0; j < n; ++j) {
-        const char* p = reinterpret_cast<const char*>(far[j] + int64_t(hh) * P.s_head);
-        for (int b = 0; b < pf_lines; ++b) prefetch_line(p + b * 64);
-      }
+      for (int j = 0; j < n; ++j) head_rows[j] = ring[k % kRing][j] + int64_t(hh) * P.s_head;
+      prefetch_rows_any(reinterpret_cast<const void* const*>(head_rows), 0, n, pf_lines);
     }
-  }
 #endif
-  for (; c0 < it.k_hi; c0 += chunk) {
+  }
+  int c0 = it.k_lo;
+  for (int k = 0; c0 < it.k_hi; ++k, c0 += chunk) {
     const int n = std::min(chunk, it.k_hi - c0);
-    const int c1 = c0 + chunk;
-    if (c1 < it.k_hi) rows_of(c1, std::min(chunk, it.k_hi - c1), next);
-    // The rows KV_PREFETCH_DIST chunks ahead, prefetched while this chunk is computed.
-    const int cpf = c0 + KV_PREFETCH_DIST * chunk;
-    const int nn = cpf < it.k_hi ? std::min(chunk, it.k_hi - cpf) : 0;
-    const T** ahead = next;
-    if (KV_PREFETCH_DIST > 1 && nn > 0) rows_of(cpf, nn, far);
-    if (KV_PREFETCH_DIST > 1) ahead = far;
+    const T* const* raw = ring[k % kRing];
+    // The rows kAhead chunks ahead: looked up now, prefetched while this chunk is computed.
+    const int nn = fill(k + kAhead);
+    const T* const* ahead = ring[(k + kAhead) % kRing];
     for (int hh = 0; hh < NH; ++hh) {
       const int64_t hoff = int64_t(hh) * P.s_head;
       // Prefetch ahead with the first head (all heads' lines when they are adjacent), or per head.
       const bool pf_now = hh == 0 || pf_lines == row_lines;
       const int hpf_lines = pf_now ? pf_lines : 0;
-      const T** pf_rows = ahead;
+      const T* const* pf_rows = ahead;
       const T* pf_h[kChunk];
       if (pf_now && hh > 0) {
         for (int j = 0; j < nn; ++j) pf_h[j] = ahead[j] + hoff;
@@ -963,7 +963,6 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
         }
       }
     }
-    std::swap(raw, next);
   }
 
   // Output (or the partition's O, m, l): rows in head-major order without the padding rows.
