@@ -10,9 +10,8 @@ and compares caches (exactly) and outputs (per-dtype tolerance).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st

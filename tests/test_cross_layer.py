@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from kvmulti.backends.registry import get_backend
+from kvmulti.backends.cpu import CPUBackend
 from kvmulti.layout import CROSS_LAYER_ORDERS, ORDERS, KVCacheLayout, token_order
 
 from batches import CaseSpec, check_cross_layer
@@ -72,17 +72,10 @@ def test_cross_layer_arguments_are_checked():
         KVCacheLayout(4, 8, 2, 16).layer(torch.zeros(1), 0)
 
 
-def run_backend(backend: str, fn):
-    """Call ``fn(name)`` with the backend's registry name; ``CPU-torch`` is the CPU backend's torch path."""
-    if backend != "CPU-torch":
-        return fn(backend)
-    cpu = get_backend("CPU")
-    saved = cpu.native_kernel
-    cpu.native_kernel = False
-    try:
-        return fn("CPU")
-    finally:
-        cpu.native_kernel = saved
+def backend_arg(backend: str):
+    """The ops' ``backend`` argument: the registry name, or for ``CPU-torch`` a CPU backend object
+    that runs the torch path."""
+    return CPUBackend(native_kernel=False) if backend == "CPU-torch" else backend
 
 
 SPECS = [  # (dtype, group, query lens, context lens, window, softcap, cache dtype)
@@ -100,4 +93,4 @@ def test_one_layer_of_a_cross_layer_allocation_matches_the_oracle(backend, physi
         spec = CaseSpec(order=token_order(physical), block_size=16, num_kv_heads=2, group=group, head_size=64,
                         dtype=dtype, query_lens=qlens, context_lens=ctx, sliding_window=window, softcap=softcap,
                         extra_blocks=1, seed=n)
-        run_backend(backend, lambda name: check_cross_layer(spec, physical, name, cache_dtype))
+        check_cross_layer(spec, physical, backend_arg(backend), cache_dtype)
