@@ -140,6 +140,11 @@ class KVCacheLayout:
     def is_latent(self) -> bool:
         return self._head_size_v == 0
 
+    @cached_property
+    def default_scale(self) -> float:
+        """The attention scale when a call passes none: head_size ** -0.5."""
+        return float(self.head_size ** -0.5)
+
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """Logical shape (num_blocks, block_size, num_kv_heads, entry_size)."""

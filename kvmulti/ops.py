@@ -26,7 +26,7 @@ from .fp8 import is_fp8, scale_tensor
 from .layout import CROSS_LAYER_ORDERS, KVCacheLayout, token_order
 from .metadata import CommonAttentionMetadata
 from .validation import (check_attention_args, check_metadata, check_out, check_slot_values, check_window,
-                         check_write)
+                         check_write, prepared_attention_is_well_formed, prepared_write_is_well_formed)
 
 
 def resolve_backend(layout: KVCacheLayout, device: torch.device | str, *, sliding_window: int | None = None,
@@ -101,6 +101,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tens
     checked once per step per ``slot_mapping`` tensor instead of once per layer (the layers of a
     group share it); ``slot_mapping`` must then not change while the step is in use.
     """
+    if type(step) is StepMetadata and backend is None and k_scale is None and v_scale is None \
+            and prepared_write_is_well_formed(key, value, kv_cache, layout, slot_mapping, step) \
+            and not torch.compiler.is_compiling():      # a prepared layer's write: only its own tensors checked
+        _check_slots_once(step, slot_mapping, layout)
+        step.backend.write_kv(key, value, kv_cache, layout, slot_mapping)
+        return
     check_write(key, value, kv_cache, layout, slot_mapping)
     if step is not None:
         if not isinstance(step, StepMetadata):
@@ -135,11 +141,20 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
     tensor. ``metadata`` from :func:`prepare_step` skips validation, selection and planning; its
     window and backend are the ones it was prepared with.
     """
+    if type(metadata) is StepMetadata and out is not None and k_scale is None and v_scale is None \
+            and prepared_attention_is_well_formed(query, kv_cache, layout, metadata, out, scale, sliding_window,
+                                                  softcap, backend) \
+            and not torch.compiler.is_compiling():      # a prepared layer's call: only its own tensors checked
+        if query.shape[0] > metadata.common.num_actual_tokens:
+            out[metadata.common.num_actual_tokens:].zero_()
+        metadata.backend.paged_attention(query, kv_cache, metadata, layout.default_scale if scale is None else scale,
+                                         softcap or None, out)
+        return out
     check_attention_args(query, kv_cache, layout, scale, sliding_window, softcap)
     if out is not None:
         check_out(out, query, layout)
     softcap = float(softcap) if softcap else None
-    scale = float(layout.head_size ** -0.5 if scale is None else scale)
+    scale = float(layout.default_scale if scale is None else scale)
     k_scale, v_scale = _scales(k_scale, v_scale, layout, kv_cache.device)
     if torch.compiler.is_compiling():        # the custom op validates and prepares inside
         if isinstance(metadata, StepMetadata):
@@ -212,13 +227,18 @@ def _write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layou
            v_scale: torch.Tensor | None, step: StepMetadata | None = None) -> None:
     if step is None:
         check_slot_values(slot_mapping, layout)
-    else:      # once per step per slot tensor; the tensor is kept so its id is not reused this step
-        checked = step.extras.setdefault("checked_slot_mappings", {})
-        if checked.get(id(slot_mapping)) is not slot_mapping:
-            check_slot_values(slot_mapping, layout)
-            checked[id(slot_mapping)] = slot_mapping
+    else:
+        _check_slots_once(step, slot_mapping, layout)
     scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}   # fp8 caches only
     backend.write_kv(key, None if layout.is_latent else value, kv_cache, layout, slot_mapping, **scales)
+
+
+def _check_slots_once(step: StepMetadata, slot_mapping: torch.Tensor, layout: KVCacheLayout) -> None:
+    """The slot values, once per step per slot tensor (kept, so its id is not reused this step)."""
+    checked = step.extras.setdefault("checked_slot_mappings", {})
+    if checked.get(id(slot_mapping)) is not slot_mapping:
+        check_slot_values(slot_mapping, layout)
+        checked[id(slot_mapping)] = slot_mapping
 
 
 def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,

@@ -129,6 +129,42 @@ def _query_is_well_formed(query, kv_cache, layout) -> bool:
         return False
 
 
+def prepared_attention_is_well_formed(query, kv_cache, layout, step, out, scale, sliding_window, softcap,
+                                      backend) -> bool:
+    """Every check a prepared attention call gets (:func:`check_attention_args`, :func:`check_out`
+    and the step's own), for the common layer call only: ``layout`` is the step's own object (not
+    fp8, not latent), plain tensors of the cache's dtype and device, query [>= num_actual_tokens,
+    Hq, D] and out [its rows, Hq, Dv], the step's window, no backend named, a float scale (or None)
+    and softcap. A dozen attribute reads; False sends the call through the full checks."""
+    if (layout is not step.layout or backend is not None or sliding_window != step.sliding_window
+            or type(query) is not torch.Tensor or type(out) is not torch.Tensor or type(kv_cache) is not torch.Tensor
+            or not (scale is None or type(scale) is float and math.isfinite(scale))
+            or not (softcap is None or type(softcap) is float and 0.0 <= softcap < math.inf)):
+        return False
+    cache, _, head_size, value_size, heads, rows, fast = step.call_signature
+    qs, device = query.shape, kv_cache.device
+    return (fast and (kv_cache.dtype, kv_cache.shape, kv_cache.stride()) == cache and query.dtype == cache[0]
+            and out.dtype == cache[0] and len(qs) == 3 and qs[1] == heads and qs[2] == head_size and qs[0] >= rows
+            and out.shape == (qs[0], heads, value_size) and query.device == device and out.device == device)
+
+
+def prepared_write_is_well_formed(key, value, kv_cache, layout, slot_mapping, step) -> bool:
+    """:func:`check_write`'s rules for the common prepared write: ``layout`` is ``step``'s own
+    object (not fp8, not latent), plain tensors, key / value [T, Hkv, D / Dv] of the cache's dtype,
+    slot_mapping [T] int32/int64, all on the cache's device. False sends the call through the full
+    checks."""
+    if (layout is not step.layout or type(key) is not torch.Tensor or type(value) is not torch.Tensor
+            or type(kv_cache) is not torch.Tensor or type(slot_mapping) is not torch.Tensor):
+        return False
+    cache, kv_heads, head_size, value_size, _, _, fast = step.call_signature
+    ks, device = key.shape, kv_cache.device
+    return (fast and (kv_cache.dtype, kv_cache.shape, kv_cache.stride()) == cache and key.dtype == cache[0]
+            and value.dtype == cache[0] and len(ks) == 3 and ks[1] == kv_heads and ks[2] == head_size
+            and value.shape == (ks[0], kv_heads, value_size) and slot_mapping.shape == ks[:1]
+            and slot_mapping.dtype in INDEX_DTYPES and key.device == device and value.device == device
+            and slot_mapping.device == device)
+
+
 def check_slot_values(slot_mapping: torch.Tensor, layout: KVCacheLayout) -> None:
     """Every slot is -1 (skip) or within the cache."""
     if not value_checks_enabled(slot_mapping.device) or slot_mapping.numel() == 0:

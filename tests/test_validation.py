@@ -96,6 +96,65 @@ def test_paged_attention_rejects(name):
     assert torch.equal(args["kv_cache"], before)
 
 
+PREPARED_ATTN_ERRORS = {name: ATTN_ERRORS[name] for name in (
+    "wrong dtype", "wrong head size", "heads not multiple", "cache of other order", "device", "bad window",
+    "bad softcap")} | {
+    "too few query rows": (lambda a: {"query": a["query"][:2], "out": a["out"][:2]}, ValueError, "num_actual_tokens"),
+    "heads not the step's": (lambda a: {"query": torch.randn(4, 2, 8), "out": torch.zeros(4, 2, 8)}, ValueError,
+                             "query has 2 heads, metadata was prepared for 4"),
+    "out shape": (lambda a: {"out": torch.zeros(4, 4, 4)}, ValueError, "out has shape"),
+    "out dtype": (lambda a: {"out": torch.zeros(4, 4, 8, dtype=torch.float64)}, TypeError, "out has dtype"),
+    "out device": (lambda a: {"out": torch.zeros(4, 4, 8, device="meta")}, ValueError, "out is on meta"),
+    "nan scale": (lambda a: {"scale": float("nan")}, ValueError, "scale must be finite"),
+    "scale type": (lambda a: {"scale": "0.5"}, TypeError, "scale must be a float"),
+    "inf softcap": (lambda a: {"softcap": float("inf")}, ValueError, "softcap"),
+    "other window": (lambda a: {"sliding_window": 3}, ValueError, "prepared for sliding_window=None"),
+    "other backend": (lambda a: {"backend": "TRITON"}, ValueError, "prepared by CPU"),
+}
+
+
+@pytest.mark.parametrize("name", PREPARED_ATTN_ERRORS)
+def test_prepared_paged_attention_rejects(name):
+    """A layer call with a prepared step and an ``out=`` buffer (the fast path's case) refuses what
+    the full checks refuse, by name, before any kernel runs."""
+    change, error, message = PREPARED_ATTN_ERRORS[name]
+    cache, md, q, _, _ = fresh()
+    out = torch.full((q.shape[0], 4, 8), 7.0)
+    args = dict(query=q, kv_cache=cache, layout=LAYOUT, metadata=kvmulti.prepare_step(md, LAYOUT, 4, backend="CPU"),
+                out=out)
+    args.update(change(args))
+    before, out_before = args["kv_cache"].clone(), args["out"].clone()
+    with pytest.raises(error, match=message):
+        kvmulti.paged_attention(**args)
+    assert torch.equal(args["kv_cache"], before)
+    if args["out"].device.type == "cpu":
+        assert torch.equal(args["out"], out_before)
+
+
+def test_prepared_fast_path_equals_the_checked_path():
+    """The prepared layer call (fast checks) gives what the fully checked call gives: default and
+    explicit scales, softcap 0.0 = off, rows past num_actual_tokens zeroed; an equal layout that is
+    another object takes the full checks and the same result."""
+    import dataclasses
+    cache, md, q, k, v = fresh()
+    padded = torch.cat([q, torch.randn(2, 4, 8)])
+    step = kvmulti.prepare_step(md, LAYOUT, 4, backend="CPU")
+    twin = dataclasses.replace(LAYOUT)
+    assert twin == LAYOUT and twin is not LAYOUT
+    for kwargs in ({}, {"scale": 0.3}, {"softcap": 0.0}, {"softcap": 5.0, "scale": 0.2}):
+        want = kvmulti.paged_attention(padded, cache, LAYOUT, md, backend="CPU", **kwargs)
+        for layout in (LAYOUT, twin):
+            out = torch.full_like(want, 7.0)
+            got = kvmulti.paged_attention(padded, cache, layout, step, out=out, **kwargs)
+            assert got is out and torch.equal(out, want), kwargs
+            assert torch.all(out[md.num_actual_tokens:] == 0)
+    written = LAYOUT.allocate().zero_()
+    kvmulti.write_kv(k, v, written, LAYOUT, md.slot_mapping, step=step)
+    expected = LAYOUT.allocate().zero_()
+    kvmulti.write_kv(k, v, expected, LAYOUT, md.slot_mapping, backend="CPU")
+    assert torch.equal(written, expected) and written.abs().sum() > 0
+
+
 FP8_LAYOUT = kvmulti.KVCacheLayout(num_blocks=4, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float8_e4m3fn)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -59,6 +60,17 @@ class StepMetadata:
     sliding_window: int | None
     plan: Any = None
     extras: dict = field(default_factory=dict)
+
+    @cached_property
+    def call_signature(self) -> tuple:
+        """What a layer call of this step is checked against on the fast paths of
+        :mod:`kvmulti.validation` (``prepared_*_is_well_formed``): the cache's (dtype, shape,
+        strides), then num_kv_heads, head_size, head_size_v, num_query_heads, num_actual_tokens,
+        and whether the layout takes the fast paths at all (not fp8, not latent)."""
+        layout = self.layout
+        return (layout._exact_signature, layout.num_kv_heads, layout.head_size, layout.value_size,
+                self.num_query_heads, self.common.num_actual_tokens,
+                not layout.is_latent and layout.dtype not in FP8_DTYPES)
 
 
 class Backend(abc.ABC):

@@ -41,7 +41,7 @@ def _contiguous_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+    return t if t.stride()[-1] == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 class CPUBackend(Backend):
@@ -113,7 +113,7 @@ class CPUBackend(Backend):
                                   k_scale, v_scale)
             return
         cache_args, window, causal = plan.cache_args
-        target = out if out.stride(-1) == 1 else torch.zeros_like(out, memory_format=torch.contiguous_format)
+        target = out if out.stride()[-1] == 1 else torch.zeros_like(out, memory_format=torch.contiguous_format)
         module.paged_attention(_last_dim_contiguous(query), kv_cache, target, plan.block_table, plan.query_start_loc,
                                plan.seq_lens, *cache_args, float(scale), window, float(softcap or 0.0), causal,
                                plan.partition_len, plan.isa, k_scale, v_scale)
