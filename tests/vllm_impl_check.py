@@ -3,7 +3,7 @@ kvmulti's oracle on caches shaped as vLLM allocates them (uint8 bytes for fp8), 
 
 For each vLLM layout and cache dtype ("auto" = bf16, "fp8", "fp8_e5m2"): allocate the layers'
 caches as vLLM views them ([num_blocks, H, N, C]; cross-layer layouts share one allocation), call
-``do_kv_cache_update`` and ``forward`` on layer 1 with per-tensor scales on the layer, and compare
+``forward`` (which writes the step's keys and values, then attends) on layer 1 with per-tensor scales on the layer, and compare
 the cache bytes (exactly) and the output (bf16 tolerance) with ``kvmulti.reference``. Prints one
 JSON line: ``{"checked": [...], "failures": [...]}``.
 """
@@ -52,7 +52,6 @@ def check(physical: str, kv_cache_dtype: str) -> str | None:
     output = torch.full((tokens + 2, HKV * GROUP * D), 7.0, dtype=torch.bfloat16)
 
     cache = views[1]
-    impl.do_kv_cache_update(layer, key, value, cache, md.slot_mapping)
     impl.forward(layer, query, key, value, cache, KvmultiStepMetadata(md), output)
 
     ours = cache.view(fp8) if fp8 else cache
@@ -64,7 +63,7 @@ def check(physical: str, kv_cache_dtype: str) -> str | None:
     reference.write_kv(key[:tokens], value[:tokens], want_view, ref_layout, md.slot_mapping,
                        scales.get("k_scale"), scales.get("v_scale"))
     if not torch.equal(ours.view(torch.uint8), want.view(torch.uint8)):
-        return f"{physical} {kv_cache_dtype}: cache after do_kv_cache_update differs from the oracle's write"
+        return f"{physical} {kv_cache_dtype}: cache after forward differs from the oracle's write"
     for i in (0, 2):
         if not torch.equal(views[i].view(torch.uint8), before[i].view(torch.uint8)):
             return f"{physical} {kv_cache_dtype}: layer {i} changed"

@@ -6,8 +6,9 @@ Imported by vLLM (through :data:`kvmulti.integrations.vllm.BACKEND_PATH`), never
   step per KV-cache group (:class:`KvmultiStepMetadata`); the first layer of the group prepares
   kvmulti's per-step hook (:func:`kvmulti.prepare_step`: validation, backend, plan) and every
   later layer reuses it.
-* :class:`KvmultiAttentionImpl` serves a layer: ``do_kv_cache_update`` writes the new keys and
-  values, ``forward`` fills vLLM's ``output`` buffer in place (``out=``).
+* :class:`KvmultiAttentionImpl` serves a layer: ``forward`` writes the new keys and values and
+  fills vLLM's ``output`` buffer in place (``out=``): one call per layer, so vLLM makes no separate
+  cache-update call (``forward_includes_kv_cache_update``).
 * vLLM hands every layer its cache as a logical ``[num_blocks, H, N, C]`` view (RFC #42082);
   kvmulti's logical order is ``[num_blocks, N, H, C]``, so a layer's cache is read through
   ``transpose(1, 2)``: zero copy, whatever vLLM layout the engine resolved
@@ -23,7 +24,6 @@ import torch
 from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayer, AttentionMetadataBuilder,
                                        AttentionType, CommonAttentionMetadata as VllmCommonAttentionMetadata,
                                        MultipleOf)
-from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.v1.kv_cache_layout import KVCacheLayout as VllmKVCacheLayout
 
 from ... import ops
@@ -48,7 +48,7 @@ FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_
 class KvmultiAttentionBackend(AttentionBackend):
     """vLLM's view of kvmulti: which caches and features it serves, and its builder / impl."""
 
-    forward_includes_kv_cache_update: bool = False      # vLLM calls do_kv_cache_update before forward
+    forward_includes_kv_cache_update: bool = True       # forward writes the step's keys and values first
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", *FP8_KV_CACHE_DTYPES]
 
@@ -141,18 +141,9 @@ def layout_for_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tens
     return view, KVCacheLayout.of_view(view, head_size)
 
 
-def _step_metadata_of(layer: torch.nn.Module) -> KvmultiStepMetadata | None:
-    """This step's metadata for ``layer`` from vLLM's forward context (as vLLM's own
-    ``get_attention_context`` finds it), so a layer's write shares the step's once-per-step slot
-    check; None outside a forward pass."""
-    if not is_forward_context_available():
-        return None
-    metadata = get_forward_context().attn_metadata
-    if isinstance(metadata, list):    # dual-batch overlap: one dict per micro-batch; the first's step
-        metadata = metadata[0] if metadata else None   # serves (the slot check keys on the slot tensor)
-    if isinstance(metadata, dict):
-        metadata = metadata.get(getattr(layer, "layer_name", None))
-    return metadata if isinstance(metadata, KvmultiStepMetadata) else None
+#: One layout object per distinct layout, so the layers of a group hand kvmulti the very object
+#: their step was prepared with (its fast paths compare layouts by identity).
+_LAYOUTS: dict[KVCacheLayout, KVCacheLayout] = {}
 
 
 class KvmultiAttentionImpl(AttentionImpl):
@@ -190,7 +181,8 @@ class KvmultiAttentionImpl(AttentionImpl):
         if key != self._cache_key:
             if self._fp8_dtype is not None and kv_cache.dtype != self._fp8_dtype:
                 kv_cache = kv_cache.view(self._fp8_dtype)          # vLLM's uint8 bytes, reinterpreted
-            self._cache_view = layout_for_cache(kv_cache, self.head_size)
+            view, layout = layout_for_cache(kv_cache, self.head_size)
+            self._cache_view = view, _LAYOUTS.setdefault(layout, layout)
             self._cache_key = key
         return self._cache_view
 
@@ -199,20 +191,6 @@ class KvmultiAttentionImpl(AttentionImpl):
             self._backend = ops.resolve_backend(layout, device, sliding_window=self.sliding_window,
                                                 softcap=self.logits_soft_cap)
         return self._backend
-
-    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
-                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write key/value [T, Hkv, head_size] at ``slot_mapping`` [T] (-1 skips)."""
-        if self.kv_sharing_target_layer_name is not None:
-            return
-        view, layout = self._view(kv_cache)
-        n = slot_mapping.shape[0]
-        backend = self._kvmulti_backend(layout, kv_cache.device)
-        step_metadata = _step_metadata_of(layer)
-        step = None if step_metadata is None else step_metadata.step_for(layout, self.num_heads, self.sliding_window,
-                                                                          backend)
-        ops.write_kv(key[:n], value[:n], view, layout, slot_mapping, backend=backend, step=step,
-                     **self._scales(layer))
 
     def _scales(self, layer: torch.nn.Module) -> dict:
         """fp8 caches: the layer's per-tensor scales (vLLM's ``_k_scale_float``; 1.0 unless
@@ -225,8 +203,10 @@ class KvmultiAttentionImpl(AttentionImpl):
                 kv_cache: torch.Tensor, attn_metadata: KvmultiStepMetadata | None, output: torch.Tensor,
                 output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Fill ``output`` [T, Hq, head_size_v] (or [T, Hq * head_size_v]) with paged attention over
-        the cache; rows past ``num_actual_tokens`` are left as they are (vLLM's padding)."""
+        """Write ``key`` / ``value`` [T, Hkv, head_size] rows [:num_actual_tokens] at the step's
+        ``slot_mapping`` (-1 skips; not for a layer sharing another layer's cache), then fill
+        ``output`` [T, Hq, head_size_v] (or [T, Hq * head_size_v]) with paged attention over the
+        cache; rows past ``num_actual_tokens`` are left as they are (vLLM's padding)."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("kvmulti: fused output quantization is not supported")
         if attn_metadata is None:                    # vLLM's memory profiling run
@@ -235,8 +215,11 @@ class KvmultiAttentionImpl(AttentionImpl):
         step = attn_metadata.step_for(layout, self.num_heads, self.sliding_window,
                                       self._kvmulti_backend(layout, kv_cache.device))
         n = attn_metadata.num_actual_tokens
+        scales = self._scales(layer)
+        if key is not None and value is not None and self.kv_sharing_target_layer_name is None:
+            ops.write_kv(key[:n], value[:n], view, layout, attn_metadata.common.slot_mapping[:n], step=step, **scales)
         query = query.view(-1, self.num_heads, self.head_size)[:n]
         out = output.view(-1, self.num_heads, layout.value_size)[:n]
         ops.paged_attention(query, view, layout, step, self.scale, self.sliding_window, self.logits_soft_cap,
-                            out=out, **self._scales(layer))
+                            out=out, **scales)
         return output
