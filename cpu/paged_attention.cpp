@@ -114,6 +114,18 @@ const float* fp8_scale(const c10::optional<torch::Tensor>& scale, int64_t num_kv
 
 namespace {
 
+// This thread's kernel scratch of at least `floats` floats, kept between calls (no allocation or
+// clearing per call): run_item initialises every part of it it reads. KV_WS_POISON fills it with
+// NaN before each call instead, for tests that prove that.
+float* thread_workspace(int64_t floats) {
+  thread_local std::vector<float> ws;
+  if (int64_t(ws.size()) < floats) ws.resize(static_cast<size_t>(floats));
+#ifdef KV_WS_POISON
+  std::fill(ws.begin(), ws.end(), std::numeric_limits<float>::quiet_NaN());
+#endif
+  return ws.data();
+}
+
 // The largest element offset (+1) the kernel may touch in a cache of these strides, or -1 on overflow.
 int64_t cache_extent(int64_t num_blocks, int64_t block_size, int64_t num_kv_heads, int64_t s_block, int64_t s_token,
                      int64_t s_head, int64_t row) {
@@ -292,14 +304,14 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
   const int n_items = int(items.size());
   const int team = std::min(nthreads, n_items);
   if (team <= 1) {
-    std::vector<float> ws(static_cast<size_t>(ws_floats) + 16);
-    for (int i = 0; i < n_items; ++i) run(P, items[order[i]], ws.data());
+    float* ws = thread_workspace(ws_floats + 16);
+    for (int i = 0; i < n_items; ++i) run(P, items[order[i]], ws);
   } else {
 #pragma omp parallel num_threads(team)
     {
-      std::vector<float> ws(static_cast<size_t>(ws_floats) + 16);
+      float* ws = thread_workspace(ws_floats + 16);
 #pragma omp for schedule(dynamic, 1)
-      for (int i = 0; i < n_items; ++i) run(P, items[order[i]], ws.data());
+      for (int i = 0; i < n_items; ++i) run(P, items[order[i]], ws);
     }
   }
 
