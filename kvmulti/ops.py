@@ -141,15 +141,12 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
     tensor. ``metadata`` from :func:`prepare_step` skips validation, selection and planning; its
     window and backend are the ones it was prepared with.
     """
-    if type(metadata) is StepMetadata and out is not None and k_scale is None and v_scale is None \
+    if type(metadata) is StepMetadata and k_scale is None and v_scale is None \
             and prepared_attention_is_well_formed(query, kv_cache, layout, metadata, out, scale, sliding_window,
                                                   softcap, backend) \
             and not torch.compiler.is_compiling():      # a prepared layer's call: only its own tensors checked
-        if query.shape[0] > metadata.common.num_actual_tokens:
-            out[metadata.common.num_actual_tokens:].zero_()
-        metadata.backend.paged_attention(query, kv_cache, metadata, layout.default_scale if scale is None else scale,
-                                         softcap or None, out)
-        return out
+        return _attend(query, kv_cache, metadata, layout.default_scale if scale is None else scale, softcap or None,
+                       out)
     check_attention_args(query, kv_cache, layout, scale, sliding_window, softcap)
     if out is not None:
         check_out(out, query, layout)
@@ -250,8 +247,10 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, sca
                           device=query.device)
     elif out.shape[0] > n:
         out[n:].zero_()
-    scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}   # fp8 caches only
-    step.backend.paged_attention(query, kv_cache, step, scale, softcap, out, **scales)
+    if k_scale is None:
+        step.backend.paged_attention(query, kv_cache, step, scale, softcap, out)
+    else:                                                                          # fp8 caches only
+        step.backend.paged_attention(query, kv_cache, step, scale, softcap, out, k_scale=k_scale, v_scale=v_scale)
     return out
 
 

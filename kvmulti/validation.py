@@ -134,18 +134,21 @@ def prepared_attention_is_well_formed(query, kv_cache, layout, step, out, scale,
     """Every check a prepared attention call gets (:func:`check_attention_args`, :func:`check_out`
     and the step's own), for the common layer call only: ``layout`` is the step's own object (not
     fp8, not latent), plain tensors of the cache's dtype and device, query [>= num_actual_tokens,
-    Hq, D] and out [its rows, Hq, Dv], the step's window, no backend named, a float scale (or None)
-    and softcap. A dozen attribute reads; False sends the call through the full checks."""
+    Hq, D] and out (None, or [its rows, Hq, Dv]), the step's window, no backend named, a float
+    scale (or None) and softcap. A dozen attribute reads; False sends the call through the full
+    checks."""
     if (layout is not step.layout or backend is not None or sliding_window != step.sliding_window
-            or type(query) is not torch.Tensor or type(out) is not torch.Tensor or type(kv_cache) is not torch.Tensor
+            or type(query) is not torch.Tensor or type(kv_cache) is not torch.Tensor
+            or out is not None and type(out) is not torch.Tensor
             or not (scale is None or type(scale) is float and math.isfinite(scale))
             or not (softcap is None or type(softcap) is float and 0.0 <= softcap < math.inf)):
         return False
     cache, _, head_size, value_size, heads, rows, fast = step.call_signature
     qs, device = query.shape, kv_cache.device
     return (fast and (kv_cache.dtype, kv_cache.shape, kv_cache.stride()) == cache and query.dtype == cache[0]
-            and out.dtype == cache[0] and len(qs) == 3 and qs[1] == heads and qs[2] == head_size and qs[0] >= rows
-            and out.shape == (qs[0], heads, value_size) and query.device == device and out.device == device)
+            and len(qs) == 3 and qs[1] == heads and qs[2] == head_size and qs[0] >= rows and query.device == device
+            and (out is None or out.dtype == cache[0] and out.shape == (qs[0], heads, value_size)
+                 and out.device == device))
 
 
 def prepared_write_is_well_formed(key, value, kv_cache, layout, slot_mapping, step) -> bool:

@@ -132,9 +132,9 @@ def test_prepared_paged_attention_rejects(name):
 
 
 def test_prepared_fast_path_equals_the_checked_path():
-    """The prepared layer call (fast checks) gives what the fully checked call gives: default and
-    explicit scales, softcap 0.0 = off, rows past num_actual_tokens zeroed; an equal layout that is
-    another object takes the full checks and the same result."""
+    """The prepared layer call (fast checks) gives what the fully checked call gives, with and
+    without ``out=``: default and explicit scales, softcap 0.0 = off, rows past num_actual_tokens
+    zeroed; an equal layout that is another object takes the full checks and the same result."""
     import dataclasses
     cache, md, q, k, v = fresh()
     padded = torch.cat([q, torch.randn(2, 4, 8)])
@@ -148,6 +148,7 @@ def test_prepared_fast_path_equals_the_checked_path():
             got = kvmulti.paged_attention(padded, cache, layout, step, out=out, **kwargs)
             assert got is out and torch.equal(out, want), kwargs
             assert torch.all(out[md.num_actual_tokens:] == 0)
+            assert torch.equal(kvmulti.paged_attention(padded, cache, layout, step, **kwargs), want), kwargs
     written = LAYOUT.allocate().zero_()
     kvmulti.write_kv(k, v, written, LAYOUT, md.slot_mapping, step=step)
     expected = LAYOUT.allocate().zero_()
