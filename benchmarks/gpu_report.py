@@ -232,7 +232,8 @@ def format_hip(rows: list[dict], full: bool) -> list[str]:
     for r in sorted(shown, key=lambda r: (r["target"], r["dtype"], r.get("cache") or "")):
         mix = r["hot_loop_instructions"]
         out.append(f"{r['target']:7} {r['dtype']:5} {r.get('cache') or r['dtype']:5}  "
-                   f"{'MFMA' if r['matrix_instructions'] else 'FMA':6} {r['vgprs']:5} {r['sgprs']:5} {r['lds_bytes']:5} "
+                   f"{'MFMA' if r['matrix_instructions'] else 'FMA':6} {r['vgprs']:5} {r['sgprs']:5} "
+                   f"{r['lds_bytes']:5} "
                    f"{r['waves_per_simd']:6} {r['spills']:6} {r['matrix_instructions']:4}  "
                    f"{mix.get('valu', 0):>11}/{mix.get('mfma', 0)}/{mix.get('lds', 0)}/{mix.get('vmem', 0):<10} "
                    f"{r['bytes_in_flight_per_lane']:>6}")

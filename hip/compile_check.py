@@ -448,7 +448,8 @@ def amd_resource_usage(arch: str, out: Path | None = None, device_pass: DevicePa
             out = Path(tmp.name)
         device_pass = amd_device_pass(arch, out)
     dp = device_pass
-    name = f"{arch} device pass: -Werror, no spills / scratch, MFMA (16-bit and fp8 caches), 16-byte hot loop, occupancy"
+    name = (f"{arch} device pass: -Werror, no spills / scratch, MFMA (16-bit and fp8 caches), 16-byte hot loop, "
+            "occupancy")
     if not dp.ok:
         return Result(name, False, dp.log, dp.seconds)
     problems = []

@@ -280,6 +280,7 @@ __device__ __forceinline__ mfma_f32x4 mfma_16x16x16(const Frag& a, const Frag& b
     return __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(x, y, c, 0, 0, 0);
   }
 }
+
 // ---- fp8 codes -> 16-bit MFMA operands (the MFMA engine over fp8 caches)
 // Every e4m3fn and e5m2 value is exactly an fp16 value and exactly a bf16 value: e4m3fn's 4 significand
 // bits and range 2^-9 .. 448 fit fp16 (5 exponent bits; subnormals from 2^-24, largest 65504) and bf16;

@@ -126,7 +126,8 @@ def main() -> int:
                   f"new {n['time_us']:.0f} us = {n['fraction']:.0%} of floor "
                   f"(compute bound {n['compute_bound_tbps']:.1f} TB/s, Little bound {n['latency_bound_tbps']:.1f} TB/s,"
                   f" {n['hot_loop_cycles']} cycles/iteration, {n['resident_waves_per_cu']} waves/CU)")
-    print(f"\nfp8 caches, 16-bit queries (MFMA engine): {KV_BYTES // ELEM / 1e6:.0f} MB of K/V, L = {LATENCY_S * 1e6} us")
+    print(f"\nfp8 caches, 16-bit queries (MFMA engine): {KV_BYTES // ELEM / 1e6:.0f} MB of K/V, "
+          f"L = {LATENCY_S * 1e6} us")
     for gpu in GPUS:
         print(f"{gpu.name} ({gpu.arch}): HBM floor {floor_s(gpu, 1) * 1e6:.0f} us")
         for query in ("bf16", "fp16"):
@@ -135,8 +136,9 @@ def main() -> int:
                            and r["kernel"] == f"paged_attention<{query},{cache},128,wave64>")
                 n = new_estimate(row, gpu, elem=1)
                 print(f"  {query} query, {cache} cache: {n['time_us']:.0f} us = {n['fraction']:.0%} of floor "
-                      f"(compute bound {n['compute_bound_tbps']:.1f} TB/s, Little bound {n['latency_bound_tbps']:.1f} TB/s,"
-                      f" {n['hot_loop_cycles']} cycles/iteration, {n['resident_waves_per_cu']} waves/CU)")
+                      f"(compute bound {n['compute_bound_tbps']:.1f} TB/s, "
+                      f"Little bound {n['latency_bound_tbps']:.1f} TB/s, "
+                      f"{n['hot_loop_cycles']} cycles/iteration, {n['resident_waves_per_cu']} waves/CU)")
     return 0
 
 

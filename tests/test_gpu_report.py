@@ -149,7 +149,8 @@ def test_hip_fp8_caches_take_the_mfma_engine_on_cdna(report):
     for target in ("gfx90a", "gfx940"):
         for dtype in ("fp16", "bf16"):
             for cache in ("e4m3", "e5m2"):
-                assert re.search(rf"^{target}\s+{dtype}\s+{cache}\s+MFMA\s", report["stdout"], re.M), (target, dtype, cache)
+                line = rf"^{target}\s+{dtype}\s+{cache}\s+MFMA\s"
+                assert re.search(line, report["stdout"], re.M), (target, dtype, cache)
     assert not [f for f in report["threshold_failures"] if "paged_attention<" in f]
 
 
@@ -174,5 +175,6 @@ def test_triton_fp8_cache_decode_is_compiled_with_matrix_instructions(report):
     rows = _triton(report)
     for target in ("sm_90", "gfx942"):
         for spec in ("e4m3_bf16_decode", "e5m2_fp16_decode", "e5m2_bf16_hnd_decode"):
-            r = next(r for r in rows if r["target"] == target and r["kernel"] == "unified_attention" and r["spec"] == spec)
+            r = next(r for r in rows
+                     if r["target"] == target and r["kernel"] == "unified_attention" and r["spec"] == spec)
             assert not r.get("problem") and r["matrix_instructions"] > 0, r

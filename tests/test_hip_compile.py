@@ -158,7 +158,8 @@ def test_ci_thresholds_flag_each_violation():
     # fp8 caches: a 16-bit query takes the MFMA engine on gfx90a / gfx940 too, and needs fp16 denormals kept
     for fmt in ("e4m3", "e5m2"):
         assert cc.row_problems(_row(cache=fmt)) == []
-        assert any("v_mfma" in p and f"{fmt} cache" in p for p in cc.row_problems(_row(cache=fmt, matrix_instructions=0)))
+        problems = cc.row_problems(_row(cache=fmt, matrix_instructions=0))
+        assert any("v_mfma" in p and f"{fmt} cache" in p for p in problems)
         assert any("denormals" in p for p in cc.row_problems(_row(cache=fmt, fp16_denorm_mode=0)))
         assert cc.row_problems(_row(cache=fmt, dtype="fp32", matrix_instructions=0)) == []
         assert cc.row_problems(_row(cache=fmt, target="gfx1030", wave=32, matrix_instructions=0)) == []
@@ -166,16 +167,17 @@ def test_ci_thresholds_flag_each_violation():
 
 
 def test_kernel_descriptor_directives_are_parsed():
+    name = "_ZN7kvmulti22paged_attention_kernelI6__halfNS_7Fp8E4M3ELi64ELi64EEEvNS_20PagedAttentionParamsE"
     asm = "\n".join([
-        "\t.amdhsa_kernel _ZN7kvmulti22paged_attention_kernelI6__halfNS_7Fp8E4M3ELi64ELi64EEEvNS_20PagedAttentionParamsE",
+        f"\t.amdhsa_kernel {name}",
         "\t\t.amdhsa_group_segment_fixed_size 8832",
         "\t\t.amdhsa_float_denorm_mode_32 3",
         "\t\t.amdhsa_float_denorm_mode_16_64 3",
         "\t.end_amdhsa_kernel",
         "\t\t.amdhsa_float_denorm_mode_16_64 0",      # outside any kernel block: ignored
     ])
-    (name, fields), = cc.kernel_descriptors(asm).items()
-    assert cc.cache_kind(name) == "e4m3"
+    assert cc.cache_kind(name) == "e4m3" and list(cc.kernel_descriptors(asm)) == [name]
+    fields = cc.kernel_descriptors(asm)[name]
     assert fields == {"group_segment_fixed_size": 8832, "float_denorm_mode_32": 3, "float_denorm_mode_16_64": 3}
 
 
