@@ -14,8 +14,15 @@ faked. Adding one is one line in :data:`SECTIONS`.
   limits), matrix instructions (static count of mma.sync / wgmma / v_mfma), global load widths,
   cp.async.wait_group immediates; then the paper model below.
 * ``hip``: ``kvmulti.hip_src.compile_check.report_rows`` when hip/compile_check.py provides it,
-  else rows built here from its hipcc resource-usage pass (registers, LDS, waves/SIMD, spills).
-* ``sycl``: ``kvmulti.sycl_src.gpu_evidence.report_rows`` once sycl/ provides it.
+  else rows built here from its hipcc resource-usage pass (registers, LDS, waves/SIMD, spills). Every
+  kernel x gfx90a / gfx940 / gfx1030, fp8 caches (e4m3fn, e5m2) included; printed: the attention kernels
+  at head 128 (the decode case's) per query dtype x cache, with the engine (MFMA / FMA); ``--full``:
+  every row. Thresholds: ``compile_check.row_problems`` (an fp16 / bf16 query over a 16-bit or an fp8
+  cache uses v_mfma on gfx90a / gfx940, no spills, 16-byte hot-loop loads, occupancy).
+* ``sycl``: ``kvmulti.sycl_src.gpu_evidence.report_rows`` once sycl/ provides it (bf16, head 128);
+  ``sycl_fp8``: the same case over an fp8 e4m3fn cache (``gpu_evidence.FP8_CONFIG``, rows with
+  ``cache``). Triton's fp8 specialisations (e4m3 / e5m2 caches with bf16 / fp16 / fp32 queries:
+  ``cross_compile.fp8_specs``) are rows of the ``triton`` section.
 
 Paper model (an ESTIMATE from compile facts and spec-sheet figures, not a measurement)
 ---------------------------------------------------------------------------------------
@@ -60,6 +67,7 @@ SECTIONS: dict[str, str] = {
     "triton": "gpu_report:triton_rows",
     "hip": "kvmulti.hip_src.compile_check:report_rows",
     "sycl": "kvmulti.sycl_src.gpu_evidence:report_rows",
+    "sycl_fp8": "gpu_report:sycl_fp8_rows",
 }
 #: used when a section's own module does not provide report_rows yet
 FALLBACKS: dict[str, str] = {"hip": "gpu_report:hip_rows_from_resource_usage"}
@@ -209,6 +217,37 @@ def hip_rows_from_resource_usage() -> list[dict]:
     return rows
 
 
+HIP_SHOWN_HEAD_SIZE = 128       # the decode case's head size: the attention rows the report prints
+
+
+def format_hip(rows: list[dict], full: bool) -> list[str]:
+    """The HIP attention kernels at HIP_SHOWN_HEAD_SIZE (every target x query dtype x cache: 16-bit or
+    fp8) with their engine; ``full``: every row, generically. Rows from the resource-usage fallback (no
+    matrix counts) are printed generically."""
+    if full or not rows or "hot_loop_instructions" not in rows[0]:
+        return format_generic(rows)
+    out = ["target  query cache  engine  vgprs sgprs   lds  waves spills mfma  hot-loop valu/mfma/lds/vmem  "
+           "in-flight B/lane"]
+    shown = [r for r in rows if r.get("kind") == "attention" and r.get("head_size") == HIP_SHOWN_HEAD_SIZE]
+    for r in sorted(shown, key=lambda r: (r["target"], r["dtype"], r.get("cache") or "")):
+        mix = r["hot_loop_instructions"]
+        out.append(f"{r['target']:7} {r['dtype']:5} {r.get('cache') or r['dtype']:5}  "
+                   f"{'MFMA' if r['matrix_instructions'] else 'FMA':6} {r['vgprs']:5} {r['sgprs']:5} "
+                   f"{r['lds_bytes']:5} "
+                   f"{r['waves_per_simd']:6} {r['spills']:6} {r['matrix_instructions']:4}  "
+                   f"{mix.get('valu', 0):>11}/{mix.get('mfma', 0)}/{mix.get('lds', 0)}/{mix.get('vmem', 0):<10} "
+                   f"{r['bytes_in_flight_per_lane']:>6}")
+    out.append(f"({len(shown)} of {len(rows)} rows: attention at head {HIP_SHOWN_HEAD_SIZE}; --full or --json: all)")
+    return out
+
+
+def hip_threshold_failures(rows: list[dict]) -> list[str]:
+    """hip/compile_check.py's CI thresholds over the HIP section's rows (the fallback's rows carry too
+    little to check and are skipped)."""
+    from kvmulti.hip_src import compile_check as cc
+    return [p for r in rows if "hot_loop_instructions" in r for p in cc.row_problems(r)]
+
+
 def _waves_per_simd(log: str) -> dict[str, int]:
     out, current = {}, None
     for line in log.splitlines():
@@ -228,6 +267,13 @@ def _demangle_hint(mangled: str) -> str:
     dtype = next((n for k, n in (("12hip_bfloat16", "bf16"), ("6__half", "fp16"), ("If", "fp32")) if k in mangled), "")
     ints = re.findall(r"Li(\d+)E", mangled)
     return "_".join(filter(None, [name, dtype, *ints]))
+
+
+# --------------------------------------------------------------------------------------- sycl fp8
+def sycl_fp8_rows() -> list[dict]:
+    """The SYCL section's rows for its case over an fp8 e4m3fn cache (kernels.cpp with KVM_CACHE=3)."""
+    from kvmulti.sycl_src import gpu_evidence
+    return [dict(r, cache="e4m3") for r in gpu_evidence.report_rows(gpu_evidence.FP8_CONFIG)]
 
 
 # --------------------------------------------------------------------------------------- report
@@ -279,6 +325,7 @@ def threshold_failures(report: dict) -> list[str]:
         if (r["target"] == "sm_90" and r["kernel"] == "unified_attention" and r["spec"].startswith("model_decode")
                 and max(r.get("wait_groups") or [0]) < 1):
             fails.append(f"sm_90 {r['name']}: not pipelined (cp.async.wait_group {r.get('wait_groups')})")
+    fails += hip_threshold_failures(report["sections"].get("hip", {}).get("rows", []))
     return fails
 
 
@@ -355,7 +402,8 @@ def print_report(report: dict, full: bool) -> None:
             print(sec.get("absent") or f"ERROR from {sec['source']}: {sec['error']}")
             continue
         print(f"({len(sec['rows'])} rows from {sec['source']}, {sec['seconds']} s)")
-        lines = format_triton(sec["rows"], full) if name == "triton" else format_generic(sec["rows"])
+        lines = (format_triton(sec["rows"], full) if name == "triton" else
+                 format_hip(sec["rows"], full) if name == "hip" else format_generic(sec["rows"]))
         print("\n".join(lines))
     if "paper_model" in report:
         print("\n== paper model (ESTIMATE; see the module docstring) ==")
@@ -370,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
     p.add_argument("--json", help="also write the whole report as JSON here")
-    p.add_argument("--full", action="store_true", help="every Triton kernel (write_kv, reduce too), not only attention")
+    p.add_argument("--full", action="store_true",
+                   help="every Triton kernel (write_kv, reduce too), not only attention; every HIP row")
     p.add_argument("-j", "--jobs", type=int, default=2, help="compile worker processes")
     a = p.parse_args(argv)
     names = [n for n in a.sections.split(",") if n]

@@ -7,12 +7,14 @@ AMD (HIP_PLATFORM=amd, Debian packages ``hipcc libamdhip64-dev rocm-device-libs`
      gfx1100; ROCm hosts build for their own targets, see kvmulti/backends/hip.py);
   2. a ``--cuda-device-only -S -Werror -Rpass-analysis=kernel-resource-usage`` pass per arch, whose
      remarks and assembly give per kernel: VGPRs, SGPRs, LDS, occupancy (waves/SIMD), spills, v_mfma
-     count, global load widths, and the decode hot loop's loads (see ``analyze_function``). It fails on
-     any register spill or scratch use, a missing kernel, an instantiation for the arch's own wave size
-     (64 on gfx9, 32 on gfx10+) that compiled to an empty body, a 16-bit attention kernel without
-     v_mfma on gfx90a / gfx940 (the one attention kernel serves prefill, chunked prefill, decode and
-     verification), a hot loop with a global load narrower than 16 bytes or fewer than 4 x 16 bytes
-     in flight per lane, and an occupancy below 2 waves/SIMD.
+     count, global load widths, the decode hot loop's loads (see ``analyze_function``) and the kernel
+     descriptor's fp16 denormal mode. It fails on any register spill or scratch use, a missing kernel, an
+     instantiation for the arch's own wave size (64 on gfx9, 32 on gfx10+) that compiled to an empty
+     body, an attention kernel with an fp16 / bf16 query -- over a cache of its own type or of fp8 codes
+     -- without v_mfma on gfx90a / gfx940 (the one attention kernel serves prefill, chunked prefill,
+     decode and verification), such an fp8-cache kernel whose descriptor does not keep fp16 denormals
+     (its widening of e4m3 codes relies on them), a hot loop with a global load narrower than 16 bytes
+     or fewer than 4 x 16 bytes in flight per lane, and an occupancy below 2 waves/SIMD.
   ``report_rows()`` returns these figures as dicts (benchmarks/gpu_report.py); ``--report`` prints them.
 NVIDIA: ``nvcc -x cu -I hip/compat`` (kvmulti's HIP->CUDA compat headers) for sm_80 and sm_90 with
   ``-Werror all-warnings`` and ptxas ``-warn-spills -warn-lmem-usage -Werror``.
@@ -42,7 +44,8 @@ AMD_LIBRARY = "libkvmulti_hip_amd.so"   # the fat library (all AMD_ARCHS), as a 
 DTYPES = ("f", "6__half", "12hip_bfloat16")   # mangled template arguments
 HEAD_SIZES = (64, 80, 96, 128, 256)
 WAVES = (32, 64)
-#: cache element types per query dtype: the query's own, fp8 e4m3fn, fp8 e5m2 (FMA engine)
+#: cache element types per query dtype: the query's own, fp8 e4m3fn, fp8 e5m2 (MFMA engine for fp16 / bf16
+#: queries on gfx90a / gfx940, FMA engine otherwise)
 CACHES_PER_DTYPE = 3
 #: every kernel the launcher instantiates: attention (dtype x cache x head size x wave), reduce per
 #: dtype, write_kv per dtype x cache
@@ -121,7 +124,7 @@ def _wave_of(arch: str) -> int:
     return 64 if arch.startswith("gfx9") else 32
 
 
-MFMA_ARCHS = ("gfx90a", "gfx940")   # targets whose 16-bit attention kernels must use v_mfma
+MFMA_ARCHS = ("gfx90a", "gfx940")   # targets whose fp16 / bf16-query attention kernels must use v_mfma
 MIN_WAVES_PER_SIMD = 2
 MIN_BYTES_IN_FLIGHT_PER_LANE = 4 * 16
 
@@ -167,6 +170,25 @@ def split_functions(asm: str) -> dict[str, list[str]]:
         elif current is not None:
             current.append(line)
     return funcs
+
+
+def kernel_descriptors(asm: str) -> dict[str, dict[str, int]]:
+    """{kernel: {directive: value}} from the ``.amdhsa_kernel`` blocks of an AMDGPU assembly file (e.g.
+    ``"float_denorm_mode_16_64": 3`` for ``.amdhsa_float_denorm_mode_16_64 3``)."""
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in asm.splitlines():
+        m = re.match(r"^\s*\.amdhsa_kernel\s+(\S+)", line)
+        if m:
+            current = out.setdefault(m.group(1), {})
+            continue
+        if re.match(r"^\s*\.end_amdhsa_kernel", line):
+            current = None
+            continue
+        m = re.match(r"^\s*\.amdhsa_(\w+)\s+(-?\d+)\s*$", line)
+        if m and current is not None:
+            current[m.group(1)] = int(m.group(2))
+    return out
 
 
 def _blocks(lines: list[str]) -> list[tuple[str, str, list[str]]]:
@@ -330,6 +352,7 @@ class DevicePass:
     seconds: float
     resources: dict[str, dict[str, int]] = field(default_factory=dict)
     asm: dict[str, dict] = field(default_factory=dict)
+    descriptors: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def amd_device_pass(arch: str, out: Path) -> DevicePass:
@@ -341,7 +364,9 @@ def amd_device_pass(arch: str, out: Path) -> DevicePass:
     dp = DevicePass(arch, rc == 0, f"$ {' '.join(cmd)}\n{log}", secs)
     if rc == 0:
         dp.resources = parse_resource_usage(log)
-        dp.asm = {name: analyze_function(lines) for name, lines in split_functions(asm_path.read_text()).items()}
+        text = asm_path.read_text()
+        dp.asm = {name: analyze_function(lines) for name, lines in split_functions(text).items()}
+        dp.descriptors = kernel_descriptors(text)
     return dp
 
 
@@ -383,6 +408,8 @@ def rows_of(dp: DevicePass) -> list[dict]:
             "bytes_in_flight_per_lane": a["bytes_in_flight_per_lane"],
             "bytes_before_vmcnt0_per_lane": a["bytes_before_vmcnt0_per_lane"],
             "hot_loop_instructions": a["hot_loop_instructions"],
+            # 3: fp16 (and fp64) denormals kept on input and output (the hardware default mode)
+            "fp16_denorm_mode": dp.descriptors.get(name, {}).get("float_denorm_mode_16_64"),
         })
     return rows
 
@@ -398,9 +425,12 @@ def row_problems(row: dict) -> list[str]:
     if row["kind"] == "attention":
         if row["vgprs"] == 0:
             problems.append(f"{k}: wave-{row['wave']} instantiation compiled to an empty body")
-        if (row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16") and not row.get("cache")
-                and row["matrix_instructions"] == 0):
-            problems.append(f"{k}: 16-bit prefill/verification tiles without v_mfma")
+        if row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16") and row["matrix_instructions"] == 0:
+            cache = f"{row['cache']} cache" if row.get("cache") else "16-bit cache"
+            problems.append(f"{k}: {row['dtype']} query over a {cache}: attention tiles without v_mfma")
+        if row.get("cache") and row["matrix_instructions"] and row.get("fp16_denorm_mode") != 3:
+            problems.append(f"{k}: fp8 codes widened through fp16 with fp16 denormals not kept "
+                            f"(.amdhsa_float_denorm_mode_16_64 {row.get('fp16_denorm_mode')}, want 3)")
         narrow = [w for w in row["hot_loop_load_widths_bytes"] if w < 16]
         if narrow or not row["hot_loop_load_widths_bytes"]:
             problems.append(f"{k}: hot-loop global loads of {row['hot_loop_load_widths_bytes']} bytes (want 16 only)")
@@ -418,7 +448,8 @@ def amd_resource_usage(arch: str, out: Path | None = None, device_pass: DevicePa
             out = Path(tmp.name)
         device_pass = amd_device_pass(arch, out)
     dp = device_pass
-    name = f"{arch} device pass: -Werror, no spills / scratch, MFMA, 16-byte hot loop, occupancy"
+    name = (f"{arch} device pass: -Werror, no spills / scratch, MFMA (16-bit and fp8 caches), 16-byte hot loop, "
+            "occupancy")
     if not dp.ok:
         return Result(name, False, dp.log, dp.seconds)
     problems = []
@@ -439,10 +470,11 @@ def report_rows(archs: tuple[str, ...] = AMD_ARCHS, jobs: int = 2) -> list[dict]
     kernel instantiation that runs on the target, with keys kernel, target, vgprs, sgprs, lds_bytes,
     waves_per_simd (register- and LDS-limited; waves_per_simd_registers: the compiler's figure), spills, matrix_instructions (v_mfma count), load_widths_bytes (all global loads),
     bytes_in_flight_per_lane (peak global-load bytes outstanding per lane in the hot loop, simulating
-    s_waitcnt vmcnt), plus symbol, kind, dtype, head_size, wave, agprs, scratch_bytes,
-    hot_loop_load_widths_bytes and bytes_before_vmcnt0_per_lane (bytes issued in the hot loop from its
-    first load up to its first s_waitcnt vmcnt(0); x wave size = per wave). Raises RuntimeError when a
-    compile fails or hipcc is missing."""
+    s_waitcnt vmcnt), plus symbol, kind, dtype, cache (None, or "e4m3" / "e5m2" for an fp8 cache),
+    head_size, wave, agprs, scratch_bytes, hot_loop_load_widths_bytes, bytes_before_vmcnt0_per_lane (bytes
+    issued in the hot loop from its first load up to its first s_waitcnt vmcnt(0); x wave size = per
+    wave), hot_loop_instructions and fp16_denorm_mode (the descriptor's; 3 = denormals kept). Raises
+    RuntimeError when a compile fails or hipcc is missing."""
     key = tuple(archs)
     if key not in _REPORT_CACHE:
         if hipcc() is None:

@@ -16,7 +16,7 @@
 // outside [0, num_blocks) is replaced by block 0 before it forms an address).
 //
 // Block = (R "rows" = query (token, head) pairs sharing one KV head and one request -- the heads of a
-// GQA group x consecutive query tokens, see RowMap; R = 16 for 16-bit types on wave64, else 8 --, KV
+// GQA group x consecutive query tokens, see RowMap; R = 16 for fp16 / bf16 queries on wave64, else 8 --, KV
 // partition); kNumWarps waves. Every K/V element a block reads serves all of its rows. The union of the
 // rows' key ranges is cut into tiles of KT keys; each wave streams its own contiguous share of the tiles
 // with its own online softmax per row (running max / sum, fp32 accumulation), so the hot loop has no
@@ -25,9 +25,12 @@
 // tile loop) and handed to the lanes that need them with shuffles.
 //
 // Two tile engines, chosen at compile time per target (and at run time on the CPU harness):
-//   * MFMA (CDNA2/3, 16-bit types, wave64): K and V are loaded straight into matrix-fragment registers
-//     with 16-byte loads; S^T = K Q^T and O += P V run as v_mfma_f32_16x16x16{f16,bf16_1k} tiles
-//     (S^T's output layout is exactly P's operand layout for PV, so no transpose is needed);
+//   * MFMA (CDNA2/3, fp16 / bf16 queries, wave64): K and V are loaded straight into matrix-fragment
+//     registers with 16-byte loads; S^T = K Q^T and O += P V run as v_mfma_f32_16x16x16{f16,bf16_1k} tiles
+//     (S^T's output layout is exactly P's operand layout for PV, so no transpose is needed). An fp8
+//     cache's codes are widened to the query's type (exactly) as the fragments are formed, its V rows
+//     staged in LDS first (16-byte loads; a fragment's 8 codes per key would be an 8-byte load), and its
+//     scales applied outside the MFMAs (k_scale with the score scale, v_scale with the output's);
 //   * FMA (fp32, RDNA wave32, NVIDIA, GCN without MFMA): a wave stages each K/V tile in its own LDS
 //     buffer with coalesced 16-byte loads (consecutive lanes read consecutive 16 bytes of a row), then
 //     computes the tile's dot products / PV from LDS with a wave-level barrier (wave_sync) in between.
@@ -51,7 +54,7 @@ namespace kvmulti {
 struct PagedAttentionParams {
   void* out;                     // [num_query_rows, Hq, HS] (strided), query dtype
   const void* query;             // [num_query_rows, Hq, HS] (strided), dim stride 1
-  const void* kv_cache;          // canonical layout, cache dtype == query dtype, num_blocks blocks
+  const void* kv_cache;          // canonical layout, cache dtype == query dtype or fp8, num_blocks blocks
   const int* query_start_loc;    // [num_reqs + 1]
   const int* seq_lens;           // [num_reqs]
   const int* block_table;        // [bt_rows, bt_stride], bt_cols entries used per row
@@ -299,9 +302,11 @@ __device__ void write_rows(const PagedAttentionParams& p, const BlockTask& b, co
   }
 }
 
-// Score post-processing shared by both engines: scale, softcap, mask (-inf: p = 0 below).
-__device__ __forceinline__ float finish_score(const PagedAttentionParams& p, float s, bool visible) {
-  s *= p.scale;
+// Score post-processing shared by both engines: scale (p.scale, times k_scale where the MFMA engine
+// leaves it out of the dot product), softcap, mask (-inf: p = 0 below).
+__device__ __forceinline__ float finish_score(const PagedAttentionParams& p, float s, float score_scale,
+                                              bool visible) {
+  s *= score_scale;
   if (p.softcap > 0.f) s = p.softcap * tanhf(s * p.inv_softcap);
   return visible ? s : -INFINITY;
 }
@@ -394,7 +399,7 @@ __device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const 
 #pragma unroll 4
         for (int d = 0; d < HS; ++d) s += sh.qo.q[r][d] * scaled<T>(Cvt<T>::to(krow[d]), k_scale);
         const bool vis = sh.key_ok[warp][kk] && t >= sh.rlo[r] && t < sh.rhi[r];
-        sh.s[warp][r][kk] = finish_score(p, s, vis);
+        sh.s[warp][r][kk] = finish_score(p, s, p.scale, vis);
       }
       wave_sync();
       // Online softmax, every lane for every row (uniform per wave), then PV from LDS.
@@ -494,43 +499,169 @@ __device__ void fma_body(const PagedAttentionParams& p, const BlockTask& b) {
 
 // ============================================================================ MFMA engine
 #if KVMULTI_HAS_MFMA
-// Fragment geometry for 16-bit types, wave64, 16 rows (the N dimension of S^T = K Q^T).
-template <int HS>
+// Fragment geometry for 16-bit queries, wave64, 16 rows (the N dimension of S^T = K Q^T). C: the cache's
+// element type -- the query's, or fp8 codes, widened to the query's type when the fragments are formed.
+template <typename C, int HS>
 struct MfmaGeom {
-  static constexpr int NCH = HS / 8;               // 16-byte chunks per row
-  static constexpr int QKC = (NCH + 3) / 4;        // K / Q chunks per lane: lane group q holds chunks 4u + q
-  static constexpr int PVC = (NCH + 15) / 16;      // V chunks per lane and key: lane j holds chunks j + 16u
-  static constexpr int NSUB = HS <= 128 ? 2 : 1;   // 16-key sub-tiles per iteration
+  static constexpr int EPC = 16 / (int)sizeof(C);   // cache elements per 16-byte chunk: 8 (16-bit), 16 (fp8)
+  static constexpr int NCH = HS / EPC;              // 16-byte chunks per row
+  static constexpr int QKC = (NCH + 3) / 4;         // K / Q chunks per lane: lane group g holds chunks 4u + g
+  static constexpr int FPC = EPC / 4;               // QK fragments (4 head dims each) per chunk
+  static constexpr int PVC = (HS / 8 + 15) / 16;    // V pieces (8 head dims) per lane and key: lane n, n + 16u
+  // 16-key sub-tiles per iteration: each iteration issues 8 to 16 16-byte loads per lane (fp8 rows of 64
+  // codes: 4 sub-tiles to reach 8; head 256: one sub-tile, more would spill)
+  static constexpr int NSUB = HS > 128 ? 1 : HS * (int)sizeof(C) <= 64 ? 4 : 2;
   static constexpr int KT = 16 * NSUB;
+  // 16-byte V loads per lane and sub-tile: 16-bit caches load each lane's pieces of its 4 keys; fp8 caches
+  // load the sub-tile's 16 rows (consecutive lanes: consecutive 16 bytes of consecutive rows) for LDS.
+  static constexpr int VIN = is_fp8<C>() ? (16 * NCH + 63) / 64 : 4 * PVC;
 };
 
 template <int HS>
 struct MfmaShared {
-  float o[16][HS];
+  union alignas(16) OutOrV {
+    float o[16][HS];                 // after the loop: the block's combined output rows
+    uint8_t v[kNumWarps][16][HS];    // fp8 caches, in the loop: each wave's V sub-tile (codes, [key][dim])
+  } ov;                              // the same size: fp8 staging adds no LDS to the 16-bit engine's
   int rlo[16], rhi[16];
   Combine<16> comb;
 };
 
+// Head dim, within a lane's K / Q chunk, of element e (< 4) of QK fragment h. 16-bit chunks are used as
+// loaded: 4h + e. An fp8 word (4 codes, dims 4h .. 4h+3) is widened as the pairs (codes 0, 2) and
+// (codes 1, 3) -- (w << 8) and w masked to their odd bytes: two ops, no byte shuffles --, a permutation of
+// the MFMA's K index that the Q fragments follow.
+template <typename C>
+__host__ __device__ constexpr int qk_dim(int h, int e) {
+  return 4 * h + (is_fp8<C>() ? ((e & 1) << 1) | (e >> 1) : e);
+}
+
+// QK fragment h of a lane's K chunk: two words of a 16-bit chunk as loaded, or word h of an fp8 chunk
+// (16 codes) widened in qk_dim's order.
+template <typename T, typename C>
+__device__ __forceinline__ Frag k_fragment(const Chunk16& c, int h) {
+  if constexpr (is_fp8<C>()) {
+    const uint32_t w = c.w[h];
+    return Frag{{widen_pair<C, T>((w << 8) & 0xFF00FF00u), widen_pair<C, T>(w & 0xFF00FF00u)}};
+  } else {
+    return Frag{{c.w[2 * h], c.w[2 * h + 1]}};
+  }
+}
+
 __device__ __forceinline__ uint32_t half_of(const Chunk16& c, int e) { return (c.w[e >> 1] >> (16 * (e & 1))) & 0xffffu; }
+__device__ __forceinline__ uint32_t byte_of(const Chunk16& c, int e) { return (c.w[e >> 2] >> (8 * (e & 3))) & 0xffu; }
+
+// B fragment of PV MFMA (u, c): V[keys 4g .. 4g+3][head dim c of piece u] from the lane's pieces vc[e][u]
+// of keys 4g + e -- 8 values of T, or for fp8 8 codes (words 0, 1) gathered into pairs and widened.
+template <typename T, typename C, int PVC>
+__device__ __forceinline__ Frag v_fragment(const Chunk16 (&vc)[4][PVC], int u, int c) {
+  if constexpr (is_fp8<C>()) {
+    return Frag{{widen_pair<C, T>((byte_of(vc[0][u], c) << 8) | (byte_of(vc[1][u], c) << 24)),
+                 widen_pair<C, T>((byte_of(vc[2][u], c) << 8) | (byte_of(vc[3][u], c) << 24))}};
+  } else {
+    return Frag{{half_of(vc[0][u], c) | (half_of(vc[1][u], c) << 16),
+                 half_of(vc[2][u], c) | (half_of(vc[3][u], c) << 16)}};
+  }
+}
+
+// Issues the V loads of the 16-key sub-tile starting at key t (MfmaGeom::VIN per lane) and sets ok[e]:
+// key t + 4g + e has a valid block id. 16-bit caches: vin[e * PVC + u] = piece n + 16u of key t + 4g + e.
+// fp8 caches (a piece would be an 8-byte load): vin[j] = chunk 64 j + lane of the sub-tile's 16 x NCH
+// chunks, for v_subtile to stage in LDS.
+template <typename C, int HS, bool ALIGNED>
+__device__ __forceinline__ void load_v_subtile(const PagedAttentionParams& p, const C* cache, int bt_win, int ws,
+                                               float inv_bs, int t, Chunk16 (&vin)[MfmaGeom<C, HS>::VIN],
+                                               bool (&ok)[4]) {
+  using G = MfmaGeom<C, HS>;
+  constexpr int WAVE = 64, NCH = G::NCH, PVC = G::PVC, EPC = G::EPC;
+  const int lane = (int)threadIdx.x % WAVE, n = lane % 16, g = lane / 16;
+  const Chunk16 zero = {{0u, 0u, 0u, 0u}};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int64_t row = key_row<WAVE>(p, bt_win, ws, inv_bs, t + 4 * g + e, ok[e]);
+    if constexpr (!is_fp8<C>()) {
+#pragma unroll
+      for (int u = 0; u < PVC; ++u) {
+        const int ch = n + 16 * u;
+        vin[e * PVC + u] = ch < NCH ? load_chunk<C, ALIGNED>(cache + row + HS + ch * EPC) : zero;
+      }
+    }
+  }
+  if constexpr (is_fp8<C>()) {
+#pragma unroll
+    for (int j = 0; j < G::VIN; ++j) {
+      const int c = 64 * j + lane;
+      const int kk = (c < 16 * NCH ? c : 0) / NCH, ch = c % NCH;
+      bool unused;
+      const int64_t row = key_row<WAVE>(p, bt_win, ws, inv_bs, t + kk, unused);
+      vin[j] = c < 16 * NCH ? load_chunk<C, ALIGNED>(cache + row + HS + ch * EPC) : zero;
+    }
+  }
+}
+
+// The lane's V pieces of the sub-tile: vc[e][u] = head dims 8 (n + 16u) .. +7 of key 4g + e (16-bit
+// caches: as loaded; fp8: the wave writes the sub-tile's rows to its LDS buffer vs ([16][HS] codes), then
+// every lane reads its pieces back, 8 codes = words 0, 1 of vc[e][u]). Every lane must call it.
+template <typename C, int HS>
+__device__ __forceinline__ void v_subtile(const Chunk16 (&vin)[MfmaGeom<C, HS>::VIN], uint8_t* vs,
+                                          Chunk16 (&vc)[4][MfmaGeom<C, HS>::PVC]) {
+  using G = MfmaGeom<C, HS>;
+  constexpr int PVC = G::PVC;
+  const int lane = (int)threadIdx.x % 64, n = lane % 16, g = lane / 16;
+  if constexpr (!is_fp8<C>()) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int u = 0; u < PVC; ++u) vc[e][u] = vin[e * PVC + u];
+  } else {
+    struct alignas(8) Piece {
+      uint32_t w[2];
+    };
+#pragma unroll
+    for (int j = 0; j < G::VIN; ++j) {
+      const int c = 64 * j + lane;
+      if (c < 16 * G::NCH) *reinterpret_cast<Chunk16*>(vs + 16 * c) = vin[j];
+    }
+    wave_sync();
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int u = 0; u < PVC; ++u) {
+        const int piece = n + 16 * u;
+        Piece codes = {{0u, 0u}};
+        if (piece < HS / 8) codes = *reinterpret_cast<const Piece*>(vs + (4 * g + e) * HS + 8 * piece);
+        vc[e][u] = Chunk16{{codes.w[0], codes.w[1], 0u, 0u}};
+      }
+    wave_sync();  // the next sub-tile rewrites this wave's buffer
+  }
+}
 
 // Lane roles (lane = n + 16 * g, n < 16, g < 4) in the 16x16x16 layouts (A[i][k]: lane i + 16 (k/4),
 // B[k][j]: lane j + 16 (k/4), D[i][j]: lane j + 16 (i/4), element = k%4 resp. i%4):
 //   S^T = K Q^T (M = keys, N = rows, K = head dims): lane (n, g) holds K[key n] and Q[row n] dims
-//     8 (4u + g) + 4h + 0..3 for MFMA (u, h) -- chunk 4u + g of the row, 16 bytes = 2 MFMAs -- and
-//     receives S^T[keys 4g .. 4g+3][row n];
+//     EPC (4u + g) + qk_dim(h, 0..3) for MFMA (u, h) -- chunk 4u + g of the row, 16 bytes = EPC / 4
+//     MFMAs (16-bit: 8 dims, 2 MFMAs; fp8: 16 codes, 4 MFMAs, widened) -- and receives
+//     S^T[keys 4g .. 4g+3][row n];
 //   O += P V (M = rows, N = head dims, K = keys): lane (n, g) holds P[row n][keys 4g .. 4g+3] (exactly
-//     what it received from S^T) and V[keys 4g .. 4g+3][dim 8 (n + 16u) + c] for MFMA (u, c) -- chunk
-//     n + 16u of four rows, each a 16-byte load in which consecutive lanes read consecutive 16 bytes --,
-//     and receives O[rows 4g .. 4g+3][dim 8 (n + 16u) + c].
-template <typename T, int HS, bool ALIGNED>
-__device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const BlockTask& b, int rlo, int rhi,
-                                            float& m, float& l, mfma_f32x4 (&acc)[MfmaGeom<HS>::PVC][8],
-                                            const Frag (&qf)[MfmaGeom<HS>::QKC][2]) {
-  using G = MfmaGeom<HS>;
-  constexpr int WAVE = 64, NSUB = G::NSUB, QKC = G::QKC, PVC = G::PVC, NCH = G::NCH, KT = G::KT;
+//     what it received from S^T) and V[keys 4g .. 4g+3][dim 8 (n + 16u) + c] for MFMA (u, c) -- piece
+//     n + 16u of four rows: for 16-bit caches a 16-byte load in which consecutive lanes read consecutive
+//     16 bytes, for fp8 8 codes read back from LDS (v_subtile), widened by v_fragment --, and receives
+//     O[rows 4g .. 4g+3][dim 8 (n + 16u) + c].
+// fp8 caches: the fragments hold the codes' values; k_scale joins the score scale here and v_scale
+// the output's normalisation (mfma_body): the KV head, hence both scales, is constant in a block.
+template <typename T, typename C, int HS, bool ALIGNED>
+__device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const BlockTask& b, MfmaShared<HS>& sh,
+                                            int rlo, int rhi, float& m, float& l,
+                                            mfma_f32x4 (&acc)[MfmaGeom<C, HS>::PVC][8],
+                                            const Frag (&qf)[MfmaGeom<C, HS>::QKC][MfmaGeom<C, HS>::FPC]) {
+  using G = MfmaGeom<C, HS>;
+  constexpr int WAVE = 64, NSUB = G::NSUB, QKC = G::QKC, FPC = G::FPC, PVC = G::PVC, NCH = G::NCH, KT = G::KT;
   const int lane = (int)threadIdx.x % WAVE, warp = (int)threadIdx.x / WAVE;
   const int n = lane % 16, g = lane / 16;
-  const T* cache = static_cast<const T*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
+  const C* cache = static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
+  // scores: (q . k) * scale with k = float(code) * k_scale for fp8 caches, i.e. (q . code) * (scale * k_scale)
+  const float score_scale = is_fp8<C>() ? p.scale * p.k_scale[b.kv_head] : p.scale;
+  uint8_t* vs = &sh.ov.v[warp][0][0];
   const TileRange<KT> tiles(b, warp);
   const int win_keys = WAVE * p.block_size;  // keys per block-table window (a multiple of KT)
   const float inv_bs = 1.f / (float)p.block_size;
@@ -541,7 +672,7 @@ __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const
     for (; tile < tiles.last && tiles.base + tile * KT < win_end; ++tile) {  // the hot loop
       const int t0 = tiles.base + tile * KT;
       // 1. Every K and V load of the iteration is issued before any is used.
-      Chunk16 kc[NSUB][QKC], vc[NSUB][4][PVC];
+      Chunk16 kc[NSUB][QKC], vin[NSUB][G::VIN];
       bool ok[NSUB][4];
 #pragma unroll
       for (int sub = 0; sub < NSUB; ++sub) {
@@ -550,17 +681,9 @@ __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const
 #pragma unroll
         for (int u = 0; u < QKC; ++u) {
           const int ch = 4 * u + g;
-          kc[sub][u] = ch < NCH ? load_chunk<T, ALIGNED>(cache + krow + ch * 8) : Chunk16{{0u, 0u, 0u, 0u}};
+          kc[sub][u] = ch < NCH ? load_chunk<C, ALIGNED>(cache + krow + ch * G::EPC) : Chunk16{{0u, 0u, 0u, 0u}};
         }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t vrow = key_row<WAVE>(p, bt_win, ws, inv_bs, t0 + 16 * sub + 4 * g + e, ok[sub][e]);
-#pragma unroll
-          for (int u = 0; u < PVC; ++u) {
-            const int ch = n + 16 * u;
-            vc[sub][e][u] = ch < NCH ? load_chunk<T, ALIGNED>(cache + vrow + HS + ch * 8) : Chunk16{{0u, 0u, 0u, 0u}};
-          }
-        }
+        load_v_subtile<C, HS, ALIGNED>(p, cache, bt_win, ws, inv_bs, t0 + 16 * sub, vin[sub], ok[sub]);
       }
       // 2. S^T = K Q^T per 16-key sub-tile, scores, masks, tile max per row.
       float s[NSUB][4];
@@ -571,14 +694,11 @@ __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const
 #pragma unroll
         for (int u = 0; u < QKC; ++u)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const Frag a = {{kc[sub][u].w[2 * h], kc[sub][u].w[2 * h + 1]}};
-            d = mfma_16x16x16<T>(a, qf[u][h], d);
-          }
+          for (int h = 0; h < FPC; ++h) d = mfma_16x16x16<T>(k_fragment<T, C>(kc[sub][u], h), qf[u][h], d);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int t = t0 + 16 * sub + 4 * g + e;
-          s[sub][e] = finish_score(p, d[e], ok[sub][e] && t >= rlo && t < rhi);
+          s[sub][e] = finish_score(p, d[e], score_scale, ok[sub][e] && t >= rlo && t < rhi);
           tmax = fmaxf(tmax, s[sub][e]);
         }
       }
@@ -607,30 +727,29 @@ __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const
         }
         const Frag pa = {{(uint32_t)Bits16<T>::of(pe[0]) | ((uint32_t)Bits16<T>::of(pe[1]) << 16),
                           (uint32_t)Bits16<T>::of(pe[2]) | ((uint32_t)Bits16<T>::of(pe[3]) << 16)}};
+        Chunk16 vc[4][PVC];
+        v_subtile<C, HS>(vin[sub], vs, vc);
 #pragma unroll
         for (int u = 0; u < PVC; ++u)
 #pragma unroll
-          for (int c = 0; c < 8; ++c) {
-            const Frag vb = {{half_of(vc[sub][0][u], c) | (half_of(vc[sub][1][u], c) << 16),
-                              half_of(vc[sub][2][u], c) | (half_of(vc[sub][3][u], c) << 16)}};
-            acc[u][c] = mfma_16x16x16<T>(pa, vb, acc[u][c]);
-          }
+          for (int c = 0; c < 8; ++c) acc[u][c] = mfma_16x16x16<T>(pa, v_fragment<T, C>(vc, u, c), acc[u][c]);
       }
     }
   }
 }
 
-template <typename T, int HS>
+// T: the query's and output's type (fp16 / bf16); C: the cache's (T, or an fp8 type).
+template <typename T, typename C, int HS>
 __device__ void mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
-  using G = MfmaGeom<HS>;
-  constexpr int WAVE = 64, NT = kNumWarps * WAVE, QKC = G::QKC, PVC = G::PVC, NCH = G::NCH;
+  using G = MfmaGeom<C, HS>;
+  constexpr int WAVE = 64, NT = kNumWarps * WAVE, QKC = G::QKC, FPC = G::FPC, PVC = G::PVC, EPC = G::EPC;
   __shared__ MfmaShared<HS> sh;
   const int tid = (int)threadIdx.x, lane = tid % WAVE, warp = tid / WAVE;
   const int n = lane % 16, g = lane / 16;
   publish_row_ranges<16>(p, b, sh.rlo, sh.rhi);
   const int rlo = sh.rlo[n], rhi = sh.rhi[n];
   // Q fragments (B operand of S^T = K Q^T) of row n, unscaled; rows past b.rows are zero.
-  Frag qf[QKC][2];
+  Frag qf[QKC][FPC];
   const T* q = nullptr;
   if (n < b.rows)
     q = static_cast<const T*>(p.query) + (int64_t)(b.token + n / b.nheads) * p.q_stride_token +
@@ -638,14 +757,14 @@ __device__ void mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
 #pragma unroll
   for (int u = 0; u < QKC; ++u)
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < FPC; ++h)
 #pragma unroll
       for (int w = 0; w < 2; ++w) {
-        const int d = 8 * (4 * u + g) + 4 * h + 2 * w;
+        const int d0 = EPC * (4 * u + g) + qk_dim<C>(h, 2 * w), d1 = EPC * (4 * u + g) + qk_dim<C>(h, 2 * w + 1);
         uint32_t bits = 0u;
-        if (q && d < 8 * NCH) {
-          const unsigned short* qh = reinterpret_cast<const unsigned short*>(q + d);
-          bits = (uint32_t)qh[0] | ((uint32_t)qh[1] << 16);
+        if (q && d0 < HS) {  // d0, d1 < HS together: chunks are whole
+          const unsigned short* qh = reinterpret_cast<const unsigned short*>(q);
+          bits = (uint32_t)qh[d0] | ((uint32_t)qh[d1] << 16);
         }
         qf[u][h].w[w] = bits;
       }
@@ -655,20 +774,22 @@ __device__ void mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
   for (int u = 0; u < PVC; ++u)
 #pragma unroll
     for (int c = 0; c < 8; ++c) acc[u][c] = mfma_f32x4{0.f, 0.f, 0.f, 0.f};
-  if (p.kv_aligned16) mfma_stream<T, HS, true>(p, b, rlo, rhi, m, l, acc, qf);
-  else mfma_stream<T, HS, false>(p, b, rlo, rhi, m, l, acc, qf);
+  if (p.kv_aligned16) mfma_stream<T, C, HS, true>(p, b, sh, rlo, rhi, m, l, acc, qf);
+  else mfma_stream<T, C, HS, false>(p, b, sh, rlo, rhi, m, l, acc, qf);
 
   l = wave_sum_from<WAVE, 16>(l);
   if (g == 0) {
     sh.comb.m[warp][n] = m;
     sh.comb.l[warp][n] = l;
   }
-  __syncthreads();
+  __syncthreads();  // also: every wave is done with its V buffer, which sh.ov.o overlays
+  // fp8 caches: values read as float(code) * v_scale, so the accumulated P V gets v_scale once
+  const float v_scale = is_fp8<C>() ? p.v_scale[b.kv_head] : 1.f;
   float f[4];
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     float M, L;
-    f[r] = combine_factor<16>(sh.comb, warp, 4 * g + r, M, L);
+    f[r] = combine_factor<16>(sh.comb, warp, 4 * g + r, M, L) * v_scale;
   }
   for (int w = 0; w < kNumWarps; ++w) {
     if (warp == w) {
@@ -680,18 +801,18 @@ __device__ void mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
           if (d < HS) {
 #pragma unroll
             for (int r = 0; r < 4; ++r)
-              sh.o[4 * g + r][d] = (w == 0 ? 0.f : sh.o[4 * g + r][d]) + acc[u][c][r] * f[r];
+              sh.ov.o[4 * g + r][d] = (w == 0 ? 0.f : sh.ov.o[4 * g + r][d]) + acc[u][c][r] * f[r];
           }
         }
     }
     __syncthreads();
   }
-  write_rows<T, HS, NT, 16>(p, b, sh.o, sh.comb);
+  write_rows<T, HS, NT, 16>(p, b, sh.ov.o, sh.comb);
 }
 #endif  // KVMULTI_HAS_MFMA
 
 // grid (num_tokens, num_kv_heads * RowMap::chunks, num_partitions), block kNumWarps * WAVE threads, no
-// dynamic shared memory. T: query and output type; C: cache element type (T, or an fp8 type: FMA path).
+// dynamic shared memory. T: query and output type; C: cache element type (T, or an fp8 type).
 template <typename T, typename C, int HS, int WAVE>
 __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_attention_kernel(const PagedAttentionParams p) {
   if (!wave_matches_target<WAVE>()) return;
@@ -707,7 +828,7 @@ __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_attention_kernel(co
 #if KVMULTI_HAS_MFMA
   if constexpr (R == 16) {
     if (mfma_enabled()) {
-      mfma_body<T, HS>(p, b);
+      mfma_body<T, C, HS>(p, b);
       return;
     }
   }

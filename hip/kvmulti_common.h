@@ -44,12 +44,13 @@ __host__ __device__ constexpr bool is_fp8() {
 }
 
 // (query token, query head) rows computed by one attention block (see RowMap in
-// kvmulti_attention.hip): 16 for 16-bit types on wave64 (the N dimension of the 16x16x16 MFMA tiles),
-// 8 otherwise (the FMA path keeps per-row state in registers). T: the query's type, C: the cache's
-// (an fp8 cache always takes the FMA path).
+// kvmulti_attention.hip): 16 for 16-bit queries on wave64 (the N dimension of the 16x16x16 MFMA tiles;
+// the cache may be 16-bit or fp8, whose codes the MFMA engine widens to the query's type), 8 otherwise
+// (the FMA path keeps per-row state in registers). T: the query's type, C: the cache's.
 template <typename T, int WAVE, typename C = T>
 __host__ __device__ constexpr int rows_per_block() {
-  return (sizeof(T) == 2 && WAVE == 64 && !is_fp8<C>()) ? 16 : 8;
+  static_assert(sizeof(C) == sizeof(T) || is_fp8<C>(), "a cache holds the query's type or fp8 codes");
+  return (sizeof(T) == 2 && WAVE == 64) ? 16 : 8;
 }
 
 // Matrix cores: CDNA2 (gfx90a) and CDNA3 (gfx940/941/942) device passes, and the CPU harness (which
@@ -278,6 +279,68 @@ __device__ __forceinline__ mfma_f32x4 mfma_16x16x16(const Frag& a, const Frag& b
     __builtin_memcpy(&y, &b, 8);
     return __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(x, y, c, 0, 0, 0);
   }
+}
+
+// ---- fp8 codes -> 16-bit MFMA operands (the MFMA engine over fp8 caches)
+// Every e4m3fn and e5m2 value is exactly an fp16 value and exactly a bf16 value: e4m3fn's 4 significand
+// bits and range 2^-9 .. 448 fit fp16 (5 exponent bits; subnormals from 2^-24, largest 65504) and bf16;
+// e5m2 is bit for bit the top byte of fp16 (same bias, same subnormals 2^-16 .. 3 * 2^-16, same inf / NaN
+// encodings) and its 3 significand bits and range up to 57344 fit bf16. NaN stays NaN and e5m2's ±inf stay
+// ±inf, so the widening below is exact for all 256 codes of both formats (the scales are applied outside
+// the MFMAs: the fragments hold the codes' values).
+//
+// A "pair" holds two codes in the high byte of each 16-bit half (one in bits 8..15, one in bits 24..31),
+// i.e. already at fp16's sign / exponent / top mantissa bits; the MFMA engine gathers them so.
+
+// x * 256 in both fp16 halves of w: exact, the products are normal fp16 values. One v_pk_mul_f16 on the
+// GPU, where fp16 denormal inputs are kept (the default FP16/FP64 denormal mode,
+// .amdhsa_float_denorm_mode_16_64 3 in the kernel descriptor, checked by compile_check.py).
+__device__ __forceinline__ uint32_t f16x2_times_256(uint32_t w) {
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+  const float lo = __half2float(__ushort_as_half((unsigned short)(w & 0xFFFFu))) * 256.f;
+  const float hi = __half2float(__ushort_as_half((unsigned short)(w >> 16))) * 256.f;
+  return (uint32_t)__half_as_ushort(__float2half(lo)) | ((uint32_t)__half_as_ushort(__float2half(hi)) << 16);
+#else
+  typedef _Float16 f16x2 __attribute__((ext_vector_type(2)));
+  f16x2 v;
+  __builtin_memcpy(&v, &w, 4);
+  v = v * (f16x2){(_Float16)256.f, (_Float16)256.f};
+  __builtin_memcpy(&w, &v, 4);
+  return w;
+#endif
+}
+
+// A pair of fp8 codes -> their two fp16 values (exact, see above).
+template <typename C>
+__device__ __forceinline__ uint32_t fp8_pair_to_f16x2(uint32_t pair) {
+  if constexpr (std::is_same<C, Fp8E5M2>::value) {
+    return pair;  // e5m2 is the top byte of fp16
+  } else {
+    static_assert(std::is_same<C, Fp8E4M3>::value, "fp8 format");
+    // |code| << 7 at fp16's bit positions is the fp16 of |value| * 2^-8 (subnormal codes give fp16
+    // subnormals with the same significand), so one exact multiply by 2^8 makes the value.
+    uint32_t mag = (pair >> 1) & 0x3F803F80u;
+    // NaN (|code| = 0x7F, mag 0x3F80): mag + 0x80 reaches bit 14 for it alone; that bit completes the
+    // exponent (0x7F80: fp16 NaN), and the multiply keeps NaN.
+    mag |= (mag + 0x00800080u) & 0x40004000u;
+    return f16x2_times_256(mag) | (pair & 0x80008000u);  // the signs (NaN keeps its sign, as a float does)
+  }
+}
+
+// Two fp16 values -> the same values as bf16 (exact for widened fp8 codes: 3-4 significand bits; fp16
+// subnormals become bf16 normals, NaN stays NaN through the fp32 widening).
+__device__ __forceinline__ uint32_t f16x2_to_bf16x2(uint32_t h) {
+  const uint32_t lo = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(h & 0xFFFFu))));
+  const uint32_t hi = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(h >> 16))));
+  return (lo >> 16) | (hi & 0xFFFF0000u);
+}
+
+// A pair of fp8 codes -> two values of the 16-bit type T (low half: the code in bits 8..15), exactly.
+template <typename C, typename T>
+__device__ __forceinline__ uint32_t widen_pair(uint32_t pair) {
+  const uint32_t h = fp8_pair_to_f16x2<C>(pair);
+  if constexpr (std::is_same<T, __half>::value) return h;
+  else return f16x2_to_bf16x2(h);
 }
 #endif  // KVMULTI_HAS_MFMA
 

@@ -20,8 +20,8 @@ using kvmulti::WriteKVParams;
 //   * partition_size_request == 0: never split;
 //   * partition_size_request < 0 (auto): split in partitions of kDefaultPartition (512) keys when the
 //     longest key span is > 2 * 512 keys AND the un-split grid has fewer than 4 working blocks per
-//     compute unit (one block per up to 8 (token, head) rows, see RowMap; 16-bit wave64 blocks take 16,
-//     the estimate uses 8 since the plan does not know the dtype), i.e. when a few long
+//     compute unit (one block per up to 8 (token, head) rows, see RowMap; wave64 blocks of fp16 / bf16
+//     queries take 16, the estimate uses 8 since the plan does not know the dtype), i.e. when a few long
 //     sequences would leave most of the GPU idle while each block streams a long context.
 constexpr int kDefaultPartition = 512;
 // Largest block size the attention kernel accepts (key indices inside a block-table window of 64

@@ -26,6 +26,10 @@ Assumptions (stated in hip/README.md): loaded HBM latency L = 1.5 us (0.75 .. 3 
 device): 110 CUs, 1.64 TB/s, 1.7 GHz, 32 cycles per MFMA; the split-KV plan: partitions of 512 keys
 (8 per sequence), so 2048 blocks.
 
+The same model is applied to the fp8-cache kernels with 16-bit queries (MFMA engine, the codes widened
+in registers): 1-byte K/V elements (268 MB, half the floor), the same 32 keys per iteration (8 KiB per
+wave), their own hot-loop instruction mix.
+
 Usage: python hip/paper_model.py   (needs hipcc for the new kernel's figures)
 """
 
@@ -64,8 +68,8 @@ OLD = {"gfx90a": dict(vgprs=61, waves_per_simd=8, lds_bytes=14464, k_bytes_per_l
        "gfx940": dict(vgprs=59, waves_per_simd=7, lds_bytes=14464, k_bytes_per_lane=16, v_bytes_per_lane=2)}
 
 
-def floor_s(gpu: Gpu) -> float:
-    return KV_BYTES / gpu.bandwidth
+def floor_s(gpu: Gpu, elem: int = ELEM) -> float:
+    return KV_BYTES * elem // ELEM / gpu.bandwidth
 
 
 def resident_waves(waves_per_simd: int, lds_bytes: int, gpu: Gpu) -> int:
@@ -84,19 +88,21 @@ def old_estimate(gpu: Gpu, latency: float = LATENCY_S) -> dict:
             f"{f['v_bytes_per_lane']} (V)", "time_us": t * 1e6, "fraction": floor_s(gpu) / t}
 
 
-def new_estimate(row: dict, gpu: Gpu, latency: float = LATENCY_S, keys_per_iteration: int = 32) -> dict:
+def new_estimate(row: dict, gpu: Gpu, latency: float = LATENCY_S, keys_per_iteration: int = 32,
+                 elem: int = ELEM) -> dict:
+    """``elem``: bytes per cached element (2: the 16-bit cache; 1: an fp8 cache)."""
     waves = resident_waves(row["waves_per_simd"], row["lds_bytes"], gpu)
     mix = row["hot_loop_instructions"]
     cycles = 4 * (mix["valu"] + mix["lds"] + mix["vmem"]) + mix["salu"] + gpu.mfma_cycles * mix["mfma"]
     t_c = cycles / gpu.clock
-    iter_bytes = keys_per_iteration * 2 * HEAD * ELEM
+    iter_bytes = keys_per_iteration * 2 * HEAD * elem
     per_cu = min(4 * iter_bytes / t_c, waves * iter_bytes / (latency + t_c))
     bw = min(gpu.bandwidth, gpu.cus * per_cu)
-    t = KV_BYTES / bw + REDUCE_BYTES / gpu.bandwidth
+    t = KV_BYTES * elem // ELEM / bw + REDUCE_BYTES / gpu.bandwidth
     return {"resident_waves_per_cu": waves, "bytes_in_flight_per_lane": row["bytes_in_flight_per_lane"],
             "hot_loop_cycles": cycles, "compute_bound_tbps": gpu.cus * 4 * iter_bytes / t_c / 1e12,
             "latency_bound_tbps": gpu.cus * waves * iter_bytes / (latency + t_c) / 1e12,
-            "time_us": t * 1e6, "fraction": floor_s(gpu) / t}
+            "time_us": t * 1e6, "fraction": floor_s(gpu, elem) / t}
 
 
 def _compile_check():
@@ -120,6 +126,19 @@ def main() -> int:
                   f"new {n['time_us']:.0f} us = {n['fraction']:.0%} of floor "
                   f"(compute bound {n['compute_bound_tbps']:.1f} TB/s, Little bound {n['latency_bound_tbps']:.1f} TB/s,"
                   f" {n['hot_loop_cycles']} cycles/iteration, {n['resident_waves_per_cu']} waves/CU)")
+    print(f"\nfp8 caches, 16-bit queries (MFMA engine): {KV_BYTES // ELEM / 1e6:.0f} MB of K/V, "
+          f"L = {LATENCY_S * 1e6} us")
+    for gpu in GPUS:
+        print(f"{gpu.name} ({gpu.arch}): HBM floor {floor_s(gpu, 1) * 1e6:.0f} us")
+        for query in ("bf16", "fp16"):
+            for cache in ("e4m3", "e5m2"):
+                row = next(r for r in rows if r["target"] == gpu.arch
+                           and r["kernel"] == f"paged_attention<{query},{cache},128,wave64>")
+                n = new_estimate(row, gpu, elem=1)
+                print(f"  {query} query, {cache} cache: {n['time_us']:.0f} us = {n['fraction']:.0%} of floor "
+                      f"(compute bound {n['compute_bound_tbps']:.1f} TB/s, "
+                      f"Little bound {n['latency_bound_tbps']:.1f} TB/s, "
+                      f"{n['hot_loop_cycles']} cycles/iteration, {n['resident_waves_per_cu']} waves/CU)")
     return 0
 
 

@@ -38,6 +38,8 @@ TARGETS = ("acm-g10", "pvc")
 VARIANTS = (("pvc-large-grf", "pvc", "-ze-opt-large-register-file"),)
 #: The decode case of sycl/README.md's paper model: bf16, head size 128.
 DEFAULT_CONFIG = {"dtype": "bfloat16", "head_size": 128, "head_size_v": 128}
+#: The same case over an fp8 e4m3fn cache (kernels.cpp built with KVM_CACHE=3; bf16 activations).
+FP8_CONFIG = dict(DEFAULT_CONFIG, cache_dtype="float8_e4m3fn")
 KERNELS = ("kvm_paged_attention", "kvm_split_reduce", "kvm_write_kv")
 KEYS = ("kernel", "target", "regs_or_grf_mode", "spills", "slm_bytes", "simd_width", "matrix_instructions",
         "load_widths_bytes", "notes")
@@ -60,7 +62,8 @@ def _options(config: dict) -> list[str]:
 
     from kvmulti.backends import sycl as S
     dtype = getattr(torch, config["dtype"])
-    return S.kernel_options(dtype, config["head_size"], config["head_size_v"], S.WG)
+    cache = getattr(torch, config["cache_dtype"]) if config.get("cache_dtype") else None
+    return S.kernel_options(dtype, config["head_size"], config["head_size_v"], S.WG, cache_dtype=cache)
 
 
 def dump_spirv(config: dict, out_dir: Path, timeout: int = 900) -> list[Path]:

@@ -3,6 +3,7 @@ warning, clear build errors, and caches written by HIP / CPU read identically by
 
 from __future__ import annotations
 
+import ctypes
 import os
 import warnings
 
@@ -191,7 +192,6 @@ def test_strided_query_and_out_rows_past_num_actual_tokens(harness):
 
 
 def test_declared_head_sizes_match_the_compiled_instantiations(harness):
-    import ctypes
     lib = hip.library.load_cpu_library()
     sizes = (ctypes.c_int * 16)()
     count = lib.kvmulti_hip_head_sizes(sizes, 16)
@@ -213,6 +213,30 @@ def test_misaligned_cache_uses_the_scalar_path(harness, dtype):
         out = kvmulti.paged_attention(query, cache, layout, md, softcap=9.0, backend="HIP")
     expected = reference.paged_attention(query, cache, layout, md, softcap=9.0)
     assert_close_to_reference(out, expected, dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_misaligned_fp8_cache_on_the_mfma_engine(harness, cache_dtype):
+    """An fp8 cache whose base is not 16-byte aligned, read by the MFMA engine (bf16 query, wave 64): K
+    chunks and the V rows it stages in LDS are read byte-wise, the result still the oracle's."""
+    layout = kvmulti.KVCacheLayout(6, 16, 2, 64, dtype=cache_dtype, order="NHD")
+    cache = layout.allocate(allocator=lambda n, dt, dev: torch.empty(n + 3, dtype=dt, device=dev)[3:])
+    assert cache.data_ptr() % 16 != 0
+    cache.copy_(torch.randn(layout.shape).to(cache_dtype))
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    md = kvmulti.CommonAttentionMetadata.from_lens([4, 1], [40, 33], table, 16)
+    query = torch.randn(5, 8, 64).to(torch.bfloat16)
+    scales = dict(k_scale=torch.tensor([0.4, 1.3]), v_scale=torch.tensor([2.0, 0.6]))
+    lib = hip.library.load_cpu_library()
+    lib.kvcpu_mfma_count.restype = ctypes.c_ulonglong
+    lib.kvcpu_reset_mfma_count()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = kvmulti.paged_attention(query, cache, layout, md, softcap=9.0, backend=hip.HipBackend(cpu_wave=64),
+                                      **scales)
+    assert lib.kvcpu_mfma_count() > 0
+    expected = reference.paged_attention(query, cache, layout, md, softcap=9.0, **scales)
+    assert_close_to_reference(out, expected, torch.bfloat16)
 
 
 def test_named_prebuilt_library_must_exist(monkeypatch, tmp_path):

@@ -131,9 +131,9 @@ def test_assembly_analysis_of_the_hot_loop():
 
 
 def _row(**kw):
-    base = dict(kernel="paged_attention<bf16,128,wave64>", kind="attention", dtype="bf16", target="gfx90a", wave=64,
-                vgprs=128, spills=0, scratch_bytes=0, waves_per_simd=2, matrix_instructions=64,
-                hot_loop_load_widths_bytes=[16], bytes_in_flight_per_lane=192)
+    base = dict(kernel="paged_attention<bf16,128,wave64>", kind="attention", dtype="bf16", cache=None, target="gfx90a",
+                wave=64, vgprs=128, spills=0, scratch_bytes=0, waves_per_simd=2, matrix_instructions=64,
+                hot_loop_load_widths_bytes=[16], bytes_in_flight_per_lane=192, fp16_denorm_mode=3)
     base.update(kw)
     return base
 
@@ -155,6 +155,30 @@ def test_ci_thresholds_flag_each_violation():
     assert cc.row_problems(_row(matrix_instructions=0, dtype="fp32")) == []
     assert any("hot-loop global loads" in p for p in cc.row_problems(_row(hot_loop_load_widths_bytes=[2, 16])))
     assert any("in flight" in p for p in cc.row_problems(_row(bytes_in_flight_per_lane=48)))
+    # fp8 caches: a 16-bit query takes the MFMA engine on gfx90a / gfx940 too, and needs fp16 denormals kept
+    for fmt in ("e4m3", "e5m2"):
+        assert cc.row_problems(_row(cache=fmt)) == []
+        problems = cc.row_problems(_row(cache=fmt, matrix_instructions=0))
+        assert any("v_mfma" in p and f"{fmt} cache" in p for p in problems)
+        assert any("denormals" in p for p in cc.row_problems(_row(cache=fmt, fp16_denorm_mode=0)))
+        assert cc.row_problems(_row(cache=fmt, dtype="fp32", matrix_instructions=0)) == []
+        assert cc.row_problems(_row(cache=fmt, target="gfx1030", wave=32, matrix_instructions=0)) == []
+    assert cc.row_problems(_row(fp16_denorm_mode=0)) == []      # a 16-bit cache widens nothing
+
+
+def test_kernel_descriptor_directives_are_parsed():
+    name = "_ZN7kvmulti22paged_attention_kernelI6__halfNS_7Fp8E4M3ELi64ELi64EEEvNS_20PagedAttentionParamsE"
+    asm = "\n".join([
+        f"\t.amdhsa_kernel {name}",
+        "\t\t.amdhsa_group_segment_fixed_size 8832",
+        "\t\t.amdhsa_float_denorm_mode_32 3",
+        "\t\t.amdhsa_float_denorm_mode_16_64 3",
+        "\t.end_amdhsa_kernel",
+        "\t\t.amdhsa_float_denorm_mode_16_64 0",      # outside any kernel block: ignored
+    ])
+    assert cc.cache_kind(name) == "e4m3" and list(cc.kernel_descriptors(asm)) == [name]
+    fields = cc.kernel_descriptors(asm)[name]
+    assert fields == {"group_segment_fixed_size": 8832, "float_denorm_mode_32": 3, "float_denorm_mode_16_64": 3}
 
 
 def test_report_rows_per_kernel_and_target():
@@ -173,5 +197,29 @@ def test_report_rows_per_kernel_and_target():
             assert cc.row_problems(r) == [], cc.row_problems(r)
         for r in attention:
             assert r["hot_loop_load_widths_bytes"] == [16] and r["bytes_in_flight_per_lane"] >= 64
-            uses_mfma = arch in cc.MFMA_ARCHS and r["dtype"] != "fp32" and not r["cache"]   # fp8 caches: FMA
+            uses_mfma = arch in cc.MFMA_ARCHS and r["dtype"] != "fp32"    # 16-bit or fp8 cache alike
             assert (r["matrix_instructions"] > 0) == uses_mfma, r
+
+
+def test_fp8_caches_with_16bit_queries_use_mfma_on_cdna():
+    """fp8 e4m3fn / e5m2 caches with fp16 / bf16 queries: on gfx90a and gfx940 every head size's attention
+    kernel has v_mfma, keeps fp16 denormals (the e4m3 widening), needs no more LDS than the 16-bit cache's
+    kernel of the same query type and head size (the V staging buffer overlays the output rows) and, from
+    head 80 up, runs at least as many waves per SIMD. Head 64 takes 4 sub-tiles (64 keys) per iteration to
+    keep 4 16-byte loads in flight per lane; its extra VGPRs leave 2-3 waves/SIMD (16-bit: 3-4), the CI
+    minimum being 2. fp32 queries and gfx1030 (wave32) keep the FMA engine."""
+    _require(amd=True, nvidia=False)
+    rows = [r for r in cc.report_rows() if r["kind"] == "attention"]
+    same_type = {(r["target"], r["dtype"], r["head_size"]): r for r in rows if not r["cache"]}
+    fp8 = [r for r in rows if r["cache"]]
+    assert len(fp8) == len(cc.AMD_ARCHS) * len(cc.DTYPES) * 2 * len(cc.HEAD_SIZES)
+    for r in fp8:
+        if r["target"] in cc.MFMA_ARCHS and r["dtype"] in ("fp16", "bf16"):
+            base = same_type[r["target"], r["dtype"], r["head_size"]]
+            assert r["matrix_instructions"] > 0 and r["fp16_denorm_mode"] == 3, r
+            assert r["lds_bytes"] <= base["lds_bytes"], (r, base)
+            assert r["waves_per_simd"] >= (base["waves_per_simd"] if r["head_size"] > 64 else cc.MIN_WAVES_PER_SIMD), \
+                (r, base)
+            assert r["spills"] == 0 and r["hot_loop_load_widths_bytes"] == [16], r
+        else:
+            assert r["matrix_instructions"] == 0, r

@@ -7,6 +7,7 @@ hip/cpu_harness and must equal kvmulti.reference on hypothesis-generated mixed b
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import re
 import warnings
@@ -18,8 +19,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batches import ALL_DTYPES, CaseSpec, batch_cases, build_case, check_against_reference
+from batches import ALL_DTYPES, TOLERANCE, CaseSpec, batch_cases, build_case, check_against_reference
 
+import kvmulti
+from kvmulti import reference
 from kvmulti.backends import get_backend, hip
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -334,3 +337,167 @@ def test_mfma_path_runs_on_the_harness(hip_backend, dtype):
         assert lib.kvcpu_mfma_count() == 0
     finally:
         lib.kvcpu_set_mfma_enabled(1)
+
+
+# ------------------------------------------------------------ fp8 caches on the MFMA engine (16-bit queries)
+FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _run_fp8_case(backend, spec, cache_dtype, per_head, wave=64, partition_size=0):
+    """test_fp8_backends.check_fp8 (the write bit-identical to the oracle's, attention within the query
+    dtype's tolerance of the oracle over the same bytes) through backend="HIP" with the registry's HIP
+    instance emulating ``wave`` with ``partition_size``; returns the MFMA instructions the harness ran."""
+    from test_fp8_backends import check_fp8
+    lib = _mfma_library()
+    saved = backend.cpu_wave, backend.partition_size
+    backend.cpu_wave, backend.partition_size = wave, partition_size
+    lib.kvcpu_reset_mfma_count()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "kvmulti HIP backend on a CPU tensor", RuntimeWarning)
+            check_fp8(spec, cache_dtype, per_head, "HIP")
+    finally:
+        backend.cpu_wave, backend.partition_size = saved
+    return lib.kvcpu_mfma_count()
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_cache_takes_the_mfma_engine(hip_backend, fmt, dtype):
+    """An fp8 cache with a 16-bit query on wave64 runs the MFMA engine with 16 rows per block: the same
+    case as test_mfma_path_runs_on_the_harness gives the same count (head 128: 2 K chunks of 16 codes x 4
+    widened fragments + 8 PV fragments per 16-key sub-tile). fp32 queries, wave32 and MFMA disabled run
+    the FMA engine (16 rows on wave64); every run matches the oracle."""
+    cache_dtype = FP8_FORMATS[fmt]
+    spec = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=4, head_size=128, dtype=dtype,
+                    query_lens=(1,), context_lens=(40,), sliding_window=None)
+    assert _run_fp8_case(hip_backend, spec, cache_dtype, per_head=True) == 2 * 2 * 2 * (8 + 8)
+    # head 64 (rows of 64 codes): one 64-key iteration of 4 sub-tiles per block, each one chunk of 16 codes
+    # (4 fragments) for QK and 8 PV fragments (half of them padding)
+    small = dataclasses.replace(spec, head_size=64)
+    assert _run_fp8_case(hip_backend, small, cache_dtype, per_head=False) == 2 * 1 * 4 * (4 + 8)
+    assert _run_fp8_case(hip_backend, dataclasses.replace(spec, dtype=torch.float32), cache_dtype, True) == 0
+    assert _run_fp8_case(hip_backend, spec, cache_dtype, per_head=True, wave=32) == 0
+    lib = _mfma_library()
+    lib.kvcpu_set_mfma_enabled(0)
+    try:
+        mixed = CaseSpec(order="NHD", block_size=3, num_kv_heads=2, group=8, head_size=64, dtype=dtype,
+                         query_lens=(5, 1, 2), context_lens=(7, 60, 30), sliding_window=19, softcap=10.0)
+        assert _run_fp8_case(hip_backend, mixed, cache_dtype, per_head=True) == 0
+        assert _run_fp8_case(hip_backend, mixed, cache_dtype, per_head=False, partition_size=16) == 0
+    finally:
+        lib.kvcpu_set_mfma_enabled(1)
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["tensor_scale", "head_scales"])
+def test_fp8_mfma_mixed_batches_match_the_oracle(hip_backend, fmt, order, per_head):
+    """Prefill, chunked prefill / verification and decodes in one launch over an fp8 cache, GQA 4 and 2,
+    per-tensor and per-head scales, both orders; fp16 and bf16 queries (each format meets both)."""
+    dtype = torch.float16 if (order == "NHD") == per_head else torch.bfloat16
+    for group, block_size in ((4, 16), (2, 5)):
+        spec = CaseSpec(order=order, block_size=block_size, num_kv_heads=2, group=group, head_size=128, dtype=dtype,
+                        query_lens=(5, 3, 1, 1), context_lens=(0, 17, 30, 9), extra_blocks=1, seed=group)
+        assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[fmt], per_head) > 0
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_mfma_window_softcap_and_split_kv(hip_backend, fmt, dtype):
+    """Sliding window + softcap (applied after k_scale and the score scale), a GQA group of 3 (blocks of 3
+    heads x 5 tokens), block size 5, then the same batch split into partitions of 16 keys."""
+    spec = CaseSpec(order="HND", block_size=5, num_kv_heads=2, group=3, head_size=64, dtype=dtype,
+                    query_lens=(7, 1, 4, 1), context_lens=(0, 33, 12, 70), sliding_window=9, softcap=8.0, seed=7)
+    for partition in (0, 16):
+        assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[fmt], per_head=True, partition_size=partition) > 0
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("head_size", [80, 96, 256])
+def test_fp8_mfma_other_head_sizes(hip_backend, fmt, head_size):
+    """Padded fragments with fp8 chunks of 16 codes: 80 and 96 -> 128 dims for QK (2 chunks per lane
+    group), V pieces past the head masked; 256: 4 QK chunks, 2 V pieces per lane and key, one sub-tile."""
+    dtype = torch.bfloat16 if head_size == 96 else torch.float16
+    spec = CaseSpec(order="NHD", block_size=16, num_kv_heads=2, group=2, head_size=head_size, dtype=dtype,
+                    query_lens=(4, 1, 2), context_lens=(0, 33, 17), sliding_window=20, softcap=12.0, seed=3)
+    assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[fmt], per_head=head_size != 80) > 0
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+def test_fp8_mfma_long_contexts_span_several_tiles(hip_backend, fmt):
+    """Several 32-key iterations per wave (the online softmax across tiles, the per-wave V buffer reused
+    every sub-tile) and block-table windows of 64 blocks (block size 1)."""
+    spec = CaseSpec(order="HND", block_size=16, num_kv_heads=1, group=4, head_size=128, dtype=torch.bfloat16,
+                    query_lens=(3, 1), context_lens=(300, 500), softcap=20.0)
+    assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[fmt], per_head=True) > 0
+    spec = CaseSpec(order="NHD", block_size=1, num_kv_heads=2, group=8, head_size=64, dtype=torch.float16,
+                    query_lens=(2, 1), context_lens=(150, 90), sliding_window=120)
+    assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[fmt], per_head=False) > 0
+
+
+def _fp8_attention(cache, layout, md, query, k_scale, v_scale):
+    """(HIP on the harness at wave 64, the oracle) over the same fp8 bytes; asserts the MFMA engine ran."""
+    lib = _mfma_library()
+    lib.kvcpu_reset_mfma_count()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "kvmulti HIP backend on a CPU tensor", RuntimeWarning)
+        out = kvmulti.paged_attention(query, cache, layout, md, backend=hip.HipBackend(partition_size=0, cpu_wave=64),
+                                      k_scale=k_scale, v_scale=v_scale)
+    assert lib.kvcpu_mfma_count() > 0
+    return out, reference.paged_attention(query, cache, layout, md, k_scale=k_scale, v_scale=v_scale)
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_mfma_widens_every_value_code_exactly(fmt, dtype, hip_backend):
+    """All 256 codes as the values of two decodes' only key: its softmax weight is exactly 1 and v_scale a
+    power of two, so the output is v_scale * float(code) bit for bit -- subnormals, ±max, ±0, NaN and
+    e5m2's ±inf included -- as in the oracle. (The other keys of the 16-key sub-tiles the kernel reads --
+    the blocks' other slots, and block 0 for keys past the table -- hold zeros: they get weight 0, and
+    0 x inf would be NaN.)"""
+    cache_dtype = FP8_FORMATS[fmt]
+    layout = kvmulti.KVCacheLayout(3, 16, 1, 128, dtype=cache_dtype, order="NHD")
+    cache = layout.allocate("cpu")
+    gen = torch.Generator().manual_seed(4)
+    layout.keys(cache)[1:, 0, 0] = torch.randn(2, 128, generator=gen).to(cache_dtype)
+    layout.values(cache).view(torch.uint8)[1:, 0, 0] = torch.arange(256, dtype=torch.uint8).view(2, 128)
+    md = kvmulti.CommonAttentionMetadata.from_lens([1, 1], [1, 1], torch.tensor([[1], [2]], dtype=torch.int32), 16)
+    query = torch.randn(2, 4, 128, generator=gen).to(dtype)
+    out, want = _fp8_attention(cache, layout, md, query, 0.75, 0.5)
+    assert want.isnan().any() and want.isfinite().any() and (want.isinf().any() == (fmt == "e5m2"))
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_mfma_special_key_codes_match_the_oracle(hip_backend, fmt, order, dtype):
+    """Keys made of every finite code of the format (subnormals, ±max, ±0) among random ones; a NaN code
+    in one key of a decode (its rows: NaN) and in the last key of a prefill (only the last query sees it:
+    the others stay finite); e5m2: +inf and -inf codes (a row whose score is +inf is NaN, -inf drops the
+    key). Compared with the oracle, NaN positions included."""
+    cache_dtype = FP8_FORMATS[fmt]
+    layout = kvmulti.KVCacheLayout(8, 16, 2, 128, dtype=cache_dtype, order=order)
+    cache = layout.allocate("cpu")
+    gen = torch.Generator().manual_seed(9)
+    cache.copy_(torch.randn(layout.shape, generator=gen).to(cache_dtype))
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[torch.isfinite(codes.view(cache_dtype).float())]
+    keys = layout.keys(cache).view(torch.uint8)                # [block, slot, head, dim]
+    keys[0, :16, 1] = finite.repeat(9)[: 16 * 128].view(16, 128)          # request 0, KV head 1: every finite code
+    nan = 0x7F
+    keys[2, 4, 0, 7] = nan                                     # request 1 (decode), KV head 0
+    keys[4, 7, 1, 100] = nan                                   # request 2 (prefill of 8): its last key
+    if fmt == "e5m2":
+        keys[6, 2, 0, 3] = 0x7C                                # request 3: +inf ...
+        keys[6, 9, 1, 5] = 0xFC                                # ... and -inf
+    table = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]], dtype=torch.int32)
+    md = kvmulti.CommonAttentionMetadata.from_lens([1, 1, 8, 1], [20, 21, 8, 30], table, 16)
+    query = torch.randn(11, 8, 128, generator=gen).to(dtype)
+    out, want = _fp8_attention(cache, layout, md, query, torch.tensor([0.02, 0.05]), 0.3)
+    nan_rows = want.isnan().all(dim=-1)
+    assert nan_rows[1, :4].all() and not nan_rows[1, 4:].any() and nan_rows[9, 4:].all() and not nan_rows[2:9].any()
+    assert want[0].isfinite().all()
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=rtol, equal_nan=True)
