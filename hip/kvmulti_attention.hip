@@ -12,8 +12,10 @@
 // q_len = qsl[r+1]-qsl[r] positions of its seq_lens[r] tokens; a query at position p attends causally
 // to keys 0..p, and with a sliding window W only to keys p-W+1..p. Blocks entirely outside the window
 // may hold garbage block-table entries: the kernel reads K/V only for the tiles covering the visible
-// keys (a tile may start up to KT-1 keys before the window; those keys are masked, and any block id
-// outside [0, num_blocks) is replaced by block 0 before it forms an address).
+// keys (a tile may start up to KT-1 keys before the window and end past the last visible key; those
+// keys are masked and read a zero row instead of the cache -- whatever bytes the cache holds there, no
+// key outside the block's range reaches the output, see key_row -- and any block id outside
+// [0, num_blocks) is replaced by block 0 before it forms an address).
 //
 // Block = (R "rows" = query (token, head) pairs sharing one KV head and one request -- the heads of a
 // GQA group x consecutive query tokens, see RowMap; R = 16 for fp16 / bf16 queries on wave64, else 8 --, KV
@@ -237,14 +239,22 @@ __device__ __forceinline__ int load_bt_window(const PagedAttentionParams& p, con
   return i < p.bt_cols ? b.bt[i] : -1;
 }
 
-// Row offset (elements) of key t of the block-table window that starts at key ws = win * WAVE *
-// block_size, whose entry i lane i holds (bt_win); a block id outside [0, num_blocks) gives block 0 and
-// valid = false. The division by block_size goes through a float reciprocal (inv_bs = 1 / block_size)
+// Zeros in place of a cache row (K and V of one KV head, up to 2 x 256 fp32 elements): what a key
+// outside its block's range [kv_lo, kv_hi) reads (see key_row).
+__device__ Chunk16 kZeroRow[128];
+
+// Address of the row (K then V, of the cache's KV head `cache` points at) of key t of the block-table
+// window that starts at key ws = win * WAVE * block_size, whose entry i lane i holds (bt_win); a block
+// id outside [0, num_blocks) gives block 0 and valid = false. A key outside the block's range
+// [kv_lo, kv_hi) -- tiles are whole, so the first and last tiles hold some: slots before a sliding
+// window, the unwritten tail of the last block, slots of blocks the table names past the range --
+// reads kZeroRow instead: its score is masked (-inf by select, p = 0), but 0 x V is NaN for a
+// non-finite V, and such slots may hold anything. The division by block_size goes through a float reciprocal (inv_bs = 1 / block_size)
 // plus a one-step fix-up: exact for 0 <= t - ws < WAVE * block_size (the launcher bounds block_size),
 // and a few VALU ops instead of an integer division per key. Every lane calls it (a shuffle).
-template <int WAVE>
-__device__ __forceinline__ int64_t key_row(const PagedAttentionParams& p, int bt_win, int ws, float inv_bs, int t,
-                                           bool& valid) {
+template <int WAVE, typename C>
+__device__ __forceinline__ const C* key_row(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
+                                            int bt_win, int ws, float inv_bs, int t, bool& valid) {
   const int bs = p.block_size, tr = t - ws;
   int q = (int)((float)tr * inv_bs);
   int r = tr - q * bs;
@@ -257,8 +267,10 @@ __device__ __forceinline__ int64_t key_row(const PagedAttentionParams& p, int bt
   const int blk = __shfl(bt_win, q, WAVE);
   valid = blk >= 0 && blk < p.num_blocks;
   // blk, r >= 0 and the strides are positive: unsigned 32 x 64-bit products
-  return (int64_t)((uint64_t)(uint32_t)(valid ? blk : 0) * (uint64_t)p.kv_stride_block +
-                   (uint64_t)(uint32_t)r * (uint64_t)p.kv_stride_token);
+  const int64_t row = (int64_t)((uint64_t)(uint32_t)(valid ? blk : 0) * (uint64_t)p.kv_stride_block +
+                                (uint64_t)(uint32_t)r * (uint64_t)p.kv_stride_token);
+  const bool in_range = (unsigned)(t - b.kv_lo) < (unsigned)(b.kv_hi - b.kv_lo);
+  return in_range ? cache + row : reinterpret_cast<const C*>(kZeroRow);  // a select, not a branch
 }
 
 // Cross-wave combine: every wave has per-row (m, l) and unnormalised accumulators; the block's result
@@ -375,10 +387,10 @@ __device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const 
       for (int j = 0; j < LPL; ++j) {  // lanes over consecutive 16-byte chunks of consecutive rows
         const int c = j * WAVE + lane;
         const int kk = (c < KT * NCH ? c : 0) / NCH, ch = c % NCH;
-        const int64_t row = key_row<WAVE>(p, bt_win, ws, inv_bs, t0 + kk, ok[j]);
+        const T* row = key_row<WAVE>(p, b, cache, bt_win, ws, inv_bs, t0 + kk, ok[j]);
         if (c < KT * NCH) {
-          kc[j] = load_chunk<T, ALIGNED>(cache + row + ch * EPC);
-          vc[j] = load_chunk<T, ALIGNED>(cache + row + HS + ch * EPC);
+          kc[j] = load_chunk<T, ALIGNED>(row + ch * EPC);
+          vc[j] = load_chunk<T, ALIGNED>(row + HS + ch * EPC);
         }
       }
 #pragma unroll
@@ -569,7 +581,8 @@ __device__ __forceinline__ Frag v_fragment(const Chunk16 (&vc)[4][PVC], int u, i
 // fp8 caches (a piece would be an 8-byte load): vin[j] = chunk 64 j + lane of the sub-tile's 16 x NCH
 // chunks, for v_subtile to stage in LDS.
 template <typename C, int HS, bool ALIGNED>
-__device__ __forceinline__ void load_v_subtile(const PagedAttentionParams& p, const C* cache, int bt_win, int ws,
+__device__ __forceinline__ void load_v_subtile(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
+                                               int bt_win, int ws,
                                                float inv_bs, int t, Chunk16 (&vin)[MfmaGeom<C, HS>::VIN],
                                                bool (&ok)[4]) {
   using G = MfmaGeom<C, HS>;
@@ -578,12 +591,12 @@ __device__ __forceinline__ void load_v_subtile(const PagedAttentionParams& p, co
   const Chunk16 zero = {{0u, 0u, 0u, 0u}};
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const int64_t row = key_row<WAVE>(p, bt_win, ws, inv_bs, t + 4 * g + e, ok[e]);
+    const C* row = key_row<WAVE>(p, b, cache, bt_win, ws, inv_bs, t + 4 * g + e, ok[e]);
     if constexpr (!is_fp8<C>()) {
 #pragma unroll
       for (int u = 0; u < PVC; ++u) {
         const int ch = n + 16 * u;
-        vin[e * PVC + u] = ch < NCH ? load_chunk<C, ALIGNED>(cache + row + HS + ch * EPC) : zero;
+        vin[e * PVC + u] = ch < NCH ? load_chunk<C, ALIGNED>(row + HS + ch * EPC) : zero;
       }
     }
   }
@@ -593,8 +606,8 @@ __device__ __forceinline__ void load_v_subtile(const PagedAttentionParams& p, co
       const int c = 64 * j + lane;
       const int kk = (c < 16 * NCH ? c : 0) / NCH, ch = c % NCH;
       bool unused;
-      const int64_t row = key_row<WAVE>(p, bt_win, ws, inv_bs, t + kk, unused);
-      vin[j] = c < 16 * NCH ? load_chunk<C, ALIGNED>(cache + row + HS + ch * EPC) : zero;
+      const C* row = key_row<WAVE>(p, b, cache, bt_win, ws, inv_bs, t + kk, unused);
+      vin[j] = c < 16 * NCH ? load_chunk<C, ALIGNED>(row + HS + ch * EPC) : zero;
     }
   }
 }
@@ -677,13 +690,13 @@ __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const
 #pragma unroll
       for (int sub = 0; sub < NSUB; ++sub) {
         bool unused;
-        const int64_t krow = key_row<WAVE>(p, bt_win, ws, inv_bs, t0 + 16 * sub + n, unused);
+        const C* krow = key_row<WAVE>(p, b, cache, bt_win, ws, inv_bs, t0 + 16 * sub + n, unused);
 #pragma unroll
         for (int u = 0; u < QKC; ++u) {
           const int ch = 4 * u + g;
-          kc[sub][u] = ch < NCH ? load_chunk<C, ALIGNED>(cache + krow + ch * G::EPC) : Chunk16{{0u, 0u, 0u, 0u}};
+          kc[sub][u] = ch < NCH ? load_chunk<C, ALIGNED>(krow + ch * G::EPC) : Chunk16{{0u, 0u, 0u, 0u}};
         }
-        load_v_subtile<C, HS, ALIGNED>(p, cache, bt_win, ws, inv_bs, t0 + 16 * sub, vin[sub], ok[sub]);
+        load_v_subtile<C, HS, ALIGNED>(p, b, cache, bt_win, ws, inv_bs, t0 + 16 * sub, vin[sub], ok[sub]);
       }
       // 2. S^T = K Q^T per 16-key sub-tile, scores, masks, tile max per row.
       float s[NSUB][4];
@@ -818,6 +831,7 @@ __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_attention_kernel(co
   if (!wave_matches_target<WAVE>()) return;
   constexpr int R = rows_per_block<T, WAVE, C>();
   constexpr int NT = kNumWarps * WAVE;
+  static_assert(2 * HS * sizeof(C) <= sizeof(kZeroRow), "kZeroRow must cover a K + V row");
   BlockTask b;
   const TaskKind kind = block_task<R>(p, b);
   if (kind == TaskKind::kCovered) return;

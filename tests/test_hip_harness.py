@@ -19,7 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batches import ALL_DTYPES, TOLERANCE, CaseSpec, batch_cases, build_case, check_against_reference
+from batches import (ALL_DTYPES, TOLERANCE, CaseSpec, assert_close_to_reference, batch_cases, build_case,
+                     check_against_reference)
 
 import kvmulti
 from kvmulti import reference
@@ -453,12 +454,13 @@ def _fp8_attention(cache, layout, md, query, k_scale, v_scale):
 def test_fp8_mfma_widens_every_value_code_exactly(fmt, dtype, hip_backend):
     """All 256 codes as the values of two decodes' only key: its softmax weight is exactly 1 and v_scale a
     power of two, so the output is v_scale * float(code) bit for bit -- subnormals, ±max, ±0, NaN and
-    e5m2's ±inf included -- as in the oracle. (The other keys of the 16-key sub-tiles the kernel reads --
-    the blocks' other slots, and block 0 for keys past the table -- hold zeros: they get weight 0, and
-    0 x inf would be NaN.)"""
+    e5m2's ±inf included -- as in the oracle. The other keys of the 16-key sub-tiles the kernel reads --
+    the blocks' other slots, and block 0 for keys past the table -- hold NaN codes (K and V): they are
+    outside the rows' ranges, so they must not reach the output."""
     cache_dtype = FP8_FORMATS[fmt]
     layout = kvmulti.KVCacheLayout(3, 16, 1, 128, dtype=cache_dtype, order="NHD")
     cache = layout.allocate("cpu")
+    cache.view(torch.uint8).fill_(0x7F)                      # NaN in both formats
     gen = torch.Generator().manual_seed(4)
     layout.keys(cache)[1:, 0, 0] = torch.randn(2, 128, generator=gen).to(cache_dtype)
     layout.values(cache).view(torch.uint8)[1:, 0, 0] = torch.arange(256, dtype=torch.uint8).view(2, 128)
@@ -501,3 +503,105 @@ def test_fp8_mfma_special_key_codes_match_the_oracle(hip_backend, fmt, order, dt
     assert want[0].isfinite().all()
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=rtol, equal_nan=True)
+
+
+# ------------------------------------------------- non-finite bytes in slots no row may read
+# The kernels load whole tiles: keys past a request's seq_len (the tail of its last block), keys of the
+# tile past the block's key range, and keys before a sliding window come in with the visible ones. None
+# of them may influence the output whatever the cache holds there (e.g. the unwritten tail of a cache
+# allocated with torch.empty): a masked score is set by select, and their V is zeroed before P V
+# (0 x inf and 0 x NaN would be NaN).
+POISON_CACHES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, **FP8_FORMATS}
+# (query dtype, cache, wave, engine): MFMA = 16-bit query on wave64 (16-bit or fp8 cache); FMA = fp32
+# queries, or wave32
+POISON_ENGINES = [
+    (torch.float16, "fp16", 64, "mfma"), (torch.bfloat16, "bf16", 64, "mfma"),
+    (torch.bfloat16, "e4m3", 64, "mfma"), (torch.float16, "e5m2", 64, "mfma"),
+    (torch.float32, "fp32", 64, "fma"), (torch.float16, "fp16", 32, "fma"), (torch.bfloat16, "bf16", 32, "fma"),
+    (torch.float32, "e4m3", 64, "fma"), (torch.float16, "e5m2", 32, "fma"),
+]
+POISON_SCENARIOS = {
+    # three decodes, the last blocks' tails unwritten, block-table entries past the range pointing at
+    # whole poisoned blocks
+    "decode": dict(query_lens=(1, 1, 1), context_lens=(40, 6, 129), sliding_window=None, partition=0),
+    # prefill + chunked prefill + decode in one launch
+    "mixed": dict(query_lens=(7, 5, 1), context_lens=(0, 21, 50), sliding_window=None, partition=0),
+    # sliding window (slots before each request's first visible key poisoned), also split into partitions
+    "window": dict(query_lens=(6, 1, 3), context_lens=(0, 70, 33), sliding_window=9, partition=16),
+}
+
+
+def _poison_codes(cache_dtype, poison):
+    """The byte pattern of one cache element holding ``poison`` ("nan" / "inf")."""
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if poison == "nan":
+            return torch.tensor([0x7F], dtype=torch.uint8)             # NaN in both formats
+        assert cache_dtype == torch.float8_e5m2
+        return torch.tensor([0x7C], dtype=torch.uint8)                 # e5m2 +inf (e4m3fn has no inf)
+    return torch.tensor([float(poison)], dtype=cache_dtype).view(torch.uint8)
+
+
+def _poisoned_case(spec, cache_dtype, poison):
+    """(layout, cache, metadata, query, k_scale, v_scale): the batch's keys written by the oracle, every
+    slot no row may read -- past each request's seq_len, before its first visible key, every slot of the
+    spare blocks, which the block-table entries outside the requests' ranges now point at -- filled with
+    ``poison`` (K and V, every head)."""
+    from test_fp8_backends import fp8_case
+    fp8_cache = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    case = fp8_case(spec, cache_dtype, per_head=True) if fp8_cache else build_case(spec)
+    k_scale, v_scale = (case.k_scale, case.v_scale) if fp8_cache else (None, None)
+    layout, md, bs = case.layout, case.metadata, spec.block_size
+    table = md.block_table.clone()
+    used = {int(b) for b in table.flatten() if 0 <= int(b) < layout.num_blocks}
+    spare = [b for b in range(layout.num_blocks) if b not in used]
+    assert spare, "the spec needs extra_blocks"
+    outside = (table < 0) | (table >= layout.num_blocks)
+    table[outside] = torch.tensor(spare, dtype=torch.int32).repeat(int(outside.sum()))[: int(outside.sum())]
+    md = kvmulti.CommonAttentionMetadata.from_lens(list(spec.query_lens), list(spec.seq_lens), table, bs)
+    cache = case.cache
+    reference.write_kv(case.key, case.value, cache, layout, md.slot_mapping, k_scale, v_scale)
+    readable = torch.zeros(layout.num_blocks, bs, dtype=torch.bool)
+    for i, (seq, q) in enumerate(zip(spec.seq_lens, spec.query_lens)):
+        for pos in range(reference.lowest_visible_position(seq, q, spec.sliding_window), seq):
+            readable[int(table[i, pos // bs]), pos % bs] = True
+    codes = _poison_codes(cache_dtype, poison)
+    raw = cache.view(torch.uint8)                            # [block, slot, head, bytes] (logical)
+    elements = raw.unflatten(-1, (-1, codes.numel()))
+    assert (~readable).sum() > 0
+    elements[~readable] = codes
+    query = case.query
+    return layout, cache, md, query, k_scale, v_scale
+
+
+@pytest.mark.parametrize("scenario", POISON_SCENARIOS)
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+@pytest.mark.parametrize("engine", POISON_ENGINES, ids=lambda e: f"{str(e[0])[6:]}-{e[1]}-w{e[2]}-{e[3]}")
+def test_unreadable_slots_with_non_finite_bytes_do_not_leak(hip_backend, engine, poison, order, scenario):
+    """Every slot no row may read holds NaN or +inf (fp8: the NaN code 0x7F, e5m2's +inf 0x7C): the output
+    must equal the oracle's, which reads only the visible keys and is finite, on both engines."""
+    dtype, cache_name, wave, kind = engine
+    cache_dtype = POISON_CACHES[cache_name]
+    if poison == "inf" and cache_dtype == torch.float8_e4m3fn:
+        pytest.skip("e4m3fn has no inf code")
+    sc = POISON_SCENARIOS[scenario]
+    head_size = 128 if scenario == "decode" else 64
+    spec = CaseSpec(order=order, block_size=16 if scenario != "window" else 5, num_kv_heads=2, group=4,
+                    head_size=head_size, dtype=dtype, query_lens=sc["query_lens"], context_lens=sc["context_lens"],
+                    extra_blocks=2, sliding_window=sc["sliding_window"], softcap=8.0 if scenario == "window" else None,
+                    seed=len(scenario))
+    layout, cache, md, query, k_scale, v_scale = _poisoned_case(spec, cache_dtype, poison)
+    want = reference.paged_attention(query, cache, layout, md, sliding_window=spec.sliding_window,
+                                     softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale)
+    assert bool(want.isfinite().all())
+    lib = _mfma_library()
+    lib.kvcpu_reset_mfma_count()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "kvmulti HIP backend on a CPU tensor", RuntimeWarning)
+        out = kvmulti.paged_attention(query, cache, layout, md, sliding_window=spec.sliding_window,
+                                      softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale,
+                                      backend=hip.HipBackend(partition_size=sc["partition"], cpu_wave=wave))
+    assert (lib.kvcpu_mfma_count() > 0) == (kind == "mfma")
+    bad = int((~out.isfinite()).sum())
+    assert bad == 0, f"{bad} of {out.numel()} outputs non-finite"
+    assert_close_to_reference(out, want, dtype, f"{spec} over {cache_name} poisoned with {poison}")
