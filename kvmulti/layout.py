@@ -140,7 +140,7 @@ class KVCacheLayout:
     def is_latent(self) -> bool:
         return self._head_size_v == 0
 
-    @cached_property
+    @property
     def default_scale(self) -> float:
         """The attention scale when a call passes none: head_size ** -0.5."""
         return float(self.head_size ** -0.5)

@@ -102,8 +102,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tens
     group share it); ``slot_mapping`` must then not change while the step is in use.
     """
     if type(step) is StepMetadata and backend is None and k_scale is None and v_scale is None \
-            and prepared_write_is_well_formed(key, value, kv_cache, layout, slot_mapping, step) \
-            and not torch.compiler.is_compiling():      # a prepared layer's write: only its own tensors checked
+            and not torch.compiler.is_compiling() \
+            and prepared_write_is_well_formed(key, value, kv_cache, layout, slot_mapping, step):
+        # a prepared layer's write: only its own tensors checked
         _check_slots_once(step, slot_mapping, layout)
         step.backend.write_kv(key, value, kv_cache, layout, slot_mapping)
         return
@@ -142,9 +143,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
     window and backend are the ones it was prepared with.
     """
     if type(metadata) is StepMetadata and k_scale is None and v_scale is None \
+            and not torch.compiler.is_compiling() \
             and prepared_attention_is_well_formed(query, kv_cache, layout, metadata, out, scale, sliding_window,
-                                                  softcap, backend) \
-            and not torch.compiler.is_compiling():      # a prepared layer's call: only its own tensors checked
+                                                  softcap, backend):
+        # a prepared layer's call: only its own tensors checked
         return _attend(query, kv_cache, metadata, layout.default_scale if scale is None else scale, softcap or None,
                        out)
     check_attention_args(query, kv_cache, layout, scale, sliding_window, softcap)

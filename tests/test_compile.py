@@ -34,3 +34,27 @@ def test_compile_fullgraph_write_and_attend(cross_layer_order):
 
 def test_ops_are_registered():
     assert hasattr(torch.ops.kvmulti, "write_kv") and hasattr(torch.ops.kvmulti, "paged_attention")
+
+
+def test_compile_fullgraph_prepared_layer_call():
+    """A prepared step's layer calls (the fast-checked eager path) trace with fullgraph too: under
+    torch.compile they go through the custom ops, never through the fast checks."""
+    layout = kvmulti.KVCacheLayout(4, 4, 2, 16, dtype=torch.float32, order="HND")
+    cache = layout.allocate()
+    cache.copy_(torch.randn(layout.shape))
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    md = kvmulti.CommonAttentionMetadata.from_lens([5, 1], [5, 7], table, block_size=4)
+    q, k, v = torch.randn(6, 4, 16), torch.randn(6, 2, 16), torch.randn(6, 2, 16)
+    prepared = kvmulti.prepare_step(md, layout, 4, backend="CPU")
+
+    def layer(q, k, v, cache, out):
+        kvmulti.write_kv(k, v, cache, layout, md.slot_mapping, step=prepared)
+        return kvmulti.paged_attention(q, cache, layout, prepared, out=out)
+
+    expected_cache = cache.clone()
+    reference.write_kv(k, v, expected_cache, layout, md.slot_mapping)
+    expected = reference.paged_attention(q, expected_cache, layout, md)
+    out = torch.zeros(6, 4, 16)
+    torch.compile(layer, fullgraph=True, backend="aot_eager")(q, k, v, cache, out)
+    torch.testing.assert_close(cache, expected_cache)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
