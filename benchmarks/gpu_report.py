@@ -12,7 +12,8 @@ faked. Adding one is one line in :data:`SECTIONS`.
   cross-compiled for sm_80, sm_90, gfx90a, gfx942: registers, spills, shared/LDS bytes, occupancy
   (CTAs per SM / work-groups per CU from registers and shared memory against the target's
   limits), matrix instructions (static count of mma.sync / wgmma / v_mfma), global load widths,
-  cp.async.wait_group immediates; then the paper model below.
+  cp.async.wait_group immediates, K/V tiles in flight at the KV loop's dots (read from TTGIR:
+  ``cross_compile.kv_tiles_in_flight_at_dot``); then the paper model below.
 * ``hip``: ``kvmulti.hip_src.compile_check.report_rows`` when hip/compile_check.py provides it,
   else rows built here from its hipcc resource-usage pass (registers, LDS, waves/SIMD, spills). Every
   kernel x gfx90a / gfx940 / gfx1030, fp8 caches (e4m3fn, e5m2) included; printed: the attention kernels
@@ -33,9 +34,10 @@ than 2 GiB, and Triton's AMD backend compiles that case separately, without buff
 
 Per program (one CTA / work-group) the KV loop runs tiles of ``TILE_N`` key positions; a tile
 moves ``B = TILE_N * (head + head_v) * 2`` bytes and does ``F = 4 * BLOCK_M * TILE_N * head``
-flops. With ``o`` tiles' loads in flight while a tile's dots run (``o`` = the largest
-``cp.async.wait_group`` immediate on NVIDIA; 1 on AMD when the loop carries a prefetched tile,
-seen as the dots peeled into an epilogue in TTGIR) a tile takes
+flops. With ``o`` tiles' loads in flight while a tile's dots run (``o`` = the K/V tiles whose
+``cp.async`` groups are still open at the loop's first dot on NVIDIA, replayed from TTGIR; 1 on
+AMD when the loop carries a prefetched tile, seen as the dots peeled into an epilogue in TTGIR) a
+tile takes
 
     T_tile = max(t_math, (L + t_math) / (1 + o)),   t_math = F / (peak_flops / units)
 
@@ -115,7 +117,7 @@ def tile_of(row: dict) -> tuple[int, int, int, int]:
 
 def _overlap(row: dict) -> int:
     if row["target"].startswith("sm_"):
-        return max(row.get("wait_groups") or [0])
+        return int(row.get("kv_tiles_in_flight_at_dot") or 0)
     return 1 if row.get("prefetched_tile") else 0
 
 
@@ -323,8 +325,9 @@ def threshold_failures(report: dict) -> list[str]:
                 fails.append(f"{target} {r['name']}: decode occupancy {r['occupancy']} < {need} per SM/CU")
     for r in rows:
         if (r["target"] == "sm_90" and r["kernel"] == "unified_attention" and r["spec"].startswith("model_decode")
-                and max(r.get("wait_groups") or [0]) < 1):
-            fails.append(f"sm_90 {r['name']}: not pipelined (cp.async.wait_group {r.get('wait_groups')})")
+                and (r.get("kv_tiles_in_flight_at_dot") or 0) < 1):
+            fails.append(f"sm_90 {r['name']}: no K/V tile in flight at the dots "
+                         f"(cp.async.wait_group {r.get('wait_groups')})")
     fails += hip_threshold_failures(report["sections"].get("hip", {}).get("rows", []))
     return fails
 
@@ -340,7 +343,7 @@ def _fmt_widths(w: dict | None) -> str:
 
 
 def format_triton(rows: list[dict], full: bool) -> list[str]:
-    cols = "target  kernel-spec                                   warps st  regs spill shared  occ  mma(kind)                       loads(width:count)        wait_group"
+    cols = "target  kernel-spec                                   warps st  regs spill shared  occ  mma(kind)                       loads(width:count)        kv@dot wait_group"
     out = [cols]
     shown = rows if full else [r for r in rows if r["kernel"] == "unified_attention"]
     for r in sorted(shown, key=lambda r: (r["target"], r["name"])):
@@ -351,7 +354,8 @@ def format_triton(rows: list[dict], full: bool) -> list[str]:
         spill = f"{r['spills']}" + (f"s{r['sgpr_spills']}" if r.get("sgpr_spills") else "")
         out.append(f"{r['target']:7} {r['name'][:45]:45} {r['num_warps']:5} {r['num_stages']:2} {r['regs']:5} "
                    f"{spill:>5} {r['shared_bytes']:6} {r['occupancy']:4}  {r['matrix_instructions']:3} {kind[:27]:27} "
-                   f"{_fmt_widths(r['load_widths'])[:25]:25} {r.get('wait_groups') or '-'}")
+                   f"{_fmt_widths(r['load_widths'])[:25]:25} {r.get('kv_tiles_in_flight_at_dot', 0):6.1f} "
+                   f"{r.get('wait_groups') or '-'}")
     return out
 
 

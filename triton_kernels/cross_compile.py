@@ -362,8 +362,74 @@ def analyse(compiled, target: Target) -> dict:
     ttgir = compiled.asm.get("ttgir", "")
     figures["ttgir_dots"] = len(re.findall(r"= (?:tt\.dot|ttng\.warp_group_dot) ", ttgir))
     figures["prefetched_tile"] = target.backend == "hip" and figures["ttgir_dots"] > 2
+    figures["kv_tiles_in_flight_at_dot"] = kv_tiles_in_flight_at_dot(ttgir)
     figures["occupancy"] = occupancy(target, figures, compiled.metadata.num_warps)
     return figures
+
+
+_ASYNC_COPY = re.compile(r"(%[\w.#]+) = ttg\.async_copy_global_to_local .*-> <([0-9x]+)x[a-z]")
+_COMMIT = re.compile(r"= ttg\.async_commit_group tokens ([^:]+?)(?:\s+loc\(|$)")
+_WAIT = re.compile(r"ttg\.async_wait .*\{num = (\d+) : i32\}")
+_DOT = re.compile(r"= (?:tt\.dot|ttng\.warp_group_dot) ")
+
+
+def kv_tiles_in_flight_at_dot(ttgir: str) -> float:
+    """K/V tiles whose ``cp.async`` loads are still in flight when the KV loop's first dot runs,
+    in the loop's steady state, read from the TTGIR (0.0 without async copies or a loop with dots).
+
+    The prologue and three trips of the loop body are replayed in program order: each
+    ``async_commit_group`` opens a group (a K/V group when it commits a 2-D tile; block-table reads
+    are 1-D), ``async_wait {num = N}`` completes all but the N newest groups. At the third trip's
+    first dot the open K/V groups are counted, in tiles (the body's K/V groups per trip = one
+    tile). ``cp.async.wait_group N > 0`` alone does not show overlap: the groups left open may be
+    block-table reads issued after the next tile's K/V loads were already waited for."""
+    lines = ttgir.splitlines()
+    loop = next((i for i, line in enumerate(lines) if " scf.for " in line
+                 and any(_DOT.search(x) for x in _loop_body(lines, i))), None)
+    if loop is None:
+        return 0.0
+    body = _loop_body(lines, loop)
+    tile_kinds: dict[str, bool] = {}
+    for line in lines:
+        m = _ASYNC_COPY.search(line)
+        if m:
+            tile_kinds[m.group(1)] = m.group(2).count("x") >= 1      # "128x64": a 2-D K/V tile
+
+    def events(block: list[str]) -> list[tuple[str, object]]:
+        out = []
+        for line in block:
+            if (m := _COMMIT.search(line)):
+                tokens = [t.strip() for t in m.group(1).split(",")]
+                out.append(("commit", any(tile_kinds.get(t, False) for t in tokens)))
+            elif (m := _WAIT.search(line)):
+                out.append(("wait", int(m.group(1))))
+            elif _DOT.search(line):
+                out.append(("dot", None))
+        return out
+
+    per_trip = sum(1 for kind, is_kv in events(body) if kind == "commit" and is_kv)
+    if per_trip == 0:
+        return 0.0
+    open_groups: list[bool] = []
+    for trip, block in enumerate((lines[:loop], body, body, body)):
+        for kind, value in events(block):
+            if kind == "commit":
+                open_groups.append(value)
+            elif kind == "wait":
+                open_groups = open_groups[len(open_groups) - value:] if value else []
+            elif kind == "dot" and trip == 3:
+                return sum(open_groups) / per_trip
+    return 0.0
+
+
+def _loop_body(lines: list[str], start: int) -> list[str]:
+    """The lines of the region opened at ``lines[start]``, up to its closing brace."""
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    for end in range(start + 1, len(lines)):
+        line = lines[end]
+        if line.strip().startswith("}") and len(line) - len(line.lstrip()) == indent:
+            return lines[start + 1:end]
+    return lines[start + 1:]
 
 
 def _nvidia_resources(cubin: bytes) -> dict:

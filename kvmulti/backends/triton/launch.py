@@ -14,9 +14,12 @@ takes the single pass. ``split_kv=True/False`` forces a path.
 
 Tiles per target family (:func:`tile_sizes`, :func:`pipeline_stages`), chosen from the static
 report ``benchmarks/gpu_report.py``: on AMD, tiles of 32 key positions keep a decode work-group's
-LDS under 32 KiB, so two or more fit a CU's 64 KiB, and prefill runs unpipelined; on NVIDIA, three stages give the KV loop two
-shared-memory buffers, so the next tile's ``cp.async`` loads are in flight during this tile's dots
-(``cp.async.wait_group 1`` in the PTX). Other targets (XPU, the interpreter) keep the base tiles.
+LDS under 32 KiB, so two or more fit a CU's 64 KiB, and prefill runs unpipelined; on NVIDIA,
+decode runs five stages: the block-table read of a tile takes a stage of its own before the K/V
+loads it addresses, and with fewer stages Triton's pipeliner waits for every ``cp.async`` group at
+the top of each iteration. With five, the next tile's K/V loads are in flight during this tile's
+dots (``cross_compile.kv_tiles_in_flight_at_dot`` reads that from the TTGIR). Other targets (XPU,
+the interpreter) keep the base tiles.
 
 Memory safety: the launchers pass the kernels the bounds of every tensor that metadata indexes
 (usable query/output rows, block-table rows and columns, cache blocks, cache slots); the kernels
@@ -86,12 +89,14 @@ def tile_sizes(decode: bool, num_qpk: int, head_pad_: int, head_pad_v: int, dtyp
     return block_m, tile_n
 
 
-def pipeline_stages(decode: bool, family: str) -> int:
-    """Triton num_stages: 3 on NVIDIA (two K/V buffers: the next tile loads during this tile's dots);
-    on AMD 2 for decode (the next tile prefetched into registers) and 1 for prefill (the prefetch's
-    live registers made gfx942 spill SGPRs; two work-groups per CU hide the latency instead)."""
+def pipeline_stages(decode: bool, family: str, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Triton num_stages. NVIDIA: 5 for decode over fp16 / bf16 caches (stage 0 reads the block
+    table, K/V loads run one tile ahead of the dots; see the module docstring), 3 otherwise (at 5
+    stages fp32 decode tiles spill, and so does fp8 decode on sm_80). AMD: 2 for decode (the next tile
+    prefetched into registers) and 1 for prefill (the prefetch's live registers made gfx942 spill
+    SGPRs; two work-groups per CU hide the latency instead)."""
     if family == "nvidia":
-        return 3
+        return 5 if decode and dtype in (torch.float16, torch.bfloat16) else 3
     if family == "amd":
         return 2 if decode else 1
     return 2
@@ -123,7 +128,7 @@ def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_
         num_parts = max(1, triton.cdiv(max_seq_len, partition_size))
     return AttentionPlan(split=bool(split_kv), block_m=block_m, block_q=block_m // num_qpk, tile_n=tile_n,
                          head_pad=hp, head_pad_v=hpv, partition_size=partition_size, num_parts=num_parts,
-                         num_stages=pipeline_stages(decode, family))
+                         num_stages=pipeline_stages(decode, family, dtype))
 
 
 def num_compute_units(device: torch.device) -> int:
