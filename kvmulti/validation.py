@@ -277,27 +277,49 @@ def check_block_table(metadata: CommonAttentionMetadata, layout: KVCacheLayout, 
                          f"seq_len {longest} with block_size {layout.block_size}")
 
 
+#: Up to this many requests the host checks run on Python ints (a few microseconds per step);
+#: numpy's fixed cost per call is lower only for larger batches.
+_SMALL_BATCH = 64
+
+
+def _host_extremes(qsl_t: torch.Tensor, seq_t: torch.Tensor) -> tuple[int, int, int, int, int, int, bool]:
+    """first and last query_start_loc, shortest / longest query_len and seq_len, and whether some
+    query_len exceeds its seq_len, from the host copies (num_reqs >= 1)."""
+    if seq_t.shape[0] <= _SMALL_BATCH:
+        qsl, seq = qsl_t.tolist(), seq_t.tolist()
+        query_lens = [b - a for a, b in zip(qsl, qsl[1:])]
+        over = any(q > s for q, s in zip(query_lens, seq))
+        return qsl[0], qsl[-1], min(query_lens), max(query_lens), min(seq), max(seq), over
+    qsl, seq = qsl_t.numpy().astype(np.int64), seq_t.numpy().astype(np.int64)
+    query_lens = np.diff(qsl)
+    return (int(qsl[0]), int(qsl[-1]), int(query_lens.min()), int(query_lens.max()), int(seq.min()),
+            int(seq.max()), bool((query_lens > seq).any()))
+
+
 def _check_host_values(metadata: CommonAttentionMetadata) -> None:
-    qsl = metadata.query_start_loc_cpu.numpy().astype(np.int64)
-    if qsl[0] != 0:
-        raise ValueError(f"metadata.query_start_loc must start at 0, got {int(qsl[0])}")
-    if qsl[-1] != metadata.num_actual_tokens:
-        raise ValueError(f"metadata.query_start_loc ends at {int(qsl[-1])} but num_actual_tokens is "
+    if metadata.num_reqs == 0:
+        first = last = int(metadata.query_start_loc_cpu[0])
+    else:
+        first, last, shortest_query, longest_query, shortest, longest, over = _host_extremes(
+            metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
+    if first != 0:
+        raise ValueError(f"metadata.query_start_loc must start at 0, got {first}")
+    if last != metadata.num_actual_tokens:
+        raise ValueError(f"metadata.query_start_loc ends at {last} but num_actual_tokens is "
                          f"{metadata.num_actual_tokens}")
     if metadata.num_reqs == 0:
         return
-    query_lens = np.diff(qsl)
-    seq = metadata.seq_lens_cpu.numpy().astype(np.int64)
-    shortest_query, longest_query = int(query_lens.min()), int(query_lens.max())
-    shortest, longest = int(seq.min()), int(seq.max())
-    if shortest_query < 0:
-        i = int(np.flatnonzero(query_lens < 0)[0])
-        raise ValueError(f"metadata.query_start_loc must not decrease: entry {i + 1} ({int(qsl[i + 1])}) < "
-                         f"entry {i} ({int(qsl[i])})")
-    if shortest < 0:
-        i = int(np.flatnonzero(seq < 0)[0])
-        raise ValueError(f"metadata: request {i} has a negative seq_len {int(seq[i])}")
-    if int((query_lens - seq).max()) > 0:
+    if shortest_query < 0 or shortest < 0 or over:      # name the first offending request
+        qsl = metadata.query_start_loc_cpu.numpy().astype(np.int64)
+        seq = metadata.seq_lens_cpu.numpy().astype(np.int64)
+        query_lens = np.diff(qsl)
+        if shortest_query < 0:
+            i = int(np.flatnonzero(query_lens < 0)[0])
+            raise ValueError(f"metadata.query_start_loc must not decrease: entry {i + 1} ({int(qsl[i + 1])}) < "
+                             f"entry {i} ({int(qsl[i])})")
+        if shortest < 0:
+            i = int(np.flatnonzero(seq < 0)[0])
+            raise ValueError(f"metadata: request {i} has a negative seq_len {int(seq[i])}")
         i = int(np.flatnonzero(query_lens > seq)[0])
         raise ValueError(f"metadata: request {i} has query_len {int(query_lens[i])} > seq_len {int(seq[i])}")
     if longest_query > metadata.max_query_len:

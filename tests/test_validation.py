@@ -223,3 +223,30 @@ def test_metadata_checked_again_after_in_place_change_in_inference_mode():
         md.block_table[1, 0] = -3
         with pytest.raises(ValueError, match=r"block_table\[1, 0\] = -3"):
             kvmulti.paged_attention(q, cache, LAYOUT, md)
+
+
+HOST_VALUE_ERRORS = {
+    "query_start_loc not at 0": (lambda q, s: (q + 1, s), "must start at 0, got 1"),
+    "query_start_loc decreases": (lambda q, s: (torch.cat([q[:3], q[2:3] - 1, q[4:]]), s),
+                                  r"must not decrease: entry 3 \(\d+\) < entry 2"),
+    "negative seq_len": (lambda q, s: (q, torch.cat([s[:4], -s[4:5], s[5:]])), "request 4 has a negative seq_len"),
+    "query_len > seq_len": (lambda q, s: (q, torch.cat([s[:5], s[5:6] * 0, s[6:]])),
+                            r"request 5 has query_len 2 > seq_len 0"),
+    "ends before num_actual_tokens": (lambda q, s: (torch.cat([q[:-1], q[-1:] - 1]), s), "ends at"),
+}
+
+
+@pytest.mark.parametrize("num_reqs", [8, 200], ids=["small-batch", "large-batch"])
+@pytest.mark.parametrize("name", HOST_VALUE_ERRORS)
+def test_host_values_name_the_first_bad_request_at_any_batch_size(name, num_reqs):
+    """The host-copy checks (Python ints for small batches, numpy for large ones) refuse the same
+    metadata with the same message, naming the first offending entry."""
+    import dataclasses
+    corrupt, message = HOST_VALUE_ERRORS[name]
+    table = torch.zeros(num_reqs, 2, dtype=torch.int32)
+    md = kvmulti.CommonAttentionMetadata.from_lens([2] * num_reqs, [6] * num_reqs, table, block_size=4)
+    qsl, seq = corrupt(md.query_start_loc_cpu.clone(), md.seq_lens_cpu.clone())
+    bad = dataclasses.replace(md, query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, seq_lens_cpu=seq)
+    with pytest.raises(ValueError, match=message):
+        kvmulti.prepare_step(bad, LAYOUT, 4, check_values=False)
+    kvmulti.prepare_step(md, LAYOUT, 4, check_values=False)
