@@ -88,6 +88,11 @@ class KvmultiStepMetadata:
 
     common: CommonAttentionMetadata
     prepared: dict = field(default_factory=dict)
+    #: The step's slots [num_actual_tokens] (vLLM's slot_mapping may carry padding rows past them).
+    slot_mapping: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.slot_mapping = _rows(self.common.slot_mapping, self.common.num_actual_tokens)
 
     @property
     def num_actual_tokens(self) -> int:
@@ -103,6 +108,11 @@ class KvmultiStepMetadata:
                                     backend=backend, check_values=False)     # vLLM's scheduler made the ids
             self.prepared[key] = step
         return step
+
+
+def _rows(tensor: torch.Tensor, n: int) -> torch.Tensor:
+    """``tensor[:n]``, without a new view when it has exactly ``n`` rows (the usual case on CPU)."""
+    return tensor if tensor.shape[0] == n else tensor[:n]
 
 
 def to_kvmulti_metadata(common: VllmCommonAttentionMetadata) -> CommonAttentionMetadata:
@@ -217,9 +227,10 @@ class KvmultiAttentionImpl(AttentionImpl):
         n = attn_metadata.num_actual_tokens
         scales = self._scales(layer)
         if key is not None and value is not None and self.kv_sharing_target_layer_name is None:
-            ops.write_kv(key[:n], value[:n], view, layout, attn_metadata.common.slot_mapping[:n], step=step, **scales)
-        query = query.view(-1, self.num_heads, self.head_size)[:n]
-        out = output.view(-1, self.num_heads, layout.value_size)[:n]
+            ops.write_kv(_rows(key, n), _rows(value, n), view, layout, attn_metadata.slot_mapping, step=step,
+                         **scales)
+        query = _rows(query, n).view(n, self.num_heads, self.head_size)
+        out = _rows(output, n).view(n, self.num_heads, layout.value_size)
         ops.paged_attention(query, view, layout, step, self.scale, self.sliding_window, self.logits_soft_cap,
                             out=out, **scales)
         return output
