@@ -103,6 +103,8 @@ def _ttgir(prologue: list[str], body: list[str]) -> str:
     (["B", "B", "K", "V", "B", "B", "K", "V", "B", "B"], ["wait5", "dot", "dot", "B", "K", "V", "B", "B"], 1.0),
     # only the next tile's V is open at the first dot
     (["K", "V", "K", "V"], ["wait1", "dot", "dot", "K", "V"], 0.5),
+    # a wait allowing more groups than are open completes none (here at the first two trips)
+    (["K", "V", "B"], ["wait5", "dot", "dot", "K", "V"], 2.0),
     # no async copies at all (AMD, or an unpipelined loop)
     ([], ["dot", "dot"], 0.0),
 ])

@@ -416,7 +416,7 @@ def kv_tiles_in_flight_at_dot(ttgir: str) -> float:
             if kind == "commit":
                 open_groups.append(value)
             elif kind == "wait":
-                open_groups = open_groups[len(open_groups) - value:] if value else []
+                open_groups = open_groups[-value:] if value else []
             elif kind == "dot" and trip == 3:
                 return sum(open_groups) / per_trip
     return 0.0
