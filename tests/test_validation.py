@@ -241,12 +241,11 @@ HOST_VALUE_ERRORS = {
 def test_host_values_name_the_first_bad_request_at_any_batch_size(name, num_reqs):
     """The host-copy checks (Python ints for small batches, numpy for large ones) refuse the same
     metadata with the same message, naming the first offending entry."""
-    import dataclasses
     corrupt, message = HOST_VALUE_ERRORS[name]
     table = torch.zeros(num_reqs, 2, dtype=torch.int32)
     md = kvmulti.CommonAttentionMetadata.from_lens([2] * num_reqs, [6] * num_reqs, table, block_size=4)
     qsl, seq = corrupt(md.query_start_loc_cpu.clone(), md.seq_lens_cpu.clone())
-    bad = dataclasses.replace(md, query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, seq_lens_cpu=seq)
+    bad = replace_md(md, query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, seq_lens_cpu=seq)
     with pytest.raises(ValueError, match=message):
         kvmulti.prepare_step(bad, LAYOUT, 4, check_values=False)
     kvmulti.prepare_step(md, LAYOUT, 4, check_values=False)

@@ -360,7 +360,7 @@ def analyse(compiled, target: Target) -> dict:
     # A software-pipelined loop has its dots peeled into an epilogue: more dots in TTGIR than in
     # the source (two per tile in the attention kernel). On AMD that is the prefetched next tile.
     ttgir = compiled.asm.get("ttgir", "")
-    figures["ttgir_dots"] = len(re.findall(r"= (?:tt\.dot|ttng\.warp_group_dot) ", ttgir))
+    figures["ttgir_dots"] = len(_DOT.findall(ttgir))
     figures["prefetched_tile"] = target.backend == "hip" and figures["ttgir_dots"] > 2
     figures["kv_tiles_in_flight_at_dot"] = kv_tiles_in_flight_at_dot(ttgir)
     figures["occupancy"] = occupancy(target, figures, compiled.metadata.num_warps)
@@ -407,12 +407,13 @@ def kv_tiles_in_flight_at_dot(ttgir: str) -> float:
                 out.append(("dot", None))
         return out
 
-    per_trip = sum(1 for kind, is_kv in events(body) if kind == "commit" and is_kv)
+    prologue, trip_events = events(lines[:loop]), events(body)
+    per_trip = sum(1 for kind, is_kv in trip_events if kind == "commit" and is_kv)
     if per_trip == 0:
         return 0.0
     open_groups: list[bool] = []
-    for trip, block in enumerate((lines[:loop], body, body, body)):
-        for kind, value in events(block):
+    for trip, replay in enumerate((prologue, trip_events, trip_events, trip_events)):
+        for kind, value in replay:
             if kind == "commit":
                 open_groups.append(value)
             elif kind == "wait":

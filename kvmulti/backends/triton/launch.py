@@ -89,7 +89,7 @@ def tile_sizes(decode: bool, num_qpk: int, head_pad_: int, head_pad_v: int, dtyp
     return block_m, tile_n
 
 
-def pipeline_stages(decode: bool, family: str, dtype: torch.dtype = torch.bfloat16) -> int:
+def pipeline_stages(decode: bool, family: str, dtype: torch.dtype) -> int:
     """Triton num_stages. NVIDIA: 5 for decode over fp16 / bf16 caches (stage 0 reads the block
     table, K/V loads run one tile ahead of the dots; see the module docstring), 3 otherwise (at 5
     stages fp32 decode tiles spill, and so does fp8 decode on sm_80). AMD: 2 for decode (the next tile
