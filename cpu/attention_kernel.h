@@ -516,6 +516,84 @@ static inline vf dot2_bf16(vf acc, vu a, vu b) {
 }
 #endif
 
+// ---- fp8 through byte tables (KV_FP8_LUT) ---------------------------------------------------------
+// On the direct path, 64 fp8 codes at a time become 64 bf16 (exact: fp8 has at most 4 significant bits)
+// with two 128-entry byte lookups (vpermt2b: the low and the high byte of the bf16 of the code's 7
+// magnitude bits), the sign OR-ed into the high byte, and two byte interleaves. The words come out
+// in "lut order" (lut_bf16_src); their fp32 halves as the bf16 pair trick gives them (load_pair)
+// in lut_f32_src order. Q and O rows are kept permuted to match, as for bf16. About half the
+// instructions of widening through fp16 (vcvtph2ps), and the QK of a bf16 query uses the bf16 dot.
+#if KV_W == 16 && ((defined(KV_BF16DOT) && defined(KV_FP8_VBMI)) || defined(KV_BF16DOT_EMULATE))
+#define KV_FP8_LUT 1
+#else
+#define KV_FP8_LUT 0
+#endif
+constexpr int kLutGroup = 64;
+// bf16 bits of fp8 magnitude code c (0..127) x fp8_unit<DT>()^-1; NaN (and e5m2's inf) as bf16.
+constexpr uint16_t fp8_mag_bf16(int dt, int c) {
+  const bool e4 = dt == kE4M3;
+  const int mb = e4 ? 3 : 2, bias = e4 ? 7 : 15, e = c >> mb, m = c & ((1 << mb) - 1);
+  if (e4 ? c == 0x7f : e == 31) return (!e4 && m == 0) ? 0x7f80 : 0x7fc0;
+  if (c == 0) return 0;
+  const int M = e ? (1 << mb) + m : m;                           // value = M x 2^E
+  const int E = (e ? e : 1) - bias - mb - (e4 ? 8 : 0);
+  int t = 0;
+  while ((2 << t) <= M) ++t;                                       // M in [2^t, 2^(t+1))
+  return uint16_t(((E + t + 127) << 7) | ((M - (1 << t)) << (7 - t)));
+}
+struct alignas(64) Fp8Lut { uint8_t lo[128], hi[128]; };
+template <int DT> constexpr Fp8Lut make_fp8_lut() {
+  Fp8Lut t{};
+  for (int c = 0; c < 128; ++c) {
+    t.lo[c] = uint8_t(fp8_mag_bf16(DT, c) & 0xff);
+    t.hi[c] = uint8_t(fp8_mag_bf16(DT, c) >> 8);
+  }
+  return t;
+}
+template <int DT> inline constexpr Fp8Lut kFp8Lut = make_fp8_lut<DT>();
+// Element (within a group of 64) at bf16 position p of the pair (a, b), and at fp32 position p of
+// (a << 16, a & hi16, b << 16, b & hi16). a holds elements 0-7, 16-23, 32-39, 48-55; b the others.
+constexpr int lut_bf16_src(int p) { return 16 * ((p % 32) / 8) + (p >= 32 ? 8 : 0) + p % 8; }
+constexpr int lut_f32_src(int p) { return lut_bf16_src((p / 32) * 32 + 2 * (p % 16) + (p / 16) % 2); }
+
+#if KV_FP8_LUT
+template <int DT> static KV_INLINE void fp8_lut64(const uint8_t* p, vu& a, vu& b) {
+#if defined(KV_BF16DOT) && !defined(KV_PORTABLE_VECTORS)
+  const __m512i lo0 = _mm512_load_si512(kFp8Lut<DT>.lo), lo1 = _mm512_load_si512(kFp8Lut<DT>.lo + 64);
+  const __m512i hi0 = _mm512_load_si512(kFp8Lut<DT>.hi), hi1 = _mm512_load_si512(kFp8Lut<DT>.hi + 64);
+  const __m512i c = _mm512_loadu_si512(p);
+  const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);      // index: the low 7 bits
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, c, hi1), c,
+                                               _mm512_set1_epi8(char(0x80)), 0xf8);   // hi | (c & 0x80)
+  a = (vu)_mm512_unpacklo_epi8(lo, hi);
+  b = (vu)_mm512_unpackhi_epi8(lo, hi);
+#else
+  uint16_t w[2 * 32];
+  for (int q = 0; q < kLutGroup; ++q) {
+    const int c = p[lut_bf16_src(q)], m = c & 0x7f;
+    w[q] = uint16_t(((kFp8Lut<DT>.hi[m] | (c & 0x80)) << 8) | kFp8Lut<DT>.lo[m]);
+  }
+  __builtin_memcpy(&a, w, sizeof a);
+  __builtin_memcpy(&b, w + 32, sizeof b);
+#endif
+}
+#endif
+// row[0:n] (n a multiple of kLutGroup) into lut order (src: lut_f32_src or lut_bf16_src) and back.
+template <typename E> static inline void permute_lut(E* row, int n, int (*src)(int)) {
+  E tmp[kLutGroup];
+  for (int g = 0; g + kLutGroup <= n; g += kLutGroup) {
+    for (int p = 0; p < kLutGroup; ++p) tmp[p] = row[g + src(p)];
+    std::memcpy(row + g, tmp, sizeof tmp);
+  }
+}
+static inline void unpermute_lut(float* row, int n) {
+  float tmp[kLutGroup];
+  for (int g = 0; g + kLutGroup <= n; g += kLutGroup) {
+    for (int p = 0; p < kLutGroup; ++p) tmp[lut_f32_src(p)] = row[g + p];
+    std::memcpy(row + g, tmp, sizeof tmp);
+  }
+}
+
 template <int H, int... I> static inline vf xor_shuffle(vf x, std::integer_sequence<int, I...>) {
   return __builtin_shuffle(x, vi{(I ^ H)...});
 }
@@ -570,7 +648,7 @@ static inline void prefetch_rows_any(const void* const* rows, int j0, int n, int
   }
 }
 
-template <int RR, int NC, int DT>
+template <int RR, int NC, int DT, bool LUT = false>
 static inline void pv_direct(float* O, int Dv, int d0, const DirectCtx& c, const float* alpha) {
   using T = typename Elem<DT>::T;
   const int voff = c.voff + d0;
@@ -583,8 +661,23 @@ static inline void pv_direct(float* O, int Dv, int d0, const DirectCtx& c, const
   for (int j = 0; j < c.n; ++j) {
     const T* v = static_cast<const T*>(c.kr[j]) + voff;
     vf vv[2 * NC];
+    if constexpr (LUT) {
+#if KV_FP8_LUT
+      static_assert(NC % 2 == 0, "a lut group is two pairs");
 #pragma GCC unroll 4
-    for (int q = 0; q < NC; ++q) load_pair<DT>(v + q * kPair, vv[2 * q], vv[2 * q + 1]);
+      for (int q = 0; q < NC / 2; ++q) {
+        vu a, b;
+        fp8_lut64<DT>(v + q * kLutGroup, a, b);
+        vv[4 * q] = (vf)(a << 16);
+        vv[4 * q + 1] = (vf)(a & 0xffff0000u);
+        vv[4 * q + 2] = (vf)(b << 16);
+        vv[4 * q + 3] = (vf)(b & 0xffff0000u);
+      }
+#endif
+    } else {
+#pragma GCC unroll 4
+      for (int q = 0; q < NC; ++q) load_pair<DT>(v + q * kPair, vv[2 * q], vv[2 * q + 1]);
+    }
     const float* p = c.St + j * RR;
 #pragma GCC unroll 4
     for (int r = 0; r < RR; ++r) {
@@ -632,7 +725,7 @@ static KV_INLINE vf vexp_nonpos(vf x) {
 // Per key group: scores (the first K step multiplies, so no accumulator is zeroed), then scale / mask
 // and the running max while the scores are still in a register; per chunk: one exp pass and one
 // rescale of O (alpha), then P.V.
-template <int RR, int DT, int ND, int NV>
+template <int RR, int DT, int ND, int NV, bool LUT = false>
 static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, int Dv, float* O, float* m, float* l,
                                     const int* pos, const DirectCtx& c) {
   using T = typename Elem<DT>::T;
@@ -685,7 +778,38 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
       s = treduce(acc);
     } else
 #endif
-    {
+    if constexpr (LUT) {
+#if KV_FP8_LUT
+#pragma GCC unroll 16
+      for (int j = 0; j < KV_W; ++j) acc[j] = vsplat(0.0f);
+#pragma GCC unroll 4
+      for (int d = 0; d < D; d += kLutGroup) {
+#pragma GCC unroll 16
+        for (int j = 0; j < KG; ++j) {
+          vu a, b;
+          fp8_lut64<DT>(kp[j] + d, a, b);
+          if (Qb) {   // bf16 query in lut order: bf16 dots
+#pragma GCC unroll 4
+            for (int r = 0; r < RR; ++r) {
+              vu qa, qb;
+              __builtin_memcpy(&qa, Qb + r * D + d, sizeof qa);
+              __builtin_memcpy(&qb, Qb + r * D + d + kPair, sizeof qb);
+              acc[j * RR + r] = dot2_bf16(dot2_bf16(acc[j * RR + r], qa, a), qb, b);
+            }
+          } else {    // fp32 query in lut order
+            const vf k0 = (vf)(a << 16), k1 = (vf)(a & 0xffff0000u), k2 = (vf)(b << 16), k3 = (vf)(b & 0xffff0000u);
+#pragma GCC unroll 4
+            for (int r = 0; r < RR; ++r) {
+              const float* q = Q + r * D + d;
+              acc[j * RR + r] += vload(q) * k0 + vload(q + KV_W) * k1 + vload(q + 2 * KV_W) * k2 +
+                                 vload(q + 3 * KV_W) * k3;
+            }
+          }
+        }
+      }
+      s = treduce(acc);
+#endif
+    } else {
 #pragma GCC unroll 16
       for (int j = 0; j < KG; ++j) {   // first step: multiply
         vf klo, khi;
@@ -738,21 +862,30 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
   }
   // P.V: NC pairs of V vectors per pass (as many accumulators as the registers hold).
   constexpr int NC = (KV_W == 16 ? 2 : 1) * (RR == 4 ? 1 : 2);
+  constexpr int NC_TAIL = LUT ? 2 : 1;   // a lut group is two pairs
   int d0 = 0;
 #pragma GCC unroll 8
-  for (; d0 + NC * kPair <= Dv; d0 += NC * kPair) pv_direct<RR, NC, DT>(O, Dv, d0, c, alpha);
-  if constexpr (NC > 1)
-    for (; d0 < Dv; d0 += kPair) pv_direct<RR, 1, DT>(O, Dv, d0, c, alpha);
+  for (; d0 + NC * kPair <= Dv; d0 += NC * kPair) pv_direct<RR, NC, DT, LUT>(O, Dv, d0, c, alpha);
+  if constexpr (NC > NC_TAIL)
+    for (; d0 < Dv; d0 += NC_TAIL * kPair) pv_direct<RR, NC_TAIL, DT, LUT>(O, Dv, d0, c, alpha);
 }
 
-template <int DT, int ND>
+template <int DT, int ND, bool LUT>
 static void direct_rows(int RR, const float* Q, const uint16_t* Qb, int D, int Dv, float* O, float* m, float* l,
                         const int* pos, const DirectCtx& c) {
   switch (RR) {
-    case 4: row_block_direct<4, DT, ND, ND>(Q, Qb, D, Dv, O, m, l, pos, c); break;
-    case 2: row_block_direct<2, DT, ND, ND>(Q, Qb, D, Dv, O, m, l, pos, c); break;
-    default: row_block_direct<1, DT, ND, ND>(Q, Qb, D, Dv, O, m, l, pos, c); break;
+    case 4: row_block_direct<4, DT, ND, ND, LUT>(Q, Qb, D, Dv, O, m, l, pos, c); break;
+    case 2: row_block_direct<2, DT, ND, ND, LUT>(Q, Qb, D, Dv, O, m, l, pos, c); break;
+    default: row_block_direct<1, DT, ND, ND, LUT>(Q, Qb, D, Dv, O, m, l, pos, c); break;
   }
+}
+// direct_rows with the head sizes as constants where they are the common ones.
+template <int DT, bool LUT>
+static void direct_rows_any(int RR, const float* Q, const uint16_t* Qb, int D, int Dv, float* O, float* m, float* l,
+                            const int* pos, const DirectCtx& c) {
+  if (D == Dv && D == 64) direct_rows<DT, 64 / kPair, LUT>(RR, Q, Qb, D, Dv, O, m, l, pos, c);
+  else if (D == Dv && D == 128) direct_rows<DT, 128 / kPair, LUT>(RR, Q, Qb, D, Dv, O, m, l, pos, c);
+  else direct_rows<DT, 0, LUT>(RR, Q, Qb, D, Dv, O, m, l, pos, c);
 }
 
 // ---- the work item ------------------------------------------------------------------------------
@@ -783,6 +916,8 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   const bool direct = (CT == kBF16 || fp8 || KV_DIRECT_ALL_DTYPES) && D > 0 && Dv > 0 && D % kPair == 0 &&
                       Dv % kPair == 0 && Mh <= kDirectMaxRows;
   const bool permuted = direct && CT == kBF16;
+  // fp8 through the byte tables (fp8_lut64): head sizes in whole lut groups; Q / O rows in lut order.
+  const bool lut = KV_FP8_LUT && fp8 && direct && D % kLutGroup == 0 && Dv % kLutGroup == 0;
 
   float* Qs = ws;
   float* Os = Qs + int64_t(Mp) * dp;
@@ -798,6 +933,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
 #elif defined(KV_BF16DOT_EMULATE)
   if (QT == kBF16 && CT == kBF16 && direct) Qb = reinterpret_cast<uint16_t*>(S + 2 * kRowBlock * kChunk);
 #endif
+  if (QT == kBF16 && lut) Qb = reinterpret_cast<uint16_t*>(S + 2 * kRowBlock * kChunk);   // fp8: bf16 dots
 
   const bool direct_k = (CT == kF32 && D == dp) || Qb != nullptr || direct, direct_v = Dv == dvp && !fp8;
   std::memset(zero, 0, sizeof(float) * (dp > dvp ? dp : dvp));
@@ -827,6 +963,10 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     const float qs = q_scale(hh);
     for (int d = 0; d < dp; d += KV_W) vstore(q + d, vload(q + d) * qs);
     if (permuted) permute_pairs(q, D);
+    if (lut) {
+      permute_lut(q, D, lut_f32_src);
+      if (Qb) permute_lut(Qb + int64_t(r) * dp, D, lut_bf16_src);
+    }
   }
   std::memset(Os, 0, sizeof(float) * int64_t(Mp) * dvp);
 
@@ -934,7 +1074,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
       ChunkCtx c{kp, kb, vp, c0, n, ng, dp / KV_W, dvp / KV_W, dvp, false, P.causal, P.window, P.softcap,
                  Qb ? P.scale : 1.0f, direct_v ? CT : int(kF32), S};
       DirectCtx dc{reinterpret_cast<const void* const*>(hrow), D, c0, n, false, P.causal, P.window, P.softcap,
-                   (KV_DIRECT_DOT && Qb) ? P.scale : 1.0f, S, reinterpret_cast<const void* const*>(pf_rows),
+                   (KV_DIRECT_DOT && Qb) ? q_scale(hh) : 1.0f, S, reinterpret_cast<const void* const*>(pf_rows),
                    KV_PREFETCH && pf_now ? nn : 0, hpf_lines};
       for (int m0 = 0; m0 < Mh; m0 += kRowBlock) {
         const int R = std::min(kRowBlock, Mh - m0);
@@ -951,9 +1091,12 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
           dc.need_mask = c.need_mask;
           const uint16_t* Qbm = Qb ? Qb + row0 * dp : nullptr;
           const int RR = R > 2 ? 4 : R;
-          if (D == Dv && D == 64) direct_rows<CT, 64 / kPair>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
-          else if (D == Dv && D == 128) direct_rows<CT, 128 / kPair>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
-          else direct_rows<CT, 0>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
+          if constexpr (fp8 && KV_FP8_LUT) {
+            if (lut) direct_rows_any<CT, true>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
+            else direct_rows_any<CT, false>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
+          } else {
+            direct_rows_any<CT, false>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
+          }
           dc.pf_n = 0;   // prefetched by the first row block
           continue;
         }
@@ -976,6 +1119,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     const int hh = r / Mh, rr = r % Mh;
     float* o = Os + (int64_t(hh) * Mhp + rr) * dvp;
     if (permuted) unpermute_pairs(o, Dv);
+    if (lut) unpermute_lut(o, Dv);
     const float m = mrow[hh * Mhp + rr], l = lrow[hh * Mhp + rr];
     if (fp8) {
       const float vs = v_scale(hh);
@@ -995,13 +1139,34 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
 }
 
 // The loads above, exposed for tests (fp8_to_f32 in paged_attention.cpp): the unit multiplied back.
-static void widen_fp8(int dtype, const uint8_t* src, int n, float* dst) {
+// With lut, whole groups of 64 go through fp8_lut64 (as the direct path reads them) and the rest as
+// without; returns false (nothing written) where this variant has no byte tables.
+template <int DT> static void widen_fp8_lut(const uint8_t* src, int n, float* dst) {
+  int i = 0;
+#if KV_FP8_LUT
+  for (; i + kLutGroup <= n; i += kLutGroup) {
+    vu a, b;
+    fp8_lut64<DT>(src + i, a, b);
+    vstore(dst + i, (vf)(a << 16));
+    vstore(dst + i + KV_W, (vf)(a & 0xffff0000u));
+    vstore(dst + i + 2 * KV_W, (vf)(b << 16));
+    vstore(dst + i + 3 * KV_W, (vf)(b & 0xffff0000u));
+    unpermute_lut(dst + i, kLutGroup);
+  }
+#endif
+  convert_row<DT>(src + i, n - i, dst + i);
+}
+static bool widen_fp8(int dtype, const uint8_t* src, int n, float* dst, bool lut) {
+  if (lut && !KV_FP8_LUT) return false;
   if (dtype == kE4M3) {
-    convert_row<kE4M3>(src, n, dst);
+    if (lut) widen_fp8_lut<kE4M3>(src, n, dst);
+    else convert_row<kE4M3>(src, n, dst);
     for (int i = 0; i < n; ++i) dst[i] *= fp8_unit<kE4M3>();
   } else {
-    convert_row<kE5M2>(src, n, dst);
+    if (lut) widen_fp8_lut<kE5M2>(src, n, dst);
+    else convert_row<kE5M2>(src, n, dst);
   }
+  return true;
 }
 
 template <int CT> static void run_item_fp8(const AttnParams& P, const WorkItem& it, float* ws) {

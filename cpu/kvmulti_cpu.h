@@ -67,8 +67,9 @@ inline int64_t workspace_floats(int max_rows_per_head, int max_heads, int head_s
 }
 
 using RunItemFn = void (*)(const AttnParams&, const WorkItem&, float* workspace);
-// dst[0:n] = the fp8 codes src[0:n] (dtype kE4M3 / kE5M2) as fp32, through the kernel's in-register loads.
-using WidenFp8Fn = void (*)(int dtype, const uint8_t* src, int n, float* dst);
+// dst[0:n] = the fp8 codes src[0:n] (dtype kE4M3 / kE5M2) as fp32, through the kernel's in-register loads;
+// lut: through the direct path's byte tables (fp8_lut64) instead; false when the variant has none.
+using WidenFp8Fn = bool (*)(int dtype, const uint8_t* src, int n, float* dst, bool lut);
 
 // Provided by the kernel translation units (nullptr where an ISA was not compiled).
 RunItemFn run_item_avx512bf16();

@@ -35,7 +35,8 @@ enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 bool cpu_has(Isa isa) {
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
   __builtin_cpu_init();
-  if (isa == kAvx512Bf16 && !__builtin_cpu_supports("avx512bf16")) return false;
+  if (isa == kAvx512Bf16 && !(__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi")))
+    return false;
   if (isa == kAvx512 || isa == kAvx512Bf16)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -472,14 +473,15 @@ void write_kv_fp8(const torch::Tensor& key, const torch::Tensor& value, torch::T
 }
 
 // fp8 codes -> fp32 through one ISA variant's vector loads (tests compare them with torch's conversion).
-torch::Tensor fp8_to_f32(const torch::Tensor& codes, const std::string& isa_name_wanted) {
+torch::Tensor fp8_to_f32(const torch::Tensor& codes, const std::string& isa_name_wanted, bool lut) {
   Isa isa = kGeneric;
   for (int i = 0; i < 4; ++i)
     if (isa_name_wanted == isa_name(i)) isa = Isa(i);
   TORCH_CHECK(isa_name_wanted == isa_name(isa) && usable(isa), "ISA ", isa_name_wanted, " is not available here");
   torch::Tensor out = torch::empty({codes.numel()}, codes.options().dtype(torch::kFloat32));
-  widen_fp8_of(isa)(cache_dtype_code(codes), static_cast<const uint8_t*>(codes.data_ptr()), int(codes.numel()),
-                    out.data_ptr<float>());
+  TORCH_CHECK(widen_fp8_of(isa)(cache_dtype_code(codes), static_cast<const uint8_t*>(codes.data_ptr()),
+                                int(codes.numel()), out.data_ptr<float>(), lut),
+              "ISA ", isa_name_wanted, " has no fp8 byte tables");
   return out;
 }
 
@@ -487,6 +489,15 @@ std::vector<std::string> available_isas() {
   std::vector<std::string> out;
   for (Isa isa : {kAvx512Bf16, kAvx512, kAvx2, kGeneric})
     if (usable(isa)) out.push_back(isa_name(isa));
+  return out;
+}
+
+std::vector<std::string> fp8_lut_isas() {
+  std::vector<std::string> out;
+  const uint8_t code = 0;
+  float value;
+  for (Isa isa : {kAvx512Bf16, kAvx512, kAvx2, kGeneric})
+    if (usable(isa) && widen_fp8_of(isa)(kE5M2, &code, 1, &value, true)) out.push_back(isa_name(isa));
   return out;
 }
 
@@ -507,10 +518,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     for (int64_t i = 0; i < x.numel(); ++i) dst[i] = kvmulti_cpu::quantize_fp8(src[i], float(scale), dt);
     return q;
   }, "the scalar quantiser write_kv_fp8 uses (tests)");
-  m.def("fp8_to_f32", [](const torch::Tensor& codes, const std::string& isa) {
+  m.def("fp8_to_f32", [](const torch::Tensor& codes, const std::string& isa, bool lut) {
     TORCH_CHECK(kvmulti_cpu::is_fp8(kvmulti_cpu::cache_dtype_code(codes)) && codes.is_contiguous(), "fp8 codes");
-    return kvmulti_cpu::fp8_to_f32(codes, isa);
-  }, "fp8 codes widened by an ISA variant's in-register loads (tests)");
+    return kvmulti_cpu::fp8_to_f32(codes, isa, lut);
+  }, "fp8 codes widened by an ISA variant's in-register loads, or (lut) its byte tables (tests)",
+  py::arg("codes"), py::arg("isa"), py::arg("lut") = false);
+  m.def("fp8_lut_isas", &kvmulti_cpu::fp8_lut_isas,
+        "usable variants whose direct path widens fp8 through byte tables, best first (tests)");
   m.def("available_isas", &kvmulti_cpu::available_isas, "usable kernels here, best first");
   m.def("best_isa", []() { return std::string(kvmulti_cpu::isa_name(kvmulti_cpu::best_isa())); });
   m.def("num_threads", []() { return torch_threads(); });

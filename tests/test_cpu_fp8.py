@@ -31,6 +31,12 @@ def test_every_isa_widens_all_256_codes_exactly(module, fmt):
     codes = torch.arange(256, dtype=torch.uint8).repeat(3)[: 256 + 37].view(FORMATS[fmt])   # a ragged tail too
     for isa in module.available_isas():
         assert same_floats(module.fp8_to_f32(codes, isa), codes.float()), f"{isa} {fmt}"
+    # the direct path's byte tables (variants with avx512vbmi), codes in every position of a 64-group
+    shuffled = torch.arange(256, dtype=torch.uint8)[torch.randperm(256, generator=torch.Generator().manual_seed(1))]
+    codes = torch.cat([codes.view(torch.uint8), shuffled, shuffled.roll(7)]).view(FORMATS[fmt])
+    assert ("avx512bf16" in module.available_isas()) <= ("avx512bf16" in module.fp8_lut_isas())
+    for isa in module.fp8_lut_isas():
+        assert same_floats(module.fp8_to_f32(codes, isa, lut=True), codes.float()), f"{isa} {fmt} byte tables"
 
 
 def boundary_values(dtype: torch.dtype) -> torch.Tensor:
