@@ -28,6 +28,12 @@
 #ifndef KV_PREFETCH_DIST
 #define KV_PREFETCH_DIST 2
 #endif
+// Chunks of the item a thread runs next that are prefetched during this item's last ones
+// (WorkItem::next; 0: none). Cold decode 32 x 1024 (benchmarks/cpu_compute.py --cold): 4-9% faster than
+// 0 with 1 or 2; a small hot call (8 x 128 keys) ~1 us slower with 1 or 2.
+#ifndef KV_PREFETCH_NEXT_ITEM
+#define KV_PREFETCH_NEXT_ITEM KV_PREFETCH_DIST
+#endif
 #ifndef KV_PREFETCH_LEVEL
 #define KV_PREFETCH_LEVEL 1
 #endif
@@ -971,15 +977,14 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   std::memset(Os, 0, sizeof(float) * int64_t(Mp) * dvp);
 
   const T* cache = static_cast<const T*>(P.cache);
-  const int64_t head_off = int64_t(it.kv_head) * P.s_head;
-  const int32_t* table = P.block_table + int64_t(it.req) * P.bt_stride;
   const int row_lines = int(((D + Dv) * sizeof(T) + 63) / 64);
   // The heads of a token are adjacent (NHD): one prefetch sweep covers all NH of them.
   const int pf_lines = (NH > 1 && P.s_head == D + Dv) ? int((int64_t(NH) * (D + Dv) * sizeof(T) + 63) / 64) : row_lines;
 
-  // Row pointers (first head of the item) of keys [c0, c0 + n): the block table is read only for these
-  // positions; a block id outside [0, num_blocks) reads block 0 instead (wrong numbers, no stray access).
-  auto rows_of = [&](int c0, int n, const T** dst) {
+  // Row pointers of keys [c0, c0 + n) of one request (its block-table row `table`) and KV head (cache
+  // offset head_off): the block table is read only for these positions; a block id outside
+  // [0, num_blocks) reads block 0 instead (wrong numbers, no stray access).
+  auto rows_of = [&](const int32_t* table, int64_t head_off, int c0, int n, const T** dst) {
     int bi = c0 / bs, off = c0 - bi * bs, j = 0;
     const int64_t st = P.s_token;
     while (j < n) {
@@ -1009,11 +1014,17 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   // L1 sets; the direct path then walks 32-key chunks (NHD compute-only ~10% faster on the AVX2 host;
   // HND keeps 64, where 32 measured slower: twice the per-chunk work).
   const int chunk = direct && P.s_token > D + Dv ? kChunk / 2 : kChunk;
-  auto fill = [&](int k) -> int {   // chunk k's row pointers into its slot; its key count (0: past the end)
-    const int c = it.k_lo + k * chunk;
-    if (c >= it.k_hi) return 0;
-    const int n = std::min(chunk, it.k_hi - c);
-    rows_of(c, n, ring[k % kRing]);
+  // Chunk k's row pointers into its slot; its key count. Past the item's end, the chunks of the item
+  // this thread runs next (prefetched, never computed here), so the prefetch distance holds across
+  // items; 0 past those too.
+  const int chunks = (it.k_hi - it.k_lo + chunk - 1) / chunk;
+  auto fill = [&](int k) -> int {
+    const WorkItem& src = k < chunks ? it : *it.next;
+    if (k >= chunks && (k - chunks >= KV_PREFETCH_NEXT_ITEM || it.next == nullptr)) return 0;
+    const int c = src.k_lo + (k < chunks ? k : k - chunks) * chunk;
+    if (c >= src.k_hi) return 0;
+    const int n = std::min(chunk, src.k_hi - c);
+    rows_of(P.block_table + int64_t(src.req) * P.bt_stride, int64_t(src.kv_head) * P.s_head, c, n, ring[k % kRing]);
     return n;
   };
   for (int k = 0; k < kAhead; ++k) {
@@ -1021,8 +1032,9 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
 #if KV_PREFETCH
     // The loop prefetches kAhead chunks ahead; chunks 1 .. kAhead - 1 are requested here, all at
     // once. Chunk 0 is read at once: prefetching it too measured no faster cold and ~1 us slower per
-    // small hot decode call (benchmarks/layer_call.py: 16 items of 128 keys).
-    if (k == 0) continue;
+    // small hot decode call (benchmarks/layer_call.py: 16 items of 128 keys). The item before this
+    // one on this thread may have requested them already (WorkItem::prefetched).
+    if (k == 0 || (it.prefetched && k < std::min(chunks, KV_PREFETCH_NEXT_ITEM))) continue;
     const T* head_rows[kChunk];
     for (int hh = 0; hh < (pf_lines == row_lines ? NH : 1); ++hh) {
       for (int j = 0; j < n; ++j) head_rows[j] = ring[k % kRing][j] + int64_t(hh) * P.s_head;

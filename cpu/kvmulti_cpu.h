@@ -54,6 +54,10 @@ struct WorkItem {
   int k_lo, k_hi;
   float* partial;      // nullptr: normalise and write `out`; else [rows][dvp] O, then m[rows], l[rows]
                        // (rows = num_heads x num_tokens x G, head-major)
+  // Set per run by the scheduler: the item this thread runs next (its first chunks are prefetched
+  // during this item's last ones), and whether the item before this one did that for this one.
+  const WorkItem* next = nullptr;
+  bool prefetched = false;
 };
 
 // Floats of per-thread workspace a kernel of `lanes` SIMD width needs for items of up to

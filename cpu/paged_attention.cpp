@@ -13,6 +13,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <limits>
@@ -304,16 +305,25 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
   const int64_t ws_floats = workspace_floats(max_rows, heads_per_item, P.head_size, P.head_size_v, lanes);
   const int n_items = int(items.size());
   const int team = std::min(nthreads, n_items);
+  // Dynamic scheduling, each thread claiming its next item one ahead, so that the item it runs knows
+  // its successor and prefetches that one's first chunks (WorkItem::next).
+  std::atomic<int> claimed{0};
+  auto run_claimed = [&](float* ws) {
+    int cur = claimed.fetch_add(1, std::memory_order_relaxed);
+    for (bool first = true; cur < n_items; first = false) {
+      const int nxt = claimed.fetch_add(1, std::memory_order_relaxed);
+      WorkItem item = items[order[cur]];
+      item.next = nxt < n_items ? &items[order[nxt]] : nullptr;
+      item.prefetched = !first;
+      run(P, item, ws);
+      cur = nxt;
+    }
+  };
   if (team <= 1) {
-    float* ws = thread_workspace(ws_floats + 16);
-    for (int i = 0; i < n_items; ++i) run(P, items[order[i]], ws);
+    run_claimed(thread_workspace(ws_floats + 16));
   } else {
 #pragma omp parallel num_threads(team)
-    {
-      float* ws = thread_workspace(ws_floats + 16);
-#pragma omp for schedule(dynamic, 1)
-      for (int i = 0; i < n_items; ++i) run(P, items[order[i]], ws);
-    }
+    run_claimed(thread_workspace(ws_floats + 16));
   }
 
   if (merges.empty()) return;
