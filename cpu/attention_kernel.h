@@ -1019,8 +1019,8 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   // items; 0 past those too.
   const int chunks = (it.k_hi - it.k_lo + chunk - 1) / chunk;
   auto fill = [&](int k) -> int {
-    const WorkItem& src = k < chunks ? it : *it.next;
     if (k >= chunks && (k - chunks >= KV_PREFETCH_NEXT_ITEM || it.next == nullptr)) return 0;
+    const WorkItem& src = k < chunks ? it : *it.next;
     const int c = src.k_lo + (k < chunks ? k : k - chunks) * chunk;
     if (c >= src.k_hi) return 0;
     const int n = std::min(chunk, src.k_hi - c);
