@@ -249,10 +249,23 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
   const std::vector<Tile> tiles = plan_tiles(qsl, seq, num_reqs, query.size(0), block_table.size(0),
                                              block_table.size(1), P.block_size, P.window, causal, tile_tokens);
   if (tiles.empty()) return;
-  // One KV head per item. Items over all KV heads of an NHD cache (each token row read once, in
-  // order) measured slower, hot and cold (README, "Performance"), so the kernel's multi-head items
-  // (WorkItem::num_heads) are not used by this plan.
-  const int heads_per_item = 1;
+  // KV heads per item. NHD: one (items over all KV heads, each token row read once, measured slower
+  // hot and cold: README, "Performance"). HND: a block holds each head's rows as one run of
+  // block_size x (D + Dv) elements, heads one after another; items take as many heads (a divisor of
+  // num_kv_heads) as make those runs at least KV_ITEM_HEAD_RUN bytes together, so small blocks are read
+  // in longer sequential runs. Block 16, head 64, bf16 (4 KiB runs, 2 heads per item): 4-8% faster
+  // cold (benchmarks/cpu_compute.py --cold, alternating builds), hot level.
+#ifndef KV_ITEM_HEAD_RUN
+#define KV_ITEM_HEAD_RUN 8192
+#endif
+  int heads_per_item = 1;
+  if (s_head > s_token) {
+    const int64_t run = block_size * (head_size + head_size_v) * kv_cache.element_size();
+    while (heads_per_item < P.num_kv_heads && heads_per_item * run < KV_ITEM_HEAD_RUN) {
+      ++heads_per_item;
+      while (P.num_kv_heads % heads_per_item != 0) ++heads_per_item;
+    }
+  }
   int64_t total_keys = 0;
   for (const Tile& t : tiles) total_keys += int64_t(t.hi - t.lo) * P.num_kv_heads;
 
