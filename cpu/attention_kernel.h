@@ -490,26 +490,23 @@ template <int DT> static inline void load_pair(const typename Elem<DT>::T* p, vf
     hi = load_vec<DT>(p + KV_W);
   }
 }
-static inline void permute_pairs(float* row, int n) {   // natural -> [evens | odds] per kPair group
-  float tmp[kPair];
-  for (int g = 0; g + kPair <= n; g += kPair) {
-    for (int i = 0; i < KV_W; ++i) {
-      tmp[i] = row[g + 2 * i];
-      tmp[KV_W + i] = row[g + 2 * i + 1];
-    }
+// Rows kept in a load's element order: per group of GROUP elements, position p holds element src(p).
+template <int GROUP, typename E> static inline void permute_rows(E* row, int n, int (*src)(int)) {
+  E tmp[GROUP];
+  for (int g = 0; g + GROUP <= n; g += GROUP) {
+    for (int p = 0; p < GROUP; ++p) tmp[p] = row[g + src(p)];
     std::memcpy(row + g, tmp, sizeof tmp);
   }
 }
-static inline void unpermute_pairs(float* row, int n) {
-  float tmp[kPair];
-  for (int g = 0; g + kPair <= n; g += kPair) {
-    for (int i = 0; i < KV_W; ++i) {
-      tmp[2 * i] = row[g + i];
-      tmp[2 * i + 1] = row[g + KV_W + i];
-    }
+template <int GROUP> static inline void unpermute_rows(float* row, int n, int (*src)(int)) {
+  float tmp[GROUP];
+  for (int g = 0; g + GROUP <= n; g += GROUP) {
+    for (int p = 0; p < GROUP; ++p) tmp[src(p)] = row[g + p];
     std::memcpy(row + g, tmp, sizeof tmp);
   }
 }
+// load_pair's bf16 order: [evens | odds] per kPair group.
+constexpr int pair_src(int p) { return p < KV_W ? 2 * p : 2 * (p - KV_W) + 1; }
 #if KV_DIRECT_DOT
 // acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1] for bf16 pairs a, b (exact products, fp32 sums).
 static inline vf dot2_bf16(vf acc, vu a, vu b) {
@@ -583,22 +580,16 @@ template <int DT> static KV_INLINE void fp8_lut64(const uint8_t* p, vu& a, vu& b
   __builtin_memcpy(&b, w + 32, sizeof b);
 #endif
 }
+// The same 64 codes as four fp32 vectors, in lut_f32_src order.
+template <int DT> static KV_INLINE void fp8_lut64_f32(const uint8_t* p, vf* v) {
+  vu a, b;
+  fp8_lut64<DT>(p, a, b);
+  v[0] = (vf)(a << 16);
+  v[1] = (vf)(a & 0xffff0000u);
+  v[2] = (vf)(b << 16);
+  v[3] = (vf)(b & 0xffff0000u);
+}
 #endif
-// row[0:n] (n a multiple of kLutGroup) into lut order (src: lut_f32_src or lut_bf16_src) and back.
-template <typename E> static inline void permute_lut(E* row, int n, int (*src)(int)) {
-  E tmp[kLutGroup];
-  for (int g = 0; g + kLutGroup <= n; g += kLutGroup) {
-    for (int p = 0; p < kLutGroup; ++p) tmp[p] = row[g + src(p)];
-    std::memcpy(row + g, tmp, sizeof tmp);
-  }
-}
-static inline void unpermute_lut(float* row, int n) {
-  float tmp[kLutGroup];
-  for (int g = 0; g + kLutGroup <= n; g += kLutGroup) {
-    for (int p = 0; p < kLutGroup; ++p) tmp[lut_f32_src(p)] = row[g + p];
-    std::memcpy(row + g, tmp, sizeof tmp);
-  }
-}
 
 template <int H, int... I> static inline vf xor_shuffle(vf x, std::integer_sequence<int, I...>) {
   return __builtin_shuffle(x, vi{(I ^ H)...});
@@ -671,14 +662,7 @@ static inline void pv_direct(float* O, int Dv, int d0, const DirectCtx& c, const
 #if KV_FP8_LUT
       static_assert(NC % 2 == 0, "a lut group is two pairs");
 #pragma GCC unroll 4
-      for (int q = 0; q < NC / 2; ++q) {
-        vu a, b;
-        fp8_lut64<DT>(v + q * kLutGroup, a, b);
-        vv[4 * q] = (vf)(a << 16);
-        vv[4 * q + 1] = (vf)(a & 0xffff0000u);
-        vv[4 * q + 2] = (vf)(b << 16);
-        vv[4 * q + 3] = (vf)(b & 0xffff0000u);
-      }
+      for (int q = 0; q < NC / 2; ++q) fp8_lut64_f32<DT>(v + q * kLutGroup, vv + 4 * q);
 #endif
     } else {
 #pragma GCC unroll 4
@@ -792,9 +776,9 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
       for (int d = 0; d < D; d += kLutGroup) {
 #pragma GCC unroll 16
         for (int j = 0; j < KG; ++j) {
-          vu a, b;
-          fp8_lut64<DT>(kp[j] + d, a, b);
           if (Qb) {   // bf16 query in lut order: bf16 dots
+            vu a, b;
+            fp8_lut64<DT>(kp[j] + d, a, b);
 #pragma GCC unroll 4
             for (int r = 0; r < RR; ++r) {
               vu qa, qb;
@@ -803,12 +787,13 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
               acc[j * RR + r] = dot2_bf16(dot2_bf16(acc[j * RR + r], qa, a), qb, b);
             }
           } else {    // fp32 query in lut order
-            const vf k0 = (vf)(a << 16), k1 = (vf)(a & 0xffff0000u), k2 = (vf)(b << 16), k3 = (vf)(b & 0xffff0000u);
+            vf k[4];
+            fp8_lut64_f32<DT>(kp[j] + d, k);
 #pragma GCC unroll 4
             for (int r = 0; r < RR; ++r) {
               const float* q = Q + r * D + d;
-              acc[j * RR + r] += vload(q) * k0 + vload(q + KV_W) * k1 + vload(q + 2 * KV_W) * k2 +
-                                 vload(q + 3 * KV_W) * k3;
+              acc[j * RR + r] += vload(q) * k[0] + vload(q + KV_W) * k[1] + vload(q + 2 * KV_W) * k[2] +
+                                 vload(q + 3 * KV_W) * k[3];
             }
           }
         }
@@ -968,10 +953,10 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     if (Qb) std::memcpy(Qb + int64_t(r) * dp, src, sizeof(uint16_t) * D);
     const float qs = q_scale(hh);
     for (int d = 0; d < dp; d += KV_W) vstore(q + d, vload(q + d) * qs);
-    if (permuted) permute_pairs(q, D);
+    if (permuted) permute_rows<kPair>(q, D, pair_src);
     if (lut) {
-      permute_lut(q, D, lut_f32_src);
-      if (Qb) permute_lut(Qb + int64_t(r) * dp, D, lut_bf16_src);
+      permute_rows<kLutGroup>(q, D, lut_f32_src);
+      if (Qb) permute_rows<kLutGroup>(Qb + int64_t(r) * dp, D, lut_bf16_src);
     }
   }
   std::memset(Os, 0, sizeof(float) * int64_t(Mp) * dvp);
@@ -1130,8 +1115,8 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   for (int r = 0; r < M; ++r) {
     const int hh = r / Mh, rr = r % Mh;
     float* o = Os + (int64_t(hh) * Mhp + rr) * dvp;
-    if (permuted) unpermute_pairs(o, Dv);
-    if (lut) unpermute_lut(o, Dv);
+    if (permuted) unpermute_rows<kPair>(o, Dv, pair_src);
+    if (lut) unpermute_rows<kLutGroup>(o, Dv, lut_f32_src);
     const float m = mrow[hh * Mhp + rr], l = lrow[hh * Mhp + rr];
     if (fp8) {
       const float vs = v_scale(hh);
@@ -1157,13 +1142,10 @@ template <int DT> static void widen_fp8_lut(const uint8_t* src, int n, float* ds
   int i = 0;
 #if KV_FP8_LUT
   for (; i + kLutGroup <= n; i += kLutGroup) {
-    vu a, b;
-    fp8_lut64<DT>(src + i, a, b);
-    vstore(dst + i, (vf)(a << 16));
-    vstore(dst + i + KV_W, (vf)(a & 0xffff0000u));
-    vstore(dst + i + 2 * KV_W, (vf)(b << 16));
-    vstore(dst + i + 3 * KV_W, (vf)(b & 0xffff0000u));
-    unpermute_lut(dst + i, kLutGroup);
+    vf v[4];
+    fp8_lut64_f32<DT>(src + i, v);
+    for (int q = 0; q < 4; ++q) vstore(dst + i + q * KV_W, v[q]);
+    unpermute_rows<kLutGroup>(dst + i, kLutGroup, lut_f32_src);
   }
 #endif
   convert_row<DT>(src + i, n - i, dst + i);

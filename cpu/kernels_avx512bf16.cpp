@@ -24,7 +24,6 @@ namespace avx512bf16 {
 #undef KV_W
 #undef KV_BF16DOT
 #undef KV_FP8_VBMI
-#undef KV_FP8_LUT
 }  // namespace avx512bf16
 #pragma GCC pop_options
 RunItemFn run_item_avx512bf16() { return &avx512bf16::run_item; }

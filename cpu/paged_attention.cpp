@@ -79,8 +79,10 @@ WidenFp8Fn widen_fp8_of(Isa isa) {
 
 bool usable(Isa isa) { return kernel_of(isa) != nullptr && cpu_has(isa); }
 
+constexpr Isa kIsasBestFirst[] = {kAvx512Bf16, kAvx512, kAvx2, kGeneric};
+
 Isa best_isa() {
-  for (Isa isa : {kAvx512Bf16, kAvx512, kAvx2})
+  for (Isa isa : kIsasBestFirst)
     if (usable(isa)) return isa;
   return kGeneric;
 }
@@ -510,7 +512,7 @@ torch::Tensor fp8_to_f32(const torch::Tensor& codes, const std::string& isa_name
 
 std::vector<std::string> available_isas() {
   std::vector<std::string> out;
-  for (Isa isa : {kAvx512Bf16, kAvx512, kAvx2, kGeneric})
+  for (Isa isa : kIsasBestFirst)
     if (usable(isa)) out.push_back(isa_name(isa));
   return out;
 }
@@ -519,7 +521,7 @@ std::vector<std::string> fp8_lut_isas() {
   std::vector<std::string> out;
   const uint8_t code = 0;
   float value;
-  for (Isa isa : {kAvx512Bf16, kAvx512, kAvx2, kGeneric})
+  for (Isa isa : kIsasBestFirst)
     if (usable(isa) && widen_fp8_of(isa)(kE5M2, &code, 1, &value, true)) out.push_back(isa_name(isa));
   return out;
 }
