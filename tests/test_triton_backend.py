@@ -248,7 +248,7 @@ def test_split_heuristic():
 
     def plan(**kw):
         args = dict(num_reqs=2, num_kv_heads=8, num_qpk=4, max_query_len=1, max_seq_len=8192, head_size=128,
-                    head_size_v=128, dtype=BF16, num_compute_units=132)
+                    head_size_v=128, dtype=BF16, num_compute_units=132, block_size=16)
         args.update(kw)
         return plan_attention(**args)
 

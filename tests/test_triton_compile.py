@@ -30,24 +30,32 @@ def compiled() -> dict[str, list[dict]]:
 
 @pytest.mark.parametrize("family", ["nvidia", "amd"])
 def test_launch_set_covers_every_tile_choice(family):
-    """Every (dtype, head pad, BLOCK_M, TILE_N, path, stages) the planner picks on ``family`` for
-    head sizes <= 256 and GQA groups <= 16 is among the compiled launches; all kernels are there."""
+    """Every (dtype, head pad, BLOCK_M, TILE_N, path, table reads, stages) the planner picks on
+    ``family`` for head sizes <= 256 and GQA groups <= 16 at block size 16, and for blocks small
+    enough that a tile reads the table per key position, is among the compiled launches; all
+    kernels are there."""
     target = next(t for t in xc.TARGETS.values() if t.family == family)
     launches = xc.all_launches(target.name)
     compiled = {(ln.args["kv_ptr"].dtype, ln.args["HEAD_PAD"], ln.args["HEAD_PAD_V"], ln.args["BLOCK_M"],
-                 ln.args["TILE_N"], ln.args["SPLIT"], ln.num_stages)
+                 ln.args["TILE_N"], ln.args["SPLIT"], ln.args["TABLE_READS"], ln.num_stages)
                 for _, ln in launches if ln.kernel == "unified_attention"}
     assert {ln.kernel for _, ln in launches} == set(launch.KERNELS)
+
+    def key(dtype, hs, group, max_q, split, block_size):
+        plan = launch.plan_attention(num_reqs=2, num_kv_heads=2, num_qpk=group, max_query_len=max_q,
+                                     max_seq_len=4096, head_size=hs, head_size_v=hs, dtype=dtype,
+                                     num_compute_units=132, block_size=block_size, split_kv=split, family=family)
+        return (dtype, plan.head_pad, plan.head_pad_v, plan.block_m, plan.tile_n, plan.split, plan.table_reads,
+                plan.num_stages)
+
     for dtype in (F32, F16, BF16):
         for hs in (8, 16, 24, 40, 64, 80, 96, 128, 160, 256):
             for group in (1, 2, 3, 4, 8, 16):
                 for max_q, split in ((1, False), (1, True), (7, False), (300, False)):
-                    plan = launch.plan_attention(num_reqs=2, num_kv_heads=2, num_qpk=group, max_query_len=max_q,
-                                                 max_seq_len=4096, head_size=hs, head_size_v=hs, dtype=dtype,
-                                                 num_compute_units=132, split_kv=split, family=family)
-                    key = (dtype, plan.head_pad, plan.head_pad_v, plan.block_m, plan.tile_n, plan.split,
-                           plan.num_stages)
-                    assert key in compiled, key
+                    assert key(dtype, hs, group, max_q, split, 16) in compiled
+    for max_q in (1, 7):
+        per_key = key(F16, 64, 4, max_q, False, 4)
+        assert per_key[6] == 0 and per_key in compiled, per_key
 
 
 def test_large_cache_variant_is_compiled_separately_on_amd(compiled):

@@ -10,7 +10,9 @@ Two kernels serve every batch:
   binary search over ``query_start_loc`` (request ``i``'s q-blocks start at program
   ``query_start_loc[i] // block_q + i``). It walks the keys in tiles of ``TILE_N`` positions;
   per position it computes block id (through the block table) and offset in the block, so a tile
-  never assumes ``TILE_N == block_size`` and any block size >= 1 works. Keys are addressed
+  never assumes ``TILE_N == block_size`` and any block size >= 1 works. A tile that lies in one
+  block or covers ``TABLE_READS`` (<= 4) whole blocks reads the table once per block, as scalars
+  (uniform registers; 0: one read per key position). Keys are addressed
   through the cache's named strides (block, token, head; content stride 1), so both NHD and HND
   caches are read in place. Causal masking uses positions (a request's new tokens are its last
   ``query_len`` positions); with a sliding window whole tiles before the window are skipped and
@@ -74,6 +76,7 @@ def unified_attention_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
     SPLIT: tl.constexpr, PART_SIZE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
+    TABLE_READS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -143,8 +146,25 @@ def unified_attention_kernel(
     for start in range(tile_start, k_end, TILE_N):
         k_pos = start + offs_n
         in_range = (k_pos >= k_lo) & (k_pos < k_end)     # never touch table entries outside [k_lo, k_end)
-        blk = tl.load(bt_row + (k_pos // BLOCK_SIZE) * stride_bn, mask=in_range, other=0)
-        k_ok = in_range & (blk >= 0) & (blk < num_blocks)    # a block id outside the cache: a masked key
+        if TABLE_READS > 0:
+            # The tile lies in one block or covers TABLE_READS whole ones: one scalar table read per
+            # block (a uniform value) instead of one per key position.
+            SPAN: tl.constexpr = TILE_N // TABLE_READS
+            blk = tl.load(bt_row + (start // BLOCK_SIZE) * stride_bn,
+                          mask=(start < k_end) & (start + SPAN > k_lo), other=-1)
+            for j in tl.static_range(1, TABLE_READS):
+                first = start + j * SPAN
+                blk_j = tl.load(bt_row + (first // BLOCK_SIZE) * stride_bn,
+                                mask=(first < k_end) & (first + SPAN > k_lo), other=-1)
+                blk = tl.where(offs_n >= j * SPAN, blk_j, blk)
+        else:
+            blk = tl.load(bt_row + (k_pos // BLOCK_SIZE) * stride_bn, mask=in_range, other=0)
+        # A block id outside the cache: a masked key. (A scalar blk goes through tl.where: the
+        # interpreter cannot & a scalar mask with a vector one.)
+        if TABLE_READS == 1:
+            k_ok = tl.where((blk >= 0) & (blk < num_blocks), in_range, False)
+        else:
+            k_ok = in_range & (blk >= 0) & (blk < num_blocks)
         off = blk.to(tl.int64) * STRIDE_CB + (k_pos % BLOCK_SIZE).to(tl.int64) * STRIDE_CT + head_off
         k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0)
         v = tl.load(kv_ptr + off[:, None] + HEAD_SIZE + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :],
@@ -160,7 +180,10 @@ def unified_attention_kernel(
             e = tl.exp(-2.0 * tl.abs(s / SOFTCAP))
             t = (1.0 - e) / (1.0 + e)
             s = SOFTCAP * tl.where(s < 0, -t, t)
-        visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        # One compare per score: a masked key gets a position no row reaches. Rows past the tile's
+        # (not row_ok) are never stored, and their finite scores harm nothing.
+        k_vis = tl.where(k_ok, k_pos, 2147483647)
+        visible = k_vis[None, :] <= q_pos[:, None]
         if WINDOW > 0:
             visible = visible & ((q_pos[:, None] - k_pos[None, :]) < WINDOW)
         s = tl.where(visible, s, float("-inf"))

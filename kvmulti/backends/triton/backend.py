@@ -122,7 +122,8 @@ class TritonBackend(Backend):
             num_reqs=common.num_reqs, num_kv_heads=layout.num_kv_heads,
             num_qpk=num_query_heads // layout.num_kv_heads, max_query_len=common.max_query_len,
             max_seq_len=max_seq_len, head_size=layout.head_size, head_size_v=layout.value_size,
-            dtype=layout.dtype, num_compute_units=launch.num_compute_units(common.device), split_kv=split_kv,
+            dtype=layout.dtype, num_compute_units=launch.num_compute_units(common.device),
+            block_size=layout.block_size, split_kv=split_kv,
             partition_size=partition, family=launch.device_family(common.device))
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,

@@ -14,12 +14,13 @@ takes the single pass. ``split_kv=True/False`` forces a path.
 
 Tiles per target family (:func:`tile_sizes`, :func:`pipeline_stages`), chosen from the static
 report ``benchmarks/gpu_report.py``: on AMD, tiles of 32 key positions keep a decode work-group's
-LDS under 32 KiB, so two or more fit a CU's 64 KiB, and prefill runs unpipelined; on NVIDIA,
-decode runs five stages: the block-table read of a tile takes a stage of its own before the K/V
-loads it addresses, and with fewer stages Triton's pipeliner waits for every ``cp.async`` group at
-the top of each iteration. With five, the next tile's K/V loads are in flight during this tile's
-dots (``cross_compile.kv_tiles_in_flight_at_dot`` reads that from the TTGIR). Other targets (XPU,
-the interpreter) keep the base tiles.
+LDS under 32 KiB, so two or more fit a CU's 64 KiB, and prefill runs unpipelined; on NVIDIA, the
+next tile's K/V loads are in flight during this tile's dots (``cross_compile.kv_tiles_in_flight_at_dot``
+reads that from the TTGIR) at 3 stages. A tile that lies in one block or covers at most
+:data:`MAX_TABLE_READS` whole blocks reads the block table once per block, as scalars
+(:func:`table_reads`); with smaller blocks the table is read per key position, that read takes a
+pipeline stage of its own, and fp16 / bf16 decode needs 5 stages for the same overlap. Other
+targets (XPU, the interpreter) keep the base tiles.
 
 Memory safety: the launchers pass the kernels the bounds of every tensor that metadata indexes
 (usable query/output rows, block-table rows and columns, cache blocks, cache slots); the kernels
@@ -44,6 +45,7 @@ from ...triton_kernels.write_kv import write_kv_kernel
 MAX_HEAD_SIZE = 256
 HEAD_PADS = (16, 32, 64, 128, 256)
 REDUCE_PART_CHUNK = 16
+MAX_TABLE_READS = 4
 
 
 def interpreting() -> bool:
@@ -65,6 +67,7 @@ class AttentionPlan:
     head_pad_v: int
     partition_size: int     # key positions per partition (split path)
     num_parts: int          # partitions (1 on the single pass)
+    table_reads: int = 0    # block-table reads per key tile as scalars (0: one per key position)
     num_warps: int = 4
     num_stages: int = 2
 
@@ -89,14 +92,28 @@ def tile_sizes(decode: bool, num_qpk: int, head_pad_: int, head_pad_v: int, dtyp
     return block_m, tile_n
 
 
-def pipeline_stages(decode: bool, family: str, dtype: torch.dtype) -> int:
-    """Triton num_stages. NVIDIA: 5 for decode over fp16 / bf16 caches (stage 0 reads the block
-    table, K/V loads run one tile ahead of the dots; see the module docstring), 3 otherwise (at 5
+def table_reads(block_size: int, tile_n: int) -> int:
+    """Block-table reads per key tile as scalars: 1 when a tile lies inside one block (tiles start at
+    multiples of ``tile_n``), ``tile_n // block_size`` when it covers at most MAX_TABLE_READS whole
+    blocks, else 0 (one read per key position)."""
+    if block_size % tile_n == 0:
+        return 1
+    if tile_n % block_size == 0 and tile_n // block_size <= MAX_TABLE_READS:
+        return tile_n // block_size
+    return 0
+
+
+def pipeline_stages(decode: bool, family: str, dtype: torch.dtype, table_reads: int) -> int:
+    """Triton num_stages. NVIDIA: a tile's block-table read per key position takes a pipeline stage
+    of its own before the K/V loads it addresses; with fewer than 5 stages the pipeliner then waits
+    for every ``cp.async`` group at the top of each iteration. So decode over fp16 / bf16 caches runs
+    5 stages when the table is read per key (``table_reads == 0``), 3 when it is read as scalars (K/V
+    loads one tile ahead of the dots either way, see the module docstring); everything else 3 (at 5
     stages fp32 decode tiles spill, and so does fp8 decode on sm_80). AMD: 2 for decode (the next tile
     prefetched into registers) and 1 for prefill (the prefetch's live registers made gfx942 spill
     SGPRs; two work-groups per CU hide the latency instead)."""
     if family == "nvidia":
-        return 5 if decode and dtype in (torch.float16, torch.bfloat16) else 3
+        return 5 if decode and not table_reads and dtype in (torch.float16, torch.bfloat16) else 3
     if family == "amd":
         return 2 if decode else 1
     return 2
@@ -110,7 +127,7 @@ def device_family(device: torch.device) -> str:
 
 
 def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_len: int, max_seq_len: int,
-                   head_size: int, head_size_v: int, dtype: torch.dtype, num_compute_units: int,
+                   head_size: int, head_size_v: int, dtype: torch.dtype, num_compute_units: int, block_size: int,
                    split_kv: bool | None = None, partition_size: int = DEFAULT_PARTITION_SIZE,
                    family: str = "other") -> AttentionPlan:
     """Tiles and path for one batch (see the module docstring for the split-KV heuristic)."""
@@ -126,9 +143,10 @@ def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_
     if split_kv:
         tile_n = min(tile_n, partition_size)
         num_parts = max(1, triton.cdiv(max_seq_len, partition_size))
+    reads = table_reads(block_size, tile_n)
     return AttentionPlan(split=bool(split_kv), block_m=block_m, block_q=block_m // num_qpk, tile_n=tile_n,
                          head_pad=hp, head_pad_v=hpv, partition_size=partition_size, num_parts=num_parts,
-                         num_stages=pipeline_stages(decode, family, dtype))
+                         table_reads=reads, num_stages=pipeline_stages(decode, family, dtype, reads))
 
 
 def num_compute_units(device: torch.device) -> int:
@@ -205,7 +223,8 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
                               head_size_v=head_size_v, dtype=kv_cache.dtype,
                               num_compute_units=(num_compute_units(query.device) if num_compute_units_ is None
                                                  else num_compute_units_),
-                              split_kv=split_kv, partition_size=partition_size, family=family)
+                              block_size=block_size, split_kv=split_kv, partition_size=partition_size,
+                              family=family)
     num_rows = min(num_tokens, query.shape[0], out.shape[0])
     num_reqs = min(num_reqs, seq_lens.shape[0], query_start_loc.shape[0] - 1)
     if num_rows <= 0 or num_reqs <= 0:
@@ -236,6 +255,7 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
         NUM_QPK=num_qpk, BLOCK_Q=plan.block_q, BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_SIZE_V=head_size_v,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, HEAD_PAD=plan.head_pad, HEAD_PAD_V=plan.head_pad_v,
         SPLIT=plan.split, PART_SIZE=plan.partition_size if plan.split else 16, DOT_F32=dot_f32, FP8=fp8,
+        TABLE_READS=plan.table_reads,
     )
     grid = (num_rows // plan.block_q + num_reqs, num_kv_heads, plan.num_parts)
     launches = [Launch("unified_attention", grid, args, plan.num_warps, plan.num_stages)]
