@@ -54,7 +54,7 @@ def test_launch_set_covers_every_tile_choice(family):
                 for max_q, split in ((1, False), (1, True), (7, False), (300, False)):
                     assert key(dtype, hs, group, max_q, split, 16) in compiled
     for max_q in (1, 7):
-        per_key = key(F16, 64, 4, max_q, False, 4)
+        per_key = key(F16, 64, 4, max_q, False, 1)
         assert per_key[6] == 0 and per_key in compiled, per_key
 
 

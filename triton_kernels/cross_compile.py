@@ -143,8 +143,8 @@ def batch_specs(target_name: str | None = None) -> list[BatchSpec]:
         BatchSpec("hsv_differs", (4, 1), (10, 40), head_size_v=32),
         BatchSpec("gqa32", (3, 1), (0, 20), group=32, num_kv_heads=1),
         BatchSpec("single_token_seq", (1,), (0,)),
-        BatchSpec("decode_block4", (1, 1), (40, 9), block_size=4),        # the block table read per key
-        BatchSpec("mixed_block4", (5, 1), (3, 20), block_size=4),
+        BatchSpec("decode_block1", (1, 1), (40, 9), block_size=1),        # the block table read per key
+        BatchSpec("mixed_block1", (5, 1), (3, 20), block_size=1),
     ]
     out += fp8_specs()
     for target in TARGETS.values():

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ...fp8 import FP8_DTYPES
 from ...settings import DEFAULT_PARTITION_SIZE
 from ...triton_kernels.fp8 import fp8_code, raw_cache
 from ...triton_kernels.unified_attention import reduce_partitions_kernel, unified_attention_kernel
@@ -45,7 +46,7 @@ from ...triton_kernels.write_kv import write_kv_kernel
 MAX_HEAD_SIZE = 256
 HEAD_PADS = (16, 32, 64, 128, 256)
 REDUCE_PART_CHUNK = 16
-MAX_TABLE_READS = 4
+MAX_TABLE_READS = 8
 
 
 def interpreting() -> bool:
@@ -76,19 +77,30 @@ FAMILIES = ("nvidia", "amd", "other")
 
 
 def tile_sizes(decode: bool, num_qpk: int, head_pad_: int, head_pad_v: int, dtype: torch.dtype,
-               family: str = "other") -> tuple[int, int]:
+               family: str = "other", query_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """(BLOCK_M, TILE_N). Decode rows are one token x G heads; prefill tiles hold several tokens.
-    ``family``: "nvidia", "amd" or "other" (see the module docstring)."""
+    ``dtype``: the cache's; ``query_dtype``: the query's (None: the cache's), which the dots of an
+    fp8 cache run in. ``family``: "nvidia", "amd" or "other" (see the module docstring)."""
     widest = max(head_pad_, head_pad_v)
+    fp8 = dtype in FP8_DTYPES
+    fp32 = dtype == torch.float32 or fp8 and query_dtype == torch.float32
     base_m = 16 if decode else (64 if widest <= 128 else 32)
-    block_m = max(base_m, triton.next_power_of_2(num_qpk))
-    if dtype == torch.float32:
+    if fp32:
         tile_n = 32 if widest <= 128 else 16      # fp32 K/V tiles of 256-wide heads must fit 64 KiB LDS
     else:
         tile_n = 64 if widest <= 128 else 32
     if family == "amd":
-        # decode: >= 2 work-groups per CU (64 KiB LDS); prefill: fewer live registers (SGPR spills)
-        tile_n = min(tile_n, 32 if widest <= 128 else 16)
+        # decode: >= 2 work-groups per CU (64 KiB LDS); prefill and fp8 decode (its tiles decoded in
+        # registers): fewer live registers, no SGPR spills (gpu_report)
+        tile_n = min(tile_n, 16 if not decode or fp8 or widest > 128 else 32)
+    elif family == "nvidia":
+        # tiles whose accumulator, scores and decoded K/V fit the registers (gpu_report: no spills)
+        if fp32:
+            base_m = base_m if decode else (32 if widest <= 128 else 16)
+            tile_n = 16 if widest > 64 or fp8 and not decode else 32
+        elif fp8 or not decode and widest > 64:
+            tile_n = 32
+    block_m = max(base_m, triton.next_power_of_2(num_qpk))
     return block_m, tile_n
 
 
@@ -103,17 +115,20 @@ def table_reads(block_size: int, tile_n: int) -> int:
     return 0
 
 
-def pipeline_stages(decode: bool, family: str, dtype: torch.dtype, table_reads: int) -> int:
+def pipeline_stages(decode: bool, family: str, dtype: torch.dtype, table_reads: int, widest: int) -> int:
     """Triton num_stages. NVIDIA: a tile's block-table read per key position takes a pipeline stage
     of its own before the K/V loads it addresses; with fewer than 5 stages the pipeliner then waits
     for every ``cp.async`` group at the top of each iteration. So decode over fp16 / bf16 caches runs
-    5 stages when the table is read per key (``table_reads == 0``), 3 when it is read as scalars (K/V
-    loads one tile ahead of the dots either way, see the module docstring); everything else 3 (at 5
-    stages fp32 decode tiles spill, and so does fp8 decode on sm_80). AMD: 2 for decode (the next tile
-    prefetched into registers) and 1 for prefill (the prefetch's live registers made gfx942 spill
-    SGPRs; two work-groups per CU hide the latency instead)."""
+    5 stages when the table is read per key (``table_reads == 0``); read as scalars, 3 stages keep
+    the next K/V tile in flight during the dots (4 for heads padded to 64, whose split tiles spill
+    8 B at 3 on sm_90); everything else 3 (at 5 stages fp32 decode tiles spill, and so does fp8
+    decode on sm_80). AMD: 2 for decode (the next tile prefetched into registers) and 1 for prefill
+    (the prefetch's live registers made gfx942 spill SGPRs; two work-groups per CU hide the latency
+    instead)."""
     if family == "nvidia":
-        return 5 if decode and not table_reads and dtype in (torch.float16, torch.bfloat16) else 3
+        if decode and dtype in (torch.float16, torch.bfloat16):
+            return 5 if not table_reads else 4 if widest == 64 else 3
+        return 3
     if family == "amd":
         return 2 if decode else 1
     return 2
@@ -129,8 +144,10 @@ def device_family(device: torch.device) -> str:
 def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_len: int, max_seq_len: int,
                    head_size: int, head_size_v: int, dtype: torch.dtype, num_compute_units: int, block_size: int,
                    split_kv: bool | None = None, partition_size: int = DEFAULT_PARTITION_SIZE,
-                   family: str = "other") -> AttentionPlan:
-    """Tiles and path for one batch (see the module docstring for the split-KV heuristic)."""
+                   family: str = "other", query_dtype: torch.dtype | None = None) -> AttentionPlan:
+    """Tiles and path for one batch (see the module docstring for the split-KV heuristic).
+    ``dtype``: the cache's; ``query_dtype``: the query's when it matters for the tiles (an fp8 cache
+    read by fp32 queries; None: the cache's)."""
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     if split_kv is None:
@@ -138,15 +155,19 @@ def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_
                     and num_reqs * num_kv_heads < num_compute_units)
     hp, hpv = head_pad(head_size), head_pad(head_size_v)
     decode = max_query_len <= 1 or split_kv
-    block_m, tile_n = tile_sizes(decode, num_qpk, hp, hpv, dtype, family)
+    block_m, tile_n = tile_sizes(decode, num_qpk, hp, hpv, dtype, family, query_dtype)
     num_parts = 1
     if split_kv:
         tile_n = min(tile_n, partition_size)
         num_parts = max(1, triton.cdiv(max_seq_len, partition_size))
     reads = table_reads(block_size, tile_n)
+    if not reads and family in ("nvidia", "amd"):
+        # a table read per key position holds a lane mask per key: smaller tiles (gpu_report: no spills)
+        tile_n = min(tile_n, 16 if family == "amd" else 32)
+        reads = table_reads(block_size, tile_n)
     return AttentionPlan(split=bool(split_kv), block_m=block_m, block_q=block_m // num_qpk, tile_n=tile_n,
                          head_pad=hp, head_pad_v=hpv, partition_size=partition_size, num_parts=num_parts,
-                         table_reads=reads, num_stages=pipeline_stages(decode, family, dtype, reads))
+                         table_reads=reads, num_stages=pipeline_stages(decode, family, dtype, reads, max(hp, hpv)))
 
 
 def num_compute_units(device: torch.device) -> int:
@@ -217,10 +238,15 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
     num_qpk = query.shape[1] // num_kv_heads
     family = device_family(query.device) if family is None else family
     max_seq_len = max(0, min(max_seq_len, block_table.shape[1] * block_size))   # keys past the table: never read
+    # over an fp8 cache the dots run in the query's dtype: fp32 queries take fp32 tiles (the per-step
+    # plan only knows the cache)
+    fp32_over_fp8 = kv_cache.dtype in FP8_DTYPES and query.dtype == torch.float32
+    if plan is not None and fp32_over_fp8:
+        split_kv, partition_size, plan = plan.split, plan.partition_size, None
     if plan is None:
         plan = plan_attention(num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_qpk=num_qpk,
                               max_query_len=max_query_len, max_seq_len=max_seq_len, head_size=head_size,
-                              head_size_v=head_size_v, dtype=kv_cache.dtype,
+                              head_size_v=head_size_v, dtype=kv_cache.dtype, query_dtype=query.dtype,
                               num_compute_units=(num_compute_units(query.device) if num_compute_units_ is None
                                                  else num_compute_units_),
                               block_size=block_size, split_kv=split_kv, partition_size=partition_size,
