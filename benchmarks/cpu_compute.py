@@ -15,6 +15,9 @@ in 8-lane FMAs per second per core. "% of FMA peak" = needed 8-lane FMAs / time 
 Variants (name=EXTRA_CFLAGS, ';'-separated) are built side by side (KVMULTI_CPU_EXTRA_CFLAGS) and
 their timings alternate in rounds in this one process; each figure is the minimum over all calls
 (the 2 cores are shared with other jobs, so the minimum is the least disturbed call).
+
+``--cold`` times benchmarks/attention.py's own case instead (scattered blocks, 1 GiB written before
+every call; medians), over a bf16 or, with ``--dtype e4m3|e5m2``, an fp8 cache (bf16 queries).
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ import torch
 import kvmulti
 from kvmulti.backends.cpu import CPUBackend
 from kvmulti.backends.cpu import native as cpu_native
+from kvmulti.fp8 import FP8_DTYPES
 
 HQ, HKV, HEAD = 8, 2, 64
+CACHE_DTYPES = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
 def fma_peak() -> float | None:
@@ -66,12 +71,13 @@ def build_case(order: str, block_size: int, reqs: int, seq: int, resident_keys: 
     return layout, cache, md, query, out
 
 
-def build_cold_case(order: str, block_size: int, reqs: int, seq: int):
-    """The benchmark's own decode case (benchmarks/attention.py): scattered blocks, huge-page cache."""
+def build_cold_case(order: str, block_size: int, reqs: int, seq: int, dtype: torch.dtype = torch.bfloat16):
+    """The benchmark's own decode case (benchmarks/attention.py): scattered blocks, huge-page cache;
+    ``dtype``: the cache's (an fp8 cache gets bf16 queries and scales of 1)."""
     import sys
     sys.path.insert(0, str(Path(__file__).parent))
     import attention
-    layout, cache, md, query, _ = attention.build(f"decode {reqs}x{seq}", torch.bfloat16, block_size, order)
+    layout, cache, md, query, _ = attention.build(f"decode {reqs}x{seq}", dtype, block_size, order)
     return layout, cache, md, query, torch.zeros_like(query)
 
 
@@ -101,6 +107,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=40, help="timed calls per variant and round")
     ap.add_argument("--isa", default=None)
+    ap.add_argument("--dtype", default="bf16", choices=sorted(CACHE_DTYPES),
+                    help="the cache's dtype (--cold only; fp8 caches read with bf16 queries)")
     ap.add_argument("--cold", action="store_true",
                     help="the benchmark's real case (scattered blocks), 1 GiB written before every call; "
                          "figures are the median of all calls")
@@ -118,8 +126,12 @@ def main() -> None:
           + (f"{peak / 1e9:.2f} G 8-lane FMA/s" if peak else "unknown (no cc)")
           + f"; needed per call: {fmas / 1e6:.2f} M 8-lane FMAs")
     for order in args.orders.split(","):
+        scales = {}
         if args.cold:
-            layout, cache, md, query, out = build_cold_case(order, args.block_size, args.reqs, args.seq)
+            layout, cache, md, query, out = build_cold_case(order, args.block_size, args.reqs, args.seq,
+                                                            CACHE_DTYPES[args.dtype])
+            if CACHE_DTYPES[args.dtype] in FP8_DTYPES:
+                scales = dict(k_scale=torch.ones(HKV), v_scale=torch.ones(HKV))
             flush = torch.empty(2**28, dtype=torch.float32)
         else:
             layout, cache, md, query, out = build_case(order, args.block_size, args.reqs, args.seq, args.resident_keys)
@@ -128,7 +140,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, module in variants.items():
                 step = variant_step(backend, module, md, layout, args.isa)
-                fn = lambda: backend.paged_attention(query, cache, step, HEAD ** -0.5, None, out)
+                fn = lambda: backend.paged_attention(query, cache, step, HEAD ** -0.5, None, out, **scales)
                 fn()
                 for i in range(args.calls):
                     if args.cold:
