@@ -11,7 +11,7 @@ Two kernels serve every batch:
   ``query_start_loc[i] // block_q + i``). It walks the keys in tiles of ``TILE_N`` positions;
   per position it computes block id (through the block table) and offset in the block, so a tile
   never assumes ``TILE_N == block_size`` and any block size >= 1 works. A tile that lies in one
-  block or covers ``TABLE_READS`` (<= 4) whole blocks reads the table once per block, as scalars
+  block or covers ``TABLE_READS`` (<= 8) whole blocks reads the table once per block, as scalars
   (uniform registers; 0: one read per key position). Keys are addressed
   through the cache's named strides (block, token, head; content stride 1), so both NHD and HND
   caches are read in place. Causal masking uses positions (a request's new tokens are its last
