@@ -60,6 +60,14 @@ _SUM = tl.standard._sum_combine
 
 
 @triton.jit
+def _table_entry(bt_row, stride_bn, first, SPAN: tl.constexpr, k_lo, k_end, BLOCK_SIZE: tl.constexpr):
+    """The block-table entry of the block holding key position ``first`` (a scalar), read only when
+    the keys [first, first + SPAN) meet [k_lo, k_end); else -1."""
+    return tl.load(bt_row + (first // BLOCK_SIZE) * stride_bn, mask=(first < k_end) & (first + SPAN > k_lo),
+                   other=-1)
+
+
+@triton.jit
 def unified_attention_kernel(
     q_ptr, kv_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
@@ -150,13 +158,10 @@ def unified_attention_kernel(
             # The tile lies in one block or covers TABLE_READS whole ones: one scalar table read per
             # block (a uniform value) instead of one per key position.
             SPAN: tl.constexpr = TILE_N // TABLE_READS
-            blk = tl.load(bt_row + (start // BLOCK_SIZE) * stride_bn,
-                          mask=(start < k_end) & (start + SPAN > k_lo), other=-1)
+            blk = _table_entry(bt_row, stride_bn, start, SPAN, k_lo, k_end, BLOCK_SIZE)
             for j in tl.static_range(1, TABLE_READS):
-                first = start + j * SPAN
-                blk_j = tl.load(bt_row + (first // BLOCK_SIZE) * stride_bn,
-                                mask=(first < k_end) & (first + SPAN > k_lo), other=-1)
-                blk = tl.where(offs_n >= j * SPAN, blk_j, blk)
+                blk = tl.where(offs_n >= j * SPAN,
+                               _table_entry(bt_row, stride_bn, start + j * SPAN, SPAN, k_lo, k_end, BLOCK_SIZE), blk)
         else:
             blk = tl.load(bt_row + (k_pos // BLOCK_SIZE) * stride_bn, mask=in_range, other=0)
         # A block id outside the cache: a masked key. (A scalar blk goes through tl.where: the
