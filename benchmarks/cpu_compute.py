@@ -113,6 +113,8 @@ def main() -> None:
                     help="the benchmark's real case (scattered blocks), 1 GiB written before every call; "
                          "figures are the median of all calls")
     args = ap.parse_args()
+    if args.dtype != "bf16" and not args.cold:
+        ap.error("--dtype applies to --cold only (the compute-only case is bf16)")
 
     variants = {}
     for item in filter(None, (s.strip() for s in args.variants.split(";"))):
