@@ -470,13 +470,22 @@ static inline void row_block(const float* Q, const uint16_t* Qb, int dp, float* 
 // (high half), so (u << 16) and (u & 0xffff0000) are the even and odd elements in fp32. Q and O
 // rows are kept "pair-permuted" to match ([evens | odds] per 2W group) and O is restored at the end.
 // fp32 / fp16 rows stay in natural order. With avx512bf16 (KV_BF16DOT), QK of bf16 uses vdpbf16ps
-// on the raw bf16 query (unscaled; the scale is applied to the scores).
+// on the raw bf16 query (unscaled; the scale is applied to the scores), and so does P.V of a bf16
+// query (pv_direct_dot: bf16 probabilities, two keys per instruction; O rows then in pvdot order).
 constexpr int kPair = 2 * KV_W;
 constexpr int kDirectMaxRows = 2 * kRowBlock;
 #if (defined(KV_BF16DOT) || defined(KV_BF16DOT_EMULATE)) && KV_W == 16
 #define KV_DIRECT_DOT 1
 #else
 #define KV_DIRECT_DOT 0
+#endif
+// P.V of bf16 caches on bf16 dots too (pv_direct_dot; the probabilities rounded to bf16, as flash
+// attention kernels do on GPUs); KV_PV_DOT=0: fp32 FMAs on widened V.
+#ifndef KV_PV_DOT
+#define KV_PV_DOT KV_DIRECT_DOT
+#elif KV_PV_DOT && !KV_DIRECT_DOT
+#undef KV_PV_DOT
+#define KV_PV_DOT 0
 #endif
 
 template <int DT> static inline void load_pair(const typename Elem<DT>::T* p, vf& lo, vf& hi) {
@@ -682,6 +691,99 @@ static inline void pv_direct(float* O, int Dv, int d0, const DirectCtx& c, const
     for (int q = 0; q < 2 * NC; ++q) vstore(O + r * Dv + d0 + q * KV_W, acc[r][q]);
 }
 
+// Element (within a kPair group) at O position p when P.V runs on bf16 dots.
+constexpr int pvdot_src(int p) { return 8 * ((p % KV_W) / 4) + (p >= KV_W ? 4 : 0) + p % 4; }
+// The same for fp8 through the byte tables (a group of kLutGroup): the word pvdot_src gives, of
+// fp8_lut64's a (first kPair positions) or b, in lut_bf16_src order.
+constexpr int pvdot_lut_src(int p) { return lut_bf16_src((p / kPair) * kPair + pvdot_src(p % kPair)); }
+
+#if KV_PV_DOT
+// P.V of a bf16 cache with bf16 dots: one vdpbf16ps takes two keys. The V rows of keys j and j + 1
+// are interleaved word by word (within 128-bit lanes, as vpunpck{l,h}wd do), and Pw holds each
+// row's probabilities of the key pair as one bf16 pair (pv_pairs). O's lanes: pvdot_src order.
+static KV_INLINE void interleave_words(vu a, vu b, vu& lo, vu& hi) {
+#if defined(KV_BF16DOT) && !defined(KV_PORTABLE_VECTORS)
+  lo = (vu)_mm512_unpacklo_epi16((__m512i)a, (__m512i)b);
+  hi = (vu)_mm512_unpackhi_epi16((__m512i)a, (__m512i)b);
+#else
+  // 32-bit lane i of lo: words 8 (i / 4) + i % 4 of a (low half) and b (high half); hi: + 4.
+  vu wa_lo, wb_lo, wa_hi, wb_hi;
+  for (int i = 0; i < KV_W; ++i) {
+    const int w = 8 * (i / 4) + i % 4;
+    wa_lo[i] = (a[w / 2] >> (16 * (w % 2))) & 0xffffu;
+    wb_lo[i] = (b[w / 2] >> (16 * (w % 2))) & 0xffffu;
+    wa_hi[i] = (a[(w + 4) / 2] >> (16 * (w % 2))) & 0xffffu;
+    wb_hi[i] = (b[(w + 4) / 2] >> (16 * (w % 2))) & 0xffffu;
+  }
+  lo = wa_lo | (wb_lo << 16);
+  hi = wa_hi | (wb_hi << 16);
+#endif
+}
+// Probabilities of one key group (lane L: row L % RR, key L / RR) as bf16 pairs, rounded to
+// nearest even: word q x RR + r = (p[key 2q][r], p[key 2q + 1][r]); KV_W / 2 words.
+template <int RR, int... I> static KV_INLINE void pv_pairs(vf p, uint32_t* dst, std::integer_sequence<int, I...>) {
+  vu b = (vu)p;
+  b = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;     // p >= 0 or a quiet NaN: no overflow into inf
+  const vu lo = __builtin_shuffle(b, vu{uint32_t((2 * ((I % (KV_W / 2)) / RR)) * RR + I % RR)...});
+  const vu hi = __builtin_shuffle(b, vu{uint32_t((2 * ((I % (KV_W / 2)) / RR) + 1) * RR + I % RR)...});
+  const vu w = lo | (hi << 16);
+  __builtin_memcpy(dst, &w, sizeof(uint32_t) * (KV_W / 2));
+}
+
+// DT: kBF16, or an fp8 format read through the byte tables (LUT; NC even: whole lut groups).
+template <int RR, int NC, int DT, bool LUT>
+static inline void pv_direct_dot(float* O, int Dv, int d0, const DirectCtx& c, const uint32_t* Pw, const float* alpha) {
+  using T = typename Elem<DT>::T;
+  const int voff = c.voff + d0;
+  vf acc[RR][2 * NC];
+#pragma GCC unroll 4
+  for (int r = 0; r < RR; ++r)
+#pragma GCC unroll 8
+    for (int q = 0; q < 2 * NC; ++q) acc[r][q] = vload(O + r * Dv + d0 + q * KV_W) * alpha[r];
+  // Keys past n are zero rows with probability 0 (a key group is an even number of keys).
+  for (int j = 0; j < c.n; j += 2) {
+    const T* v0 = static_cast<const T*>(c.kr[j]) + voff;
+    const T* v1 = static_cast<const T*>(c.kr[j + 1]) + voff;
+    vu lo[NC], hi[NC];
+    if constexpr (LUT) {
+#if KV_FP8_LUT
+      static_assert(NC % 2 == 0, "a lut group is two pairs");
+#pragma GCC unroll 4
+      for (int q = 0; q < NC / 2; ++q) {   // words of the two keys: a (then b) of fp8_lut64
+        vu a0, b0, a1, b1;
+        fp8_lut64<DT>(v0 + q * kLutGroup, a0, b0);
+        fp8_lut64<DT>(v1 + q * kLutGroup, a1, b1);
+        interleave_words(a0, a1, lo[2 * q], hi[2 * q]);
+        interleave_words(b0, b1, lo[2 * q + 1], hi[2 * q + 1]);
+      }
+#endif
+    } else {
+#pragma GCC unroll 4
+      for (int q = 0; q < NC; ++q) {
+        vu a, b;
+        __builtin_memcpy(&a, v0 + q * kPair, sizeof a);
+        __builtin_memcpy(&b, v1 + q * kPair, sizeof b);
+        interleave_words(a, b, lo[q], hi[q]);
+      }
+    }
+    const uint32_t* pw = Pw + (j / 2) * RR;
+#pragma GCC unroll 4
+    for (int r = 0; r < RR; ++r) {
+      const vu pr = vu{} + pw[r];
+#pragma GCC unroll 4
+      for (int q = 0; q < NC; ++q) {
+        acc[r][2 * q] = dot2_bf16(acc[r][2 * q], pr, lo[q]);
+        acc[r][2 * q + 1] = dot2_bf16(acc[r][2 * q + 1], pr, hi[q]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RR; ++r)
+#pragma GCC unroll 8
+    for (int q = 0; q < 2 * NC; ++q) vstore(O + r * Dv + d0 + q * KV_W, acc[r][q]);
+}
+#endif
+
 // Q: RR fp32 rows (stride D, pre-scaled, pair-permuted for bf16); Qb: raw bf16 rows (stride D) for
 // the dot path or null; O: RR rows (stride Dv); m / l: running max / sum; pos: row positions.
 // ND / NV: head_size / head_size_v in kPair steps when known at compile time (full unrolling), else 0.
@@ -833,8 +935,16 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
   // A row with nothing visible yet (max -inf) subtracts 0: its scores are all -inf, so its p are 0.
   const vf msub = mnew == vsplat(ninf) ? vsplat(0.0f) : mnew;
   vf sum = vsplat(0.0f);
+#if KV_PV_DOT
+  const bool pvdot = (DT == kBF16 || LUT) && Qb;
+  uint32_t Pw[kChunk / 2 * (KV_W / 2) + KV_W];   // bf16 pairs: word (key pair) x RR + row
+#endif
   for (int g = 0; g < nv; ++g) {
     const vf p = vexp_nonpos(vload(c.St + g * KV_W) - msub);
+#if KV_PV_DOT
+    if (pvdot) pv_pairs<RR>(p, Pw + g * (KV_W / 2), std::make_integer_sequence<int, KV_W>{});
+    else
+#endif
     vstore(c.St + g * KV_W, p);
     sum += p;
   }
@@ -855,6 +965,15 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
   constexpr int NC = (KV_W == 16 ? 2 : 1) * (RR == 4 ? 1 : 2);
   constexpr int NC_TAIL = LUT ? 2 : 1;   // a lut group is two pairs
   int d0 = 0;
+#if KV_PV_DOT
+  if (pvdot) {
+#pragma GCC unroll 8
+    for (; d0 + NC * kPair <= Dv; d0 += NC * kPair) pv_direct_dot<RR, NC, DT, LUT>(O, Dv, d0, c, Pw, alpha);
+    if constexpr (NC > NC_TAIL)
+      for (; d0 < Dv; d0 += NC_TAIL * kPair) pv_direct_dot<RR, NC_TAIL, DT, LUT>(O, Dv, d0, c, Pw, alpha);
+    return;
+  }
+#endif
 #pragma GCC unroll 8
   for (; d0 + NC * kPair <= Dv; d0 += NC * kPair) pv_direct<RR, NC, DT, LUT>(O, Dv, d0, c, alpha);
   if constexpr (NC > NC_TAIL)
@@ -927,6 +1046,8 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   if (QT == kBF16 && lut) Qb = reinterpret_cast<uint16_t*>(S + 2 * kRowBlock * kChunk);   // fp8: bf16 dots
 
   const bool direct_k = (CT == kF32 && D == dp) || Qb != nullptr || direct, direct_v = Dv == dvp && !fp8;
+  // P.V on bf16 dots (pv_direct_dot: row_block_direct takes it exactly when it has bf16 Q rows).
+  const bool pvdot = KV_PV_DOT && direct && (CT == kBF16 || lut) && Qb != nullptr;
   std::memset(zero, 0, sizeof(float) * (dp > dvp ? dp : dvp));
   if (!direct_k && D != dp) std::memset(Kc, 0, sizeof(float) * kChunk * dp);
   if (!direct_v && Dv != dvp) std::memset(Vc, 0, sizeof(float) * kChunk * dvp);
@@ -995,10 +1116,16 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   int pos[kRowBlock];
 
   // When a KV head's token rows are further apart than a row (NHD: num_kv_heads x (D + Dv) elements),
-  // a 64-key chunk's K and V lines (plus the next chunk's, prefetched) crowd into a fraction of the
-  // L1 sets; the direct path then walks 32-key chunks (NHD compute-only ~10% faster on the AVX2 host;
-  // HND keeps 64, where 32 measured slower: twice the per-chunk work).
-  const int chunk = direct && P.s_token > D + Dv ? kChunk / 2 : kChunk;
+  // its lines use only a fraction of the L1 sets: with 64 rows KV_HALF_CHUNK_STRIDE bytes apart or
+  // more, a chunk's K and V lines (plus the next chunk's, prefetched) crowd them, and the direct path
+  // walks 32-key chunks instead. Cold decode 32x1024, NHD, 2 KV heads, head 64 (benchmarks/cpu_compute.py
+  // --cold, Zen 4): bf16 (512-byte stride) 32-key chunks 0.81 / 1.01 ms against 0.83 / 1.06 ms for 64
+  // (blocks 128 / 16); e4m3 (256 bytes) 0.62 / 0.65 ms against 0.58 / 0.63 ms. HND keeps 64.
+#ifndef KV_HALF_CHUNK_STRIDE
+#define KV_HALF_CHUNK_STRIDE 512
+#endif
+  const int chunk = direct && P.s_token > D + Dv && P.s_token * int64_t(sizeof(T)) >= KV_HALF_CHUNK_STRIDE
+                        ? kChunk / 2 : kChunk;
   // Chunk k's row pointers into its slot; its key count. Past the item's end, the chunks of the item
   // this thread runs next (prefetched, never computed here), so the prefetch distance holds across
   // items; 0 past those too.
@@ -1115,8 +1242,10 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   for (int r = 0; r < M; ++r) {
     const int hh = r / Mh, rr = r % Mh;
     float* o = Os + (int64_t(hh) * Mhp + rr) * dvp;
-    if (permuted) unpermute_rows<kPair>(o, Dv, pair_src);
-    if (lut) unpermute_rows<kLutGroup>(o, Dv, lut_f32_src);
+    if (pvdot && lut) unpermute_rows<kLutGroup>(o, Dv, pvdot_lut_src);
+    else if (pvdot) unpermute_rows<kPair>(o, Dv, pvdot_src);
+    else if (permuted) unpermute_rows<kPair>(o, Dv, pair_src);
+    else if (lut) unpermute_rows<kLutGroup>(o, Dv, lut_f32_src);
     const float m = mrow[hh * Mhp + rr], l = lrow[hh * Mhp + rr];
     if (fp8) {
       const float vs = v_scale(hh);
