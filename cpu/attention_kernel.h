@@ -654,15 +654,27 @@ static inline void prefetch_rows_any(const void* const* rows, int j0, int n, int
   }
 }
 
+// The N O vectors from element d0 of RR rows (stride Dv), rescaled by each row's alpha, and back.
+template <int RR, int N> static KV_INLINE void load_o_rows(vf (&acc)[RR][N], const float* O, int Dv, int d0,
+                                                          const float* alpha) {
+#pragma GCC unroll 4
+  for (int r = 0; r < RR; ++r)
+#pragma GCC unroll 8
+    for (int q = 0; q < N; ++q) acc[r][q] = vload(O + r * Dv + d0 + q * KV_W) * alpha[r];
+}
+template <int RR, int N> static KV_INLINE void store_o_rows(const vf (&acc)[RR][N], float* O, int Dv, int d0) {
+#pragma GCC unroll 4
+  for (int r = 0; r < RR; ++r)
+#pragma GCC unroll 8
+    for (int q = 0; q < N; ++q) vstore(O + r * Dv + d0 + q * KV_W, acc[r][q]);
+}
+
 template <int RR, int NC, int DT, bool LUT = false>
 static inline void pv_direct(float* O, int Dv, int d0, const DirectCtx& c, const float* alpha) {
   using T = typename Elem<DT>::T;
   const int voff = c.voff + d0;
   vf acc[RR][2 * NC];
-#pragma GCC unroll 4
-  for (int r = 0; r < RR; ++r)
-#pragma GCC unroll 8
-    for (int q = 0; q < 2 * NC; ++q) acc[r][q] = vload(O + r * Dv + d0 + q * KV_W) * alpha[r];
+  load_o_rows<RR, 2 * NC>(acc, O, Dv, d0, alpha);
 #pragma GCC unroll 2
   for (int j = 0; j < c.n; ++j) {
     const T* v = static_cast<const T*>(c.kr[j]) + voff;
@@ -685,10 +697,7 @@ static inline void pv_direct(float* O, int Dv, int d0, const DirectCtx& c, const
       for (int q = 0; q < 2 * NC; ++q) acc[r][q] += pr * vv[q];
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < RR; ++r)
-#pragma GCC unroll 8
-    for (int q = 0; q < 2 * NC; ++q) vstore(O + r * Dv + d0 + q * KV_W, acc[r][q]);
+  store_o_rows<RR, 2 * NC>(acc, O, Dv, d0);
 }
 
 // Element (within a kPair group) at O position p when P.V runs on bf16 dots.
@@ -736,10 +745,7 @@ static inline void pv_direct_dot(float* O, int Dv, int d0, const DirectCtx& c, c
   using T = typename Elem<DT>::T;
   const int voff = c.voff + d0;
   vf acc[RR][2 * NC];
-#pragma GCC unroll 4
-  for (int r = 0; r < RR; ++r)
-#pragma GCC unroll 8
-    for (int q = 0; q < 2 * NC; ++q) acc[r][q] = vload(O + r * Dv + d0 + q * KV_W) * alpha[r];
+  load_o_rows<RR, 2 * NC>(acc, O, Dv, d0, alpha);
   // Keys past n are zero rows with probability 0 (a key group is an even number of keys).
   for (int j = 0; j < c.n; j += 2) {
     const T* v0 = static_cast<const T*>(c.kr[j]) + voff;
@@ -777,10 +783,7 @@ static inline void pv_direct_dot(float* O, int Dv, int d0, const DirectCtx& c, c
       }
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < RR; ++r)
-#pragma GCC unroll 8
-    for (int q = 0; q < 2 * NC; ++q) vstore(O + r * Dv + d0 + q * KV_W, acc[r][q]);
+  store_o_rows<RR, 2 * NC>(acc, O, Dv, d0);
 }
 #endif
 
