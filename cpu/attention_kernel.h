@@ -487,6 +487,11 @@ constexpr int kDirectMaxRows = 2 * kRowBlock;
 #undef KV_PV_DOT
 #define KV_PV_DOT 0
 #endif
+// The one rule for it, used where P.V runs (row_block_direct) and where O's order is undone
+// (run_item_t): bf16 query rows over a bf16 cache, or over fp8 read through the byte tables.
+static constexpr bool pv_on_dots(int cache_dt, bool lut, bool bf16_query_rows) {
+  return KV_PV_DOT && (cache_dt == kBF16 || lut) && bf16_query_rows;
+}
 
 template <int DT> static inline void load_pair(const typename Elem<DT>::T* p, vf& lo, vf& hi) {
   if constexpr (DT == kBF16) {
@@ -939,7 +944,7 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
   const vf msub = mnew == vsplat(ninf) ? vsplat(0.0f) : mnew;
   vf sum = vsplat(0.0f);
 #if KV_PV_DOT
-  const bool pvdot = (DT == kBF16 || LUT) && Qb;
+  const bool pvdot = pv_on_dots(DT, LUT, Qb != nullptr);
   uint32_t Pw[kChunk / 2 * (KV_W / 2) + KV_W];   // bf16 pairs: word (key pair) x RR + row
 #endif
   for (int g = 0; g < nv; ++g) {
@@ -1049,8 +1054,8 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   if (QT == kBF16 && lut) Qb = reinterpret_cast<uint16_t*>(S + 2 * kRowBlock * kChunk);   // fp8: bf16 dots
 
   const bool direct_k = (CT == kF32 && D == dp) || Qb != nullptr || direct, direct_v = Dv == dvp && !fp8;
-  // P.V on bf16 dots (pv_direct_dot: row_block_direct takes it exactly when it has bf16 Q rows).
-  const bool pvdot = KV_PV_DOT && direct && (CT == kBF16 || lut) && Qb != nullptr;
+  // P.V on bf16 dots (pv_direct_dot, on the direct path): O rows in its order.
+  const bool pvdot = direct && pv_on_dots(CT, lut, Qb != nullptr);
   std::memset(zero, 0, sizeof(float) * (dp > dvp ? dp : dvp));
   if (!direct_k && D != dp) std::memset(Kc, 0, sizeof(float) * kChunk * dp);
   if (!direct_v && Dv != dvp) std::memset(Vc, 0, sizeof(float) * kChunk * dvp);
