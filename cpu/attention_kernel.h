@@ -34,6 +34,14 @@
 #ifndef KV_PREFETCH_NEXT_ITEM
 #define KV_PREFETCH_NEXT_ITEM KV_PREFETCH_DIST
 #endif
+// The prefetch of a chunk's rows is spread over the chunk before it: KV_PREFETCH_SPLIT quarters of each
+// row's lines while that chunk's scores are computed, the rest during its P.V (direct path; the other
+// path requests all lines at once). Cold decode 32x1024, block 16 (benchmarks/cpu_compute.py --cold,
+// Zen 4, alternating builds): 2 quarters 0.80 / 0.92 ms against 0.85 / 0.94 ms for all lines during
+// the scores (4), HND / NHD; all during P.V (0) 0.91 / 0.97 ms.
+#ifndef KV_PREFETCH_SPLIT
+#define KV_PREFETCH_SPLIT 2
+#endif
 #ifndef KV_PREFETCH_LEVEL
 #define KV_PREFETCH_LEVEL 1
 #endif
@@ -674,6 +682,16 @@ template <int RR, int N> static KV_INLINE void store_o_rows(const vf (&acc)[RR][
     for (int q = 0; q < N; ++q) vstore(O + r * Dv + d0 + q * KV_W, acc[r][q]);
 }
 
+// The lines of a prefetched row requested during QK; P.V requests the rest (prefetch_pv_lines).
+static constexpr int qk_prefetch_lines(int lines) { return KV_PREFETCH ? lines * KV_PREFETCH_SPLIT / 4 : 0; }
+// P.V's share of the prefetch: rows [j, j + n) ahead, lines from qk_prefetch_lines on.
+static KV_INLINE void prefetch_pv_lines(const DirectCtx& c, int j, int n) {
+  if (KV_PREFETCH_SPLIT >= 4 || j >= c.pf_n) return;
+  for (int jj = j; jj < std::min(j + n, c.pf_n); ++jj)
+    for (int b = qk_prefetch_lines(c.pf_lines); b < c.pf_lines; ++b)
+      prefetch_line(static_cast<const char*>(c.pf[jj]) + b * 64);
+}
+
 template <int RR, int NC, int DT, bool LUT = false>
 static inline void pv_direct(float* O, int Dv, int d0, const DirectCtx& c, const float* alpha) {
   using T = typename Elem<DT>::T;
@@ -682,6 +700,7 @@ static inline void pv_direct(float* O, int Dv, int d0, const DirectCtx& c, const
   load_o_rows<RR, 2 * NC>(acc, O, Dv, d0, alpha);
 #pragma GCC unroll 2
   for (int j = 0; j < c.n; ++j) {
+    if (d0 == 0) prefetch_pv_lines(c, j, 1);
     const T* v = static_cast<const T*>(c.kr[j]) + voff;
     vf vv[2 * NC];
     if constexpr (LUT) {
@@ -753,6 +772,7 @@ static inline void pv_direct_dot(float* O, int Dv, int d0, const DirectCtx& c, c
   load_o_rows<RR, 2 * NC>(acc, O, Dv, d0, alpha);
   // Keys past n are zero rows with probability 0 (a key group is an even number of keys).
   for (int j = 0; j < c.n; j += 2) {
+    if (d0 == 0) prefetch_pv_lines(c, j, 2);
     const T* v0 = static_cast<const T*>(c.kr[j]) + voff;
     const T* v1 = static_cast<const T*>(c.kr[j + 1]) + voff;
     vu lo[NC], hi[NC];
@@ -850,7 +870,7 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
   vf mx = vsplat(ninf);
   for (int g = 0; g < nv; ++g) {
 #if KV_PREFETCH
-    if (g * KG < c.pf_n) prefetch_rows_any(c.pf, g * KG, std::min(KG, c.pf_n - g * KG), c.pf_lines);
+    if (g * KG < c.pf_n) prefetch_rows_any(c.pf, g * KG, std::min(KG, c.pf_n - g * KG), qk_prefetch_lines(c.pf_lines));
 #endif
     vf acc[KV_W];
     const T* kp[KG];
@@ -972,6 +992,11 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
   // P.V: NC pairs of V vectors per pass (as many accumulators as the registers hold).
   constexpr int NC = (KV_W == 16 ? 2 : 1) * (RR == 4 ? 1 : 2);
   constexpr int NC_TAIL = LUT ? 2 : 1;   // a lut group is two pairs
+#if KV_PREFETCH
+  // Rows ahead that this chunk's key loops do not reach (a short chunk before a full one).
+  if (c.pf_n > nv * KG) prefetch_rows_any(c.pf, nv * KG, c.pf_n - nv * KG, c.pf_lines);
+  prefetch_pv_lines(c, c.n, nv * KG - c.n);
+#endif
   int d0 = 0;
 #if KV_PV_DOT
   if (pvdot) {
