@@ -725,12 +725,18 @@ template <int RR, int N> static KV_INLINE void store_o_rows(const vf (&acc)[RR][
 
 // The lines of a prefetched row requested during QK; P.V requests the rest (prefetch_pv_lines).
 static constexpr int qk_prefetch_lines(int lines) { return KV_PREFETCH ? lines * KV_PREFETCH_SPLIT / 4 : 0; }
-// P.V's share of the prefetch: rows [j, j + n) ahead, lines from qk_prefetch_lines on.
+// P.V's share of the prefetch: rows [j, j + n) ahead, lines from qk_prefetch_lines on, requested every
+// kPvPrefetchKeys keys of the bf16-dot P.V (pv_direct_dot). The FMA P.V (fp32 / fp16 queries or caches)
+// requests none: there the QK loop requests all lines, since the split cost small hot fp32 decode calls
+// (benchmarks/layer_call.py --dtype fp32) 2-5 us, 8-20%.
+constexpr int kPvPrefetchKeys = 4;
 static KV_INLINE void prefetch_pv_lines(const DirectCtx& c, int j, int n) {
   if (KV_PREFETCH_SPLIT >= 4 || j >= c.pf_n) return;
-  for (int jj = j; jj < std::min(j + n, c.pf_n); ++jj)
-    for (int b = qk_prefetch_lines(c.pf_lines); b < c.pf_lines; ++b)
-      prefetch_line(static_cast<const char*>(c.pf[jj]) + b * 64);
+  const int first = qk_prefetch_lines(c.pf_lines);
+  const void* rows[kChunk];
+  const int e = std::min(j + n, c.pf_n);
+  for (int jj = j; jj < e; ++jj) rows[jj - j] = static_cast<const char*>(c.pf[jj]) + first * 64;
+  prefetch_rows_any(rows, 0, e - j, c.pf_lines - first);
 }
 
 template <int RR, int NC, int DT, bool LUT = false>
@@ -741,7 +747,6 @@ static inline void pv_direct(float* O, int Dv, int d0, const DirectCtx& c, const
   load_o_rows<RR, 2 * NC>(acc, O, Dv, d0, alpha);
 #pragma GCC unroll 2
   for (int j = 0; j < c.n; ++j) {
-    if (d0 == 0) prefetch_pv_lines(c, j, 1);
     const T* v = static_cast<const T*>(c.kr[j]) + voff;
     vf vv[2 * NC];
     if constexpr (LUT) {
@@ -813,7 +818,7 @@ static inline void pv_direct_dot(float* O, int Dv, int d0, const DirectCtx& c, c
   load_o_rows<RR, 2 * NC>(acc, O, Dv, d0, alpha);
   // Keys past n are zero rows with probability 0 (a key group is an even number of keys).
   for (int j = 0; j < c.n; j += 2) {
-    if (d0 == 0) prefetch_pv_lines(c, j, 2);
+    if (d0 == 0 && j % kPvPrefetchKeys == 0) prefetch_pv_lines(c, j, kPvPrefetchKeys);
     const T* v0 = static_cast<const T*>(c.kr[j]) + voff;
     const T* v1 = static_cast<const T*>(c.kr[j + 1]) + voff;
     vu lo[NC], hi[NC];
@@ -908,10 +913,16 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
   __builtin_memcpy(&lr.pos, pt, sizeof lr.pos);
   __builtin_memcpy(&lr.key, kt, sizeof lr.key);
   const bool plain = c.qk_scale == 1.0f && !(c.softcap > 0.0f) && !c.need_mask;
+#if KV_PV_DOT
+  const bool pvdot = pv_on_dots(DT, LUT, Qb != nullptr);
+#else
+  constexpr bool pvdot = false;
+#endif
+  const int qk_lines = pvdot ? qk_prefetch_lines(c.pf_lines) : c.pf_lines;   // the rest: pv_direct_dot
   vf mx = vsplat(ninf);
   for (int g = 0; g < nv; ++g) {
 #if KV_PREFETCH
-    if (g * KG < c.pf_n) prefetch_rows_any(c.pf, g * KG, std::min(KG, c.pf_n - g * KG), qk_prefetch_lines(c.pf_lines));
+    if (g * KG < c.pf_n) prefetch_rows_any(c.pf, g * KG, std::min(KG, c.pf_n - g * KG), qk_lines);
 #endif
     vf acc[KV_W];
     const T* kp[KG];
@@ -1020,7 +1031,6 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
   const vf msub = mnew == vsplat(ninf) ? vsplat(0.0f) : mnew;
   vf sum = vsplat(0.0f);
 #if KV_PV_DOT
-  const bool pvdot = pv_on_dots(DT, LUT, Qb != nullptr);
   uint32_t Pw[kChunk / 2 * (KV_W / 2) + KV_W];   // bf16 pairs: word (key pair) x RR + row
 #endif
   for (int g = 0; g < nv; ++g) {
@@ -1051,7 +1061,7 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
 #if KV_PREFETCH
   // Rows ahead that this chunk's key loops do not reach (a short chunk before a full one).
   if (c.pf_n > nv * KG) prefetch_rows_any(c.pf, nv * KG, c.pf_n - nv * KG, c.pf_lines);
-  prefetch_pv_lines(c, c.n, nv * KG - c.n);
+  if (pvdot) prefetch_pv_lines(c, c.n, nv * KG - c.n);
 #endif
   int d0 = 0;
 #if KV_PV_DOT
