@@ -35,8 +35,8 @@
 #define KV_PREFETCH_NEXT_ITEM KV_PREFETCH_DIST
 #endif
 // The prefetch of a chunk's rows is spread over the chunk before it: KV_PREFETCH_SPLIT quarters of each
-// row's lines while that chunk's scores are computed, the rest during its P.V (direct path; the other
-// path requests all lines at once). Cold decode 32x1024, block 16 (benchmarks/cpu_compute.py --cold,
+// row's lines while that chunk's scores are computed, the rest during its P.V (the direct path's
+// bf16-dot P.V; the other paths request all lines during the scores). Cold decode 32x1024, block 16 (benchmarks/cpu_compute.py --cold,
 // Zen 4, alternating builds): 2 quarters 0.80 / 0.92 ms against 0.85 / 0.94 ms for all lines during
 // the scores (4), HND / NHD; all during P.V (0) 0.91 / 0.97 ms.
 #ifndef KV_PREFETCH_SPLIT
