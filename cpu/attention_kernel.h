@@ -689,22 +689,22 @@ static KV_INLINE void prefetch_line(const char* p) {
   __builtin_prefetch(p, 0, 3);
 #endif
 }
-// Prefetch lines [0, L) of rows [j0, j0 + n) (L fully unrolled for the common row sizes).
-template <int L> static inline void prefetch_rows(const void* const* rows, int j0, int n) {
+// Prefetch lines [from, from + L) of rows [j0, j0 + n) (L fully unrolled for the common counts).
+template <int L> static inline void prefetch_rows(const void* const* rows, int j0, int n, int from) {
   for (int j = j0; j < j0 + n; ++j) {
-    const char* p = static_cast<const char*>(rows[j]);
+    const char* p = static_cast<const char*>(rows[j]) + from * 64;
 #pragma GCC unroll 16
     for (int b = 0; b < L; ++b) prefetch_line(p + b * 64);
   }
 }
-static inline void prefetch_rows_any(const void* const* rows, int j0, int n, int lines) {
+static inline void prefetch_rows_any(const void* const* rows, int j0, int n, int lines, int from = 0) {
   switch (lines) {
-    case 2: prefetch_rows<2>(rows, j0, n); break;
-    case 4: prefetch_rows<4>(rows, j0, n); break;
-    case 8: prefetch_rows<8>(rows, j0, n); break;
+    case 2: prefetch_rows<2>(rows, j0, n, from); break;
+    case 4: prefetch_rows<4>(rows, j0, n, from); break;
+    case 8: prefetch_rows<8>(rows, j0, n, from); break;
     default:
       for (int j = j0; j < j0 + n; ++j)
-        for (int b = 0; b < lines; ++b) prefetch_line(static_cast<const char*>(rows[j]) + b * 64);
+        for (int b = from; b < from + lines; ++b) prefetch_line(static_cast<const char*>(rows[j]) + b * 64);
   }
 }
 
@@ -733,10 +733,7 @@ constexpr int kPvPrefetchKeys = 4;
 static KV_INLINE void prefetch_pv_lines(const DirectCtx& c, int j, int n) {
   if (KV_PREFETCH_SPLIT >= 4 || j >= c.pf_n) return;
   const int first = qk_prefetch_lines(c.pf_lines);
-  const void* rows[kChunk];
-  const int e = std::min(j + n, c.pf_n);
-  for (int jj = j; jj < e; ++jj) rows[jj - j] = static_cast<const char*>(c.pf[jj]) + first * 64;
-  prefetch_rows_any(rows, 0, e - j, c.pf_lines - first);
+  prefetch_rows_any(c.pf, j, std::min(j + n, c.pf_n) - j, c.pf_lines - first, first);
 }
 
 template <int RR, int NC, int DT, bool LUT = false>
@@ -913,11 +910,7 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
   __builtin_memcpy(&lr.pos, pt, sizeof lr.pos);
   __builtin_memcpy(&lr.key, kt, sizeof lr.key);
   const bool plain = c.qk_scale == 1.0f && !(c.softcap > 0.0f) && !c.need_mask;
-#if KV_PV_DOT
   const bool pvdot = pv_on_dots(DT, LUT, Qb != nullptr);
-#else
-  constexpr bool pvdot = false;
-#endif
   const int qk_lines = pvdot ? qk_prefetch_lines(c.pf_lines) : c.pf_lines;   // the rest: pv_direct_dot
   vf mx = vsplat(ninf);
   for (int g = 0; g < nv; ++g) {
@@ -1061,7 +1054,10 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
 #if KV_PREFETCH
   // Rows ahead that this chunk's key loops do not reach (a short chunk before a full one).
   if (c.pf_n > nv * KG) prefetch_rows_any(c.pf, nv * KG, c.pf_n - nv * KG, c.pf_lines);
-  if (pvdot) prefetch_pv_lines(c, c.n, nv * KG - c.n);
+  if (pvdot) {   // pv_direct_dot requests rows up to c.n rounded up to kPvPrefetchKeys
+    const int covered = (c.n + kPvPrefetchKeys - 1) / kPvPrefetchKeys * kPvPrefetchKeys;
+    prefetch_pv_lines(c, covered, nv * KG - covered);
+  }
 #endif
   int d0 = 0;
 #if KV_PV_DOT
