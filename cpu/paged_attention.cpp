@@ -268,8 +268,11 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
       while (P.num_kv_heads % heads_per_item != 0) ++heads_per_item;
     }
   }
-  int64_t total_keys = 0;
-  for (const Tile& t : tiles) total_keys += int64_t(t.hi - t.lo) * P.num_kv_heads;
+  int64_t total_keys = 0, work = 0;  // work: (query row, key) pairs over all KV heads
+  for (const Tile& t : tiles) {
+    total_keys += int64_t(t.hi - t.lo) * P.num_kv_heads;
+    work += int64_t(t.hi - t.lo) * P.num_kv_heads * t.ntok * G;
+  }
 
   int64_t part = partition_len;
   if (part <= 0) {  // aim for >= 8 items per thread, partitions of at least 512 keys x heads
@@ -319,7 +322,14 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
 
   const int64_t ws_floats = workspace_floats(max_rows, heads_per_item, P.head_size, P.head_size_v, lanes);
   const int n_items = int(items.size());
-  const int team = std::min(nthreads, n_items);
+  // A thread per KV_MIN_THREAD_WORK (query row, key) pairs at most: waking a sleeping OpenMP team
+  // costs more than a small call's arithmetic. In vLLM's engine on the tiny target (fp32, 2 threads,
+  // layers apart by the model's other work), batch 1 (~230 pairs) took 18-20 us on 2 threads and
+  // 11 us on 1; batch 8 (~1800 pairs) 43-46 us on 2 and 54-55 us on 1.
+#ifndef KV_MIN_THREAD_WORK
+#define KV_MIN_THREAD_WORK 512
+#endif
+  const int team = int(std::min<int64_t>({nthreads, n_items, std::max<int64_t>(1, work / KV_MIN_THREAD_WORK)}));
   // Dynamic scheduling, each thread claiming its next item one ahead, so that the item it runs knows
   // its successor and prefetches that one's first chunks (WorkItem::next).
   std::atomic<int> claimed{0};
