@@ -363,8 +363,8 @@ class ModelRunner:
                 slot_mapping=self._to_device(torch.from_numpy(slots)), num_reqs=r, num_actual_tokens=t,
                 max_query_len=max_q, max_seq_len=max_seq, causal=True, query_start_loc_cpu=qsl32,
                 seq_lens_cpu=seq32)
-        check_lengths(metadata[next(iter(metadata))], t, self.device)      # the groups share these tensors
-        steps = {gid: self._prepare_step(gid, md) for gid, md in metadata.items()}
+        longest = check_lengths(metadata[next(iter(metadata))], t, self.device)   # the groups share these
+        steps = {gid: self._prepare_step(gid, md, longest) for gid, md in metadata.items()}
 
         if num_logits is None and pure_decode:
             m = None                                          # decodes: one logit row each
@@ -389,12 +389,12 @@ class ModelRunner:
                          num_logits=[1] * r if m is None else m.tolist(),
                          logits_all_rows=one_each and t == r)
 
-    def _prepare_step(self, group_id: int, metadata: CommonAttentionMetadata) -> StepMetadata:
+    def _prepare_step(self, group_id: int, metadata: CommonAttentionMetadata, longest: int) -> StepMetadata:
         """The per-step hook for one group: its block table checked (the lengths it shares with the
-        other groups are checked once per step by :meth:`prepare`; the block ids come from this
-        runner's own pools), then prepared by its backend."""
+        other groups are checked once per step by :meth:`prepare`, which found the step's ``longest``
+        seq_len; the block ids come from this runner's own pools), then prepared by its backend."""
         layout, window = self.layouts[group_id], self.windows[group_id]
-        check_block_table(metadata, layout, self.device)
+        check_block_table(metadata, layout, self.device, longest)
         return self.backends[group_id].build_metadata(metadata, layout, self.config.num_attention_heads, window)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:

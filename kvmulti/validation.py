@@ -224,16 +224,17 @@ def check_metadata(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num
     ``layout`` (see the module docstring for what runs where). Raises TypeError/ValueError naming
     the field and the rule. ``check_values=False`` skips the block-id / host-copy value checks: for
     metadata whose ids come from kvmulti's own block pools (the model runner's)."""
-    check_lengths(metadata, num_query_rows, device)
-    check_block_table(metadata, layout, device)
+    longest = check_lengths(metadata, num_query_rows, device)
+    check_block_table(metadata, layout, device, longest)
     if check_values and value_checks_enabled(metadata.block_table.device):
         _check_device_values(metadata, layout, sliding_window)
 
 
-def check_lengths(metadata: CommonAttentionMetadata, num_query_rows: int, device: torch.device) -> None:
+def check_lengths(metadata: CommonAttentionMetadata, num_query_rows: int, device: torch.device) -> int:
     """The layout-independent part of :func:`check_metadata`: types and shapes of the length
     tensors, the scalar fields and the host values of ``query_start_loc`` / ``seq_lens``. KV-cache
-    groups that share those tensors (one runner's groups) need it once per step."""
+    groups that share those tensors (one runner's groups) need it once per step. Returns the
+    longest seq_len (0 without requests)."""
     if not isinstance(metadata, CommonAttentionMetadata):
         raise TypeError(f"metadata must be a kvmulti.CommonAttentionMetadata, got {type(metadata).__name__}")
     check_index("metadata.query_start_loc", metadata.query_start_loc, 1, device, (torch.int32,))
@@ -258,20 +259,22 @@ def check_lengths(metadata: CommonAttentionMetadata, num_query_rows: int, device
     if metadata.num_actual_tokens > num_query_rows:
         raise ValueError(f"query has {num_query_rows} tokens, metadata.num_actual_tokens is "
                          f"{metadata.num_actual_tokens}")
-    _check_host_values(metadata)
+    return _check_host_values(metadata)
 
 
-def check_block_table(metadata: CommonAttentionMetadata, layout: KVCacheLayout, device: torch.device) -> None:
+def check_block_table(metadata: CommonAttentionMetadata, layout: KVCacheLayout, device: torch.device,
+                      longest: int | None = None) -> None:
     """The group-specific part of :func:`check_metadata`: the block table's type, a row per request
     and enough columns for the longest request with ``layout``'s block size (after
-    :func:`check_lengths`)."""
+    :func:`check_lengths`, whose result ``longest`` is; None reads it from ``seq_lens_cpu``)."""
     check_index("metadata.block_table", metadata.block_table, 2, device, (torch.int32,))
     if metadata.block_table.shape[0] < metadata.num_reqs:
         raise ValueError(f"metadata.block_table has {metadata.block_table.shape[0]} rows for "
                          f"{metadata.num_reqs} requests")
     if not metadata.num_reqs:
         return
-    longest = int(metadata.seq_lens_cpu.max())
+    if longest is None:
+        longest = int(metadata.seq_lens_cpu.max())
     if -(-longest // layout.block_size) > metadata.block_table.shape[1]:
         raise ValueError(f"block_table has {metadata.block_table.shape[1]} columns, too narrow for "
                          f"seq_len {longest} with block_size {layout.block_size}")
@@ -296,7 +299,8 @@ def _host_extremes(qsl_t: torch.Tensor, seq_t: torch.Tensor) -> tuple[int, int, 
             int(seq.max()), bool((query_lens > seq).any()))
 
 
-def _check_host_values(metadata: CommonAttentionMetadata) -> None:
+def _check_host_values(metadata: CommonAttentionMetadata) -> int:
+    """The host copies' values against the scalar fields; returns the longest seq_len (0: none)."""
     if metadata.num_reqs == 0:
         first = last = int(metadata.query_start_loc_cpu[0])
     else:
@@ -308,7 +312,7 @@ def _check_host_values(metadata: CommonAttentionMetadata) -> None:
         raise ValueError(f"metadata.query_start_loc ends at {last} but num_actual_tokens is "
                          f"{metadata.num_actual_tokens}")
     if metadata.num_reqs == 0:
-        return
+        return 0
     if shortest_query < 0 or shortest < 0 or over:      # name the first offending request
         qsl = metadata.query_start_loc_cpu.numpy().astype(np.int64)
         seq = metadata.seq_lens_cpu.numpy().astype(np.int64)
@@ -327,6 +331,7 @@ def _check_host_values(metadata: CommonAttentionMetadata) -> None:
                          f"{longest_query}")
     if longest > metadata.max_seq_len:
         raise ValueError(f"metadata.max_seq_len {metadata.max_seq_len} is below the longest seq_len {longest}")
+    return longest
 
 
 def _check_device_values(metadata: CommonAttentionMetadata, layout: KVCacheLayout,
