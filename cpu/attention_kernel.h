@@ -1048,8 +1048,10 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
     l[r] = l[r] * alpha[r] + sm[r];
     m[r] = mn[r];
   }
-  // P.V: NC pairs of V vectors per pass (as many accumulators as the registers hold).
-  constexpr int NC = (KV_W == 16 ? 2 : 1) * (RR == 4 ? 1 : 2);
+  // P.V: NC pairs of V vectors per pass (as many accumulators as the registers hold, and no more
+  // than a head_size_v known at compile time has: one pass then, not NV passes of the tail's one pair).
+  constexpr int NC_REGS = (KV_W == 16 ? 2 : 1) * (RR == 4 ? 1 : 2);
+  constexpr int NC = NV > 0 && NV < NC_REGS ? NV : NC_REGS;
   constexpr int NC_TAIL = LUT ? 2 : 1;   // a lut group is two pairs
 #if KV_PREFETCH
   // Rows ahead that this chunk's key loops do not reach (a short chunk before a full one).
@@ -1241,7 +1243,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     // once. Chunk 0 is read at once: prefetching it too measured no faster cold and ~1 us slower per
     // small hot decode call (benchmarks/layer_call.py: 16 items of 128 keys). The item before this
     // one on this thread may have requested them already (WorkItem::prefetched).
-    if (k == 0 || (it.prefetched && k < std::min(chunks, KV_PREFETCH_NEXT_ITEM))) continue;
+    if (!P.prefetch || k == 0 || (it.prefetched && k < std::min(chunks, KV_PREFETCH_NEXT_ITEM))) continue;
     const T* head_rows[kChunk];
     for (int hh = 0; hh < (pf_lines == row_lines ? NH : 1); ++hh) {
       for (int j = 0; j < n; ++j) head_rows[j] = ring[k % kRing][j] + int64_t(hh) * P.s_head;
@@ -1259,7 +1261,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     for (int hh = 0; hh < NH; ++hh) {
       const int64_t hoff = int64_t(hh) * P.s_head;
       // Prefetch ahead with the first head (all heads' lines when they are adjacent), or per head.
-      const bool pf_now = hh == 0 || pf_lines == row_lines;
+      const bool pf_now = P.prefetch && (hh == 0 || pf_lines == row_lines);
       const int hpf_lines = pf_now ? pf_lines : 0;
       const T* const* pf_rows = ahead;
       const T* pf_h[kChunk];
