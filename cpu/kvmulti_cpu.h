@@ -39,6 +39,7 @@ struct AttnParams {
   int window;          // <= 0: no sliding window
   float softcap;       // <= 0: off
   bool causal;
+  bool prefetch;       // software prefetch of K/V rows ahead (off for calls small enough to gain nothing)
 };
 
 // One unit of parallel work: query tokens [q_row0, q_row0 + num_tokens) of one request (their

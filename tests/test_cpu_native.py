@@ -295,8 +295,10 @@ def test_kernels_never_read_workspace_they_did_not_write(native):
     # Each thread's kernel scratch is kept between calls, not cleared. Built with KV_WS_POISON, the
     # scratch is filled with NaN before every call: any read of a part the call did not write first
     # shows as NaN or a wrong number in the cases below (this CPU's best variant; the portable
-    # 16-lane build above is poisoned too).
-    env = dict(os.environ, KVMULTI_CPU_EXTRA_CFLAGS="-DKV_WS_POISON", PYTHONPATH=os.path.dirname(__file__))
+    # 16-lane build above is poisoned too). KV_PREFETCH_MIN_BYTES=0: these small calls take the
+    # software-prefetch paths too (the default skips them below 512 KiB of K/V).
+    env = dict(os.environ, KVMULTI_CPU_EXTRA_CFLAGS="-DKV_WS_POISON -DKV_PREFETCH_MIN_BYTES=0",
+               PYTHONPATH=os.path.dirname(__file__))
     env.pop("KVMULTI_CPU_NATIVE", None)
     env.pop("KVMULTI_CPU_ISA", None)
     result = subprocess.run([sys.executable, "-c", "LANES = None\n" + PORTABLE_CHECK], env=env, capture_output=True,
