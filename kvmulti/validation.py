@@ -263,18 +263,16 @@ def check_lengths(metadata: CommonAttentionMetadata, num_query_rows: int, device
 
 
 def check_block_table(metadata: CommonAttentionMetadata, layout: KVCacheLayout, device: torch.device,
-                      longest: int | None = None) -> None:
+                      longest: int) -> None:
     """The group-specific part of :func:`check_metadata`: the block table's type, a row per request
     and enough columns for the longest request with ``layout``'s block size (after
-    :func:`check_lengths`, whose result ``longest`` is; None reads it from ``seq_lens_cpu``)."""
+    :func:`check_lengths`, whose result ``longest`` is)."""
     check_index("metadata.block_table", metadata.block_table, 2, device, (torch.int32,))
     if metadata.block_table.shape[0] < metadata.num_reqs:
         raise ValueError(f"metadata.block_table has {metadata.block_table.shape[0]} rows for "
                          f"{metadata.num_reqs} requests")
     if not metadata.num_reqs:
         return
-    if longest is None:
-        longest = int(metadata.seq_lens_cpu.max())
     if -(-longest // layout.block_size) > metadata.block_table.shape[1]:
         raise ValueError(f"block_table has {metadata.block_table.shape[1]} columns, too narrow for "
                          f"seq_len {longest} with block_size {layout.block_size}")
