@@ -1225,10 +1225,10 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
                         ? kChunk / 2 : kChunk;
   // Chunk k's row pointers into its slot; its key count. Past the item's end, the chunks of the item
   // this thread runs next (prefetched, never computed here), so the prefetch distance holds across
-  // items; 0 past those too.
+  // items; 0 past those too, and for all of them in a call without prefetch.
   const int chunks = (it.k_hi - it.k_lo + chunk - 1) / chunk;
   auto fill = [&](int k) -> int {
-    if (k >= chunks && (k - chunks >= KV_PREFETCH_NEXT_ITEM || it.next == nullptr)) return 0;
+    if (k >= chunks && (!P.prefetch || k - chunks >= KV_PREFETCH_NEXT_ITEM || it.next == nullptr)) return 0;
     const WorkItem& src = k < chunks ? it : *it.next;
     const int c = src.k_lo + (k < chunks ? k : k - chunks) * chunk;
     if (c >= src.k_hi) return 0;
