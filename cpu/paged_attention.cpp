@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kvmulti_cpu.h"
+#include "torch_ops.h"
 
 namespace {
 // The kernels use as many threads as torch's intra-op pool (torch.set_num_threads), not their own
@@ -579,4 +580,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       if (isa == kvmulti_cpu::isa_name(i)) return kvmulti_cpu::lanes_of(kvmulti_cpu::Isa(i));
     return 0;
   }, "fp32 lanes of an ISA variant (0: unknown name)");
+  kvmulti_cpu::bind_prepared_step(m);
 }

@@ -26,7 +26,8 @@ from .fp8 import is_fp8, scale_tensor
 from .layout import CROSS_LAYER_ORDERS, KVCacheLayout, token_order
 from .metadata import CommonAttentionMetadata
 from .validation import (check_attention_args, check_metadata, check_out, check_slot_values, check_window,
-                         check_write, prepared_attention_is_well_formed, prepared_write_is_well_formed)
+                         check_write, prepared_attention_is_plain, prepared_attention_tensors_fit,
+                         prepared_write_is_plain, prepared_write_tensors_fit)
 
 
 def resolve_backend(layout: KVCacheLayout, device: torch.device | str, *, sliding_window: int | None = None,
@@ -103,11 +104,15 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tens
     """
     if type(step) is StepMetadata and backend is None and k_scale is None and v_scale is None \
             and not torch.compiler.is_compiling() \
-            and prepared_write_is_well_formed(key, value, kv_cache, layout, slot_mapping, step):
-        # a prepared layer's write: only its own tensors checked
-        _check_slots_once(step, slot_mapping, layout)
-        step.backend.write_kv(key, value, kv_cache, layout, slot_mapping)
-        return
+            and prepared_write_is_plain(key, value, kv_cache, layout, slot_mapping, step):
+        # a prepared layer's write: only its own tensors checked, by the backend's step calls or here
+        calls = step.calls
+        if calls is not None and calls.write(key, value, kv_cache, slot_mapping):
+            return
+        if prepared_write_tensors_fit(key, value, kv_cache, slot_mapping, step):
+            _check_slots_once(step, slot_mapping, layout)
+            step.backend.write_kv(key, value, kv_cache, layout, slot_mapping)
+            return
     check_write(key, value, kv_cache, layout, slot_mapping)
     if step is not None:
         if not isinstance(step, StepMetadata):
@@ -144,11 +149,17 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
     """
     if type(metadata) is StepMetadata and k_scale is None and v_scale is None \
             and not torch.compiler.is_compiling() \
-            and prepared_attention_is_well_formed(query, kv_cache, layout, metadata, out, scale, sliding_window,
-                                                  softcap, backend):
-        # a prepared layer's call: only its own tensors checked
-        return _attend(query, kv_cache, metadata, layout.default_scale if scale is None else scale, softcap or None,
-                       out)
+            and prepared_attention_is_plain(query, kv_cache, layout, metadata, out, scale, sliding_window, softcap,
+                                            backend):
+        # a prepared layer's call: only its own tensors checked, by the backend's step calls or here
+        calls, scale = metadata.calls, layout.default_scale if scale is None else scale
+        if calls is not None:
+            target = out if out is not None or query.dim() != 3 else \
+                query.new_zeros(query.shape[0], metadata.num_query_heads, layout.value_size)
+            if target is not None and calls.attend(query, kv_cache, target, scale, softcap or 0.0):
+                return target
+        if prepared_attention_tensors_fit(query, kv_cache, metadata, out):
+            return _attend(query, kv_cache, metadata, scale, softcap or None, out)
     check_attention_args(query, kv_cache, layout, scale, sliding_window, softcap)
     if out is not None:
         check_out(out, query, layout)

@@ -129,20 +129,25 @@ def _query_is_well_formed(query, kv_cache, layout) -> bool:
         return False
 
 
-def prepared_attention_is_well_formed(query, kv_cache, layout, step, out, scale, sliding_window, softcap,
-                                      backend) -> bool:
-    """Every check a prepared attention call gets (:func:`check_attention_args`, :func:`check_out`
-    and the step's own), for the common layer call only: ``layout`` is the step's own object (not
-    fp8, not latent), plain tensors of the cache's dtype and device, query [>= num_actual_tokens,
-    Hq, D] and out (None, or [its rows, Hq, Dv]), the step's window, no backend named, a float
-    scale (or None) and softcap. A dozen attribute reads; False sends the call through the full
-    checks."""
-    if (layout is not step.layout or backend is not None or sliding_window != step.sliding_window
-            or type(query) is not torch.Tensor or type(kv_cache) is not torch.Tensor
-            or out is not None and type(out) is not torch.Tensor
-            or not (scale is None or type(scale) is float and math.isfinite(scale))
-            or not (softcap is None or type(softcap) is float and 0.0 <= softcap < math.inf)):
-        return False
+def prepared_attention_is_plain(query, kv_cache, layout, step, out, scale, sliding_window, softcap,
+                                backend) -> bool:
+    """The scalar and type rules of a prepared attention call's fast paths: ``layout`` is the step's
+    own object, no backend named, the step's window, plain tensors (``out`` None or one), a finite
+    float scale (or None) and a float softcap >= 0 (or None). The tensors' shapes are checked
+    after this by the step's own calls (``step.calls``) or :func:`prepared_attention_tensors_fit`."""
+    return not (layout is not step.layout or backend is not None or sliding_window != step.sliding_window
+                or type(query) is not torch.Tensor or type(kv_cache) is not torch.Tensor
+                or out is not None and type(out) is not torch.Tensor
+                or not (scale is None or type(scale) is float and math.isfinite(scale))
+                or not (softcap is None or type(softcap) is float and 0.0 <= softcap < math.inf))
+
+
+def prepared_attention_tensors_fit(query, kv_cache, step, out) -> bool:
+    """The rest of every check a prepared attention call gets (:func:`check_attention_args`,
+    :func:`check_out` and the step's own), after :func:`prepared_attention_is_plain`: the layout
+    takes the fast paths (not fp8, not latent), the cache is the layout's (dtype, shape, strides),
+    query [>= num_actual_tokens, Hq, D] and out (None, or [its rows, Hq, Dv]) of the cache's dtype
+    and device. False sends the call through the full checks."""
     cache, _, head_size, value_size, heads, rows, fast = step.call_signature
     qs, device = query.shape, kv_cache.device
     return (fast and (kv_cache.dtype, kv_cache.shape, kv_cache.stride()) == cache and query.dtype == cache[0]
@@ -151,14 +156,18 @@ def prepared_attention_is_well_formed(query, kv_cache, layout, step, out, scale,
                  and out.device == device))
 
 
-def prepared_write_is_well_formed(key, value, kv_cache, layout, slot_mapping, step) -> bool:
-    """:func:`check_write`'s rules for the common prepared write: ``layout`` is ``step``'s own
-    object (not fp8, not latent), plain tensors, key / value [T, Hkv, D / Dv] of the cache's dtype,
-    slot_mapping [T] int32/int64, all on the cache's device. False sends the call through the full
-    checks."""
-    if (layout is not step.layout or type(key) is not torch.Tensor or type(value) is not torch.Tensor
-            or type(kv_cache) is not torch.Tensor or type(slot_mapping) is not torch.Tensor):
-        return False
+def prepared_write_is_plain(key, value, kv_cache, layout, slot_mapping, step) -> bool:
+    """The type rules of a prepared write's fast paths: ``layout`` is ``step``'s own object and
+    every argument a plain tensor (shapes follow: ``step.calls`` or :func:`prepared_write_tensors_fit`)."""
+    return (layout is step.layout and type(key) is torch.Tensor and type(value) is torch.Tensor
+            and type(kv_cache) is torch.Tensor and type(slot_mapping) is torch.Tensor)
+
+
+def prepared_write_tensors_fit(key, value, kv_cache, slot_mapping, step) -> bool:
+    """:func:`check_write`'s rules for the common prepared write, after
+    :func:`prepared_write_is_plain`: the layout takes the fast paths (not fp8, not latent), key /
+    value [T, Hkv, D / Dv] of the cache's dtype, slot_mapping [T] int32/int64, all on the cache's
+    device. False sends the call through the full checks."""
     cache, kv_heads, head_size, value_size, _, _, fast = step.call_signature
     ks, device = key.shape, kv_cache.device
     return (fast and (kv_cache.dtype, kv_cache.shape, kv_cache.stride()) == cache and key.dtype == cache[0]

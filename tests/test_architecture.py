@@ -119,8 +119,27 @@ def test_one_plan_per_group_per_step(backend, monkeypatch):
         counts["attention"] += 1
         return real_attention(self, query, kv_cache, step, *args)
 
+    real_calls = type(impl).prepared_calls
+
+    class CountedCalls:                       # a backend's native step calls (CPU) run layers too
+        def __init__(self, calls):
+            self.calls = calls
+
+        def attend(self, *args):
+            ran = self.calls.attend(*args)
+            counts["attention"] += ran
+            return ran
+
+        def write(self, *args):
+            return self.calls.write(*args)
+
+    def prepared_calls(self, step):
+        calls = real_calls(self, step)
+        return None if calls is None else CountedCalls(calls)
+
     monkeypatch.setattr(type(impl), "plan", plan)
     monkeypatch.setattr(type(impl), "paged_attention", attention)
+    monkeypatch.setattr(type(impl), "prepared_calls", prepared_calls)
     runner.add_request("a", list(range(1, 12)))
     runner.add_request("b", list(range(3, 9)))
     for step in range(3):

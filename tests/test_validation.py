@@ -175,24 +175,36 @@ def test_fp8_activations_into_an_fp8_cache_are_refused_by_name():
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
 
 
-def test_write_with_a_step_checks_slot_values_once_per_step_and_slot_tensor(monkeypatch):
+def _prepare(md, native_calls):
+    """A step whose layer calls take the CPU backend's native checks, or (False) the Python ones."""
+    step = kvmulti.prepare_step(md, LAYOUT, 4, backend="CPU")
+    if not native_calls:
+        step.calls = None
+    return step
+
+
+@pytest.mark.parametrize("native_calls", [True, False], ids=["native calls", "python checks"])
+def test_write_with_a_step_checks_slot_values_once_per_step_and_slot_tensor(monkeypatch, native_calls):
     from kvmulti import ops
     calls = []
     check = ops.check_slot_values
     monkeypatch.setattr(ops, "check_slot_values", lambda slots, layout: (calls.append(slots), check(slots, layout)))
     cache, md, _, k, v = fresh()
-    step = kvmulti.prepare_step(md, LAYOUT, 4)
+    step = _prepare(md, native_calls)
+    assert (step.calls is not None) == native_calls        # the native kernel builds on every CI host
+    checked = (lambda: step.calls.checked_slot_tensors) if native_calls else (lambda: len(calls))
     for _ in range(4):                                   # four layers of one group
         kvmulti.write_kv(k, v, cache, LAYOUT, md.slot_mapping, step=step)
-    assert len(calls) == 1
+    assert checked() == 1
     bad = md.slot_mapping.clone()
     bad[1] = LAYOUT.num_slots
     before = cache.clone()
     with pytest.raises(ValueError, match=f"slot {LAYOUT.num_slots}"):     # another tensor: checked
         kvmulti.write_kv(k, v, cache, LAYOUT, bad, step=step)
-    assert torch.equal(cache, before) and len(calls) == 2
-    kvmulti.write_kv(k, v, cache, LAYOUT, md.slot_mapping, step=kvmulti.prepare_step(md, LAYOUT, 4))
-    assert len(calls) == 3                               # a new step checks again
+    assert torch.equal(cache, before) and len(calls) == 1 + (not native_calls)
+    step = _prepare(md, native_calls)
+    kvmulti.write_kv(k, v, cache, LAYOUT, md.slot_mapping, step=step)
+    assert (checked() == 1 and len(calls) == 1) if native_calls else len(calls) == 3   # a new step checks again
     other = kvmulti.KVCacheLayout(4, 4, 2, 8, dtype=torch.float32, order="NHD")
     with pytest.raises(ValueError, match="step was prepared for another layout"):
         kvmulti.write_kv(k, v, other.allocate(), other, md.slot_mapping, step=step)

@@ -60,6 +60,8 @@ class StepMetadata:
     sliding_window: int | None
     plan: Any = None
     extras: dict = field(default_factory=dict)
+    #: the backend's own checked entry points for this step's layer calls (:meth:`Backend.prepared_calls`), or None
+    calls: Any = None
 
     @cached_property
     def call_signature(self) -> tuple:
@@ -163,12 +165,23 @@ class Backend(abc.ABC):
         """The per-step hook: everything this backend derives from ``common`` for a group whose
         layers have ``num_query_heads`` query heads and ``sliding_window``, computed once per step.
         ``common`` must already be validated (:func:`kvmulti.validation.check_step_metadata`)."""
-        return StepMetadata(common, self, layout, num_query_heads, sliding_window,
+        step = StepMetadata(common, self, layout, num_query_heads, sliding_window,
                             self.plan(common, layout, num_query_heads, sliding_window))
+        step.calls = self.prepared_calls(step)
+        return step
 
     def plan(self, common: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int,
              sliding_window: int | None) -> Any:
         """What :meth:`build_metadata` stores as ``StepMetadata.plan`` (None: nothing to prepare)."""
+        return None
+
+    def prepared_calls(self, step: StepMetadata) -> Any:
+        """What :func:`kvmulti.paged_attention` / :func:`kvmulti.write_kv` hand a layer call of
+        ``step`` to first, or None (the default): an object whose ``attend(query, kv_cache, out,
+        scale: float, softcap: float) -> bool`` and ``write(key, value, kv_cache, slot_mapping) ->
+        bool`` check the call against the step (every check of :mod:`kvmulti.validation`'s prepared
+        fast paths, including the slot values once per slot tensor) and run it, or return False having
+        done nothing. ``softcap`` is 0.0 for off; ``out`` rows past ``num_actual_tokens`` are zeroed."""
         return None
 
     @abc.abstractmethod

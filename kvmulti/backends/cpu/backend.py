@@ -84,6 +84,19 @@ class CPUBackend(Backend):
                        _contiguous_as(common.seq_lens_cpu, torch.int32), part, module, isa,
                        (cache_args, int(sliding_window or 0), bool(common.causal)))
 
+    def prepared_calls(self, step: StepMetadata):
+        """The native module's ``PreparedStep`` (cpu/prepared_step.cpp): a layer call's checks and
+        kernel launch in one C++ call. None on the torch path and for fp8 and latent caches."""
+        layout, plan = step.layout, step.plan
+        if plan.module is None or layout.is_latent or layout.dtype in FP8_DTYPES:
+            return None
+        (*_, kv_heads, block_size), window, causal = plan.cache_args
+        dtype, sizes, strides = layout._exact_signature
+        return plan.module.PreparedStep(plan.block_table, plan.query_start_loc, plan.seq_lens, dtype, list(sizes),
+                                        list(strides), kv_heads, layout.head_size, layout.value_size, block_size,
+                                        step.num_query_heads, step.common.num_actual_tokens, window, causal,
+                                        plan.partition_len, plan.isa)
+
     def write_kv(self, key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,
                  layout: KVCacheLayout, slot_mapping: torch.Tensor,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
