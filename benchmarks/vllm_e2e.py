@@ -5,8 +5,10 @@ Each row runs vLLM's offline engine (``kvmulti.integrations.vllm.engine_run``, i
 prompts, one engine process, block 32 (CPU_ATTN needs a multiple of 32). Per round, CPU_ATTN and
 kvmulti (``KVMULTI_VLLM=1``) each start an engine and generate ``--gens`` times; the first
 generation warms up, the fastest of the rest counts. The two alternate, the order flipping every
-round. Printed: median generated tokens per second over the rounds, the ratio kvmulti / CPU_ATTN
-(> 1: kvmulti faster) and whether both generated the same token ids.
+round. Printed: median generated tokens per second over the rounds, the ratio of those medians
+kvmulti / CPU_ATTN (> 1: kvmulti faster), the median of the per-round ratios (each round's two
+engines ran back to back, so this one is less moved by the machine's drift between rounds) and
+whether both generated the same token ids.
 
     python benchmarks/vllm_e2e.py [--rounds 3] [--max-tokens 64] [--gens 3] [--quick]
 """
@@ -70,7 +72,7 @@ def main() -> None:
     print(f"vLLM CPU engine, tiny target ({args.dtype}, block 32), greedy, {args.max_tokens} tokens per prompt; "
           f"median of {args.rounds} alternating rounds, fastest of {args.gens - 1 or 1} timed generations each")
     print(f"{'batch':>5} {'mode':<22} {'CPU_ATTN tok/s':>15} {'kvmulti tok/s':>14} {'kvmulti/CPU_ATTN':>17} "
-          f"{'same ids':>9}")
+          f"{'per-round ratio':>16} {'same ids':>9}")
     for batch, spec in rows:
         speeds = {False: [], True: []}
         ids = {}
@@ -80,8 +82,9 @@ def main() -> None:
                 speeds[kvmulti].append(tokens_per_second(result))
                 ids[kvmulti] = result["token_ids"]
         base, ours = statistics.median(speeds[False]), statistics.median(speeds[True])
+        paired = statistics.median(k / c for k, c in zip(speeds[True], speeds[False]))
         mode = "draft_model spec, k=3" if spec else "plain"
-        print(f"{batch:>5} {mode:<22} {base:>15.1f} {ours:>14.1f} {ours / base:>16.2f}x "
+        print(f"{batch:>5} {mode:<22} {base:>15.1f} {ours:>14.1f} {ours / base:>16.2f}x {paired:>15.2f}x "
               f"{str(ids[False] == ids[True]):>9}")
         sys.stdout.flush()
 
