@@ -90,12 +90,12 @@ class CPUBackend(Backend):
         layout, plan = step.layout, step.plan
         if plan.module is None or layout.is_latent or layout.dtype in FP8_DTYPES:
             return None
-        (*_, kv_heads, block_size), window, causal = plan.cache_args
+        _, window, causal = plan.cache_args
         dtype, sizes, strides = layout._exact_signature
         return plan.module.PreparedStep(plan.block_table, plan.query_start_loc, plan.seq_lens, dtype, list(sizes),
-                                        list(strides), kv_heads, layout.head_size, layout.value_size, block_size,
-                                        step.num_query_heads, step.common.num_actual_tokens, window, causal,
-                                        plan.partition_len, plan.isa)
+                                        list(strides), layout.num_kv_heads, layout.head_size, layout.value_size,
+                                        layout.block_size, step.num_query_heads, step.common.num_actual_tokens,
+                                        window, causal, plan.partition_len, plan.isa)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,
                  layout: KVCacheLayout, slot_mapping: torch.Tensor,
