@@ -45,6 +45,14 @@
 #ifndef KV_PREFETCH_LEVEL
 #define KV_PREFETCH_LEVEL 1
 #endif
+// A chunk's rows are requested again one chunk ahead, all their lines, spread over the key groups of
+// the chunk before it (KV_PREFETCH_DIST > 1): Zen 4 drops some prefetcht1 requests, and such a line
+// is then read from RAM when it is used. Cold decode 32x1024, block 16 (benchmarks/cpu_compute.py
+// --cold, alternating builds, medians, NHD / HND): 0.77 / 0.65 ms against 0.88 / 0.77 ms without;
+// 6% slower hot. In one burst when the chunk before starts: as fast cold, 10-12% slower hot.
+#ifndef KV_PREFETCH_AGAIN
+#define KV_PREFETCH_AGAIN 1
+#endif
 #if KV_PREFETCH_LEVEL == 0
 #define KV_PREFETCH_INSN "prefetcht0"
 #elif KV_PREFETCH_LEVEL == 1
@@ -678,6 +686,8 @@ struct DirectCtx {
   float* St;                // [kChunk][RR] key-major scores, then probabilities
   const void* const* pf;    // rows KV_PREFETCH_DIST chunks ahead, prefetched while this one's scores are computed
   int pf_n, pf_lines;       // rows to prefetch (0: none), 64-byte lines per row
+  const void* const* ag;    // rows one chunk ahead, prefetched again (KV_PREFETCH_AGAIN), all pf_lines
+  int ag_n;
 };
 
 static KV_INLINE void prefetch_line(const char* p) {
@@ -916,6 +926,9 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
   for (int g = 0; g < nv; ++g) {
 #if KV_PREFETCH
     if (g * KG < c.pf_n) prefetch_rows_any(c.pf, g * KG, std::min(KG, c.pf_n - g * KG), qk_lines);
+#if KV_PREFETCH_AGAIN
+    if (g * KG < c.ag_n) prefetch_rows_any(c.ag, g * KG, std::min(KG, c.ag_n - g * KG), c.pf_lines);
+#endif
 #endif
     vf acc[KV_W];
     const T* kp[KG];
@@ -1056,6 +1069,7 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
 #if KV_PREFETCH
   // Rows ahead that this chunk's key loops do not reach (a short chunk before a full one).
   if (c.pf_n > nv * KG) prefetch_rows_any(c.pf, nv * KG, c.pf_n - nv * KG, c.pf_lines);
+  if (c.ag_n > nv * KG) prefetch_rows_any(c.ag, nv * KG, c.ag_n - nv * KG, c.pf_lines);
   if (pvdot) {   // pv_direct_dot requests rows up to c.n rounded up to kPvPrefetchKeys
     const int covered = (c.n + kPvPrefetchKeys - 1) / kPvPrefetchKeys * kPvPrefetchKeys;
     prefetch_pv_lines(c, covered, nv * KG - covered);
@@ -1206,6 +1220,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   constexpr int kAhead = KV_PREFETCH ? KV_PREFETCH_DIST : 1;
   constexpr int kRing = kAhead + 1;
   const T* ring[kRing][kChunk];
+  int ring_n[kRing] = {};         // keys in each slot (0: none, or not prefetched)
   const T* hrow[kChunk + KV_W];   // this head's rows (direct path), padding keys -> the zero row
   const float* kp[kChunk];
   const void* vp[kChunk];
@@ -1237,7 +1252,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     return n;
   };
   for (int k = 0; k < kAhead; ++k) {
-    [[maybe_unused]] const int n = fill(k);
+    [[maybe_unused]] const int n = ring_n[k % kRing] = fill(k);
 #if KV_PREFETCH
     // The loop prefetches kAhead chunks ahead; chunks 1 .. kAhead - 1 are requested here, all at
     // once. Chunk 0 is read at once: prefetching it too measured no faster cold and ~1 us slower per
@@ -1256,8 +1271,11 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     const int n = std::min(chunk, it.k_hi - c0);
     const T* const* raw = ring[k % kRing];
     // The rows kAhead chunks ahead: looked up now, prefetched while this chunk is computed.
-    const int nn = fill(k + kAhead);
+    const int nn = ring_n[(k + kAhead) % kRing] = fill(k + kAhead);
     const T* const* ahead = ring[(k + kAhead) % kRing];
+    // The rows one chunk ahead, requested again while this chunk is computed (KV_PREFETCH_AGAIN).
+    const T* const* again = ring[(k + 1) % kRing];
+    const int again_n = kAhead > 1 && KV_PREFETCH_AGAIN ? ring_n[(k + 1) % kRing] : 0;
     for (int hh = 0; hh < NH; ++hh) {
       const int64_t hoff = int64_t(hh) * P.s_head;
       // Prefetch ahead with the first head (all heads' lines when they are adjacent), or per head.
@@ -1265,9 +1283,13 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
       const int hpf_lines = pf_now ? pf_lines : 0;
       const T* const* pf_rows = ahead;
       const T* pf_h[kChunk];
+      const T* const* ag_rows = again;
+      const T* ag_h[kChunk];
       if (pf_now && hh > 0) {
         for (int j = 0; j < nn; ++j) pf_h[j] = ahead[j] + hoff;
         pf_rows = pf_h;
+        for (int j = 0; j < again_n; ++j) ag_h[j] = again[j] + hoff;
+        ag_rows = ag_h;
       }
       if (direct) {
         for (int j = 0; j < n; ++j) hrow[j] = raw[j] + hoff;
@@ -1277,6 +1299,8 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
 #if KV_PREFETCH
         if (j < nn && pf_now)
           for (int b = 0; b < hpf_lines; ++b) prefetch_line(reinterpret_cast<const char*>(pf_rows[j]) + b * 64);
+        if (j < again_n && pf_now)
+          for (int b = 0; b < hpf_lines; ++b) prefetch_line(reinterpret_cast<const char*>(ag_rows[j]) + b * 64);
 #endif
         const T* row = raw[j] + hoff;
         if (Qb) kb[j] = reinterpret_cast<const uint16_t*>(row);
@@ -1296,7 +1320,8 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
                  Qb ? P.scale : 1.0f, direct_v ? CT : int(kF32), S};
       DirectCtx dc{reinterpret_cast<const void* const*>(hrow), D, c0, n, false, P.causal, P.window, P.softcap,
                    (KV_DIRECT_DOT && Qb) ? q_scale(hh) : 1.0f, S, reinterpret_cast<const void* const*>(pf_rows),
-                   KV_PREFETCH && pf_now ? nn : 0, hpf_lines};
+                   KV_PREFETCH && pf_now ? nn : 0, hpf_lines, reinterpret_cast<const void* const*>(ag_rows),
+                   KV_PREFETCH && pf_now ? again_n : 0};
       for (int m0 = 0; m0 < Mh; m0 += kRowBlock) {
         const int R = std::min(kRowBlock, Mh - m0);
         const int p_lo = it.pos0 + m0 / G, p_hi = it.pos0 + (m0 + R - 1) / G;
@@ -1318,7 +1343,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
           } else {
             direct_rows_any<CT, false>(RR, Q, Qbm, D, Dv, O, mrow + row0, lrow + row0, pos, dc);
           }
-          dc.pf_n = 0;   // prefetched by the first row block
+          dc.pf_n = dc.ag_n = 0;   // prefetched by the first row block
           continue;
         }
         const uint16_t* Qbm = Qb ? Qb + row0 * dp : nullptr;
