@@ -687,7 +687,7 @@ struct DirectCtx {
   const void* const* pf;    // rows KV_PREFETCH_DIST chunks ahead, prefetched while this one's scores are computed
   int pf_n, pf_lines;       // rows to prefetch (0: none), 64-byte lines per row
   const void* const* ag;    // rows one chunk ahead, prefetched again (KV_PREFETCH_AGAIN), all pf_lines
-  int ag_n;
+  int ag_n;                 // rows to prefetch again (0: none)
 };
 
 static KV_INLINE void prefetch_line(const char* p) {
@@ -1220,7 +1220,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   constexpr int kAhead = KV_PREFETCH ? KV_PREFETCH_DIST : 1;
   constexpr int kRing = kAhead + 1;
   const T* ring[kRing][kChunk];
-  int ring_n[kRing] = {};         // keys in each slot (0: none, or not prefetched)
+  int ring_n[kRing] = {};         // keys in each slot (0: none)
   const T* hrow[kChunk + KV_W];   // this head's rows (direct path), padding keys -> the zero row
   const float* kp[kChunk];
   const void* vp[kChunk];
