@@ -926,9 +926,7 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
   for (int g = 0; g < nv; ++g) {
 #if KV_PREFETCH
     if (g * KG < c.pf_n) prefetch_rows_any(c.pf, g * KG, std::min(KG, c.pf_n - g * KG), qk_lines);
-#if KV_PREFETCH_AGAIN
     if (g * KG < c.ag_n) prefetch_rows_any(c.ag, g * KG, std::min(KG, c.ag_n - g * KG), c.pf_lines);
-#endif
 #endif
     vf acc[KV_W];
     const T* kp[KG];
