@@ -33,11 +33,14 @@ time, ``second_launch_s``, to every bound):
 ``latency``
     Little's law: at most ``min(programs, units x resident)`` programs are resident, each with
     ``bytes_in_flight`` outstanding for ``latency_s``; every byte the loop loads (DRAM or cache)
-    passes through that window.
+    passes through that window. When a wave computes only after all of its iteration's loads have
+    returned (``loads_overlap_compute=False``), each iteration also holds the program for its
+    instruction stream. Programs that exit at once still hold their slot for ``exit_s``.
 ``grid``
     The tail: some program slot runs ``ceil(programs / (units x resident))`` programs one after
-    another, each taking at least its own critical path (its iterations x the longer of one wave's
-    instruction stream and its own Little's-law time per iteration).
+    another, each taking at least its own critical path (its iterations x the longer -- or, without
+    overlap, the sum -- of one wave's instruction stream and its own Little's-law time per
+    iteration), plus the exiting programs' slot time spread over all slots.
 
 The estimate is the slowest bound; :attr:`Estimate.bound` names it (ties go to the first of
 memory, issue, latency, grid). Decode is judged against the memory floor (useful bytes at the
@@ -120,8 +123,14 @@ class KernelLaunch:
     program has outstanding at once. ``dram_bytes``: bytes the launch must move to or from DRAM
     (K/V once, plus queries, outputs, partials). ``useful_bytes`` / ``useful_flops``: the case's
     floor (decode: the K/V bytes; prefill: the causal attention flops). ``second_launch_bytes``:
-    DRAM bytes of a dependent second launch (the split-KV reduce; 0: none). ``notes``: what the
-    adapter assumed."""
+    DRAM bytes of a dependent second launch (the split-KV reduce; 0: none).
+    ``loads_overlap_compute``: False when every wave waits for all of an iteration's loads before it
+    computes and issues the next iteration's loads only after (an ``s_waitcnt vmcnt(0)`` in the loop,
+    no tile carried in flight across the loop head): a wave's iteration then takes the loads'
+    latency PLUS its instruction stream, in the latency and grid bounds. ``exiting_programs``:
+    programs of the launch that do no loop work and only hold a slot for ``exit_s`` seconds each
+    (work-groups that find another one covers their rows and return). ``notes``: what the adapter
+    assumed."""
     kernel: str
     target: str
     case: str
@@ -135,6 +144,9 @@ class KernelLaunch:
     useful_bytes: float
     useful_flops: float
     second_launch_bytes: float = 0.0
+    loads_overlap_compute: bool = True
+    exiting_programs: int = 0
+    exit_s: float = 0.0
     notes: str = ""
 
 
@@ -222,16 +234,20 @@ def estimate(launch: KernelLaunch, target: Target) -> Estimate:
     second = (launch.second_launch_bytes / target.bandwidth + target.launch_gap_s) if launch.second_launch_bytes else 0.0
 
     pipes = issue_pipes(launch, target)
-    loaded = launch.programs * launch.iterations * loop.bytes
-    latency = loaded * target.latency_s / (resident * launch.bytes_in_flight) if loaded else 0.0
-    total = sum(loop.instructions.values())
-    per_iteration = max(total * target.wave_issue_interval / clock,
-                        target.latency_s * loop.bytes / launch.bytes_in_flight if loop.bytes else 0.0)
+    stream = sum(loop.instructions.values()) * target.wave_issue_interval / clock
+    wait = target.latency_s * loop.bytes / launch.bytes_in_flight if loop.bytes else 0.0
+    # one program's iteration, alone: its loads' round trips, plus its waves' own instruction
+    # streams when a wave computes only after its loads have all returned
+    per_iteration = max(stream, wait) if launch.loads_overlap_compute else stream + wait
+    # exiting programs hold slots (resident ones side by side) without loop work
+    exits = launch.exiting_programs * launch.exit_s
+    work = launch.programs * launch.iterations * (wait if launch.loads_overlap_compute else wait + stream)
+    latency = max(work / resident, (work + exits) / slots)
     bounds = {
         "memory": launch.dram_bytes / target.bandwidth + second,
         "issue": max(pipes.values()) + second,
         "latency": latency + second,
-        "grid": math.ceil(launch.programs / slots) * launch.iterations * per_iteration + second,
+        "grid": math.ceil(launch.programs / slots) * launch.iterations * per_iteration + exits / slots + second,
     }
     time_s = max(bounds.values())
     bound = next(b for b in BOUNDS if bounds[b] >= time_s * (1 - 1e-9))

@@ -147,3 +147,33 @@ def test_no_estimate_beats_the_cited_dram_efficiency_or_the_matrix_peak(target, 
     # the bandwidth the estimate implies never exceeds peak x the cited efficiency
     assert useful_bytes / e.time_s <= t.peak_bandwidth * t.dram_efficiency * (1 + 1e-9)
     assert launch.useful_flops / e.time_s <= t.matrix_peak * (1 + 1e-9)
+
+
+def test_a_loop_that_drains_its_loads_pays_latency_plus_its_stream():
+    """Without a tile in flight across the loop head, a wave's iteration is its loads' round trip
+    followed by its instructions: the latency bound grows by the stream, and can become the limit."""
+    busy = R.LoopMix({"valu": 600, "salu": 50, "vmem": 16}, ITER_BYTES)
+    # one one-wave program per CU: 304 resident programs, 7 full rounds of them
+    n = 7 * 304
+    launch = decode_launch(loop=busy, bytes_in_flight=ITER_BYTES, waves_per_program=1, resident_per_unit=1,
+                           programs=n, dram_bytes=n * 16 * ITER_BYTES, useful_bytes=n * 16 * ITER_BYTES)
+    overlapped = R.estimate(launch, MI300X)
+    drained = R.estimate(dataclasses.replace(launch, loads_overlap_compute=False), MI300X)
+    stream = 666 * 4 / MI300X.clock_hz
+    assert drained.bounds["latency"] == pytest.approx(overlapped.bounds["latency"] + n * 16 * stream / 304)
+    assert drained.bounds["issue"] == overlapped.bounds["issue"]
+    assert drained.bound == "latency" and overlapped.bound == "issue"
+
+
+def test_exiting_programs_hold_slots():
+    slots = MI300X.units * 8
+    full = decode_launch(bytes_in_flight=1024, programs=slots, dram_bytes=slots * 16 * ITER_BYTES,
+                         useful_bytes=slots * 16 * ITER_BYTES)
+    e0 = R.estimate(full, MI300X)
+    e1 = R.estimate(dataclasses.replace(full, exiting_programs=6144, exit_s=3e-6), MI300X)
+    assert e1.bounds["grid"] == pytest.approx(e0.bounds["grid"] + 6144 * 3e-6 / slots)
+    assert e1.bounds["latency"] == pytest.approx(e0.bounds["latency"] + 6144 * 3e-6 / slots)
+    # with free slots (fewer programs than slots) the exiting ones fill those first
+    part = R.estimate(decode_launch(bytes_in_flight=1024, exiting_programs=100, exit_s=3e-6), MI300X)
+    assert part.bounds["latency"] == R.estimate(decode_launch(bytes_in_flight=1024), MI300X).bounds["latency"]
+    assert e1.bounds["memory"] == e0.bounds["memory"] and e1.bounds["issue"] == e0.bounds["issue"]
