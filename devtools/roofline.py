@@ -33,14 +33,14 @@ time, ``second_launch_s``, to every bound):
 ``latency``
     Little's law: at most ``min(programs, units x resident)`` programs are resident, each with
     ``bytes_in_flight`` outstanding for ``latency_s``; every byte the loop loads (DRAM or cache)
-    passes through that window. When a wave computes only after all of its iteration's loads have
-    returned (``loads_overlap_compute=False``), each iteration also holds the program for its
-    instruction stream. Programs that exit at once still hold their slot for ``exit_s``.
+    passes through that window. The part of a wave's instruction stream that issues with none of
+    its loads outstanding (``serial_share``) holds the program on top of the round trip. Programs
+    that exit at once still hold their slot for ``exit_s``.
 ``grid``
     The tail: some program slot runs ``ceil(programs / (units x resident))`` programs one after
-    another, each taking at least its own critical path (its iterations x the longer -- or, without
-    overlap, the sum -- of one wave's instruction stream and its own Little's-law time per
-    iteration), plus the exiting programs' slot time spread over all slots.
+    another, each taking at least its own critical path (its iterations x max(one wave's instruction
+    stream, its own Little's-law round trip + the serial part of the stream)), plus the exiting
+    programs' slot time spread over all slots.
 
 The estimate is the slowest bound; :attr:`Estimate.bound` names it (ties go to the first of
 memory, issue, latency, grid). Decode is judged against the memory floor (useful bytes at the
@@ -124,10 +124,11 @@ class KernelLaunch:
     (K/V once, plus queries, outputs, partials). ``useful_bytes`` / ``useful_flops``: the case's
     floor (decode: the K/V bytes; prefill: the causal attention flops). ``second_launch_bytes``:
     DRAM bytes of a dependent second launch (the split-KV reduce; 0: none).
-    ``loads_overlap_compute``: False when every wave waits for all of an iteration's loads before it
-    computes and issues the next iteration's loads only after (an ``s_waitcnt vmcnt(0)`` in the loop,
-    no tile carried in flight across the loop head): a wave's iteration then takes the loads'
-    latency PLUS its instruction stream, in the latency and grid bounds. ``exiting_programs``:
+    ``serial_share``: the share of a wave's per-iteration instructions that issue with none of its
+    loads outstanding (read from the assembly: 0 when the next tile's loads are in flight during
+    this tile's work, 1 when a wave computes only after all of its loads have returned); that part
+    of the stream follows the loads' round trip instead of hiding it, in the latency and grid
+    bounds: an iteration takes max(stream, round trip + serial_share x stream). ``exiting_programs``:
     programs of the launch that do no loop work and only hold a slot for ``exit_s`` seconds each
     (work-groups that find another one covers their rows and return). ``notes``: what the adapter
     assumed."""
@@ -144,7 +145,7 @@ class KernelLaunch:
     useful_bytes: float
     useful_flops: float
     second_launch_bytes: float = 0.0
-    loads_overlap_compute: bool = True
+    serial_share: float = 0.0
     exiting_programs: int = 0
     exit_s: float = 0.0
     notes: str = ""
@@ -194,6 +195,8 @@ def _check(launch: KernelLaunch, target: Target) -> None:
                if n and c in target.matrix_rate and not launch.loop.matrix_flops.get(c)]
     if missing:
         raise ValueError(f"{launch.kernel}: matrix classes {missing} issued without their flops (matrix_flops)")
+    if not 0 <= launch.serial_share <= 1:
+        raise ValueError(f"{launch.kernel}: serial_share {launch.serial_share} outside [0, 1]")
     if launch.loop.bytes > 0 and launch.bytes_in_flight <= 0:
         raise ValueError(f"{launch.kernel}: a loop that loads bytes needs bytes_in_flight > 0")
     if launch.dram_bytes < launch.useful_bytes:
@@ -236,12 +239,12 @@ def estimate(launch: KernelLaunch, target: Target) -> Estimate:
     pipes = issue_pipes(launch, target)
     stream = sum(loop.instructions.values()) * target.wave_issue_interval / clock
     wait = target.latency_s * loop.bytes / launch.bytes_in_flight if loop.bytes else 0.0
-    # one program's iteration, alone: its loads' round trips, plus its waves' own instruction
-    # streams when a wave computes only after its loads have all returned
-    per_iteration = max(stream, wait) if launch.loads_overlap_compute else stream + wait
+    # one program's iteration, alone: its loads' round trip, then the part of its waves' stream
+    # that issues with no load outstanding
+    per_iteration = max(stream, wait + launch.serial_share * stream)
     # exiting programs hold slots (resident ones side by side) without loop work
     exits = launch.exiting_programs * launch.exit_s
-    work = launch.programs * launch.iterations * (wait if launch.loads_overlap_compute else wait + stream)
+    work = launch.programs * launch.iterations * (wait + launch.serial_share * stream)
     latency = max(work / resident, (work + exits) / slots)
     bounds = {
         "memory": launch.dram_bytes / target.bandwidth + second,

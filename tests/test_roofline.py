@@ -149,7 +149,7 @@ def test_no_estimate_beats_the_cited_dram_efficiency_or_the_matrix_peak(target, 
     assert launch.useful_flops / e.time_s <= t.matrix_peak * (1 + 1e-9)
 
 
-def test_a_loop_that_drains_its_loads_pays_latency_plus_its_stream():
+def test_the_serial_part_of_a_loop_follows_its_loads_round_trip():
     """Without a tile in flight across the loop head, a wave's iteration is its loads' round trip
     followed by its instructions: the latency bound grows by the stream, and can become the limit."""
     busy = R.LoopMix({"valu": 600, "salu": 50, "vmem": 16}, ITER_BYTES)
@@ -158,11 +158,13 @@ def test_a_loop_that_drains_its_loads_pays_latency_plus_its_stream():
     launch = decode_launch(loop=busy, bytes_in_flight=ITER_BYTES, waves_per_program=1, resident_per_unit=1,
                            programs=n, dram_bytes=n * 16 * ITER_BYTES, useful_bytes=n * 16 * ITER_BYTES)
     overlapped = R.estimate(launch, MI300X)
-    drained = R.estimate(dataclasses.replace(launch, loads_overlap_compute=False), MI300X)
+    drained = R.estimate(dataclasses.replace(launch, serial_share=1.0), MI300X)
     stream = 666 * 4 / MI300X.clock_hz
     assert drained.bounds["latency"] == pytest.approx(overlapped.bounds["latency"] + n * 16 * stream / 304)
     assert drained.bounds["issue"] == overlapped.bounds["issue"]
     assert drained.bound == "latency" and overlapped.bound == "issue"
+    half = R.estimate(dataclasses.replace(launch, serial_share=0.5), MI300X)
+    assert half.bounds["latency"] == pytest.approx(overlapped.bounds["latency"] + n * 16 * stream / 2 / 304)
 
 
 def test_exiting_programs_hold_slots():
