@@ -25,7 +25,7 @@ WAVES_PER_BLOCK = 4
 ROWS_PER_BLOCK = 16
 PLAN_ROWS_PER_BLOCK = 8
 PARTITION = 512
-MFMA_FLOPS = 2 * 16 * 16 * 16            # one v_mfma_f32_16x16x16 (f16 / bf16_1k)
+MFMA_FLOPS = 2 * 16 * 16 * 16            # one v_mfma_f32_16x16x16 (rows without hot_loop_mfma_flops)
 CLASSES = ("valu", "salu", "lds", "vmem", "mfma")
 #: dependent loads of a block's request search before it knows it exits: a binary search over 8
 #: requests (3) and the request's bounds (1), cache hits (the metadata is hot) -- an assumption
@@ -93,7 +93,7 @@ def launch(row: dict, case: Case) -> KernelLaunch:
     working, iterations, exiting = _wave_iterations(case, parts, keys)
     mix = {c: n for c, n in row["hot_loop_instructions"].items() if c in CLASSES and n}
     iteration_bytes = WAVES_PER_BLOCK * keys * 2 * case.head * elem
-    flops = WAVES_PER_BLOCK * mix.get("mfma", 0) * MFMA_FLOPS
+    flops = WAVES_PER_BLOCK * (row.get("hot_loop_mfma_flops") or mix.get("mfma", 0) * MFMA_FLOPS)
     workspace = case.tokens * case.q_heads * parts * (case.head + 2) * 4 if parts > 1 else 0
     table = case.sequences * math.ceil(case.context / case.block_size) * 4
     kv = case.kv_bytes(elem)

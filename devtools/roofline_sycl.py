@@ -65,7 +65,9 @@ def launch(row: dict, case: Case) -> KernelLaunch:
     return KernelLaunch(
         kernel=f"sycl {KERNEL} ({row['target']}{', ' + row['cache'] if row.get('cache') else ''})", target=target.arch, case=case.name,
         programs=len(trips) * case.kv_heads, waves_per_program=waves, iterations=sum(trips) / len(trips),
-        loop=LoopMix(mix, waves * row["hot_loop_load_bytes"]), resident_per_unit=resident,
+        loop=LoopMix(mix, waves * row["hot_loop_load_bytes"],
+                     {"dpas": waves * row["hot_loop_dpas_flops"]} if row.get("hot_loop_dpas_flops") else {}),
+        resident_per_unit=resident,
         bytes_in_flight=waves * row["hot_loop_bytes_in_flight"], dram_bytes=kv + 2 * case.q_bytes + partials,
         useful_bytes=kv, useful_flops=case.useful_flops, second_launch_bytes=(partials + case.q_bytes) if split else 0,
         serial_share=0.0, dram_share=min(1.0, kv / loaded),

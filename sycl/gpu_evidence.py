@@ -17,8 +17,8 @@ Pipeline (each step is a public tool, nothing is emulated):
 
 :func:`report_rows` returns one dict per (kernel, target) with the keys
 ``kernel, target, regs_or_grf_mode, spills, slm_bytes, simd_width, matrix_instructions,
-load_widths_bytes, notes, hot_loop_instructions, hot_loop_load_bytes, hot_loop_bytes_in_flight`` (the
-key loop per thread, :func:`hot_loop_mix`). Results are cached in ``<kvmulti cache>/sycl/gpu_evidence/`` by the hash
+load_widths_bytes, notes, hot_loop_instructions, hot_loop_load_bytes, hot_loop_bytes_in_flight,
+hot_loop_dpas_flops`` (the key loop per thread, :func:`hot_loop_mix`). Results are cached in ``<kvmulti cache>/sycl/gpu_evidence/`` by the hash
 of the kernel source, the build options and the ocloc binary (a cold run takes a minute or two).
 """
 
@@ -43,7 +43,8 @@ DEFAULT_CONFIG = {"dtype": "bfloat16", "head_size": 128, "head_size_v": 128}
 FP8_CONFIG = dict(DEFAULT_CONFIG, cache_dtype="float8_e4m3fn")
 KERNELS = ("kvm_paged_attention", "kvm_split_reduce", "kvm_write_kv")
 KEYS = ("kernel", "target", "regs_or_grf_mode", "spills", "slm_bytes", "simd_width", "matrix_instructions",
-        "load_widths_bytes", "notes", "hot_loop_instructions", "hot_loop_load_bytes", "hot_loop_bytes_in_flight")
+        "load_widths_bytes", "notes", "hot_loop_instructions", "hot_loop_load_bytes", "hot_loop_bytes_in_flight",
+        "hot_loop_dpas_flops")
 
 
 class EvidenceUnavailable(RuntimeError):
@@ -134,6 +135,7 @@ _LABEL = re.compile(r"^(_\w+|L\d+):")
 _BRANCH = re.compile(r"\b(?:jmpi|goto|while|brd|brc)\b(?:\s+\(\d+\|M\d+\))?\s+(_\w+|L\d+)")
 _INSTRUCTION = re.compile(r"^\s*(?:\([~\w.&|]+\)\s*)?([a-z][a-z0-9_]*)(?:\.[\w.()&|~]+)?\s*(?:\((\d+)\|M\d+\))?")
 _BRANCH_OPS = {"jmpi", "goto", "join", "while", "if", "else", "endif", "brd", "brc", "call", "ret", "sync", "halt"}
+_DPAS = re.compile(r"\bdpasw?\.(\d+)x(\d+)\s+\((\d+)\|M\d+\)")
 _SEND_OPS = {"load", "store", "send", "sends", "sendc", "sendsc", "atomic", "fence", "lsc_load", "lsc_store"}
 
 
@@ -172,10 +174,18 @@ def peak_load_bytes_in_flight(lines: list[str]) -> int:
     return peak
 
 
-def hot_loop_mix(text: str) -> tuple[dict[str, float], int, int]:
+def dpas_flops(lines: list[str]) -> int:
+    """Flops of the ``dpas.DxR (N|M0)`` instructions of ``lines`` with 16-bit operands: each is an
+    R x N x 2D multiply-accumulate (systolic depth D of 2 bf16 / fp16 pairs, repeat count R rows,
+    N = the execution size columns), 2 x R x N x 2D flops."""
+    return sum(2 * int(r) * int(n) * 2 * int(d) for line in lines for d, r, n in _DPAS.findall(line))
+
+
+def hot_loop_mix(text: str) -> tuple[dict[str, float], int, int, int]:
     """(instruction classes of the innermost loop with the most global load messages, its global
-    load bytes per trip, its peak load bytes in flight (:func:`peak_load_bytes_in_flight`)) of one
-    IGC assembly dump, per thread; ({}, 0, 0) without such a loop. Classes are those of
+    load bytes per trip, its peak load bytes in flight (:func:`peak_load_bytes_in_flight`), its
+    dpas flops (:func:`dpas_flops`)) of one IGC assembly dump, per thread; ({}, 0, 0, 0) without
+    such a loop. Classes are those of
     the roofline model's Intel targets (devtools/roofline.py), counted in SIMD16-instruction
     equivalents: ``alu`` (an instruction of execution size 32 counts 2), ``math`` (extended math),
     ``send`` (memory messages), ``branch`` (control flow and ``sync``), ``dpas``. A loop is the
@@ -185,7 +195,7 @@ def hot_loop_mix(text: str) -> tuple[dict[str, float], int, int]:
     loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
              if (m := _BRANCH.search(line)) and labels.get(m.group(1), i) < i]
     innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
-    best: tuple[dict[str, float], int, int] = ({}, 0, 0)
+    best: tuple[dict[str, float], int, int, int] = ({}, 0, 0, 0)
     most = 0
     for a, b in innermost:
         body = "\n".join(lines[a:b + 1])
@@ -202,7 +212,8 @@ def hot_loop_mix(text: str) -> tuple[dict[str, float], int, int]:
             cls = ("send" if op in _SEND_OPS else "branch" if op in _BRANCH_OPS else "math" if op == "math"
                    else "dpas" if op.startswith("dpas") else "alu")
             mix[cls] = mix.get(cls, 0) + (max(1, width // 16) if cls == "alu" else 1)
-        best = mix, sum(n * count for n, count in loads.items()), peak_load_bytes_in_flight(lines[a:b + 1])
+        best = (mix, sum(n * count for n, count in loads.items()), peak_load_bytes_in_flight(lines[a:b + 1]),
+                dpas_flops(lines[a:b + 1]))
     return best
 
 
@@ -248,7 +259,7 @@ def rows_for_target(asm: dict[str, str], target: str, slm_bytes: dict[str, int])
                      "simd_width": last["simd_width"], "matrix_instructions": last["dpas"],
                      "load_widths_bytes": sorted(last["loads"]), "notes": "; ".join(notes),
                      "hot_loop_instructions": last["hot_loop"][0], "hot_loop_load_bytes": last["hot_loop"][1],
-                     "hot_loop_bytes_in_flight": last["hot_loop"][2]})
+                     "hot_loop_bytes_in_flight": last["hot_loop"][2], "hot_loop_dpas_flops": last["hot_loop"][3]})
     return rows
 
 

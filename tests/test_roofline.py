@@ -192,6 +192,8 @@ def test_hip_serial_share_reads_which_instructions_wait_for_this_trips_loads():
                  "global_load_dwordx4 v[4:7], v[8:9], off", "v_exp_f32 v1, v1", "s_add_u32 s0, s0, 1"]
     assert cc.serial_share(drained) == pytest.approx(3 / 5)     # the MFMA, exp and scalar add wait
     assert cc.serial_share(pipelined) == 0.0
+    assert cc.mfma_flops(drained + ["v_mfma_f32_32x32x8bf16_1k a[0:15], v[0:1], v[2:3], a[0:15]"]) == \
+        2 * 16 * 16 * 16 + 2 * 32 * 32 * 8
 
 
 def test_triton_sass_loop_classes():
@@ -220,16 +222,18 @@ def test_sycl_hot_loop_and_its_loads_in_flight():
         "        math.exp (16|M0)         r24.0<1>:f    r22.0<1;1,0>:f // $5",
         "(W&f0.0) jmpi                                _0_10                                   // $6",
     ])
-    mix, load_bytes, in_flight = G.hot_loop_mix(asm)
+    mix, load_bytes, in_flight, flops = G.hot_loop_mix(asm)
     assert mix == {"send": 2, "alu": 3, "math": 1, "branch": 1}      # the SIMD32 mul counts 2
-    assert load_bytes == 512 and in_flight == 512
+    assert load_bytes == 512 and in_flight == 512 and flops == 0
+    # an 8-deep, 8-row dpas at SIMD16: 8 x 16 x 16 bf16 multiply-accumulates
+    assert G.dpas_flops(["dpas.8x8 (16|M0)  r10:f  r10:f  r20:bf  r30.0:bf {Atomic}"]) == 2 * 8 * 16 * 16
 
 
 # ------------------------------------------------------------------------------------------ adapters
 HIP_ROW = dict(kind="attention", dtype="bf16", cache=None, head_size=128, target="gfx940", wave=64,
                kernel="paged_attention<bf16,128,wave64>", matrix_instructions=64, waves_per_simd=2,
                hot_loop_instructions={"mfma": 32, "valu": 806, "salu": 113, "lds": 16, "vmem": 16},
-               bytes_in_flight_per_lane=192, hot_loop_serial_share=0.67)
+               bytes_in_flight_per_lane=192, hot_loop_serial_share=0.67, hot_loop_mfma_flops=32 * 8192)
 
 
 def test_hip_adapter_launch_shapes():
