@@ -32,8 +32,9 @@ time, ``second_launch_s``, to every bound):
     the loop count, so this is pessimistic for loops with rarely taken branches.
 ``latency``
     Little's law: at most ``min(programs, units x resident)`` programs are resident, each with
-    ``bytes_in_flight`` outstanding for ``latency_s``; every byte the loop loads (DRAM or cache)
-    passes through that window. The part of a wave's instruction stream that issues with none of
+    ``bytes_in_flight`` outstanding for one round trip (``latency_s`` for the ``dram_share`` of the
+    loop's bytes, ``cache_latency_s`` for the rest); every byte the loop loads passes through that
+    window. The part of a wave's instruction stream that issues with none of
     its loads outstanding (``serial_share``) holds the program on top of the round trip. Programs
     that exit at once still hold their slot for ``exit_s``.
 ``grid``

@@ -4,12 +4,15 @@ the one that limits, fractions stay below 1, and no estimate beats the cited DRA
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from devtools import roofline as R
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # devtools/ lives at the repo root
+from devtools import roofline as R  # noqa: E402
 
 MI300X = R.TARGETS["gfx942"]
 KV_BYTES = 32 * 4096 * 8 * 128 * 2 * 2          # the decode case's K/V: 537 MB
