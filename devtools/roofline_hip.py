@@ -1,4 +1,4 @@
-"""HIP adapter of the roofline model: ``compile_check.report_rows()`` rows -> :class:`KernelLaunch`.
+"""HIP adapter of the roofline model: ``hip_compile_check.report_rows()`` rows -> :class:`KernelLaunch`.
 
 Which launch the HIP backend makes for a case (``hip/launcher.hip``, ``hip/kvmulti_attention.hip``):
 the attention grid is (query tokens, KV heads x head chunks, partitions) of 4-wave blocks; a block

@@ -1,4 +1,4 @@
-"""SYCL adapter of the roofline model: ``gpu_evidence.report_rows()`` rows -> :class:`KernelLaunch`.
+"""SYCL adapter of the roofline model: ``sycl_gpu_evidence.report_rows()`` rows -> :class:`KernelLaunch`.
 
 The launch (``kvmulti/backends/sycl/backend.py``, ``sycl/kernels.cpp``): one work-group of WG = 128
 work-items (8 sub-groups of 16, each one hardware thread at SIMD16) per (tile of <= 16 flattened

@@ -1,6 +1,6 @@
 """Triton adapter of the roofline model: cross-compiled rows -> :class:`KernelLaunch`.
 
-Rows are those of ``benchmarks/gpu_report.py``'s triton section (``cross_compile.analyse`` figures
+Rows are those of ``benchmarks/gpu_report.py``'s triton section (``triton_cross_compile.analyse`` figures
 plus ``kernel``, ``target``, ``spec``): the paper-model batches ``model_{decode,prefill}_{target}``
 (with a > 2 GiB cache where the target compiles that case separately) of ``unified_attention``.
 

@@ -187,7 +187,7 @@ def test_exiting_programs_hold_slots():
 
 # ------------------------------------------------------------------------- evidence the adapters read
 def test_hip_serial_share_reads_which_instructions_wait_for_this_trips_loads():
-    from kvmulti.hip_src import compile_check as cc
+    from devtools import hip_compile_check as cc
     drained = ["global_load_dwordx4 v[0:3], v[8:9], off", "v_add_u32 v9, v9, v10", "s_waitcnt vmcnt(0)",
                "v_mfma_f32_16x16x16bf16_1k v[0:3], v[0:1], v[2:3], v[0:3]", "v_exp_f32 v1, v1", "s_add_u32 s0, s0, 1"]
     # the next trip's load is issued before this trip's work, which waits only for the older one
@@ -200,7 +200,7 @@ def test_hip_serial_share_reads_which_instructions_wait_for_this_trips_loads():
 
 
 def test_triton_sass_loop_classes():
-    from kvmulti.triton_kernels import cross_compile as xc
+    from devtools import triton_cross_compile as xc
     sass = "\n".join([
         "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
         "        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;",
@@ -214,7 +214,7 @@ def test_triton_sass_loop_classes():
 
 
 def test_sycl_hot_loop_and_its_loads_in_flight():
-    from kvmulti.sycl_src import gpu_evidence as G
+    from devtools import sycl_gpu_evidence as G
     asm = "\n".join([
         "        mov (16|M0)              r2.0<1>:d     0:w",
         "_0_10:",
@@ -263,7 +263,7 @@ def test_todays_hip_prefill_figures_are_issue_bound_under_a_quarter_of_mi300x_pe
 def test_hip_prefill_from_the_compiler_is_issue_bound_under_a_quarter_of_mi300x_peak():
     """The same from hipcc's gfx940 assembly of today's kernels (CI has hipcc; elsewhere it skips)."""
     import os
-    from kvmulti.hip_src import compile_check as cc
+    from devtools import hip_compile_check as cc
     from devtools import roofline_hip as H
     if cc.hipcc() is None:
         if os.environ.get("CI", "").lower() == "true":

@@ -19,7 +19,7 @@ Compilation must run in a process where ``TRITON_INTERPRET`` was never set (once
 ``triton.language`` is imported under the interpreter nothing compiles any more), hence
 :func:`compile_in_subprocesses`, which runs this module as a script once per target::
 
-    python -m kvmulti.triton_kernels.cross_compile sm_90 results.json
+    python devtools/triton_cross_compile.py sm_90 results.json
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ def compile_in_subprocesses(target_names: list[str] | None = None, jobs: int = 2
     def work(name: str) -> list[dict]:
         with tempfile.TemporaryDirectory(prefix="kvmulti_xc_") as tmp:
             out = os.path.join(tmp, f"{name}.json")
-            done = subprocess.run([sys.executable, "-m", "kvmulti.triton_kernels.cross_compile", name, out],
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), name, out],
                                   env=env, capture_output=True, text=True, timeout=timeout)
             if done.returncode != 0 or not os.path.exists(out):
                 raise RuntimeError(f"cross-compile worker for {name} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
@@ -383,11 +383,11 @@ def hot_loop_instructions(compiled, target: Target) -> tuple[dict[str, int], flo
     """(static instruction counts by the roofline model's classes (devtools/roofline.py), serial
     share) of the innermost loop with the most matrix instructions, from the cubin's SASS (NVIDIA:
     wgmma, mma, sfu, lds, ldg, branch, alu; serial share None: see ``kv_tiles_in_flight_at_dot``)
-    or the AMDGCN (AMD: mfma, valu, salu, lds, vmem; serial share: hip/compile_check.serial_share);
+    or the AMDGCN (AMD: mfma, valu, salu, lds, vmem; serial share: hip_compile_check.serial_share);
     ({}, None) without such a loop. One loop trip = one K/V tile of the kernel's KV loop."""
     if target.backend == "cuda":
         return _sass_loop_mix(_sass(compiled.asm["cubin"])), None
-    from kvmulti.hip_src import compile_check
+    from devtools import hip_compile_check as compile_check
     best: tuple[dict[str, int], float | None] = ({}, None)
     for body in compile_check._loop_bodies(compiled.asm["amdgcn"].splitlines()).values():
         mix = compile_check.instruction_mix(body)
@@ -559,6 +559,7 @@ def occupancy(target: Target, figures: dict, num_warps: int) -> int:
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "run the compile worker without TRITON_INTERPRET"
     target_arg, out_path = sys.argv[1], sys.argv[2]
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # devtools as a package
     all_results = compile_target(target_arg)
     with open(out_path, "w") as fh:
         json.dump(all_results, fh, indent=1)
