@@ -379,7 +379,8 @@ TARGETS: dict[str, Target] = {t.arch: t for t in (
         name="A100 SXM 40GB", arch="sm_80", vendor="nvidia", units=108, ports_per_unit=4, clock_hz=1.41e9,
         peak_bandwidth=1.555e12, dram_efficiency=0.846,
         dram_efficiency_source="GPUInspector.jl data-bandwidth example on a DGX A100: memcpy 1225 GiB/s of a "
-                               "1448 GiB/s theoretical peak (pc2.github.io/GPUInspector.jl/dev/examples/data_bandwidth)",
+                               "1448 GiB/s theoretical peak "
+                               "(pc2.github.io/GPUInspector.jl/dev/examples/data_bandwidth)",
         matrix_peak=312e12, latency_s=600e-9,
         latency_source="assumption: loaded HBM2 latency; a hit in the 40 MB L2: also an assumption",
         cache_latency_s=300e-9,

@@ -63,7 +63,8 @@ def launch(row: dict, case: Case) -> KernelLaunch:
     partials = case.tokens * case.q_heads * parts * (case.head + 2) * 4 if split else 0
     mix = {c: n for c, n in row["hot_loop_instructions"].items() if n}
     return KernelLaunch(
-        kernel=f"sycl {KERNEL} ({row['target']}{', ' + row['cache'] if row.get('cache') else ''})", target=target.arch, case=case.name,
+        kernel=f"sycl {KERNEL} ({row['target']}{', ' + row['cache'] if row.get('cache') else ''})",
+        target=target.arch, case=case.name,
         programs=len(trips) * case.kv_heads, waves_per_program=waves, iterations=sum(trips) / len(trips),
         loop=LoopMix(mix, waves * row["hot_loop_load_bytes"],
                      {"dpas": waves * row["hot_loop_dpas_flops"]} if row.get("hot_loop_dpas_flops") else {}),

@@ -18,8 +18,9 @@ Pipeline (each step is a public tool, nothing is emulated):
 :func:`report_rows` returns one dict per (kernel, target) with the keys
 ``kernel, target, regs_or_grf_mode, spills, slm_bytes, simd_width, matrix_instructions,
 load_widths_bytes, notes, hot_loop_instructions, hot_loop_load_bytes, hot_loop_bytes_in_flight,
-hot_loop_dpas_flops`` (the key loop per thread, :func:`hot_loop_mix`). Results are cached in ``<kvmulti cache>/sycl/gpu_evidence/`` by the hash
-of the kernel source, the build options and the ocloc binary (a cold run takes a minute or two).
+hot_loop_dpas_flops`` (the key loop per thread, :func:`hot_loop_mix`). Results are cached in
+``<kvmulti cache>/sycl/gpu_evidence/`` by the hash of the kernel source, the build options, the
+ocloc binary and the row keys (a cold run takes a minute or two).
 """
 
 from __future__ import annotations
