@@ -27,9 +27,9 @@ time, ``second_launch_s``, to every bound):
     (``count x cycles`` per class; matrix classes: their flops at the port's share of the matrix
     peak), or the port's dispatch limit (``dispatch_per_cycle`` instructions of any class per
     cycle), or one wave's own stream (a wave issues at most one instruction per
-    ``wave_issue_interval`` cycles; the resident waves run their streams side by side), whichever
-    is longest. Static counts: both sides of a branch in the loop count, so this is pessimistic
-    for loops with rarely taken branches.
+    ``wave_issue_interval`` cycles and waits for its own matrix results; the resident waves run
+    their streams side by side), whichever is longest. Static counts: both sides of a branch in
+    the loop count, so this is pessimistic for loops with rarely taken branches.
 ``latency``
     Little's law: at most ``min(programs, units x resident)`` programs are resident, each with
     ``bytes_in_flight`` outstanding for ``latency_s``; every byte the loop loads (DRAM or cache)
@@ -70,7 +70,12 @@ class Target:
     instruction reaches; a matrix class's pipe time comes from the loop's matrix flops, not from
     ``pipe_cycles``. ``dispatch_per_cycle``: instructions of any classes one port issues per cycle.
     ``wave_issue_interval``: the fewest cycles between two instructions of one wave.
-    ``launch_gap_s``: the idle time between two dependent launches on one stream (assumption)."""
+    ``latency_s`` / ``cache_latency_s``: loaded round trip of a load served by DRAM / by the
+    last-level cache (assumptions; ``latency_source`` says so).
+    ``launch_gap_s``: the idle time between two dependent launches on one stream (assumption).
+    ``matrix_issue_port``: the pipe through which matrix instructions issue, holding it for that
+    pipe's cycles per instruction (CDNA: MFMA issues through the VALU port); None: only the dispatch
+    slot."""
     name: str
     arch: str
     vendor: str
@@ -83,11 +88,13 @@ class Target:
     matrix_peak: float
     latency_s: float
     latency_source: str
+    cache_latency_s: float
     pipe_cycles: Mapping[str, float]
     matrix_rate: Mapping[str, float]
     dispatch_per_cycle: float
     wave_issue_interval: float
     launch_gap_s: float = 2e-6
+    matrix_issue_port: str | None = None
     sources: str = ""
 
     @property
@@ -128,7 +135,9 @@ class KernelLaunch:
     loads outstanding (read from the assembly: 0 when the next tile's loads are in flight during
     this tile's work, 1 when a wave computes only after all of its loads have returned); that part
     of the stream follows the loads' round trip instead of hiding it, in the latency and grid
-    bounds: an iteration takes max(stream, round trip + serial_share x stream). ``exiting_programs``:
+    bounds: an iteration takes max(stream, round trip + serial_share x stream). ``dram_share``: the
+    share of the loop's bytes that come from DRAM (the rest hit the last-level cache, e.g. K/V tiles
+    that other programs of the same sequence read before). ``exiting_programs``:
     programs of the launch that do no loop work and only hold a slot for ``exit_s`` seconds each
     (work-groups that find another one covers their rows and return). ``notes``: what the adapter
     assumed."""
@@ -146,6 +155,7 @@ class KernelLaunch:
     useful_flops: float
     second_launch_bytes: float = 0.0
     serial_share: float = 0.0
+    dram_share: float = 1.0
     exiting_programs: int = 0
     exit_s: float = 0.0
     notes: str = ""
@@ -182,6 +192,47 @@ class Estimate:
                 "notes": self.notes}
 
 
+@dataclass(frozen=True)
+class Case:
+    """A batch the adapters turn into launches: ``sequences`` requests of ``query_len`` new tokens
+    each, whose last token sees ``context`` keys (causal), ``q_heads`` / ``kv_heads`` heads of
+    ``head`` dims, 16-bit queries and outputs, cache blocks of ``block_size`` keys."""
+    name: str
+    sequences: int
+    query_len: int
+    context: int
+    q_heads: int = 32
+    kv_heads: int = 8
+    head: int = 128
+    block_size: int = 16
+
+    @property
+    def tokens(self) -> int:
+        return self.sequences * self.query_len
+
+    def kv_bytes(self, elem_bytes: int = 2) -> int:
+        """K and V of every key once, in a cache of ``elem_bytes`` per element."""
+        return self.sequences * self.context * self.kv_heads * self.head * 2 * elem_bytes
+
+    @property
+    def q_bytes(self) -> int:
+        """The queries (= the outputs) in 16 bits."""
+        return self.tokens * self.q_heads * self.head * 2
+
+    @property
+    def useful_flops(self) -> float:
+        """QK^T and P.V over the keys each query token sees (causal): 4 x head flops per (row, key)."""
+        first = self.context - self.query_len           # keys before the first new token
+        keys = sum(first + i + 1 for i in range(self.query_len))
+        return float(self.sequences * self.q_heads * keys * 4 * self.head)
+
+
+#: 32 sequences x 4096 keys, one new token each (32 / 8 heads, head 128, bf16, block 16)
+DECODE = Case("decode", sequences=32, query_len=1, context=4096)
+#: 8 prompts x 2048 tokens, causal, no context before them (32 / 8 heads, head 128, bf16)
+PREFILL = Case("prefill", sequences=8, query_len=2048, context=2048)
+
+
 def _check(launch: KernelLaunch, target: Target) -> None:
     if launch.case not in CASES:
         raise ValueError(f"case {launch.case!r} is not one of {CASES}")
@@ -195,13 +246,26 @@ def _check(launch: KernelLaunch, target: Target) -> None:
                if n and c in target.matrix_rate and not launch.loop.matrix_flops.get(c)]
     if missing:
         raise ValueError(f"{launch.kernel}: matrix classes {missing} issued without their flops (matrix_flops)")
-    if not 0 <= launch.serial_share <= 1:
-        raise ValueError(f"{launch.kernel}: serial_share {launch.serial_share} outside [0, 1]")
+    for name in ("serial_share", "dram_share"):
+        if not 0 <= getattr(launch, name) <= 1:
+            raise ValueError(f"{launch.kernel}: {name} {getattr(launch, name)} outside [0, 1]")
     if launch.loop.bytes > 0 and launch.bytes_in_flight <= 0:
         raise ValueError(f"{launch.kernel}: a loop that loads bytes needs bytes_in_flight > 0")
     if launch.dram_bytes < launch.useful_bytes:
         raise ValueError(f"{launch.kernel}: dram_bytes {launch.dram_bytes:.3g} < useful_bytes "
                          f"{launch.useful_bytes:.3g} (every useful byte is read at least once)")
+
+
+def wave_stream(loop: LoopMix, launch: KernelLaunch, target: Target) -> float:
+    """Seconds one wave needs for one iteration on its own: its non-matrix instructions at one per
+    ``wave_issue_interval`` cycles, plus its share of the iteration's matrix work at one port's
+    matrix rate (a wave waits for its own matrix results: the softmax needs QK^T, P.V needs P)."""
+    clock = target.clock_hz
+    plain = sum(n for c, n in loop.instructions.items() if c not in target.matrix_rate)
+    port_rate = target.matrix_peak / (target.units * target.ports_per_unit)
+    matrix = sum(f / launch.waves_per_program / (port_rate * target.matrix_rate[c])
+                 for c, f in loop.matrix_flops.items())
+    return plain * target.wave_issue_interval / clock + matrix
 
 
 def issue_pipes(launch: KernelLaunch, target: Target) -> dict[str, float]:
@@ -214,6 +278,10 @@ def issue_pipes(launch: KernelLaunch, target: Target) -> dict[str, float]:
     per_port = wave_iterations / ports
     pipes = {c: per_port * n * target.pipe_cycles[c] / clock
              for c, n in loop.instructions.items() if c not in target.matrix_rate and n}
+    port = target.matrix_issue_port
+    matrix_issues = sum(n for c, n in loop.instructions.items() if c in target.matrix_rate)
+    if port and matrix_issues:
+        pipes[port] = pipes.get(port, 0.0) + per_port * matrix_issues * target.pipe_cycles[port] / clock
     share = ports / (target.units * target.ports_per_unit)
     for c, flops in loop.matrix_flops.items():
         if flops:
@@ -221,8 +289,7 @@ def issue_pipes(launch: KernelLaunch, target: Target) -> dict[str, float]:
             pipes[c] = pipes.get(c, 0.0) + launch.programs * launch.iterations * flops / rate
     total = sum(loop.instructions.values())
     pipes["dispatch"] = per_port * total / target.dispatch_per_cycle / clock
-    pipes["wave_stream"] = (wave_iterations * total * target.wave_issue_interval / clock
-                            / (resident * launch.waves_per_program))
+    pipes["wave_stream"] = launch.programs * launch.iterations * wave_stream(loop, launch, target) / resident
     return pipes
 
 
@@ -234,11 +301,12 @@ def estimate(launch: KernelLaunch, target: Target) -> Estimate:
     loop, clock = launch.loop, target.clock_hz
     slots = target.units * launch.resident_per_unit
     resident = min(launch.programs, slots)
-    second = (launch.second_launch_bytes / target.bandwidth + target.launch_gap_s) if launch.second_launch_bytes else 0.0
+    second = launch.second_launch_bytes / target.bandwidth + target.launch_gap_s if launch.second_launch_bytes else 0.0
 
     pipes = issue_pipes(launch, target)
-    stream = sum(loop.instructions.values()) * target.wave_issue_interval / clock
-    wait = target.latency_s * loop.bytes / launch.bytes_in_flight if loop.bytes else 0.0
+    stream = wave_stream(loop, launch, target)
+    round_trip = launch.dram_share * target.latency_s + (1 - launch.dram_share) * target.cache_latency_s
+    wait = round_trip * loop.bytes / launch.bytes_in_flight if loop.bytes else 0.0
     # one program's iteration, alone: its loads' round trip, then the part of its waves' stream
     # that issues with no load outstanding
     per_iteration = max(stream, wait + launch.serial_share * stream)
@@ -276,8 +344,8 @@ _CDNA_PIPES = {
     "valu": 4, "salu": 4, "lds": 8, "vmem": 4, "branch": 4,
 }
 _CDNA_ISSUE = ("CDNA issue (AMD CDNA3 ISA / instinct docs): each SIMD gets an issue slot every 4 cycles and "
-               "then issues up to one instruction per category (VALU, SALU, VMEM, LDS, branch, MFMA shares "
-               "the VALU port) from different waves; one wave issues at most one instruction per slot; MFMA "
+               "then issues up to one instruction per category (VALU, SALU, VMEM, LDS, branch; an MFMA issues "
+               "through the VALU port) from different waves; one wave issues at most one instruction per slot; MFMA "
                "of one wave runs while VALU of other waves issues.")
 _NVIDIA_PIPES = {
     # per SM sub-partition (SMSP), per warp instruction: 32 FP32 lanes (1 cycle), MUFU 4 lanes per
@@ -299,7 +367,9 @@ TARGETS: dict[str, Target] = {t.arch: t for t in (
         dram_efficiency_source="device-to-device copy measured at ~3.0 TB/s counting read + write bytes "
                                "(figure the project's GPU evidence plan cites for H100 SXM; not re-measured here)",
         matrix_peak=989.4e12, latency_s=650e-9,
-        latency_source="assumption: loaded HBM3 latency (pointer-chase figures are ~500 ns; queues add more)",
+        latency_source="assumption: loaded HBM3 latency (pointer-chase figures are ~500 ns; queues add more); "
+                       "a hit in the 50 MB L2: also an assumption",
+        cache_latency_s=300e-9,
         pipe_cycles=_NVIDIA_PIPES, matrix_rate={"wgmma": 1.0, "mma": 0.6}, dispatch_per_cycle=1.0,
         wave_issue_interval=1.0,
         sources="NVIDIA H100 datasheet: 132 SMs, 3.35 TB/s, 989.4 TFLOP/s dense bf16 (1.83 GHz boost); one warp "
@@ -310,7 +380,8 @@ TARGETS: dict[str, Target] = {t.arch: t for t in (
         dram_efficiency_source="GPUInspector.jl data-bandwidth example on a DGX A100: memcpy 1225 GiB/s of a "
                                "1448 GiB/s theoretical peak (pc2.github.io/GPUInspector.jl/dev/examples/data_bandwidth)",
         matrix_peak=312e12, latency_s=600e-9,
-        latency_source="assumption: loaded HBM2 latency",
+        latency_source="assumption: loaded HBM2 latency; a hit in the 40 MB L2: also an assumption",
+        cache_latency_s=300e-9,
         pipe_cycles=dict(_NVIDIA_PIPES, sfu=8), matrix_rate={"mma": 1.0}, dispatch_per_cycle=1.0,
         wave_issue_interval=1.0,
         sources="NVIDIA A100 datasheet: 108 SMs, 1.555 TB/s (40 GB), 312 TFLOP/s dense bf16 at 1.41 GHz"),
@@ -321,16 +392,21 @@ TARGETS: dict[str, Target] = {t.arch: t for t in (
                                "found (ScalarLM's MI300X memcpy blog) plateaus at 2.0-3.0 TB/s without saying "
                                "whether it counts read and write bytes",
         matrix_peak=1307.4e12, latency_s=800e-9,
-        latency_source="assumption: loaded HBM3 latency behind the 256 MB Infinity Cache",
+        latency_source="assumption: loaded HBM3 latency behind the 256 MB Infinity Cache; "
+                       "a hit in the Infinity Cache: also an assumption",
+        cache_latency_s=350e-9,
         pipe_cycles=_CDNA_PIPES, matrix_rate={"mfma": 1.0}, dispatch_per_cycle=1.25, wave_issue_interval=4.0,
+        matrix_issue_port="valu",
         sources="AMD MI300X datasheet: 304 CUs, 2.1 GHz, 5.3 TB/s, 1307.4 TFLOP/s dense bf16. " + _CDNA_ISSUE),
     Target(
         name="MI250X (one GCD)", arch="gfx90a", vendor="amd", units=110, ports_per_unit=4, clock_hz=1.7e9,
         peak_bandwidth=1.6384e12, dram_efficiency=0.80,
         dram_efficiency_source="assumption: 80 % of peak for a streaming copy on one GCD",
         matrix_peak=191.5e12, latency_s=750e-9,
-        latency_source="assumption: loaded HBM2e latency",
+        latency_source="assumption: loaded HBM2e latency; a hit in the 8 MB L2: also an assumption",
+        cache_latency_s=300e-9,
         pipe_cycles=_CDNA_PIPES, matrix_rate={"mfma": 1.0}, dispatch_per_cycle=1.25, wave_issue_interval=4.0,
+        matrix_issue_port="valu",
         sources="AMD MI250X datasheet halved (one GCD, the device ROCm exposes): 110 CUs, 1.7 GHz, 1.64 TB/s, "
                 "191.5 TFLOP/s dense bf16. " + _CDNA_ISSUE),
     Target(
@@ -340,7 +416,9 @@ TARGETS: dict[str, Target] = {t.arch: t for t in (
                                "node of 6 Max 1550 = 2.0 TB/s per GPU of 3.28 TB/s peak "
                                "(docs.alcf.anl.gov/aurora/node-performance-overview)",
         matrix_peak=838.9e12, latency_s=1.0e-6,
-        latency_source="assumption: loaded HBM2e latency across the stack's L2 / base tile",
+        latency_source="assumption: loaded HBM2e latency across the stack's L2 / base tile; "
+                       "a hit in the stack L2: also an assumption",
+        cache_latency_s=400e-9,
         pipe_cycles=_XE_PIPES, matrix_rate={"dpas": 1.0}, dispatch_per_cycle=2.0, wave_issue_interval=1.0,
         sources="Intel Max 1550: 128 Xe-cores x 8 XVEs, 1.6 GHz, 3.2768 TB/s, 838.9 TFLOP/s bf16 XMX; "
                 "an XVE's FPU is 16 fp32 lanes; dispatch of 2 instructions per XVE cycle (ALU + send / math "
@@ -350,7 +428,8 @@ TARGETS: dict[str, Target] = {t.arch: t for t in (
         peak_bandwidth=560e9, dram_efficiency=0.80,
         dram_efficiency_source="assumption: 80 % of peak for a streaming copy on GDDR6",
         matrix_peak=137.6e12, latency_s=700e-9,
-        latency_source="assumption: loaded GDDR6 latency",
+        latency_source="assumption: loaded GDDR6 latency; a hit in the 16 MB L2: also an assumption",
+        cache_latency_s=300e-9,
         pipe_cycles=dict(_XE_PIPES, alu=2), matrix_rate={"dpas": 1.0}, dispatch_per_cycle=2.0,
         wave_issue_interval=1.0,
         sources="Intel Arc A770: 32 Xe-cores x 16 XVEs, 2.1 GHz, 560 GB/s; XVE FPU 8 fp32 lanes (a SIMD16 "
