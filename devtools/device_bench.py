@@ -154,9 +154,16 @@ def bench_shape(shape: Shape, implementations: dict[str, object], ceilings: dict
         errors["SDPA"] = f"{type(e).__name__}: {e}"[:600]
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(ROUNDS):
-        for name, fn in fns.items():
-            times[name].append(median_ms(fn))
-    reference = problem.sdpa_rows(fns["SDPA"]()).float() if "SDPA" in fns else None
+        for name, fn in list(fns.items()):
+            try:
+                times[name].append(median_ms(fn))
+            except Exception as e:                    # recorded; the others still run
+                errors[name] = f"{type(e).__name__}: {e}"[:600]
+                del fns[name]
+    try:
+        reference = problem.sdpa_rows(fns["SDPA"]()).float() if "SDPA" in fns else None
+    except Exception:
+        reference = None
     rows = []
     for name in [*implementations, "SDPA"]:
         row = {"shape": shape.name, "impl": name, **work}
@@ -172,7 +179,6 @@ def bench_shape(shape: Shape, implementations: dict[str, object], ceilings: dict
             tflops = work["flops"] / (ms * 1e-3) / 1e12
             row.update(tflops=tflops, fraction=tflops / ceilings["matmul"]["tflops"])
         if reference is not None and name != "SDPA":
-            fns[name]()
             row["max_abs_diff_vs_sdpa"] = float((outs[name].float() - reference).abs().max())
         rows.append(row)
     del problem
@@ -180,13 +186,20 @@ def bench_shape(shape: Shape, implementations: dict[str, object], ceilings: dict
     return rows
 
 
-def run(implementations: dict[str, object], shapes: tuple[Shape, ...] = SHAPES) -> dict:
+def run(implementations: dict[str, object], shapes: tuple[Shape, ...] = SHAPES,
+        progress: Callable[[dict], None] | None = None) -> dict:
     """``{"ceilings": {"copy", "matmul"}, "rows": [...]}``; ``implementations``: name -> backend
-    (a name or object) timed beside SDPA."""
-    ceilings = {"copy": copy_bandwidth(), "matmul": matmul_rate()}
+    (a name or object) timed beside SDPA. ``progress`` gets the result so far after each shape."""
+    result: dict = {"ceilings": {"copy": copy_bandwidth(), "matmul": matmul_rate()}, "rows": []}
     torch.cuda.empty_cache()
-    rows = [row for shape in shapes for row in bench_shape(shape, implementations, ceilings)]
-    return {"ceilings": ceilings, "rows": rows}
+    for shape in shapes:
+        try:
+            result["rows"] += bench_shape(shape, implementations, result["ceilings"])
+        except Exception as e:                        # recorded; the next shape still runs
+            result["rows"].append({"shape": shape.name, "impl": "all", "error": f"{type(e).__name__}: {e}"[:600]})
+        if progress:
+            progress(result)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.library:
         from .hip_on_cuda import NvidiaHipBackend
         implementations["HIP"] = NvidiaHipBackend(Path(a.library))
-    result = run(implementations)
-    a.json.write_text(json.dumps(result, indent=1))
+    result = run(implementations, progress=lambda r: a.json.write_text(json.dumps(r, indent=1)))
     return 0 if not any("error" in r for r in result["rows"]) else 1
 
 

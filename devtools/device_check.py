@@ -3,18 +3,22 @@ own cap; a failing step is recorded and the next one runs. ``scripts/device_chec
 
     python -m devtools.device_check [OUT_DIR] [--dry-run] [--budget SECONDS]
 
-Steps, in this order (the order is the priority when time runs short; :data:`STEPS`):
+Steps, in this order (:data:`STEPS`; each waits at most its cap, and what runs in the background
+overlaps the steps after it):
 
 1. ``environment``: device, torch / triton / driver / nvcc / compute-sanitizer versions; starts in
    the background the nvcc build of the HIP kernels (:func:`kvmulti.backends.hip.build.build_nvidia_library`
-   for the device's arch) and the model's report (``benchmarks/gpu_report.py --sections triton --json``);
+   for the device's arch), the model's report (``benchmarks/gpu_report.py --sections triton --json``)
+   and ``pytest -m cuda`` (the cuda-marked suites, KVMULTI_REQUIRE_VENDOR=cuda);
 2. ``hip build``: waits for that build;
 3. ``hip vs oracle``: the HIP kernels on CUDA tensors against the oracle (``devtools.device_kernels``);
-4. ``benchmark``: ``devtools.device_bench`` (TRITON, HIP, SDPA; copy bandwidth, matmul rate);
-5. ``model``: waits for the model's report and reads its estimates (``devtools.device_model``);
-6. ``pytest -m cuda``: the cuda-marked suites (KVMULTI_REQUIRE_VENDOR=cuda);
-7. ``memcheck triton``: ``compute-sanitizer --tool memcheck`` over one decode and one prefill launch;
-8. ``memcheck hip``: the same over the HIP cases of step 3.
+4. ``memcheck hip``: ``compute-sanitizer --tool memcheck`` over the same HIP cases;
+5. ``memcheck triton``: the same over one Triton decode and one Triton prefill launch;
+6. ``pytest -m cuda``: waits for the suites, stopping them when the benchmark's reserve
+   (:data:`BENCH_RESERVE_S`) would be eaten;
+7. ``benchmark``: ``devtools.device_bench`` on the then quiet GPU (TRITON, SDPA, and HIP when step 3
+   passed; copy bandwidth, matmul rate);
+8. ``model estimates``: waits for the model's report and reads its estimates (``devtools.device_model``).
 
 Writes ``OUT_DIR/device_check.json``, ``device_check.md``, ``device_check.log`` (every step's
 output) and ``pytest_cuda.xml``; nothing else lands in OUT_DIR (the device tool returns at most
@@ -49,6 +53,8 @@ from . import device_bench, device_kernels, device_model, device_report
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 450           # the driver's whole run; the script's set-up comes on top (8 minutes in all)
+BENCH_RESERVE_S = 150    # kept for the benchmark and the model when waiting for pytest
+PYTEST_TEST_TIMEOUT_S = 280
 DRY_RUN_ARCH = "sm_90"
 SANITIZER_EXIT = 86
 COMMIT_ENV = "DEVICE_CHECK_COMMIT"
@@ -64,6 +70,7 @@ class Context:
     background: dict[str, subprocess.Popen] = field(default_factory=dict)
     result: dict = field(default_factory=dict)
     library: str | None = None           # the nvcc-built HIP library, once built
+    hip_ok: bool = False                 # it matched the oracle (then the benchmark times it)
     arch: str | None = None
     log: list[str] = field(default_factory=list)
 
@@ -103,10 +110,10 @@ def run_capped(ctx: Context, name: str, cmd: list[str], cap: float, env: dict | 
     return rc, out
 
 
-def start_background(ctx: Context, name: str, cmd: list[str]) -> None:
-    log = open(ctx.work / f"{name}.log", "w")
-    ctx.background[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                            start_new_session=True)
+def start_background(ctx: Context, name: str, cmd: list[str], env: dict | None = None) -> None:
+    with open(ctx.work / f"{name}.log", "w") as log:
+        ctx.background[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                                env=env, start_new_session=True)
 
 
 def wait_background(ctx: Context, name: str, cap: float) -> tuple[int | None, str]:
@@ -251,7 +258,10 @@ def step_environment(ctx: Context, cap: float) -> Outcome:
                                         f"build_nvidia_library; print(build_nvidia_library({ctx.arch!r}))"])
     start_background(ctx, "gpu_report", [ctx.python, "benchmarks/gpu_report.py", "--sections", "triton",
                                          "--json", str(ctx.work / "gpu_report.json"), "-j", "6"])
-    return Outcome("passed", f"{props.name} ({ctx.arch}); builds started", {})
+    env = dict(os.environ, KVMULTI_REQUIRE_VENDOR="cuda")
+    env.pop("TRITON_INTERPRET", None)
+    start_background(ctx, "pytest", _pytest_cmd(ctx, ctx.out / "pytest_cuda.xml"), env)
+    return Outcome("passed", f"{props.name} ({ctx.arch}); nvcc build, model report and pytest started", {})
 
 
 def dry_environment(ctx: Context, cap: float) -> Outcome:
@@ -294,7 +304,9 @@ def step_hip_oracle(ctx: Context, cap: float) -> Outcome:
     out_json = ctx.work / "hip_oracle.json"
     rc, out = run_capped(ctx, "hip vs oracle", [ctx.python, "-m", "devtools.device_kernels", "--backend", "HIP",
                                                 "--library", ctx.library, "--json", str(out_json)], cap)
-    return kernels_outcome(read_json(out_json), rc, "HIP (nvcc) on CUDA tensors")
+    outcome = kernels_outcome(read_json(out_json), rc, "HIP (nvcc) on CUDA tensors")
+    ctx.hip_ok = outcome.status == "passed"
+    return outcome
 
 
 def dry_hip_oracle(ctx: Context, cap: float) -> Outcome:
@@ -307,16 +319,19 @@ def dry_hip_oracle(ctx: Context, cap: float) -> Outcome:
 def step_benchmark(ctx: Context, cap: float) -> Outcome:
     out_json = ctx.work / "bench.json"
     cmd = [ctx.python, "-m", "devtools.device_bench", "--json", str(out_json)]
-    if ctx.library:
+    if ctx.library and ctx.hip_ok:
         cmd += ["--library", ctx.library]
     rc, out = run_capped(ctx, "benchmark", cmd, cap)
-    bench = read_json(out_json)
+    bench = read_json(out_json)             # written after each shape: a stopped run keeps its shapes
     if bench is None:
         return Outcome("timeout" if rc is None else "error", tail(out, 800))
     ctx.result["benchmark"] = bench
     errors = [f"{r['impl']} {r['shape']}" for r in bench["rows"] if "error" in r]
-    return Outcome("passed" if not errors else "failed",
-                   f"{len(bench['rows'])} rows" + (f"; errors: {', '.join(errors)}" if errors else ""))
+    summary = f"{len(bench['rows'])} rows" + (f"; errors: {', '.join(errors)}" if errors else "")
+    if "--library" not in cmd:
+        summary += "; HIP not timed (it did not pass the oracle step)"
+    status = "timeout" if rc is None else "passed" if rc == 0 and not errors else "failed"
+    return Outcome(status, summary if rc is not None else summary + " (stopped at its cap)")
 
 
 def dry_benchmark(ctx: Context, cap: float) -> Outcome:
@@ -362,15 +377,13 @@ def _pytest_cmd(ctx: Context, junit: Path) -> list[str]:
     if importlib.util.find_spec("xdist"):
         cmd += ["-n", "4"]
     if importlib.util.find_spec("pytest_timeout"):
-        cmd += ["--timeout", "150"]
+        cmd += ["--timeout", str(PYTEST_TEST_TIMEOUT_S)]   # the hypothesis suite is one long test
     return cmd
 
 
 def step_pytest(ctx: Context, cap: float) -> Outcome:
     junit = ctx.out / "pytest_cuda.xml"
-    env = dict(os.environ, KVMULTI_REQUIRE_VENDOR="cuda")
-    env.pop("TRITON_INTERPRET", None)
-    rc, out = run_capped(ctx, "pytest -m cuda", _pytest_cmd(ctx, junit), cap, env)
+    rc, out = wait_background(ctx, "pytest", min(cap, ctx.remaining() - BENCH_RESERVE_S))
     counts = pytest_counts(out)
     summary = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no tests reported"
     if rc is None:
@@ -434,11 +447,11 @@ STEPS = (
     Step("environment", 30, step_environment, dry_environment),
     Step("hip build (nvcc)", 150, step_hip_build, dry_hip_build),
     Step("hip vs oracle", 60, step_hip_oracle, dry_hip_oracle),
-    Step("benchmark", 120, step_benchmark, dry_benchmark),
-    Step("model estimates", 90, step_model, dry_model),
-    Step("pytest -m cuda", 200, step_pytest, dry_pytest),
-    Step("memcheck triton", 90, lambda c, cap: _memcheck(c, cap, "TRITON", "launches"), dry_memcheck),
     Step("memcheck hip", 90, lambda c, cap: _memcheck(c, cap, "HIP", "oracle"), dry_memcheck),
+    Step("memcheck triton", 100, lambda c, cap: _memcheck(c, cap, "TRITON", "launches"), dry_memcheck),
+    Step("pytest -m cuda", 300, step_pytest, dry_pytest),
+    Step("benchmark", 130, step_benchmark, dry_benchmark),
+    Step("model estimates", 30, step_model, dry_model),
 )
 
 
