@@ -258,7 +258,7 @@ def step_environment(ctx: Context, cap: float) -> Outcome:
                                         f"build_nvidia_library; print(build_nvidia_library({ctx.arch!r}))"])
     start_background(ctx, "gpu_report", [ctx.python, "benchmarks/gpu_report.py", "--sections", "triton",
                                          "--json", str(ctx.work / "gpu_report.json"), "-j", "6"])
-    env = dict(os.environ, KVMULTI_REQUIRE_VENDOR="cuda")
+    env = dict(os.environ, KVMULTI_REQUIRE_VENDOR="cuda", PYTHONUNBUFFERED="1")   # a stopped run keeps its lines
     env.pop("TRITON_INTERPRET", None)
     start_background(ctx, "pytest", _pytest_cmd(ctx, ctx.out / "pytest_cuda.xml"), env)
     return Outcome("passed", f"{props.name} ({ctx.arch}); nvcc build, model report and pytest started", {})
@@ -405,7 +405,7 @@ def dry_pytest(ctx: Context, cap: float) -> Outcome:
 
 
 def _memcheck_cmd(ctx: Context, backend: str, which: str, log: Path, out_json: Path) -> list[str]:
-    cmd = [compute_sanitizer() or "compute-sanitizer", "--tool", "memcheck", f"--error-exitcode={SANITIZER_EXIT}",
+    cmd = [compute_sanitizer() or "compute-sanitizer", "--tool", "memcheck", "--error-exitcode", str(SANITIZER_EXIT),
            "--print-limit", "20", "--log-file", str(log), ctx.python, "-m", "devtools.device_kernels",
            "--backend", backend, "--set", which, "--json", str(out_json)]
     if backend == "HIP" and ctx.library:

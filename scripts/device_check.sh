@@ -39,6 +39,9 @@ for arg in "$@"; do
 done
 python=${PYTHON:-python3}
 mkdir -p "$out"
+# tools installed beside that Python (CI's nvcc from PyPI is .venv/bin/nvcc) come first on PATH
+PATH="$(dirname "$(command -v "$python")"):$PATH"
+export PATH
 
 if [ ${#dry[@]} -eq 0 ]; then
   start=$(date +%s)
