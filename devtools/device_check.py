@@ -343,7 +343,8 @@ def dry_benchmark(ctx: Context, cap: float) -> Outcome:
 
 def _model_result(ctx: Context, path: Path | None) -> Outcome:
     estimates = device_model.estimates_from_gpu_report(path, ctx.arch or DRY_RUN_ARCH)
-    ctx.result["model"] = {"source": f"benchmarks/gpu_report.py --json ({len(estimates)} estimates)"
+    sources = sorted({e["source"] for e in estimates.values()})
+    ctx.result["model"] = {"source": "benchmarks/gpu_report.py --json (" + ", ".join(sources) + ")"
                            if estimates else None,
                            "estimates": [dict(e, impl=k[0], shape=k[1]) for k, e in estimates.items()]}
     return Outcome("passed" if estimates else "failed",
@@ -359,15 +360,22 @@ def step_model(ctx: Context, cap: float) -> Outcome:
 
 
 def dry_model(ctx: Context, cap: float) -> Outcome:
+    """The hook on a fake report: a roofline row wins over the paper model's for the same shape."""
     fake = ctx.work / "fake_gpu_report.json"
-    fake.write_text(json.dumps({"paper_model": [
-        {"device": "H100 SXM", "target": DRY_RUN_ARCH, "case": "decode", "estimate_us": 250.0, "fraction_of_floor": 0.6},
-        {"device": "H100 SXM", "target": DRY_RUN_ARCH, "case": "prefill", "estimate_us": 900.0,
-         "fraction_of_floor": 0.3}]}))
+    paper = [{"device": "H100 SXM", "target": DRY_RUN_ARCH, "case": case, "estimate_us": us, "fraction_of_floor": 0.5}
+             for case, us in (("decode", 250.0), ("prefill", 900.0))]
+    roofline = [{"kernel": "unified_attention", "target": DRY_RUN_ARCH, "case": "decode", "estimate_us": 300.0,
+                 "fraction": 0.6, "bound": "memory"},
+                {"kernel": "unified_attention", "target": "gfx942", "case": "decode", "estimate_us": 1.0,
+                 "fraction": 0.9, "bound": "memory"}]
+    fake.write_text(json.dumps({"paper_model": paper, "roofline": roofline}))
     outcome = _model_result(ctx, fake)
-    assert len(ctx.result["model"]["estimates"]) == 2, ctx.result["model"]
-    ctx.result["model"]["source"] = "dry run: a fake gpu_report JSON"
+    got = {(e["impl"], e["shape"]): e for e in ctx.result["model"]["estimates"]}
+    assert set(got) == {("TRITON", "decode 32x4096"), ("TRITON", "prefill 8x2048")}, got
+    assert got[("TRITON", "decode 32x4096")]["bound"] == "memory", got
+    assert got[("TRITON", "prefill 8x2048")]["estimate_ms"] == 0.9, got
     assert device_model.estimates_from_gpu_report(None, DRY_RUN_ARCH) == {}
+    ctx.result["model"]["source"] = "dry run: a fake gpu_report JSON"
     return Outcome(outcome.status, "hook reads a gpu_report JSON: " + outcome.summary)
 
 
@@ -534,7 +542,8 @@ def fake_result() -> dict:
             "benchmark": {"ceilings": {"copy": {"bytes": 2 << 30, "ms": 1.0, "gb_per_s": 3000.0},
                                        "matmul": {"n": 8192, "ms": 1.0, "tflops": 700.0}}, "rows": rows},
             "model": {"source": "fake", "estimates": [{"impl": "TRITON", "shape": "decode 32x4096", "estimate_ms": 0.25,
-                                                       "fraction": 0.6, "bound": None, "model_device": "H100 SXM"}]}}
+                                                       "fraction": 0.6, "bound": "memory", "model_device": "H100 SXM",
+                                                       "source": "fake.json: roofline"}]}}
 
 
 def check_writers(ctx: Context) -> None:
