@@ -8,19 +8,19 @@ function returning ``list[dict]`` rows with at least ``kernel`` and ``target``. 
 module is missing (a kernel family that has not published its rows yet) is listed as absent, not
 faked. Adding one is one line in :data:`SECTIONS`.
 
-* ``triton``: every Triton specialisation kvmulti launches (``kvmulti.triton_kernels.cross_compile``)
+* ``triton``: every Triton specialisation kvmulti launches (``devtools.triton_cross_compile``)
   cross-compiled for sm_80, sm_90, gfx90a, gfx942: registers, spills, shared/LDS bytes, occupancy
   (CTAs per SM / work-groups per CU from registers and shared memory against the target's
   limits), matrix instructions (static count of mma.sync / wgmma / v_mfma), global load widths,
   cp.async.wait_group immediates, K/V tiles in flight at the KV loop's dots (read from TTGIR:
   ``cross_compile.kv_tiles_in_flight_at_dot``); then the paper model below.
-* ``hip``: ``kvmulti.hip_src.compile_check.report_rows`` when hip/compile_check.py provides it,
+* ``hip``: ``devtools.hip_compile_check.report_rows`` when devtools/hip_compile_check.py provides it,
   else rows built here from its hipcc resource-usage pass (registers, LDS, waves/SIMD, spills). Every
   kernel x gfx90a / gfx940 / gfx1030, fp8 caches (e4m3fn, e5m2) included; printed: the attention kernels
   at head 128 (the decode case's) per query dtype x cache, with the engine (MFMA / FMA); ``--full``:
   every row. Thresholds: ``compile_check.row_problems`` (an fp16 / bf16 query over a 16-bit or an fp8
   cache uses v_mfma on gfx90a / gfx940, no spills, 16-byte hot-loop loads, occupancy).
-* ``sycl``: ``kvmulti.sycl_src.gpu_evidence.report_rows`` once sycl/ provides it (bf16, head 128);
+* ``sycl``: ``devtools.sycl_gpu_evidence.report_rows`` once devtools/ provides it (bf16, head 128);
   ``sycl_fp8``: the same case over an fp8 e4m3fn cache (``gpu_evidence.FP8_CONFIG``, rows with
   ``cache``). Triton's fp8 specialisations (e4m3 / e5m2 caches with bf16 / fp16 / fp32 queries:
   ``cross_compile.fp8_specs``) are rows of the ``triton`` section.
@@ -63,12 +63,15 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the repository root: devtools
 
 #: name -> "module:function" returning list[dict] rows (kernel, target, ...). One line per section.
 SECTIONS: dict[str, str] = {
     "triton": "gpu_report:triton_rows",
-    "hip": "kvmulti.hip_src.compile_check:report_rows",
-    "sycl": "kvmulti.sycl_src.gpu_evidence:report_rows",
+    "hip": "devtools.hip_compile_check:report_rows",
+    "sycl": "devtools.sycl_gpu_evidence:report_rows",
     "sycl_fp8": "gpu_report:sycl_fp8_rows",
 }
 #: used when a section's own module does not provide report_rows yet
@@ -101,7 +104,7 @@ PREFILL = dict(num_prompts=8, prompt=2048, q_heads=32, kv_heads=8, head=128, dty
 # --------------------------------------------------------------------------------------- triton
 def triton_rows(jobs: int = 2) -> list[dict]:
     """One row per (Triton specialisation, target): the figures of ``cross_compile.analyse``."""
-    from kvmulti.triton_kernels import cross_compile
+    from devtools import triton_cross_compile as cross_compile
     rows = []
     for target, results in cross_compile.compile_in_subprocesses(jobs=jobs).items():
         for r in results:
@@ -196,10 +199,10 @@ def paper_model(rows: list[dict]) -> list[dict]:
 
 # --------------------------------------------------------------------------------------- hip (today)
 def hip_rows_from_resource_usage() -> list[dict]:
-    """HIP rows from hip/compile_check.py's hipcc resource-usage pass (AMD targets it checks):
+    """HIP rows from devtools/hip_compile_check.py's hipcc resource-usage pass (AMD targets it checks):
     registers, LDS, waves per SIMD, spills. Matrix instructions, load widths and bytes in flight
-    are left to hip/compile_check.report_rows (None here: not measured by this fallback)."""
-    from kvmulti.hip_src import compile_check as cc
+    are left to devtools/hip_compile_check.report_rows (None here: not measured by this fallback)."""
+    from devtools import hip_compile_check as cc
     if cc.hipcc() is None:
         raise RuntimeError("hipcc not found")
     rows = []
@@ -244,9 +247,9 @@ def format_hip(rows: list[dict], full: bool) -> list[str]:
 
 
 def hip_threshold_failures(rows: list[dict]) -> list[str]:
-    """hip/compile_check.py's CI thresholds over the HIP section's rows (the fallback's rows carry too
+    """devtools/hip_compile_check.py's CI thresholds over the HIP section's rows (the fallback's rows carry too
     little to check and are skipped)."""
-    from kvmulti.hip_src import compile_check as cc
+    from devtools import hip_compile_check as cc
     return [p for r in rows if "hot_loop_instructions" in r for p in cc.row_problems(r)]
 
 
@@ -274,7 +277,7 @@ def _demangle_hint(mangled: str) -> str:
 # --------------------------------------------------------------------------------------- sycl fp8
 def sycl_fp8_rows() -> list[dict]:
     """The SYCL section's rows for its case over an fp8 e4m3fn cache (kernels.cpp with KVM_CACHE=3)."""
-    from kvmulti.sycl_src import gpu_evidence
+    from devtools import sycl_gpu_evidence as gpu_evidence
     return [dict(r, cache="e4m3") for r in gpu_evidence.report_rows(gpu_evidence.FP8_CONFIG)]
 
 

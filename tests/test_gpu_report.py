@@ -127,7 +127,7 @@ def test_tile_period_is_littles_law():
 
 
 def test_hip_fp8_caches_take_the_mfma_engine_on_cdna(report):
-    """The HIP section (hip/compile_check.py) holds every fp8 specialisation; with fp16 / bf16 queries on
+    """The HIP section (devtools/hip_compile_check.py) holds every fp8 specialisation; with fp16 / bf16 queries on
     gfx90a / gfx940 they have v_mfma (fp32 queries and gfx1030 do not), the printed table shows them with
     their engine, and no HIP threshold fails."""
     section = report["sections"]["hip"]
@@ -155,7 +155,7 @@ def test_sycl_fp8_section_reports_the_fp8_cache_kernels(report):
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"sycl_fp8 section missing in CI: {section}")
         pytest.skip(f"sycl_fp8 section not produced here: {section}")
-    from kvmulti.sycl_src import gpu_evidence as G
+    from devtools import sycl_gpu_evidence as G
     rows = section["rows"]
     assert {(r["kernel"], r["target"]) for r in rows} == {(k, t) for k in G.KERNELS
                                                           for t in (*G.TARGETS, *(v[0] for v in G.VARIANTS))}

@@ -19,7 +19,7 @@ Compilation must run in a process where ``TRITON_INTERPRET`` was never set (once
 ``triton.language`` is imported under the interpreter nothing compiles any more), hence
 :func:`compile_in_subprocesses`, which runs this module as a script once per target::
 
-    python -m kvmulti.triton_kernels.cross_compile sm_90 results.json
+    python devtools/triton_cross_compile.py sm_90 results.json
 """
 
 from __future__ import annotations
@@ -348,7 +348,7 @@ def compile_in_subprocesses(target_names: list[str] | None = None, jobs: int = 2
     def work(name: str) -> list[dict]:
         with tempfile.TemporaryDirectory(prefix="kvmulti_xc_") as tmp:
             out = os.path.join(tmp, f"{name}.json")
-            done = subprocess.run([sys.executable, "-m", "kvmulti.triton_kernels.cross_compile", name, out],
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), name, out],
                                   env=env, capture_output=True, text=True, timeout=timeout)
             if done.returncode != 0 or not os.path.exists(out):
                 raise RuntimeError(f"cross-compile worker for {name} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")

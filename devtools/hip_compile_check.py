@@ -4,7 +4,7 @@
 AMD (HIP_PLATFORM=amd, Debian packages ``hipcc libamdhip64-dev rocm-device-libs``):
   1. ``hipcc -Werror -shared`` builds the fat library of launcher.hip (which instantiates every kernel) for
      gfx90a, gfx940 and gfx1030 (Debian's clang 15 rejects gfx942 and has no device libraries for
-     gfx1100; ROCm hosts build for their own targets, see kvmulti/backends/hip.py);
+     gfx1100; ROCm hosts build for their own targets, see kvmulti/backends/hip/build.py);
   2. a ``--cuda-device-only -S -Werror -Rpass-analysis=kernel-resource-usage`` pass per arch, whose
      remarks and assembly give per kernel: VGPRs, SGPRs, LDS, occupancy (waves/SIMD), spills, v_mfma
      count, global load widths, the decode hot loop's loads (see ``analyze_function``) and the kernel
@@ -19,7 +19,7 @@ AMD (HIP_PLATFORM=amd, Debian packages ``hipcc libamdhip64-dev rocm-device-libs`
 NVIDIA: ``nvcc -x cu -I hip/compat`` (kvmulti's HIP->CUDA compat headers) for sm_80 and sm_90 with
   ``-Werror all-warnings`` and ptxas ``-warn-spills -warn-lmem-usage -Werror``.
 
-Usage: python hip/compile_check.py [--amd-only | --nvidia-only] [--out DIR] [--report];
+Usage: python devtools/hip_compile_check.py [--amd-only | --nvidia-only] [--out DIR] [--report];
 exit status 0 = all pass.
 """
 
@@ -36,8 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "launcher.hip"
+HIP_DIR = Path(__file__).resolve().parents[1] / "hip"   # the HIP kernel folder
+SOURCE = HIP_DIR / "launcher.hip"
 AMD_ARCHS = ("gfx90a", "gfx940", "gfx1030")
 NVIDIA_ARCHS = ("sm_80", "sm_90")
 AMD_LIBRARY = "libkvmulti_hip_amd.so"   # the fat library (all AMD_ARCHS), as a ROCm host builds it
@@ -79,7 +79,7 @@ class Report:
 def hipcc() -> str | None:
     """The host's hipcc, looked up once for everyone by the standalone builder hip/build_rocm.py."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("kvmulti_hip_build_rocm", Path(__file__).with_name("build_rocm.py"))
+    spec = importlib.util.spec_from_file_location("kvmulti_hip_build_rocm", HIP_DIR / "build_rocm.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.hipcc()
@@ -500,7 +500,7 @@ def format_report(rows: list[dict]) -> str:
 
 
 def nvidia_object(arch: str, out: Path) -> Result:
-    cmd = [nvcc(), "-x", "cu", "-I", str(HERE / "compat"), "-O3", "-std=c++17", f"-arch={arch}",
+    cmd = [nvcc(), "-x", "cu", "-I", str(HIP_DIR / "compat"), "-O3", "-std=c++17", f"-arch={arch}",
            "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror,-fPIC",
            "-Xptxas", "-v,-warn-spills,-warn-lmem-usage,-Werror",
            "-c", str(SOURCE), "-o", str(out / f"kvmulti_hip_{arch}.o")]
