@@ -28,6 +28,13 @@ Two kernels serve every batch:
   model shape, so one specialisation per model): the per-key block/offset split is a shift and a
   mask for power-of-two block sizes, and the scalar registers they would hold are free (gfx942
   prefill spilled SGPRs with them as arguments).
+* Prefill (``PREFILL=True``, the tiles of ``launch.prefill_tiles``: 64-128 rows against 32-64 keys
+  on the matrix units): the key range is walked in three loops, each a whole number of tiles: the
+  tiles before the window start of the q-block's last row (masked), the tiles every row sees whole
+  (no per-score mask: only keys in blocks outside the cache are masked, per key), and the tiles from
+  the causal end of the q-block's first row on (the diagonal, masked). Tiles past the causal end of
+  the last row or wholly before the window start of the first row are never loaded. Scores are kept
+  in log2 units (log2(e) folded into the scale) and the softmax runs on ``exp2``.
 * Split-KV (``SPLIT=True``): the same kernel with the context cut in partitions of
   ``PART_SIZE`` positions (grid dim 2); each program writes its unnormalised partial output,
   running max and sum to a fp32 workspace, and ``reduce_partitions_kernel`` combines them.

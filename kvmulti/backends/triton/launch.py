@@ -14,13 +14,18 @@ takes the single pass. ``split_kv=True/False`` forces a path.
 
 Tiles per target family (:func:`tile_sizes`, :func:`pipeline_stages`), chosen from the static
 report ``benchmarks/gpu_report.py``: on AMD, tiles of 32 key positions keep a decode work-group's
-LDS under 32 KiB, so two or more fit a CU's 64 KiB, and prefill runs unpipelined; on NVIDIA, the
+LDS under 32 KiB, so two or more fit a CU's 64 KiB, and short mixed steps run unpipelined; on NVIDIA, the
 next tile's K/V loads are in flight during this tile's dots (``kv_tiles_in_flight_at_dot`` of
 devtools/triton_cross_compile.py reads that from the TTGIR) at 3 stages. A tile that lies in one block or covers at most
 :data:`MAX_TABLE_READS` whole blocks reads the block table once per block, as scalars
 (:func:`table_reads`); with smaller blocks the table is read per key position, that read takes a
 pipeline stage of its own, and fp16 / bf16 decode needs 5 stages for the same overlap. Other
 targets (XPU, the interpreter) keep the base tiles.
+
+Prefill (:data:`PREFILL_MIN_QUERY_LEN`, :func:`prefill_tiles`): a step whose longest query has at
+least 64 new tokens and whose dots run on 16-bit operands gets the matrix-unit tiles of its target
+family and the kernel's prefill loop (interior key tiles without a per-score mask); every row of the
+step, decode rows included, runs in those tiles.
 
 Memory safety: the launchers pass the kernels the bounds of every tensor that metadata indexes
 (usable query/output rows, block-table rows and columns, cache blocks, cache slots); the kernels
@@ -122,7 +127,7 @@ def prefill_tiles(family: str, widest: int, dots_16bit: bool) -> PrefillTiles | 
     """The prefill tiles of one target family for heads padded to ``widest`` whose dots run on 16-bit
     operands (fp16 / bf16 queries; fp32 dots have no matrix instruction and keep :func:`tile_sizes`);
     None: :func:`tile_sizes`' tiles. The one place prefill tiles are chosen, each from the
-    cross-compiled evidence (``cross_compile``: no spills on any target of the family)."""
+    cross-compiled evidence (devtools/triton_cross_compile.py: no spills on any target of the family)."""
     if not dots_16bit or family not in ("nvidia", "amd"):
         return None
     if family == "nvidia":
