@@ -23,12 +23,13 @@ from typing import Hashable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .backends.base import AttentionConfig, Backend, StepMetadata
-from .backends.registry import ROLES, get_backend, select_backend
+from .backends.base import Backend, StepMetadata
+from .backends.registry import ROLES
 from .fp8 import FP8_DTYPES
 from .kv_cache import AttentionSpec, BlockPool, BlockTables, KVCacheConfig, OutOfBlocksError
 from .layout import KVCacheLayout
 from .metadata import CommonAttentionMetadata
+from .ops import resolve_backend
 from .validation import check_block_table, check_lengths
 from .models.decoder import AttentionContext, CausalLM
 from .models.loader import load_model
@@ -185,11 +186,10 @@ class ModelRunner:
         return specs
 
     def _select(self, group_id: int, spec: AttentionSpec, backend) -> Backend:
-        """The backend object of one group, chosen once: named, else env override, else priority."""
+        """The backend object of one group, chosen once by :func:`kvmulti.ops.resolve_backend`."""
         requested = backend.get(group_id) if isinstance(backend, Mapping) else backend
-        config = AttentionConfig.from_layout(self.layouts[group_id], self.device, spec.sliding_window,
-                                             self.config.attn_softcap)
-        return get_backend(select_backend(config, self.role, requested))
+        return resolve_backend(self.layouts[group_id], self.device, sliding_window=spec.sliding_window,
+                               softcap=self.config.attn_softcap, backend=requested, role=self.role)
 
     def describe(self) -> str:
         """One line per group: kind, sizes, cache dtype and the backend chosen."""
