@@ -18,7 +18,7 @@ __all__ = ["AttentionConfig", "AttentionSpec", "BackendSelectionError", "CommonA
            "register_backend", "register_platform", "select_backend", "write_kv"]
 
 
-_LAZY = {"SpeculativeRunner": "kvmulti.spec_decode.runner", "ModelRunner": "kvmulti.model_runner",
+_LAZY = {"SpeculativeRunner": "kvmulti.spec_decode.runner", "ModelRunner": "kvmulti.engine",
          "KVCacheConfig": "kvmulti.kv_cache", "AttentionSpec": "kvmulti.kv_cache"}
 
 

@@ -87,7 +87,7 @@ def test_kvmulti_info_lists_set_variables(monkeypatch):
 
 
 def _four_layer_runner(backend: str):
-    from kvmulti.model_runner import ModelRunner
+    from kvmulti.engine import ModelRunner
     from kvmulti.models import CausalLM, ModelConfig
     types = ["sliding_attention", "full_attention"] * 2
     cfg = ModelConfig.from_hf(dict(model_type="gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=32,

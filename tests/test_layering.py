@@ -10,7 +10,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvmulti"
 #: the engine and the applications on top of the library (modules and packages under kvmulti/)
-ENGINE = ("kvmulti.model_runner", "kvmulti.kv_cache", "kvmulti.models", "kvmulti.spec_decode", "kvmulti.engine",
+ENGINE = ("kvmulti.engine", "kvmulti.kv_cache", "kvmulti.models", "kvmulti.spec_decode",
           "kvmulti.cli", "kvmulti.generate_cli", "kvmulti.integrations")
 #: the facade: ``kvmulti/__init__.py`` names ModelRunner / SpeculativeRunner lazily for users
 FACADE = "kvmulti"
