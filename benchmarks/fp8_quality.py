@@ -22,7 +22,7 @@ import torch
 
 import kvmulti
 from kvmulti.generate_cli import shipped_model
-from kvmulti.model_runner import ModelRunner
+from kvmulti.engine import ModelRunner
 from kvmulti.spec_decode.runner import SpeculativeRunner
 from spec_decode import stdlib_prompts
 

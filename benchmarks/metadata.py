@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from kvmulti.model_runner import ModelRunner
+from kvmulti.engine import ModelRunner
 from kvmulti.models import CausalLM, ModelConfig
 
 FULL, SLIDING = "full_attention", "sliding_attention"

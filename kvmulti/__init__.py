@@ -4,20 +4,21 @@
 inside the backend that needs them.
 """
 
-from .backends import AttentionConfig, BackendSelectionError, available_backends, select_backend
+from .backends import AttentionConfig, BackendSelectionError, available_backends, register_backend, select_backend
 from .layout import KVCacheLayout, LayoutStrides
 from .metadata import CommonAttentionMetadata
 from .backends.base import StepMetadata
 from .ops import paged_attention, prepare_step, write_kv
+from .platform import register_platform
 
 __version__ = "0.1.0"
 
 __all__ = ["AttentionConfig", "AttentionSpec", "BackendSelectionError", "CommonAttentionMetadata", "KVCacheConfig",
            "KVCacheLayout", "LayoutStrides", "ModelRunner", "SpeculativeRunner", "StepMetadata", "available_backends", "paged_attention", "prepare_step",
-           "select_backend", "write_kv"]
+           "register_backend", "register_platform", "select_backend", "write_kv"]
 
 
-_LAZY = {"SpeculativeRunner": "kvmulti.spec_decode.runner", "ModelRunner": "kvmulti.model_runner",
+_LAZY = {"SpeculativeRunner": "kvmulti.spec_decode.runner", "ModelRunner": "kvmulti.engine",
          "KVCacheConfig": "kvmulti.kv_cache", "AttentionSpec": "kvmulti.kv_cache"}
 
 

@@ -9,8 +9,8 @@ import sys
 import torch
 
 from . import __version__, settings
-from .backends.registry import (ENV_BACKEND, ENV_DRAFT_BACKEND, PLATFORM_PRIORITY, available_backends,
-                                check_environment, get_backend)
+from .backends.registry import (ENV_BACKEND, ENV_DRAFT_BACKEND, available_backends, check_environment,
+                                dispatch_order, get_backend)
 from .integrations import vllm as vllm_plugin
 from .platform import default_device, platform_of, torch_build
 
@@ -32,7 +32,7 @@ def collect_info() -> dict:
         "torch_build": torch_build(),
         "device": str(device),
         "platform": platform_of(device),
-        "priority": list(PLATFORM_PRIORITY.get(platform_of(device), ())),
+        "priority": list(dispatch_order(platform_of(device))),
         "backends": backends,
         "vllm": vllm_plugin.describe(),
         "env": settings.set_variables(),

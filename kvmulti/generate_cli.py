@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .model_runner import DEFAULT_KV_MEMORY_BYTES, KV_CACHE_DTYPES
+from .engine import DEFAULT_KV_MEMORY_BYTES, KV_CACHE_DTYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -36,7 +36,7 @@ class Setting:
 _SETTINGS: tuple[Setting, ...] = (
     # dispatch and validation
     Setting("KVMULTI_ATTENTION_BACKEND", "backend", None,
-            "force a backend (HIP, SYCL, TRITON, CPU, IPEX, case-insensitive) for every model"),
+            "force a backend for every model: a name `kvmulti info` lists (case-insensitive)"),
     Setting("KVMULTI_DRAFT_ATTENTION_BACKEND", "backend", None,
             "force a backend for draft models only (takes precedence there; never read for the target)"),
     Setting("KVMULTI_VALIDATE", "bool", False,

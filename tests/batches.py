@@ -21,6 +21,8 @@ from kvmulti import reference
 from kvmulti.layout import ORDERS, token_order
 
 ALL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: backends whose tests run in a venv of their own (IPEX: .venv-ipex, tests/test_ipex_backend.py)
+OWN_VENV = ("IPEX",)
 TOLERANCE = {torch.float32: (2e-4, 2e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 
 
@@ -191,3 +193,10 @@ def _to_cpu(md: kvmulti.CommonAttentionMetadata) -> kvmulti.CommonAttentionMetad
     return kvmulti.CommonAttentionMetadata(md.query_start_loc.cpu(), md.seq_lens.cpu(), md.block_table.cpu(),
                                            md.slot_mapping.cpu(), md.num_reqs, md.num_actual_tokens,
                                            md.max_query_len, md.max_seq_len, md.causal)
+
+
+def registered_backends() -> list[str]:
+    """Every registered backend this venv's suites run on CPU tensors (each test skips with the
+    backend's reasons where it cannot run, or fails in CI): the registry's, less :data:`OWN_VENV`."""
+    from kvmulti.backends.registry import backend_names
+    return [name for name in backend_names() if name not in OWN_VENV]

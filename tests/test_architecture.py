@@ -16,6 +16,8 @@ import kvmulti
 from kvmulti import settings
 from kvmulti.backends.registry import get_backend
 
+from batches import registered_backends
+
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("kvmulti", "hip", "sycl", "triton_kernels", "cpu", "devtools", "benchmarks", "scripts", "tests")
 SOURCE_FILES = ("setup.py", ".ci/run", ".github/workflows/ci.yml", "README.md")
@@ -85,7 +87,7 @@ def test_kvmulti_info_lists_set_variables(monkeypatch):
 
 
 def _four_layer_runner(backend: str):
-    from kvmulti.model_runner import ModelRunner
+    from kvmulti.engine import ModelRunner
     from kvmulti.models import CausalLM, ModelConfig
     types = ["sliding_attention", "full_attention"] * 2
     cfg = ModelConfig.from_hf(dict(model_type="gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=32,
@@ -95,7 +97,7 @@ def _four_layer_runner(backend: str):
     return ModelRunner(CausalLM(cfg), backend=backend, block_size={"full": 16, "sliding": 4}, num_blocks=64)
 
 
-@pytest.mark.parametrize("backend", ["CPU", "HIP", "SYCL", "TRITON"])
+@pytest.mark.parametrize("backend", registered_backends())
 def test_one_plan_per_group_per_step(backend, monkeypatch):
     """A 4-layer model with 2 KV-cache groups: its backend prepares metadata twice per step (once
     per group), and every layer's attention call reuses what was prepared."""

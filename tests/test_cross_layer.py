@@ -18,9 +18,9 @@ import torch
 from kvmulti.backends.cpu import CPUBackend
 from kvmulti.layout import CROSS_LAYER_ORDERS, ORDERS, KVCacheLayout, token_order
 
-from batches import CaseSpec, check_cross_layer
+from batches import CaseSpec, check_cross_layer, registered_backends
 
-BACKENDS = ["CPU", "CPU-torch", "TRITON", "HIP", "SYCL"]
+BACKENDS = [*registered_backends(), "CPU-torch"]
 NUM_LAYERS = 3                  # as in batches.check_cross_layer
 warnings.filterwarnings("ignore", "kvmulti HIP backend on a CPU tensor", RuntimeWarning)
 

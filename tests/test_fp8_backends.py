@@ -22,9 +22,9 @@ import kvmulti
 from kvmulti import fp8, reference
 from kvmulti.backends.registry import get_backend
 
-from batches import Case, CaseSpec, assert_close_to_reference, batch_cases, build_case
+from batches import Case, CaseSpec, assert_close_to_reference, batch_cases, build_case, registered_backends
 
-BACKENDS = ["CPU", "TRITON", "HIP", "SYCL"]
+BACKENDS = registered_backends()
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 warnings.filterwarnings("ignore", "kvmulti HIP backend on a CPU tensor", RuntimeWarning)
 

@@ -23,7 +23,7 @@ import kvmulti  # noqa: E402
 from kvmulti import fp8, reference  # noqa: E402
 from kvmulti.backends import get_backend  # noqa: E402
 
-from batches import TOLERANCE, CaseSpec, build_case  # noqa: E402
+from batches import TOLERANCE, CaseSpec, build_case, registered_backends  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -107,7 +107,8 @@ def special_values(dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([row.expand(1, HKV, HS), torch.randn(7, HKV, HS, generator=gen) * 40])
 
 
-BACKENDS = ["TRITON", "HIP", "SYCL"]
+#: every fp8 kernel family but the CPU backend (tests/test_cpu_fp8.py and test_fp8_backends.py check it)
+BACKENDS = [name for name in registered_backends() if name != "CPU"]
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)

@@ -7,7 +7,7 @@ import torch
 
 from kvmulti import cli
 from kvmulti.generate_cli import shipped_model
-from kvmulti.model_runner import ModelRunner, resolve_kv_cache_dtype
+from kvmulti.engine import ModelRunner, resolve_kv_cache_dtype
 from kvmulti.spec_decode.runner import SpeculativeRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -22,9 +22,10 @@ from kvmulti import reference
 from kvmulti.backends import AttentionConfig, get_backend, select_backend
 from kvmulti.backends.ipex import backend as ipex_backend
 from kvmulti.backends.ipex.library import ipex_status, paged_attention_module
-from kvmulti.backends.registry import PLATFORM_PRIORITY, BackendSelectionError
+from kvmulti.backends.registry import BackendSelectionError, dispatch_order
 
 from kvmulti.layout import CROSS_LAYER_ORDERS, token_order
+from kvmulti.platform import platform_names
 
 from batches import CaseSpec, assert_close_to_reference, build_case, check_against_reference, check_cross_layer
 
@@ -49,7 +50,7 @@ def spec(**kw) -> CaseSpec:
 
 # -- selection and refusals (any venv) -------------------------------------------------------------
 def test_ipex_is_never_chosen_without_being_named():
-    assert all("IPEX" not in names for names in PLATFORM_PRIORITY.values())
+    assert all("IPEX" not in dispatch_order(platform) for platform in platform_names())
 
 
 def test_ipex_refuses_what_it_cannot_serve_with_reasons():

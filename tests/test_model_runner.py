@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvmulti.kv_cache import OutOfBlocksError
 from kvmulti.metadata import CommonAttentionMetadata
-from kvmulti.model_runner import ModelRunner
+from kvmulti.engine import ModelRunner
 from kvmulti.spec_decode.runner import GenerationError, SpeculativeRunner
 from kvmulti.spec_decode.sampling import request_generator, sample
 

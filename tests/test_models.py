@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import kvmulti
-from kvmulti.model_runner import ModelRunner
+from kvmulti.engine import ModelRunner
 from kvmulti.models import ModelConfig, load_model
 from kvmulti.spec_decode.runner import SpeculativeRunner
 

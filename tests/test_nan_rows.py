@@ -13,11 +13,11 @@ from kvmulti import reference
 from kvmulti.backends.cpu import CPUBackend
 from kvmulti.backends.registry import get_backend
 
-from batches import assert_close_to_reference
+from batches import assert_close_to_reference, registered_backends
 
 warnings.filterwarnings("ignore", "kvmulti HIP backend on a CPU tensor", RuntimeWarning)
 
-BACKENDS = ["CPU", "TRITON", "HIP", "SYCL"]
+BACKENDS = registered_backends()
 
 
 def _batch(dtype: torch.dtype, order: str):

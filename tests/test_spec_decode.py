@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kvmulti.model_runner import ModelRunner
+from kvmulti.engine import ModelRunner
 from kvmulti.spec_decode.runner import SpeculativeRunner
 
 transformers = pytest.importorskip("transformers")

@@ -6,7 +6,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from ..model_runner import ModelRunner
+from ..engine import ModelRunner
 from .sampling import probabilities
 
 

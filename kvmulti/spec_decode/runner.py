@@ -1,4 +1,4 @@
-"""SpeculativeRunner: generation over a target :class:`~kvmulti.model_runner.ModelRunner` and,
+"""SpeculativeRunner: generation over a target :class:`~kvmulti.engine.ModelRunner` and,
 optionally, a draft one.
 
 With ``draft=None`` it does plain generation: every step schedules decodes and prefill chunks
@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..kv_cache import OutOfBlocksError
-from ..model_runner import ModelRunner
+from ..engine import ModelRunner
 from .proposer import DraftProposer
 from .rejection_sampler import greedy_verify, random_verify
 from .sampling import probabilities, request_generator, sample

@@ -3,3 +3,9 @@
 from .backend import CPUBackend, CPUPlan
 
 __all__ = ["CPUBackend", "CPUPlan"]
+
+
+def register() -> None:
+    """Add CPU to kvmulti's registry: tried on CPU tensors, unnamed."""
+    from ..registry import register_backend
+    register_backend("CPU", CPUBackend, platforms=("cpu",), priority=10)

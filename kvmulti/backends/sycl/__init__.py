@@ -10,3 +10,9 @@ __all__ = ["RB", "ROWS", "SG", "WG", "Plan", "SyclBackend", "SyclBuildError", "S
            "choose_wg", "vector_bytes",
            "default_session", "find_runtime", "get_runtime", "kernel_options", "kernel_source", "list_devices",
            "lm_floats", "plan_attention", "runtime_reasons", "source_dir", "usm_allocator", "usm_empty"]
+
+
+def register() -> None:
+    """Add SYCL to kvmulti's registry: tried on Intel GPUs before TRITON; on CPU tensors (OpenCL CPU device) only when named."""
+    from ..registry import register_backend
+    register_backend("SYCL", SyclBackend, platforms=("xpu",), priority=20)

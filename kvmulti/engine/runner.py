@@ -17,84 +17,29 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from .backends.base import AttentionConfig, Backend, StepMetadata
-from .backends.registry import ROLES, get_backend, select_backend
-from .fp8 import FP8_DTYPES
-from .kv_cache import AttentionSpec, BlockPool, BlockTables, KVCacheConfig, OutOfBlocksError
-from .layout import KVCacheLayout
-from .metadata import CommonAttentionMetadata
-from .validation import check_block_table, check_lengths
-from .models.decoder import AttentionContext, CausalLM
-from .models.loader import load_model
+from ..backends.base import Backend, StepMetadata
+from ..backends.registry import ROLES
+from ..fp8 import FP8_DTYPES
+from ..kv_cache import AttentionSpec, BlockPool, BlockTables, KVCacheConfig, OutOfBlocksError
+from ..layout import KVCacheLayout
+from ..metadata import CommonAttentionMetadata
+from ..ops import resolve_backend
+from ..validation import check_block_table, check_lengths
+from ..models.decoder import AttentionContext, CausalLM
+from ..models.loader import load_model
+from .batch import StepBatch
+from .blocks import allocate
+from .requests import Request, RowArrays
 
 #: KV-cache memory when neither num_blocks nor memory_bytes is given.
 DEFAULT_KV_MEMORY_BYTES = 64 * 2**20
 
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "ModelRunner", "OutOfBlocksError", "Request", "StepBatch"]
-
-
-class Request:
-    """A request's state in one runner (read-only view: change it through the runner).
-
-    Lengths live in the runner's per-row arrays, so a step reads them vectorised.
-    """
-
-    __slots__ = ("req_id", "row", "tokens", "_rows")
-
-    def __init__(self, req_id: Hashable, row: int, tokens: list[int], rows: "_RowArrays"):
-        self.req_id, self.row, self.tokens, self._rows = req_id, row, tokens, rows
-
-    @property
-    def num_computed(self) -> int:
-        """Tokens whose K/V are in the cache."""
-        return int(self._rows.computed[self.row])
-
-    @property
-    def num_pending(self) -> int:
-        return len(self.tokens) - self.num_computed
-
-    def __repr__(self) -> str:
-        return f"Request({self.req_id!r}, tokens={len(self.tokens)}, computed={self.num_computed})"
-
-
-class _RowArrays:
-    """Per-row lengths of a runner's requests: computed tokens, known tokens, last token."""
-
-    def __init__(self, rows: int = 8):
-        self.computed = np.zeros(rows, dtype=np.int64)
-        self.length = np.zeros(rows, dtype=np.int64)
-        self.last_token = np.zeros(rows, dtype=np.int64)
-
-    def ensure(self, row: int) -> None:
-        if row >= len(self.computed):
-            grow = max(row + 1, 2 * len(self.computed)) - len(self.computed)
-            for name in ("computed", "length", "last_token"):
-                setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow, dtype=np.int64)]))
-
-    def set(self, row: int, tokens: list[int], computed: int) -> None:
-        self.computed[row], self.length[row], self.last_token[row] = computed, len(tokens), tokens[-1]
-
-
-@dataclass
-class StepBatch:
-    """The inputs of one forward: packed tokens, positions, per-group metadata, logits rows."""
-
-    req_ids: list
-    query_lens: np.ndarray                          # int64 [R]
-    rows: np.ndarray                                # int64 [R], the requests' block-table rows
-    input_ids: torch.Tensor                         # int64 [T]
-    positions: torch.Tensor                         # int64 [T]
-    metadata: dict[int, CommonAttentionMetadata]    # group id -> metadata
-    steps: dict[int, StepMetadata]                  # group id -> what its backend prepared from it
-    logits_indices: torch.Tensor                    # int64 [L], rows of the packed tokens
-    logits_all_rows: bool = False                   # logits_indices is 0..T-1 (pure decode)
-    num_logits: list[int] = field(default_factory=list)
 
 
 #: ``kv_cache_dtype`` names (``kvmulti generate --kv-cache-dtype``): "auto" is the model's dtype.
@@ -166,7 +111,7 @@ class ModelRunner:
         self.pools = {g.group_id: BlockPool(self.layouts[g.group_id].num_blocks) for g in groups}
         self.tables = {g.group_id: BlockTables(g, self.pools[g.group_id]) for g in groups}
         self.requests: dict[Hashable, Request] = {}
-        self._rows = _RowArrays()
+        self._rows = RowArrays()
         self._row_of: dict[Hashable, int] = {}
         self._free_rows: list[int] = []
         self.num_steps = 0
@@ -185,11 +130,10 @@ class ModelRunner:
         return specs
 
     def _select(self, group_id: int, spec: AttentionSpec, backend) -> Backend:
-        """The backend object of one group, chosen once: named, else env override, else priority."""
+        """The backend object of one group, chosen once by :func:`kvmulti.ops.resolve_backend`."""
         requested = backend.get(group_id) if isinstance(backend, Mapping) else backend
-        config = AttentionConfig.from_layout(self.layouts[group_id], self.device, spec.sliding_window,
-                                             self.config.attn_softcap)
-        return get_backend(select_backend(config, self.role, requested))
+        return resolve_backend(self.layouts[group_id], self.device, sliding_window=spec.sliding_window,
+                               softcap=self.config.attn_softcap, backend=requested, role=self.role)
 
     def describe(self) -> str:
         """One line per group: kind, sizes, cache dtype and the backend chosen."""
@@ -321,7 +265,7 @@ class ModelRunner:
             i = int(np.nonzero((q < 1) | (q > pending))[0][0])
             raise ValueError(f"request {req_ids[i]!r}: {int(q[i])} tokens scheduled, {int(pending[i])} pending")
         seq = ctx + q
-        self._allocate(req_ids, rows, seq)
+        allocate(self.tables, req_ids, rows, seq)
 
         if t == r:
             qsl = np.arange(r + 1, dtype=np.int64)
@@ -399,26 +343,6 @@ class ModelRunner:
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self._on_cpu else tensor.to(self.device, non_blocking=True)
-
-    def _allocate(self, req_ids: list, rows: np.ndarray, seq: np.ndarray) -> None:
-        """Allocate every scheduled request's new blocks, or raise for the first that cannot get
-        them -- before allocating anything, so no request is changed by a failed step."""
-        plans = []
-        for gid, table in self.tables.items():
-            if (seq <= table.capacity[rows]).all():
-                continue                                      # the common decode case
-            need = (seq + (table.block_size - 1)) // table.block_size - table.held[rows]
-            np.maximum(need, 0, out=need)
-            total = int(need.sum())
-            if total > table.pool.num_free:
-                i = int(np.nonzero(np.cumsum(need) > table.pool.num_free)[0][0])
-                free = table.pool.num_free - int(need[:i].sum())
-                raise OutOfBlocksError(req_ids[i], gid, int(need[i]), free, table.pool.num_blocks)
-            plans.append((table, need))
-        for table, need in plans:
-            idx = np.flatnonzero(need)
-            for row, n in zip(rows[idx].tolist(), need[idx].tolist()):
-                table.append_blocks(row, n)
 
     def commit(self, batch: StepBatch) -> None:
         """Mark the batch's tokens computed; sliding groups free blocks that left every window."""
