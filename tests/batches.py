@@ -131,6 +131,33 @@ def check_against_reference(spec: CaseSpec, backend: str, device: str | torch.de
     assert_close_to_reference(actual, expected, spec.dtype, f"{backend} attention differs from the oracle for {spec}")
 
 
+def check_fp8_against_reference(spec: CaseSpec, backend, cache_dtype: torch.dtype,
+                                device: str | torch.device = "cpu") -> None:
+    """``check_against_reference`` over an fp8 ``cache_dtype`` cache (random fp8 context, per-head
+    scales) with query/key/value of ``spec.dtype``: the write's bytes must equal the oracle's and
+    the attention must match the oracle's within ``spec.dtype``'s tolerance."""
+    case = build_case(spec, device)
+    layout = dataclasses.replace(case.layout, dtype=cache_dtype)
+    cache = layout.allocate(device)
+    cache.copy_(torch.randn(layout.shape, generator=torch.Generator().manual_seed(spec.seed)).to(cache_dtype))
+    k_scale = torch.linspace(0.05, 0.3, spec.num_kv_heads)
+    v_scale = k_scale * 2
+    ref_cache = cache.cpu().clone()
+    reference.write_kv(case.key.cpu(), case.value.cpu(), ref_cache, layout, case.metadata.slot_mapping.cpu(),
+                       k_scale, v_scale)
+    scales = dict(k_scale=k_scale.to(device), v_scale=v_scale.to(device))
+    kvmulti.write_kv(case.key, case.value, cache, layout, case.metadata.slot_mapping, backend=backend, **scales)
+    assert torch.equal(cache.cpu().view(torch.uint8), ref_cache.view(torch.uint8)), \
+        f"{backend} fp8 write_kv differs from the oracle for {spec}"
+    expected = reference.paged_attention(case.query.cpu(), ref_cache, layout, _to_cpu(case.metadata),
+                                         sliding_window=spec.sliding_window, softcap=spec.softcap,
+                                         k_scale=k_scale, v_scale=v_scale)
+    actual = kvmulti.paged_attention(case.query, cache, layout, case.metadata, sliding_window=spec.sliding_window,
+                                     softcap=spec.softcap, backend=backend, **scales)
+    assert actual.dtype == spec.dtype and actual.shape == expected.shape
+    assert_close_to_reference(actual, expected, spec.dtype, f"{backend} fp8 attention differs from the oracle for {spec}")
+
+
 def check_cross_layer(spec: CaseSpec, physical: str, backend: str, cache_dtype: torch.dtype | None = None,
                       num_layers: int = 3) -> None:
     """``check_against_reference`` on layer 1 of a ``num_layers`` cross-layer allocation of order

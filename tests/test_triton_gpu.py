@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from batches import CaseSpec, batch_cases, build_case, check_against_reference
+from batches import CaseSpec, batch_cases, build_case, check_against_reference, check_fp8_against_reference
 from test_triton_backend import (corner_specs, run_cross_backend_cache, run_split_vs_single, run_strided_write,
                                  split_specs)
 
@@ -91,3 +91,14 @@ def test_gpu_cache_written_by_triton_reads_through_cpu_and_back(vendor, order, d
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 def test_gpu_write_kv_strided_inputs_and_padding(vendor, order):
     run_strided_write(gpu(vendor), torch.bfloat16, order)
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_fp8_cache_matches_reference(vendor, order, cache_dtype, dtype):
+    spec = CaseSpec(order=order, block_size=16, num_kv_heads=2, group=4, head_size=128, dtype=dtype,
+                    query_lens=(7, 3, 1, 1), context_lens=(0, 40, 300, 9), extra_blocks=1, sliding_window=None,
+                    softcap=None, seed=11)
+    check_fp8_against_reference(spec, "TRITON", cache_dtype, device=gpu(vendor))

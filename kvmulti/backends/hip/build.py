@@ -5,7 +5,9 @@
   GPU thread a fiber) into ``<cache>/hip_cpu/<key>/``;
 * for ROCm: ``libkvmulti_hip.so`` built with the host's hipcc for ``PYTORCH_ROCM_ARCH`` (default:
   the host's GPUs) into ``<cache>/hip_rocm/<key>/``, or at install time (``KVMULTI_BUILD_HIP=1``),
-  or named with ``KVMULTI_HIP_LIBRARY``.
+  or named with ``KVMULTI_HIP_LIBRARY``;
+* for NVIDIA (the device check only): the same sources with nvcc through ``hip/compat`` into
+  ``<cache>/hip_nvidia/<key>/``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import torch
@@ -167,3 +171,53 @@ def build_rocm_library(archs: list[str] | None = None, out: Path | None = None) 
                               env=dict(os.environ, HIP_PLATFORM="amd"))
     out.with_suffix(".json").write_text(json.dumps({"archs": archs}))
     return out
+
+
+# ------------------------------------------------------------------------------------ NVIDIA (nvcc)
+#: nvcc flags of the NVIDIA build: the same sources through kvmulti's HIP->CUDA compat headers
+#: (``hip/compat``), one real target, the CUDA runtime linked statically.
+NVIDIA_FLAGS = ("-x", "cu", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-shared")
+COMPAT_SOURCES = ("compat/hip/hip_runtime.h", "compat/hip/hip_fp16.h", "compat/hip/hip_bfloat16.h")
+
+
+def nvcc() -> str | None:
+    """``$CUDA_HOME/bin/nvcc`` (or ``$CUDA_PATH``), else nvcc on PATH, else /usr/local/cuda's."""
+    cuda = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda and (Path(cuda) / "bin" / "nvcc").exists():
+        return str(Path(cuda) / "bin" / "nvcc")
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return shutil.which("nvcc") or (str(default) if default.exists() else None)
+
+
+def cuda_arch(index: int | None = None) -> str:
+    """``sm_XY`` of a CUDA device from its compute capability (e.g. ``sm_90`` for H100 / H200)."""
+    major, minor = torch.cuda.get_device_capability(torch.cuda.current_device() if index is None else index)
+    return f"sm_{major}{minor}"
+
+
+def nvidia_command(compiler: str, arch: str, source: Path, out: Path | str) -> list[str]:
+    """The nvcc command line building ``source`` into a shared library for ``arch`` (``sm_90``)."""
+    return [compiler, *NVIDIA_FLAGS, f"-arch={arch}", "-I", str(source.parent / "compat"), str(source), "-o", str(out)]
+
+
+def nvidia_library_path(arch: str) -> Path:
+    src = source_dir()
+    compiler = nvcc() or "nvcc"
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout if nvcc() else ""
+    key = native_build.build_key([src / s for s in (*KERNEL_SOURCES, *COMPAT_SOURCES)],
+                                 [compiler, version, arch, *NVIDIA_FLAGS])
+    return native_build.cache_root() / "hip_nvidia" / key / f"libkvmulti_hip_{arch}.so"
+
+
+def build_nvidia_library(arch: str, out: Path | None = None) -> Path:
+    """Build (once; cached) the HIP kernels with nvcc for the NVIDIA target ``arch`` (``sm_90``):
+    the same ``launcher.hip`` C ABI, callable through :mod:`.library` on CUDA tensors (their
+    ``data_ptr()``s and torch's current CUDA stream). Compiling needs nvcc only, no GPU. Used by the
+    device check (``devtools/device_check.py``); the dispatcher never picks it."""
+    compiler = nvcc()
+    if compiler is None:
+        raise HipBuildError("nvcc not found (set CUDA_HOME or put nvcc on PATH): cannot build the HIP kernels "
+                            "for an NVIDIA target")
+    out = out or nvidia_library_path(arch)
+    cmd = nvidia_command(compiler, arch, source_dir() / KERNEL_SOURCES[0], "{tmp}")
+    return native_build.locked_build(out, cmd, f"the HIP kernels with nvcc for {arch}")

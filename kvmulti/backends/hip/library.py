@@ -1,4 +1,5 @@
-"""The C ABI of ``hip/launcher.hip`` through ctypes: the CPU-harness library and the ROCm one."""
+"""The C ABI of ``hip/launcher.hip`` through ctypes: the CPU-harness library, the ROCm one, and any
+other GPU build of it (the nvcc one of the device check)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,12 @@ def load_rocm_library() -> ctypes.CDLL:
             path = prebuilt_rocm_library() or build_rocm_library()
             _rocm_lib = _bind(ctypes.CDLL(str(path)), harness=False)
         return _rocm_lib
+
+
+def load_library(path: str) -> ctypes.CDLL:
+    """A GPU build of launcher.hip at ``path`` (not the CPU harness), bound and ABI-checked; each call
+    loads it (ctypes shares one handle per path)."""
+    return _bind(ctypes.CDLL(str(path)), harness=False)
 
 
 def check(lib: ctypes.CDLL, err: int, what: str, harness: bool) -> None:
