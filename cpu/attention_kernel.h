@@ -12,7 +12,8 @@
 // product accumulators are reduced with a transposing shuffle tree, so one vector holds one score
 // per key. Online softmax (running max m, sum l) keeps O unnormalised; a work item either
 // normalises and writes `out` or, when the context is partitioned, leaves (O, m, l) for the
-// log-sum-exp merge in paged_attention.cpp.
+// log-sum-exp merge in paged_attention.cpp. Items with more rows per KV head than the direct path
+// takes (prefill, longer verification) run with the rows in the lanes instead: prefill_tiles.h.
 //
 // KV_PORTABLE_VECTORS: no intrinsics in the loads (a testing aid: any KV_W on any host).
 // Requires before inclusion: <cstdint> <cstring> <cmath> <utility> <limits>, kvmulti_cpu.h,
