@@ -5,7 +5,8 @@ gather + SDPA, dense SDPA, vLLM's CPU kernel (when importable) and the RAM-bandw
     python benchmarks/attention.py [--quick] [--rounds N] [--pages huge|4k] [--no-sdpa] [--orders HND,NHD (default: both)] [--vllm-python PATH] [--json FILE]
 
 Cases (8 query / 2 KV heads, head size 64): decode 32 requests x 1024 context, decode 4 x 16384,
-prefill 4 x 512 new tokens (causal, no context); and "decode 8x1024 llama-8b": 8 x 1024 with one
+prefill 4 x 512 and 1 x 4096 new tokens (causal, no context), verify 32 x 1024 q4 (4 new tokens of a
+1024-token context: a speculative verification step); and "decode 8x1024 llama-8b": 8 x 1024 with one
 Llama-3-8B layer's heads (32 query / 8 KV heads, head size 128). fp32 and bf16 (and --dtypes fp8_e4m3,fp8_e5m2: an fp8
 cache, bf16 queries, scales 1.0; vLLM with its kv_cache_dtype of that name); block sizes 16 / 32 / 128.
 "hot": back-to-back calls; "cold": a 1 GiB buffer is written before every timed call, so the KV
@@ -15,7 +16,9 @@ metadata and the repacking of our cache into vLLM's layout); "CPU ms" is the CPU
 of the process used per call (median), which the other jobs on a shared machine disturb less. "GB/s" is the effective rate of
 reading the KV the step needs (requests x seq_len x KV heads x (K + V) x element size); the
 RAM floor is that many bytes at the RAM read bandwidth measured in the same run (torch sum over a
-clean 1 GiB buffer); "cache read" is one streaming pass (torch sum) over this very cache's storage,
+clean 1 GiB buffer); "GFLOP/s" counts 4 x head size FLOP per visible (query row, key) pair (QK and
+P.V), and "% of dot peak" divides it by the bf16-dot peak of all threads, measured in the same run
+(benchmarks/fma_peak.c bf16dot: vdpbf16ps zmm, 64 FLOP each; "n/a" without avx512bf16 or cc); "cache read" is one streaming pass (torch sum) over this very cache's storage,
 timed like the kernels (so, when cold, after the same 1 GiB write and with the same dirty caches).
 Both KV caches, ours and vLLM's repacked one, are in the same kind of pages (--pages: transparent huge
 pages by default, as layout.allocate() gives on Linux; 4k for ordinary tensors).
@@ -66,6 +69,8 @@ CASES = {
     "decode 32x1024": Case(32, 1024, 1),
     "decode 4x16384": Case(4, 16384, 1),
     "prefill 4x512": Case(4, 512, 512),
+    "prefill 1x4096": Case(1, 4096, 4096),
+    "verify 32x1024 q4": Case(32, 1024, 4),        # speculative verification: 4 query tokens, 1024 context
     "decode 8x1024 llama-8b": Case(8, 1024, 1, hq=32, hkv=8, head=128),   # one Llama-3-8B attention layer
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -92,6 +97,27 @@ def build(case: str, dtype: torch.dtype, block_size: int, order: str, pages: str
     query = torch.randn(reqs * qlen, hq, head, generator=gen).to(query_dtype(dtype))
     kv_bytes = reqs * seq * hkv * layout.entry_size * dtype.itemsize
     return layout, cache, md, query, kv_bytes
+
+
+def attention_flops(case: str) -> float:
+    """4 x head FLOP per visible (query row, key) pair, causal (QK: 2 x head, P.V: 2 x head)."""
+    reqs, seq, qlen, hq, hkv, head = CASES[case]
+    pairs = sum(seq - qlen + t + 1 for t in range(qlen))          # per request and query head
+    return 4.0 * head * pairs * hq * reqs
+
+
+def dot_peak() -> float | None:
+    """bf16-dot FLOP/s of one core (benchmarks/fma_peak.c bf16dot, best of 400 runs), or None."""
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fma_peak.c")
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "fma_peak")
+        try:
+            subprocess.run(["cc", "-O2", src, "-o", exe], check=True, capture_output=True)
+            out = subprocess.run([exe, "bf16dot"], check=True, capture_output=True, text=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return None
+    return float(out.split()[0]) * 1e9 * 64
 
 
 def gather_context(cache, layout, md, reqs, seq):
@@ -358,6 +384,13 @@ def main() -> None:
     timer = Timer(args.quick)
     bw = ram_bandwidth(timer)
     print(f"RAM read bandwidth (torch sum over 1 GiB, best of 5): {bw / 1e9:.1f} GB/s")
+    peak = dot_peak()
+    if peak:
+        print(f"bf16-dot peak (vdpbf16ps zmm, best of 400 runs): {peak / 1e9:.0f} GFLOP/s per core, "
+              f"{peak * torch.get_num_threads() / 1e9:.0f} for {torch.get_num_threads()} threads")
+    else:
+        print("bf16-dot peak: not measured (no cc or no avx512bf16)")
+    peak_all = peak * torch.get_num_threads() if peak else None
     print(f"KV caches (ours and vLLM's): {args.pages} pages; transparent huge pages: "
           f"{host_memory.transparent_huge_pages()}")
 
@@ -388,7 +421,8 @@ def main() -> None:
                 if v:
                     runs[mode, "vLLM"].append(tuple(v[mode]))
         for mode in ("hot", "cold"):
-            row = dict(cfg, mode=mode, kv_bytes=kv_bytes, floor=kv_bytes / bw)
+            row = dict(cfg, mode=mode, kv_bytes=kv_bytes, floor=kv_bytes / bw, flops=attention_flops(cfg["case"]),
+                       peak=peak_all)
             for name in [*fns, "vLLM"]:
                 row[name] = _combine(runs[mode, name])
             rows.append(row)
@@ -428,14 +462,16 @@ def _format_row(row, bw):
     def cpu(v):
         return "n/a" if v is None else f"{v[2] * 1e3:.2f}"
     cpu_ratio = "n/a" if native is None or vl is None else f"{native[2] / vl[2]:.2f}"
+    gflops = "n/a" if native is None else f"{row['flops'] / native[0] / 1e9:.0f}"
+    pct_peak = "n/a" if native is None or not row.get("peak") else f"{100 * row['flops'] / native[0] / row['peak']:.0f}%"
     cells = [row["case"], row["dtype"], str(row["block_size"]), row["order"], row["mode"],
              f"{row['kv_bytes'] / 2**20:.0f}", f"{row['floor'] * 1e3:.2f}", ms(read), ms(native), gbs, pct, pct_read,
-             ms(vl), ratio,
+             ms(vl), ratio, gflops, pct_peak,
              cpu(native), cpu(vl), cpu_ratio,
              ms(row.get("gather+SDPA")), ms(row.get("dense SDPA")), ms(row.get("torch path"))]
     line = "| " + " | ".join(cells) + " |"
     header = ("| case | dtype | block | order | mode | KV MiB | RAM floor ms | cache read ms | native ms med (min) | "
-              "native GB/s | % of RAM BW | % of cache read | vLLM ms med (min) | native / vLLM med (min) | native CPU ms | vLLM CPU ms | CPU ratio | torch gather+SDPA ms | dense SDPA ms | "
+              "native GB/s | % of RAM BW | % of cache read | vLLM ms med (min) | native / vLLM med (min) | native GFLOP/s | % of dot peak | native CPU ms | vLLM CPU ms | CPU ratio | torch gather+SDPA ms | dense SDPA ms | "
               "kvmulti torch path ms |")
     sep = "|" + "---|" * (header.count("|") - 1)
     return header + "\n" + sep + "\n" + line, line

@@ -12,7 +12,8 @@
 // product accumulators are reduced with a transposing shuffle tree, so one vector holds one score
 // per key. Online softmax (running max m, sum l) keeps O unnormalised; a work item either
 // normalises and writes `out` or, when the context is partitioned, leaves (O, m, l) for the
-// log-sum-exp merge in paged_attention.cpp.
+// log-sum-exp merge in paged_attention.cpp. Items with more rows per KV head than the direct path
+// takes (prefill, longer verification) run with the rows in the lanes instead: prefill_tiles.h.
 //
 // KV_PORTABLE_VECTORS: no intrinsics in the loads (a testing aid: any KV_W on any host).
 // Requires before inclusion: <cstdint> <cstring> <cmath> <utility> <limits>, kvmulti_cpu.h,
@@ -1107,6 +1108,28 @@ static void direct_rows_any(int RR, const float* Q, const uint16_t* Qb, int D, i
   else direct_rows<DT, 0, LUT>(RR, Q, Qb, D, Dv, O, m, l, pos, c);
 }
 
+// Row pointers of keys [c0, c0 + n) of one request (its block-table row `table`) and KV head (cache
+// offset head_off): the block table is read only for these positions; a block id outside
+// [0, num_blocks) reads block 0 instead (wrong numbers, no stray access).
+template <typename T>
+static inline void key_rows(const AttnParams& P, const int32_t* table, int64_t head_off, int c0, int n, const T** dst) {
+  const T* cache = static_cast<const T*>(P.cache);
+  const int bs = P.block_size;
+  int bi = c0 / bs, off = c0 - bi * bs, j = 0;
+  const int64_t st = P.s_token;
+  while (j < n) {
+    int32_t blk = table[bi];
+    if (blk < 0 || blk >= P.num_blocks) blk = 0;
+    const T* p = cache + int64_t(blk) * P.s_block + head_off + int64_t(off) * st;
+    const int e = std::min(n, j + bs - off);
+    for (; j < e; ++j, p += st) dst[j] = p;
+    off = 0;
+    ++bi;
+  }
+}
+
+#include "prefill_tiles.h"
+
 // ---- the work item ------------------------------------------------------------------------------
 // Rows of an item are head-major: head hh (KV head it.kv_head + hh) owns rows [hh * Mhp, hh * Mhp + Mh)
 // of the workspace (Mh = tokens x G, Mhp = Mh padded to whole row blocks), so a row block never
@@ -1126,6 +1149,12 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   const int Mhp = int(round_up(Mh, kRowBlock));     // padded to whole row blocks (the direct path runs 3 as 4)
   const int Mp = NH * Mhp;
   const float ninf = -std::numeric_limits<float>::infinity();
+  // Items with more rows per KV head than the direct path takes: rows in the lanes (prefill_tiles.h);
+  // KV_ROW_TILES=0 keeps them on the row-block path below.
+#ifndef KV_ROW_TILES
+#define KV_ROW_TILES 1
+#endif
+  if (KV_ROW_TILES && Mh > kDirectMaxRows && Mh <= kTileMaxRows) return run_item_rows<QT, CT>(P, it, ws);
   // The direct path (see row_block_direct): few rows, head sizes in whole 2W pairs; bf16 and fp8, and
   // fp32 / fp16 unless KV_DIRECT_ALL_DTYPES=0 (on the Zen 4 host fp32 decode there measured as fast or
   // faster cold, and 17% faster for small batches: benchmarks/layer_call.py).
@@ -1196,21 +1225,8 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   // The heads of a token are adjacent (NHD): one prefetch sweep covers all NH of them.
   const int pf_lines = (NH > 1 && P.s_head == D + Dv) ? int((int64_t(NH) * (D + Dv) * sizeof(T) + 63) / 64) : row_lines;
 
-  // Row pointers of keys [c0, c0 + n) of one request (its block-table row `table`) and KV head (cache
-  // offset head_off): the block table is read only for these positions; a block id outside
-  // [0, num_blocks) reads block 0 instead (wrong numbers, no stray access).
   auto rows_of = [&](const int32_t* table, int64_t head_off, int c0, int n, const T** dst) {
-    int bi = c0 / bs, off = c0 - bi * bs, j = 0;
-    const int64_t st = P.s_token;
-    while (j < n) {
-      int32_t blk = table[bi];
-      if (blk < 0 || blk >= P.num_blocks) blk = 0;
-      const T* p = cache + int64_t(blk) * P.s_block + head_off + int64_t(off) * st;
-      const int e = std::min(n, j + bs - off);
-      for (; j < e; ++j, p += st) dst[j] = p;
-      off = 0;
-      ++bi;
-    }
+    key_rows<T>(P, table, head_off, c0, n, dst);
   };
 
   // Row pointers of the chunks from this one to kAhead ahead, chunk k in slot k % kRing: each chunk's

@@ -61,14 +61,26 @@ struct WorkItem {
   bool prefetched = false;
 };
 
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Keys per tile of the many-row path (prefill_tiles.h), and the most rows per KV head it takes.
+constexpr int kTileKeys = 32;
+constexpr int kTileMaxRows = 256;
+// Floats of per-thread workspace the many-row path needs for rows_per_head rows of one KV head.
+inline int64_t tile_workspace_floats(int rows_per_head, int head_size, int head_size_v, int lanes) {
+  const int64_t Mr = round_up(rows_per_head, lanes), D = head_size, Dv = head_size_v;
+  return Mr * (D + Dv + kTileKeys + kTileKeys / 2 + 2) + kTileKeys * (D + Dv) + (D > Dv ? D : Dv) + 64;
+}
+
 // Floats of per-thread workspace a kernel of `lanes` SIMD width needs for items of up to
 // max_rows_per_head rows (tokens x G) per KV head and max_heads KV heads.
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 inline int64_t workspace_floats(int max_rows_per_head, int max_heads, int head_size, int head_size_v, int lanes) {
   int64_t dp = round_up(head_size, lanes), dvp = round_up(head_size_v, lanes);
   int64_t zero = dp > dvp ? dp : dvp;
   const int64_t rows = max_heads * round_up(max_rows_per_head, kRowBlock);   // whole row blocks per head
-  return rows * (2 * dp + dvp + 2) + kChunk * (dp + dvp) + zero + 2 * kRowBlock * kChunk + 64;
+  const int64_t row_blocks = rows * (2 * dp + dvp + 2) + kChunk * (dp + dvp) + zero + 2 * kRowBlock * kChunk + 64;
+  const int64_t tiles = tile_workspace_floats(max_rows_per_head, head_size, head_size_v, lanes);
+  return row_blocks > tiles ? row_blocks : tiles;
 }
 
 using RunItemFn = void (*)(const AttnParams&, const WorkItem&, float* workspace);

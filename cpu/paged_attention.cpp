@@ -324,13 +324,23 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
   for (size_t i = 0; i < items.size(); ++i)
     if (part_offsets[i] >= 0) items[i].partial = partial.data() + part_offsets[i];
 
-  // Largest first, so dynamic scheduling balances.
+  // Largest first, so dynamic scheduling balances; an item's size is its visible (token, key) pairs
+  // (a causal prefill tile's tokens see different numbers of keys).
+  std::vector<int64_t> size(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const WorkItem& w = items[i];
+    int64_t pairs = 0;
+    for (int t = 0; t < w.num_tokens; ++t) {
+      const int64_t p = int64_t(w.pos0) + t;
+      const int64_t lo = P.window > 0 ? std::max<int64_t>(w.k_lo, p - P.window + 1) : w.k_lo;
+      const int64_t hi = causal ? std::min<int64_t>(w.k_hi, p + 1) : w.k_hi;
+      pairs += std::max<int64_t>(0, hi - lo);
+    }
+    size[i] = pairs;
+  }
   std::vector<int> order(items.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = int(i);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-    return int64_t(items[a].num_tokens) * (items[a].k_hi - items[a].k_lo) >
-           int64_t(items[b].num_tokens) * (items[b].k_hi - items[b].k_lo);
-  });
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return size[a] > size[b]; });
 
   const int64_t ws_floats = workspace_floats(max_rows, heads_per_item, P.head_size, P.head_size_v, lanes);
   const int n_items = int(items.size());

@@ -238,6 +238,29 @@ def test_bf16_direct_path_row_counts(native, order, head_size):
             check_native(spec)
 
 
+MANY_ROW_CASES = [   # (group, query lens, context lens, window, softcap, head size): rows in the lanes
+    (4, (16, 5), (0, 40), None, None, 64),       # a prefill tile of 64 rows, a verification of 20
+    (4, (4, 4), (100, 300), None, None, 64),     # verification: 16 rows (one 16-lane vector)
+    (2, (30, 9), (70, 9), 33, 15.0, 64),         # windows skip tiles, softcap
+    (1, (40,), (0,), None, None, 80),            # head size 80: dv tails of the register tiles
+    (8, (20, 3), (5, 100), 20, None, 16)]        # 8 query heads per KV head, head size 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_many_row_tiles_match_reference(native, order, dtype):
+    # Prefill and verification items (more rows per KV head than the direct path takes): every ISA
+    # variant this CPU runs, whole items and items split into 64-key partitions.
+    for isa in native.available_isas():
+        for group, qlens, ctx, window, softcap, head_size in MANY_ROW_CASES:
+            spec = CaseSpec(order=order, block_size=16, num_kv_heads=2, group=group, head_size=head_size,
+                            dtype=dtype, query_lens=qlens, context_lens=ctx, sliding_window=window, softcap=softcap)
+            with patched(get_backend("CPU"), "isa", isa):
+                check_native(spec)
+                with patched(get_backend("CPU"), "partition_size", 64):
+                    check_native(spec)
+
+
 PORTABLE_16_LANES = "-DKV_GENERIC_LANES=16 -DKV_PORTABLE_VECTORS -DKV_BF16DOT_EMULATE -DKV_WS_POISON"
 PORTABLE_CHECK = """
 import torch, kvmulti
@@ -252,7 +275,9 @@ for order in ("NHD", "HND"):
             (4, (1, 1), (300, 70), None, None, torch.bfloat16),      # decode: one row block of 4 per KV head
             (3, (1, 2), (40, 300), None, None, torch.bfloat16),      # 3 rows as 4, 6 rows as 4 + 2
             (1, (3, 5, 1), (70, 9, 129), 33, 15.0, torch.bfloat16),  # windows, softcap
-            (2, (6, 1), (20, 90), None, None, torch.float32)]:       # the general path
+            (2, (6, 1), (20, 90), None, None, torch.float32),        # rows in the lanes, fp32 FMAs
+            (4, (16, 5), (0, 40), None, None, torch.bfloat16),       # rows in the lanes, bf16 dots
+            (2, (30, 9), (70, 9), 33, 15.0, torch.bfloat16)]:
         spec = CaseSpec(order=order, block_size=16, num_kv_heads=2, group=group, head_size=64, dtype=dtype,
                         query_lens=qlens, context_lens=ctx, sliding_window=window, softcap=softcap)
         check_against_reference(spec, "CPU")
@@ -269,7 +294,8 @@ for fmt in FORMATS.values():
     for dtype, order, group, qlens, ctx, window, softcap in [
             (torch.bfloat16, "NHD", 4, (1, 1), (300, 70), None, None),
             (torch.float16, "HND", 3, (1, 2), (40, 90), 33, 15.0),
-            (torch.float32, "NHD", 2, (6, 1), (20, 90), None, None)]:
+            (torch.float32, "NHD", 2, (6, 1), (20, 90), None, None),
+            (torch.bfloat16, "HND", 4, (16, 5), (0, 40), None, None)]:   # fp8 through the bf16-dot tiles
         spec = CaseSpec(order=order, block_size=16, num_kv_heads=2, group=group, head_size=64, dtype=dtype,
                         query_lens=qlens, context_lens=ctx, sliding_window=window, softcap=softcap)
         check_fp8(spec, fmt, True, "CPU")

@@ -26,7 +26,7 @@ ENV_ISA = "KVMULTI_CPU_ISA"
 ISAS = {"generic": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 
 _SOURCES = ("paged_attention.cpp", "prepared_step.cpp", "kernels_avx512bf16.cpp", "kernels_avx512.cpp", "kernels_avx2.cpp", "kernels_generic.cpp")
-_HEADERS = ("kvmulti_cpu.h", "attention_kernel.h", "torch_ops.h")
+_HEADERS = ("kvmulti_cpu.h", "attention_kernel.h", "prefill_tiles.h", "torch_ops.h")
 _CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-maybe-uninitialized")
 _LDFLAGS = ("-fopenmp",)
 
