@@ -7,7 +7,8 @@ gather + SDPA, dense SDPA, vLLM's CPU kernel (when importable) and the RAM-bandw
 Cases (8 query / 2 KV heads, head size 64): decode 32 requests x 1024 context, decode 4 x 16384,
 prefill 4 x 512 and 1 x 4096 new tokens (causal, no context), verify 32 x 1024 q4 (4 new tokens of a
 1024-token context: a speculative verification step); and "decode 8x1024 llama-8b": 8 x 1024 with one
-Llama-3-8B layer's heads (32 query / 8 KV heads, head size 128). fp32 and bf16 (and --dtypes fp8_e4m3,fp8_e5m2: an fp8
+Llama-3-8B layer's heads (32 query / 8 KV heads, head size 128). "decode 8x256" ... "decode 8x16384"
+(named only) sweep the context length for benchmarks/plot.py. fp32 and bf16 (and --dtypes fp8_e4m3,fp8_e5m2: an fp8
 cache, bf16 queries, scales 1.0; vLLM with its kv_cache_dtype of that name); block sizes 16 / 32 / 128.
 "hot": back-to-back calls; "cold": a 1 GiB buffer is written before every timed call, so the KV
 cache comes from RAM. Times are the median (and min) of several calls of the backend method
@@ -72,7 +73,11 @@ CASES = {
     "prefill 1x4096": Case(1, 4096, 4096),
     "verify 32x1024 q4": Case(32, 1024, 4),        # speculative verification: 4 query tokens, 1024 context
     "decode 8x1024 llama-8b": Case(8, 1024, 1, hq=32, hkv=8, head=128),   # one Llama-3-8B attention layer
+    # a context-length sweep for benchmarks/plot.py (not run by default)
+    **{f"decode 8x{n}": Case(8, n, 1) for n in (256, 1024, 4096, 16384)},
 }
+DEFAULT_CASES = ("decode 32x1024", "decode 4x16384", "prefill 4x512", "prefill 1x4096", "verify 32x1024 q4",
+                 "decode 8x1024 llama-8b")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_QUERY_DTYPE = torch.bfloat16      # query / out dtype over an fp8 cache (scales 1.0)
 
@@ -355,7 +360,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--orders", default="HND,NHD", help="layout orders of our cache, comma-separated (HND,NHD)")
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
+    ap.add_argument("--cases", default=",".join(DEFAULT_CASES), help="comma-separated subset of: " + ", ".join(CASES))
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--block-sizes", default=",".join(map(str, BLOCK_SIZES)))
     ap.add_argument("--pages", choices=("huge", "4k"), default="huge",

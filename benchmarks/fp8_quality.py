@@ -10,7 +10,7 @@
 2. Speculative decoding acceptance with the draft's cache in fp8 (target cache bf16), greedy,
    k = 4, on the prompts of benchmarks/spec_decode.py.
 3. The largest |K| and |V| the target writes on that text: against the formats' ranges, why the
-   runner's scale of 1.0 neither saturates nor falls into subnormals much (README, "fp8 KV cache").
+   runner's scale of 1.0 neither saturates nor falls into subnormals much (docs/fp8.md).
 """
 
 from __future__ import annotations

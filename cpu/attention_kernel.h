@@ -20,9 +20,8 @@
 // <immintrin.h> on x86.
 
 // Software prefetch of the K/V rows KV_PREFETCH_DIST chunks ahead (KV_PREFETCH=0: none), with
-// KV_PREFETCH_LEVEL 0 / 1 / 2 / 3 = prefetcht0 / t1 / t2 / nta. Measured cold decode on a Zen 4 host
-// (benchmarks/attention.py): t1 (into L2) at distance 2 takes 0.55-0.75x the time of t0 at distance 1,
-// which filled L1 with lines evicted before use; distance 4 was slower again.
+// KV_PREFETCH_LEVEL 0 / 1 / 2 / 3 = prefetcht0 / t1 / t2 / nta. Into L2, two chunks ahead: into L1
+// the lines were evicted before use (measurements: CHANGELOG.md).
 #ifndef KV_PREFETCH
 #define KV_PREFETCH 1
 #endif
@@ -30,16 +29,14 @@
 #define KV_PREFETCH_DIST 2
 #endif
 // Chunks of the item a thread runs next that are prefetched during this item's last ones
-// (WorkItem::next; 0: none). Cold decode 32 x 1024 (benchmarks/cpu_compute.py --cold): 4-9% faster than
-// 0 with 1 or 2; a small hot call (8 x 128 keys) ~1 us slower with 1 or 2.
+// (WorkItem::next; 0: none), so the prefetch distance holds across items.
 #ifndef KV_PREFETCH_NEXT_ITEM
 #define KV_PREFETCH_NEXT_ITEM KV_PREFETCH_DIST
 #endif
 // The prefetch of a chunk's rows is spread over the chunk before it: KV_PREFETCH_SPLIT quarters of each
 // row's lines while that chunk's scores are computed, the rest during its P.V (the direct path's
-// bf16-dot P.V; the other paths request all lines during the scores). Cold decode 32x1024, block 16 (benchmarks/cpu_compute.py --cold,
-// Zen 4, alternating builds): 2 quarters 0.80 / 0.92 ms against 0.85 / 0.94 ms for all lines during
-// the scores (4), HND / NHD; all during P.V (0) 0.91 / 0.97 ms.
+// bf16-dot P.V; the other paths request all lines during the scores), so reads overlap both halves
+// of the arithmetic.
 #ifndef KV_PREFETCH_SPLIT
 #define KV_PREFETCH_SPLIT 2
 #endif
@@ -48,9 +45,7 @@
 #endif
 // A chunk's rows are requested again one chunk ahead, all their lines, spread over the key groups of
 // the chunk before it (KV_PREFETCH_DIST > 1): Zen 4 drops some prefetcht1 requests, and such a line
-// is then read from RAM when it is used. Cold decode 32x1024, block 16 (benchmarks/cpu_compute.py
-// --cold, alternating builds, medians, NHD / HND): 0.77 / 0.65 ms against 0.88 / 0.77 ms without;
-// 6% slower hot. In one burst when the chunk before starts: as fast cold, 10-12% slower hot.
+// is then read from RAM when it is used; spread out, the second request costs little hot.
 #ifndef KV_PREFETCH_AGAIN
 #define KV_PREFETCH_AGAIN 1
 #endif
@@ -555,8 +550,6 @@ static inline vf dot2_bf16(vf acc, vu a, vu b) {
 // half and key j + KG / 2's in its high half, against the query's KV_W elements in both halves. The
 // per-key sums then start from 8 vectors of two 8-lane segments instead of 16 of one 16-lane
 // segment: treduce's first level (16 cross-half shuffles and 8 adds per key group) is not needed.
-// Compute-only decode (benchmarks/cpu_compute.py, Zen 4, alternating builds): 36.2 / 39.5 cycles per
-// key and KV head against 36.8 / 40.4 (HND / NHD).
 #ifndef KV_QK_HALVES
 #define KV_QK_HALVES 1
 #endif
@@ -738,8 +731,7 @@ template <int RR, int N> static KV_INLINE void store_o_rows(const vf (&acc)[RR][
 static constexpr int qk_prefetch_lines(int lines) { return KV_PREFETCH ? lines * KV_PREFETCH_SPLIT / 4 : 0; }
 // P.V's share of the prefetch: rows [j, j + n) ahead, lines from qk_prefetch_lines on, requested every
 // kPvPrefetchKeys keys of the bf16-dot P.V (pv_direct_dot). The FMA P.V (fp32 / fp16 queries or caches)
-// requests none: there the QK loop requests all lines, since the split cost small hot fp32 decode calls
-// (benchmarks/layer_call.py --dtype fp32) 2-5 us, 8-20%.
+// requests none: there the QK loop requests all lines, since the split costs small hot calls there.
 constexpr int kPvPrefetchKeys = 4;
 static KV_INLINE void prefetch_pv_lines(const DirectCtx& c, int j, int n) {
   if (KV_PREFETCH_SPLIT >= 4 || j >= c.pf_n) return;
@@ -1156,8 +1148,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
 #endif
   if (KV_ROW_TILES && Mh > kDirectMaxRows && Mh <= kTileMaxRows) return run_item_rows<QT, CT>(P, it, ws);
   // The direct path (see row_block_direct): few rows, head sizes in whole 2W pairs; bf16 and fp8, and
-  // fp32 / fp16 unless KV_DIRECT_ALL_DTYPES=0 (on the Zen 4 host fp32 decode there measured as fast or
-  // faster cold, and 17% faster for small batches: benchmarks/layer_call.py).
+  // fp32 / fp16 unless KV_DIRECT_ALL_DTYPES=0 (the direct path is also the faster one for those).
 #ifndef KV_DIRECT_ALL_DTYPES
 #define KV_DIRECT_ALL_DTYPES 1
 #endif
@@ -1244,9 +1235,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   // When a KV head's token rows are further apart than a row (NHD: num_kv_heads x (D + Dv) elements),
   // its lines use only a fraction of the L1 sets: with 64 rows KV_HALF_CHUNK_STRIDE bytes apart or
   // more, a chunk's K and V lines (plus the next chunk's, prefetched) crowd them, and the direct path
-  // walks 32-key chunks instead. Cold decode 32x1024, NHD, 2 KV heads, head 64 (benchmarks/cpu_compute.py
-  // --cold, Zen 4): bf16 (512-byte stride) 32-key chunks 0.81 / 1.01 ms against 0.83 / 1.06 ms for 64
-  // (blocks 128 / 16); e4m3 (256 bytes) 0.62 / 0.65 ms against 0.58 / 0.63 ms. HND keeps 64.
+  // walks 32-key chunks instead (shorter strides, e.g. fp8's 256 bytes, keep 64; so does HND).
 #ifndef KV_HALF_CHUNK_STRIDE
 #define KV_HALF_CHUNK_STRIDE 512
 #endif
@@ -1269,8 +1258,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     [[maybe_unused]] const int n = ring_n[k % kRing] = fill(k);
 #if KV_PREFETCH
     // The loop prefetches kAhead chunks ahead; chunks 1 .. kAhead - 1 are requested here, all at
-    // once. Chunk 0 is read at once: prefetching it too measured no faster cold and ~1 us slower per
-    // small hot decode call (benchmarks/layer_call.py: 16 items of 128 keys). The item before this
+    // once. Chunk 0 is read at once: a prefetch of it would only cost instructions. The item before this
     // one on this thread may have requested them already (WorkItem::prefetched).
     if (!P.prefetch || k == 0 || (it.prefetched && k < std::min(chunks, KV_PREFETCH_NEXT_ITEM))) continue;
     const T* head_rows[kChunk];

@@ -252,12 +252,11 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
   const std::vector<Tile> tiles = plan_tiles(qsl, seq, num_reqs, query.size(0), block_table.size(0),
                                              block_table.size(1), P.block_size, P.window, causal, tile_tokens);
   if (tiles.empty()) return;
-  // KV heads per item. NHD: one (items over all KV heads, each token row read once, measured slower
-  // hot and cold: README, "Performance"). HND: a block holds each head's rows as one run of
+  // KV heads per item. NHD: one (items over all KV heads, each token row read once, were slower).
+  // HND: a block holds each head's rows as one run of
   // block_size x (D + Dv) elements, heads one after another; items take as many heads (a divisor of
   // num_kv_heads) as make those runs at least KV_ITEM_HEAD_RUN bytes together, so small blocks are read
-  // in longer sequential runs. Block 16, head 64, bf16 (4 KiB runs, 2 heads per item): 4-8% faster
-  // cold (benchmarks/cpu_compute.py --cold, alternating builds), hot level.
+  // in longer sequential runs.
 #ifndef KV_ITEM_HEAD_RUN
 #define KV_ITEM_HEAD_RUN 8192
 #endif
@@ -276,11 +275,7 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
   }
 
   // Software prefetch only when the call reads more than KV_PREFETCH_MIN_BYTES of K/V: below that it
-  // gained nothing cold and cost its instructions hot. Cold decode, bf16, block 16, 2 threads
-  // (benchmarks/cpu_compute.py --cold, alternating builds with -DKV_PREFETCH=0, HND / NHD): 8 x 128
-  // (512 KiB) 0.193 / 0.167 ms with the prefetch, 0.188 / 0.176 without; 8 x 256 (1 MiB) 0.214 / 0.207
-  // against 0.249 / 0.255. Hot, one thread, alternating builds: bf16 decode 8 x 128 (512 KiB) 30.0 us
-  // without, 31.3 us with; fp32 decode 1 x 128 4.4 us without, 4.8 us with.
+  // gained nothing cold and cost its instructions hot (measurements: CHANGELOG.md).
 #ifndef KV_PREFETCH_MIN_BYTES
 #define KV_PREFETCH_MIN_BYTES (512 << 10)
 #endif

@@ -1,11 +1,11 @@
-"""benchmarks/gpu_report.py runs here (no GPU); the thresholds of issue 18 are asserted on it:
+"""benchmarks/gpu_report.py runs here (no GPU); the GPU thresholds are asserted on it:
 no spills (registers, or SGPRs to VGPR lanes on AMD) in any Triton specialisation on any target,
 a matrix instruction in every fp16/bf16 attention kernel, decode occupancy >= 2 work-groups per CU
 on gfx942 and >= 2 CTAs per SM on sm_90, the next K/V tile in flight during the dots of the sm_90
 decode loop, and a roofline-model estimate (devtools/roofline.py) for every shipped attention
 kernel x target x case. The report itself prints every threshold
 failure and exits 1 while any remains.
-fp8 caches (issue 19): HIP's fp8 kernels with fp16 / bf16 queries use v_mfma on gfx90a / gfx940, the
+fp8 caches: HIP's fp8 kernels with fp16 / bf16 queries use v_mfma on gfx90a / gfx940, the
 SYCL case is also compiled over an fp8 cache (section sycl_fp8), Triton's fp8 decode uses the matrix
 instructions."""
 

@@ -77,7 +77,7 @@ class ModelRunner:
             sliding-window groups keep that many extra positions before freeing blocks.
         kv_cache_dtype: the KV caches' dtype: None / ``"auto"`` (the model's dtype), or an fp8 format
             (``"fp8_e4m3"`` / ``"fp8_e5m2"`` or the torch dtype; see :data:`KV_CACHE_DTYPES`). fp8
-            caches use scales of 1.0 (README, "fp8 KV cache": why no calibration).
+            caches use scales of 1.0 (docs/fp8.md: why no calibration).
     """
 
     def __init__(self, model: CausalLM | str | os.PathLike, *, role: str = "target",

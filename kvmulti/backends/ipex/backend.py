@@ -39,7 +39,7 @@ from ...metadata import CommonAttentionMetadata
 from ..base import Backend, StepMetadata
 from .library import ipex_status, paged_attention_module
 
-#: cache dtypes IPEX 2.8's CPU paged kernels serve (its fp8 path is not wired here: see README).
+#: cache dtypes IPEX 2.8's CPU paged kernels serve (its fp8 path is not wired here: see docs/backends.md).
 IPEX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
