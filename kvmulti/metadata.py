@@ -69,7 +69,7 @@ class CommonAttentionMetadata:
         if block_table.dtype.is_floating_point or block_table.dtype == torch.bool or block_table.dim() != 2:
             raise TypeError(f"block_table must be a 2-D integer tensor, got {block_table.dtype} "
                             f"with {block_table.dim()} dims")
-        if not isinstance(block_size, int) or block_size < 1:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         device = torch.device(device) if device is not None else block_table.device
         q = _as_int_list(query_lens, "query_lens")

@@ -262,3 +262,11 @@ def test_host_values_name_the_first_bad_request_at_any_batch_size(name, num_reqs
     with pytest.raises(ValueError, match=message):
         kvmulti.prepare_step(bad, LAYOUT, 4, check_values=False)
     kvmulti.prepare_step(md, LAYOUT, 4, check_values=False)
+
+
+@pytest.mark.parametrize("block_size", [True, False, 0, -4, 4.0, "16"])
+def test_from_lens_refuses_a_block_size_that_is_not_a_positive_int(block_size):
+    """A bool is not a size: True is not taken as block size 1."""
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"block_size must be a positive int, got {block_size!r}"):
+        kvmulti.CommonAttentionMetadata.from_lens([1], [3], table, block_size=block_size)
