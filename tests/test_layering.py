@@ -82,3 +82,10 @@ def test_module_level_imports_have_no_cycle():
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+
+
+def test_every_module_is_small():
+    """Small modules with one job each: no Python file in the package over 400 lines."""
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
