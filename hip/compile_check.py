@@ -47,10 +47,13 @@ WAVES = (32, 64)
 #: cache element types per query dtype: the query's own, fp8 e4m3fn, fp8 e5m2 (MFMA engine for fp16 / bf16
 #: queries on gfx90a / gfx940, FMA engine otherwise)
 CACHES_PER_DTYPE = 3
-#: every kernel the launcher instantiates: attention (dtype x cache x head size x wave), reduce per
-#: dtype, write_kv per dtype x cache
-EXPECTED_KERNELS = (len(DTYPES) * CACHES_PER_DTYPE * len(HEAD_SIZES) * len(WAVES) + len(DTYPES)
+#: every kernel the launcher instantiates: attention and prefill (dtype x cache x head size x wave each),
+#: reduce per dtype, write_kv per dtype x cache
+EXPECTED_KERNELS = (2 * len(DTYPES) * CACHES_PER_DTYPE * len(HEAD_SIZES) * len(WAVES) + len(DTYPES)
                     + len(DTYPES) * CACHES_PER_DTYPE)
+#: report-row kinds of the attention kernels (decode / mixed: paged_attention_kernel; prefill:
+#: paged_prefill_kernel); the attention thresholds apply to both
+ATTENTION_KINDS = ("attention", "prefill")
 
 
 @dataclass
@@ -317,9 +320,9 @@ _FP8_NAMES = {"NS_7Fp8E4M3E": "e4m3", "NS_7Fp8E5M2E": "e5m2"}
 def _kernel_kind(name: str) -> tuple[str, str | None, int | None, int | None]:
     """(kind, dtype, head size, wave) from a mangled kernel name; kind: attention / reduce / write_kv;
     dtype: the query's (attention, write_kv: the key's) -- see :func:`cache_kind` for the cache's."""
-    m = re.search(r"paged_attention_kernelI(f|6__half|12hip_bfloat16)" + _CACHE + r"Li(\d+)ELi(\d+)E", name)
+    m = re.search(r"paged_(attention|prefill)_kernelI(f|6__half|12hip_bfloat16)" + _CACHE + r"Li(\d+)ELi(\d+)E", name)
     if m:
-        return "attention", _DT[m.group(1)], int(m.group(3)), int(m.group(4))
+        return m.group(1), _DT[m.group(2)], int(m.group(4)), int(m.group(5))
     m = re.search(r"write_kv_kernelI(f|6__half|12hip_bfloat16)" + _CACHE + "E", name)
     if m:
         return "write_kv", _DT[m.group(1)], None, None
@@ -331,7 +334,8 @@ def _kernel_kind(name: str) -> tuple[str, str | None, int | None, int | None]:
 
 def cache_kind(name: str) -> str | None:
     """"e4m3" / "e5m2" for an fp8-cache instantiation, None when the cache has the query's type."""
-    m = re.search(r"(?:paged_attention_kernel|write_kv_kernel)I(?:f|6__half|12hip_bfloat16)" + _CACHE, name)
+    m = re.search(r"(?:paged_attention_kernel|paged_prefill_kernel|write_kv_kernel)I(?:f|6__half|12hip_bfloat16)"
+                  + _CACHE, name)
     return _FP8_NAMES.get(m.group(1)) if m else None
 
 
@@ -339,8 +343,8 @@ def short_name(name: str) -> str:
     kind, dtype, hs, wave = _kernel_kind(name)
     cache = cache_kind(name)
     dtype = f"{dtype},{cache}" if cache else dtype
-    if kind == "attention":
-        return f"paged_attention<{dtype},{hs},wave{wave}>"
+    if kind in ATTENTION_KINDS:
+        return f"paged_{kind}<{dtype},{hs},wave{wave}>"
     return f"{kind}<{dtype}>" if dtype else name
 
 
@@ -390,7 +394,7 @@ def rows_of(dp: DevicePass) -> list[dict]:
     wave = _wave_of(dp.arch)
     for name, f in sorted(dp.resources.items()):
         kind, dtype, hs, kwave = _kernel_kind(name)
-        if kind == "attention" and kwave != wave:
+        if kind in ATTENTION_KINDS and kwave != wave:
             continue
         a = dp.asm.get(name, analyze_function([]))
         rows.append({
@@ -422,7 +426,7 @@ def row_problems(row: dict) -> list[str]:
         problems.append(f"{k}: {row['spills']} spilled registers, {row['scratch_bytes']} scratch bytes/lane")
     if row["waves_per_simd"] < MIN_WAVES_PER_SIMD:
         problems.append(f"{k}: occupancy {row['waves_per_simd']} < {MIN_WAVES_PER_SIMD} waves/SIMD")
-    if row["kind"] == "attention":
+    if row["kind"] in ATTENTION_KINDS:
         if row["vgprs"] == 0:
             problems.append(f"{k}: wave-{row['wave']} instantiation compiled to an empty body")
         if row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16") and row["matrix_instructions"] == 0:
