@@ -8,46 +8,36 @@ function returning ``list[dict]`` rows with at least ``kernel`` and ``target``. 
 module is missing (a kernel family that has not published its rows yet) is listed as absent, not
 faked. Adding one is one line in :data:`SECTIONS`.
 
-* ``triton``: every Triton specialisation kvmulti launches (``kvmulti.triton_kernels.cross_compile``)
+* ``triton``: every Triton specialisation kvmulti launches (``devtools.triton_cross_compile``)
   cross-compiled for sm_80, sm_90, gfx90a, gfx942: registers, spills, shared/LDS bytes, occupancy
   (CTAs per SM / work-groups per CU from registers and shared memory against the target's
   limits), matrix instructions (static count of mma.sync / wgmma / v_mfma), global load widths,
   cp.async.wait_group immediates, K/V tiles in flight at the KV loop's dots (read from TTGIR:
-  ``cross_compile.kv_tiles_in_flight_at_dot``); then the paper model below.
-* ``hip``: ``kvmulti.hip_src.compile_check.report_rows`` when hip/compile_check.py provides it,
+  ``cross_compile.kv_tiles_in_flight_at_dot``), the KV loop's instruction classes per trip; then the roofline model below.
+* ``hip``: ``devtools.hip_compile_check.report_rows`` when devtools/hip_compile_check.py provides it,
   else rows built here from its hipcc resource-usage pass (registers, LDS, waves/SIMD, spills). Every
   kernel x gfx90a / gfx940 / gfx1030, fp8 caches (e4m3fn, e5m2) included; printed: the attention kernels
   at head 128 (the decode case's) per query dtype x cache, with the engine (MFMA / FMA); ``--full``:
   every row. Thresholds: ``compile_check.row_problems`` (an fp16 / bf16 query over a 16-bit or an fp8
   cache uses v_mfma on gfx90a / gfx940, no spills, 16-byte hot-loop loads, occupancy).
-* ``sycl``: ``kvmulti.sycl_src.gpu_evidence.report_rows`` once sycl/ provides it (bf16, head 128);
+* ``sycl``: ``devtools.sycl_gpu_evidence.report_rows`` once devtools/ provides it (bf16, head 128);
   ``sycl_fp8``: the same case over an fp8 e4m3fn cache (``gpu_evidence.FP8_CONFIG``, rows with
   ``cache``). Triton's fp8 specialisations (e4m3 / e5m2 caches with bf16 / fp16 / fp32 queries:
   ``cross_compile.fp8_specs``) are rows of the ``triton`` section.
 
-Paper model (an ESTIMATE from compile facts and spec-sheet figures, not a measurement)
----------------------------------------------------------------------------------------
-Decode: 32 sequences x 4096 positions, 32 query / 8 KV heads, head 128, bf16, block 16, HND.
-Prefill: 8 prompts x 2048 tokens, same heads. For each device the launch the backend would make
-on it (its CU count decides split-KV) is compiled with a > 2 GiB cache (a serving cache is larger
-than 2 GiB, and Triton's AMD backend compiles that case separately, without buffer loads).
-
-Per program (one CTA / work-group) the KV loop runs tiles of ``TILE_N`` key positions; a tile
-moves ``B = TILE_N * (head + head_v) * 2`` bytes and does ``F = 4 * BLOCK_M * TILE_N * head``
-flops. With ``o`` tiles' loads in flight while a tile's dots run (``o`` = the K/V tiles whose
-``cp.async`` groups are still open at the loop's first dot on NVIDIA, replayed from TTGIR; 1 on
-AMD when the loop carries a prefetched tile, seen as the dots peeled into an epilogue in TTGIR) a
-tile takes
-
-    T_tile = max(t_math, (L + t_math) / (1 + o)),   t_math = F / (peak_flops / units)
-
-(L: DRAM latency). Little's law per SM/CU: ``R`` resident programs (occupancy, limited by how
-many programs there are) keep ``R * (1 + o) * B`` bytes in flight, i.e. demand
-``R * B / T_tile`` bytes/s and ``R * F / T_tile`` flops/s, each capped at the unit's share of the
-device peak. Estimated time = waves x tiles per program x the capped tile period; the fraction of
-the floor = floor time / estimated time, where the floor is cache bytes / peak bandwidth (decode)
-or useful causal flops / peak flops (prefill). ``mma.sync`` on sm_90 is credited with
-``MMA_SYNC_ON_HOPPER`` of the wgmma peak. The latencies are assumptions, stated in :data:`DEVICES`.
+Roofline model (ESTIMATES from compile facts and cited figures, not measurements)
+---------------------------------------------------------------------------------
+``devtools/roofline.py`` is the one model for every family: each section's rows go through its
+adapter (:data:`ADAPTERS`: ``devtools/roofline_{triton,hip,sycl}.py``), which turns them into the
+launch the backend makes for DECODE (32 sequences x 4096 keys) and PREFILL (8 x 2048-token prompts,
+causal), both 32 / 8 heads, head 128, bf16, block 16, on the target's device
+(``roofline.TARGETS``: H100 SXM, A100, MI300X, MI250X one GCD, Max 1550, Arc A770). Per kernel x
+target x case the report prints the four bounds (memory, issue, latency, grid; microseconds), the
+one that limits, and the fraction of the case's floor (decode: the K/V bytes at peak bandwidth x the
+cited DRAM efficiency; prefill: the useful causal flops at the dense bf16 matrix peak). Triton's
+launches are compiled with a > 2 GiB cache (a serving cache is larger than 2 GiB, and Triton's AMD
+backend compiles that case separately, without buffer loads); HIP's gfx940 assembly stands for
+MI300X.
 """
 
 from __future__ import annotations
@@ -55,53 +45,38 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))           # devtools/ (evidence tools, not in the wheel)
+
+from devtools import roofline, roofline_hip, roofline_sycl, roofline_triton  # noqa: E402
 
 #: name -> "module:function" returning list[dict] rows (kernel, target, ...). One line per section.
 SECTIONS: dict[str, str] = {
     "triton": "gpu_report:triton_rows",
-    "hip": "kvmulti.hip_src.compile_check:report_rows",
-    "sycl": "kvmulti.sycl_src.gpu_evidence:report_rows",
+    "hip": "devtools.hip_compile_check:report_rows",
+    "sycl": "devtools.sycl_gpu_evidence:report_rows",
     "sycl_fp8": "gpu_report:sycl_fp8_rows",
 }
 #: used when a section's own module does not provide report_rows yet
 FALLBACKS: dict[str, str] = {"hip": "gpu_report:hip_rows_from_resource_usage"}
-
-
-# --------------------------------------------------------------------------------------- devices
-@dataclass(frozen=True)
-class Device:
-    """Spec-sheet figures of the device a target stands for (dense bf16, no sparsity)."""
-    name: str
-    target: str
-    units: int                  # SMs / CUs (MI250X: one GCD, the device torch sees)
-    bandwidth: float            # bytes/s
-    bf16_flops: float           # flop/s of the target's best bf16 matrix instruction
-    latency: float              # s, loaded DRAM latency (assumption)
-
-
-DEVICES = (
-    Device("H100 SXM", "sm_90", 132, 3.35e12, 989e12, 650e-9),
-    Device("MI300X", "gfx942", 304, 5.3e12, 1307e12, 800e-9),
-    Device("MI250X (one GCD)", "gfx90a", 110, 1.6e12, 191.5e12, 750e-9),
-)
-MMA_SYNC_ON_HOPPER = 0.6        # mma.sync reaches about this share of wgmma's peak on H100 (assumption)
-
-DECODE = dict(num_seqs=32, context=4096, q_heads=32, kv_heads=8, head=128, dtype_bytes=2)
-PREFILL = dict(num_prompts=8, prompt=2048, q_heads=32, kv_heads=8, head=128, dtype_bytes=2)
+#: section -> the roofline adapter that turns its rows into launches (``launches(rows, case)``)
+ADAPTERS = {"triton": roofline_triton, "hip": roofline_hip, "sycl": roofline_sycl, "sycl_fp8": roofline_sycl}
 
 
 # --------------------------------------------------------------------------------------- triton
 def triton_rows(jobs: int = 2) -> list[dict]:
     """One row per (Triton specialisation, target): the figures of ``cross_compile.analyse``."""
-    from kvmulti.triton_kernels import cross_compile
+    from devtools import triton_cross_compile as cross_compile
     rows = []
     for target, results in cross_compile.compile_in_subprocesses(jobs=jobs).items():
         for r in results:
@@ -109,97 +84,32 @@ def triton_rows(jobs: int = 2) -> list[dict]:
     return rows
 
 
-def tile_of(row: dict) -> tuple[int, int, int, int]:
-    """(BLOCK_M, TILE_N, HEAD_PAD, HEAD_PAD_V) of an attention row."""
-    c = row["constexprs"]
-    return tuple(int(c[k]) for k in ("BLOCK_M", "TILE_N", "HEAD_PAD", "HEAD_PAD_V"))
-
-
-def _overlap(row: dict) -> int:
-    if row["target"].startswith("sm_"):
-        return int(row.get("kv_tiles_in_flight_at_dot") or 0)
-    return 1 if row.get("prefetched_tile") else 0
-
-
-def tile_period(t_math: float, latency: float, overlap: int) -> float:
-    """Seconds per tile of one program: loads then dots, with ``overlap`` tiles' loads in flight."""
-    return max(t_math, (latency + t_math) / (1 + overlap))
-
-
-def model_decode(row: dict, dev: Device, split_parts: int) -> dict:
-    """Estimated fraction of the memory floor for the DECODE batch (see the module docstring)."""
-    d = DECODE
-    block_m, tile_n, hp, hpv = tile_of(row)
-    bytes_total = d["num_seqs"] * d["context"] * d["kv_heads"] * 2 * d["head"] * d["dtype_bytes"]
-    programs = d["num_seqs"] * d["kv_heads"] * split_parts
-    tiles = math.ceil(d["context"] / split_parts / tile_n)
-    tile_bytes = tile_n * (hp + hpv) * d["dtype_bytes"]
-    tile_flops = 4 * block_m * tile_n * hp
-    return _estimate(row, dev, programs, tiles, tile_bytes, tile_flops, floor=bytes_total / dev.bandwidth,
-                     kind="memory")
-
-
-def model_prefill(row: dict, dev: Device) -> dict:
-    """Estimated fraction of the compute floor for the PREFILL batch (causal; see the docstring)."""
-    p = PREFILL
-    block_m, tile_n, hp, hpv = tile_of(row)
-    group = p["q_heads"] // p["kv_heads"]
-    block_q = block_m // group
-    q_blocks = math.ceil(p["prompt"] / block_q)
-    programs = p["num_prompts"] * p["kv_heads"] * q_blocks
-    # causal: q-block j needs keys [0, (j+1) * block_q); mean tiles per program
-    tiles = sum(math.ceil(min(p["prompt"], (j + 1) * block_q) / tile_n) for j in range(q_blocks)) / q_blocks
-    useful = p["num_prompts"] * 2 * p["q_heads"] * p["head"] * p["prompt"] * (p["prompt"] + 1)
-    tile_bytes = tile_n * (hp + hpv) * p["dtype_bytes"]
-    tile_flops = 4 * block_m * tile_n * hp
-    return _estimate(row, dev, programs, tiles, tile_bytes, tile_flops, floor=useful / dev.bf16_flops, kind="compute")
-
-
-def _estimate(row: dict, dev: Device, programs: int, tiles: float, tile_bytes: int, tile_flops: int, *,
-              floor: float, kind: str) -> dict:
-    flops_peak = dev.bf16_flops * (MMA_SYNC_ON_HOPPER if "mma.sync" in row.get("matrix_kind", []) else 1.0)
-    if not row.get("matrix_instructions"):
-        flops_peak /= 8             # dots on vector ALUs (no matrix instruction): an 8x slower ceiling
-    unit_flops, unit_bw = flops_peak / dev.units, dev.bandwidth / dev.units
-    resident = max(1, min(row["occupancy"], math.ceil(programs / dev.units)))
-    t_math = tile_flops / unit_flops
-    period = tile_period(t_math, dev.latency, _overlap(row))
-    # the unit's R programs each finish a tile per `period`, unless bandwidth or flops cap them
-    unit_tile_rate = min(resident / period, unit_bw / tile_bytes, unit_flops / tile_flops)
-    waves = math.ceil(programs / (resident * dev.units))
-    est = waves * tiles * resident / unit_tile_rate
-    return {"device": dev.name, "target": dev.target, "kind": kind, "programs": programs, "resident_per_unit": resident,
-            "overlap_tiles": _overlap(row), "bytes_in_flight_per_unit": resident * (1 + _overlap(row)) * tile_bytes,
-            "floor_us": floor * 1e6, "estimate_us": est * 1e6, "fraction_of_floor": min(1.0, floor / est)}
-
-
-def paper_model(rows: list[dict]) -> list[dict]:
-    """Decode and prefill estimates per device from the > 2 GiB-cache model launches of ``rows``."""
+def roofline_rows(sections: dict[str, dict]) -> list[dict]:
+    """The roofline model (``devtools/roofline.py``) for every shipped attention kernel x target x
+    case of the sections that have rows: one :meth:`roofline.Estimate.row` each (with ``section``,
+    ``device``, ``bound`` and ``fraction``), or ``problem`` when the model refuses a launch."""
     out = []
-    for dev in DEVICES:
-        for case in ("decode", "prefill"):
-            # NVIDIA compiles the > 2 GiB cache like the small one (one specialisation, named after the first)
-            attn = [r for spec in (f"model_{case}_{dev.target}_large_cache", f"model_{case}_{dev.target}")
-                    for r in rows if r["target"] == dev.target and r["spec"] == spec
-                    and r["kernel"] == "unified_attention" and not r.get("problem")]
-            if not attn:
-                out.append({"device": dev.name, "target": dev.target, "kind": case, "problem": "not compiled"})
-                continue
-            row = attn[0]
-            parts = int(row["constexprs"].get("SPLIT") == "True") and math.ceil(
-                DECODE["context"] / int(row["constexprs"]["PART_SIZE"]))
-            est = model_decode(row, dev, parts or 1) if case == "decode" else model_prefill(row, dev)
-            out.append(dict(est, case=case, tile=tile_of(row), split=bool(parts), regs=row["regs"],
-                            shared_bytes=row["shared_bytes"], occupancy=row["occupancy"]))
+    for name, adapter in ADAPTERS.items():
+        rows = sections.get(name, {}).get("rows")
+        if not rows:
+            continue
+        for case in (roofline.DECODE, roofline.PREFILL):
+            for launch in adapter.launches(rows, case):
+                target = roofline.TARGETS[launch.target]
+                try:
+                    row = roofline.estimate(launch, target).row()
+                except ValueError as exc:
+                    row = {"kernel": launch.kernel, "target": launch.target, "case": case.name, "problem": str(exc)}
+                out.append(dict(row, section=name, device=target.name))
     return out
 
 
 # --------------------------------------------------------------------------------------- hip (today)
 def hip_rows_from_resource_usage() -> list[dict]:
-    """HIP rows from hip/compile_check.py's hipcc resource-usage pass (AMD targets it checks):
+    """HIP rows from devtools/hip_compile_check.py's hipcc resource-usage pass (AMD targets it checks):
     registers, LDS, waves per SIMD, spills. Matrix instructions, load widths and bytes in flight
-    are left to hip/compile_check.report_rows (None here: not measured by this fallback)."""
-    from kvmulti.hip_src import compile_check as cc
+    are left to devtools/hip_compile_check.report_rows (None here: not measured by this fallback)."""
+    from devtools import hip_compile_check as cc
     if cc.hipcc() is None:
         raise RuntimeError("hipcc not found")
     rows = []
@@ -244,9 +154,9 @@ def format_hip(rows: list[dict], full: bool) -> list[str]:
 
 
 def hip_threshold_failures(rows: list[dict]) -> list[str]:
-    """hip/compile_check.py's CI thresholds over the HIP section's rows (the fallback's rows carry too
+    """devtools/hip_compile_check.py's CI thresholds over the HIP section's rows (the fallback's rows carry too
     little to check and are skipped)."""
-    from kvmulti.hip_src import compile_check as cc
+    from devtools import hip_compile_check as cc
     return [p for r in rows if "hot_loop_instructions" in r for p in cc.row_problems(r)]
 
 
@@ -274,7 +184,7 @@ def _demangle_hint(mangled: str) -> str:
 # --------------------------------------------------------------------------------------- sycl fp8
 def sycl_fp8_rows() -> list[dict]:
     """The SYCL section's rows for its case over an fp8 e4m3fn cache (kernels.cpp with KVM_CACHE=3)."""
-    from kvmulti.sycl_src import gpu_evidence
+    from devtools import sycl_gpu_evidence as gpu_evidence
     return [dict(r, cache="e4m3") for r in gpu_evidence.report_rows(gpu_evidence.FP8_CONFIG)]
 
 
@@ -359,15 +269,19 @@ def format_triton(rows: list[dict], full: bool) -> list[str]:
     return out
 
 
-def format_model(model: list[dict]) -> list[str]:
-    out = ["device            case     tile(M,N,D,Dv)      split regs shared occ/unit resident in-flight/unit  floor_us  est_us  fraction"]
-    for m in model:
-        if m.get("problem"):
-            out.append(f"{m['device']:17} {m['kind']:8} {m['problem']}")
+def format_roofline(rows: list[dict]) -> list[str]:
+    out = [f"{'kernel':42} {'target':8} {'case':8} {'memory':>8} {'issue':>8} {'latency':>8} {'grid':>8}  "
+           f"{'bound':8} {'fraction':>8}  of"]
+    for r in rows:
+        if r.get("problem"):
+            out.append(f"{r['kernel'][:42]:42} {r['target']:8} {r['case']:8} PROBLEM {r['problem']}")
             continue
-        out.append(f"{m['device']:17} {m['case']:8} {str(m['tile']):19} {str(m['split']):5} {m['regs']:4} {m['shared_bytes']:6} "
-                   f"{m['occupancy']:8} {m['resident_per_unit']:8} {m['bytes_in_flight_per_unit']:14} "
-                   f"{m['floor_us']:9.1f} {m['estimate_us']:7.1f}  {m['fraction_of_floor']:.2f} ({m['kind']} floor)")
+        out.append(f"{r['kernel'][:42]:42} {r['target']:8} {r['case']:8} "
+                   + " ".join(f"{r[b + '_us']:8.1f}" for b in roofline.BOUNDS)
+                   + f"  {r['bound']:8} {r['fraction']:8.3f}  {r['judged_against']}"
+                   + (f" (issue: {r['issue_limiter']})" if r["bound"] == "issue" else ""))
+    out.append("(microseconds per bound; fraction = floor / the slowest bound; decode floor at peak bandwidth x "
+               "the cited DRAM efficiency, prefill at the dense bf16 matrix peak)")
     return out
 
 
@@ -381,13 +295,11 @@ def format_generic(rows: list[dict]) -> list[str]:
 def build_report(section_names: list[str], jobs: int = 2) -> dict:
     t0 = time.monotonic()
     sections = run_sections(section_names, jobs)
-    report = {"sections": sections}
-    if "rows" in sections.get("triton", {}):
-        report["paper_model"] = paper_model(sections["triton"]["rows"])
+    report = {"sections": sections, "roofline": roofline_rows(sections)}
     report["seconds"] = round(time.monotonic() - t0, 1)
     report["triton_version"] = _triton_version()
     report["threshold_failures"] = threshold_failures(report)
-    report["devices"] = [asdict(d) for d in DEVICES]
+    report["targets"] = [asdict(t) for t in roofline.TARGETS.values()]
     return report
 
 
@@ -409,9 +321,9 @@ def print_report(report: dict, full: bool) -> None:
         lines = (format_triton(sec["rows"], full) if name == "triton" else
                  format_hip(sec["rows"], full) if name == "hip" else format_generic(sec["rows"]))
         print("\n".join(lines))
-    if "paper_model" in report:
-        print("\n== paper model (ESTIMATE; see the module docstring) ==")
-        print("\n".join(format_model(report["paper_model"])))
+    if report.get("roofline"):
+        print("\n== roofline model (ESTIMATES; devtools/roofline.py, see the module docstring) ==")
+        print("\n".join(format_roofline(report["roofline"])))
     print(f"\nthresholds: {'all hold' if not report['threshold_failures'] else 'FAILED'}")
     for f in report["threshold_failures"]:
         print("  " + f)

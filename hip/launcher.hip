@@ -2,7 +2,7 @@
 //
 // Built three ways from this one file:
 //   * ROCm host:  hipcc -O3 -shared -fPIC --offload-arch=<PYTORCH_ROCM_ARCH or the host's GPUs>
-//                 -> libkvmulti_hip.so, called from kvmulti/backends/hip.py through ctypes with torch
+//                 -> libkvmulti_hip.so, called from kvmulti/backends/hip/library.py through ctypes with torch
 //                 tensors' data_ptr()s and torch's current HIP stream;
 //   * CPU harness: g++ -x c++ -I hip/cpu_harness/include -> the same entry points running the same
 //                 kernels on CPU fibers (verification only);
@@ -15,7 +15,7 @@ namespace {
 using kvmulti::PagedAttentionParams;
 using kvmulti::WriteKVParams;
 
-// Split-KV heuristic (documented in kvmulti/backends/hip.py too):
+// Split-KV heuristic (documented in kvmulti/backends/hip/backend.py too):
 //   * partition_size_request > 0: always split, in partitions of that many keys (tests, tuning);
 //   * partition_size_request == 0: never split;
 //   * partition_size_request < 0 (auto): split in partitions of kDefaultPartition (512) keys when the

@@ -32,7 +32,7 @@ if [ "$toolchains" = yes ] && ! command -v hipcc >/dev/null 2>&1; then
 fi
 
 # Debian's intel-opencl-icd ships ocloc (Intel's offline GPU compiler, IGC 1.0.12504): the SYCL
-# kernels' Intel GPU compile evidence (sycl/gpu_evidence.py) compiles their SPIR-V with it.
+# kernels' Intel GPU compile evidence (devtools/sycl_gpu_evidence.py) compiles their SPIR-V with it.
 if [ "$mode" = "--test" ] && ! command -v ocloc >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     echo "setup: installing Debian's intel-opencl-icd (ocloc) for the SYCL Intel GPU compile evidence"

@@ -3,7 +3,7 @@
 // SYCL 2020 C++ with free-function kernels (sycl_ext_oneapi_free_function_kernels). This file is
 // the one source of truth; it is compiled at RUN TIME by the oneAPI kernel_compiler extension
 // (create_kernel_bundle_from_source(ctx, source_language::sycl, src) + build) for the device that
-// runs it, with these build options (kvmulti/backends/sycl.py passes them):
+// runs it, with these build options (kvmulti/backends/sycl/backend.py passes them):
 //
 //   -DKVM_DTYPE=0|1|2       element type of cache, query, key, value and out: fp32, fp16, bf16
 //   -DKVM_HEAD_SIZE=D       key/query head size

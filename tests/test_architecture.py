@@ -17,7 +17,7 @@ from kvmulti import settings
 from kvmulti.backends.registry import get_backend
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_DIRS = ("kvmulti", "hip", "sycl", "triton_kernels", "cpu", "benchmarks", "scripts", "tests")
+SOURCE_DIRS = ("kvmulti", "hip", "sycl", "triton_kernels", "cpu", "devtools", "benchmarks", "scripts", "tests")
 SOURCE_FILES = ("setup.py", ".ci/run", ".github/workflows/ci.yml", "README.md")
 VARIABLE = re.compile(r"\bKVMULTI_[A-Z0-9_]*[A-Z0-9]\b")
 #: In C/C++/HIP sources KVMULTI_* names are macros; an environment variable there is a getenv().

@@ -1,5 +1,5 @@
 """Compile check of every HIP kernel instantiation for AMD (gfx90a, gfx940, gfx1030: -Werror, no
-register spills / scratch) and NVIDIA (sm_80, sm_90 through hip/compat) -- hip/compile_check.py.
+register spills / scratch) and NVIDIA (sm_80, sm_90 through hip/compat) -- devtools/hip_compile_check.py.
 
 Outside CI a missing compiler skips with the reason; with CI=true it FAILS (the README's test command
 installs hipcc; nvcc comes with the CI image)."""
@@ -7,27 +7,14 @@ installs hipcc; nvcc comes with the CI image)."""
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
-import sys
 
 import pytest
 
+from devtools import hip_compile_check as cc
 from kvmulti.backends import hip
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
-
-
-def _load_compile_check():
-    path = hip.build.source_dir() / "compile_check.py"
-    spec = importlib.util.spec_from_file_location("kvmulti_hip_compile_check", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-cc = _load_compile_check()
 
 
 def _require(amd: bool, nvidia: bool) -> None:

@@ -452,7 +452,7 @@ def test_joint_matrix_probe_records_what_the_device_does():
     documented reason kernels.cpp has no XMX path (sycl/README.md). A device that does keep the
     kernel must run it and get the right product."""
     session = S.default_session()
-    source = open(os.path.join(REPO, "sycl", "probes", "joint_matrix_probe.cpp")).read()
+    source = open(os.path.join(REPO, "devtools", "sycl_probes", "joint_matrix_probe.cpp")).read()
     name = "kvm_joint_matrix_probe"
     try:
         handle = session.build(source, [], names=(name,))
@@ -470,9 +470,9 @@ def test_joint_matrix_probe_records_what_the_device_does():
 
 
 def test_slm_traffic_and_barriers_at_least_4x_lower():
-    """sycl/traffic_model.py (the loop-structure count quoted in sycl/README.md): even a work-group
+    """devtools/sycl_traffic_model.py (the loop-structure count quoted in sycl/README.md): even a work-group
     that sees a single 32-key chunk moves >= 4x fewer SLM bytes per KV byte and syncs >= 4x less."""
-    from kvmulti.sycl_src import traffic_model as T
+    from devtools import sycl_traffic_model as T
     for span in (32, 512, 4096):
         m = T.summary(rows=4, d=128, dv=128, elem=2, span=span)
         assert m["slm_per_kv_byte_before"] >= 4 * m["slm_per_kv_byte_after"]

@@ -1,4 +1,4 @@
-"""Intel GPU compile evidence of the SYCL kernels (sycl/gpu_evidence.py): the runtime's SPIR-V of
+"""Intel GPU compile evidence of the SYCL kernels (devtools/sycl_gpu_evidence.py): the runtime's SPIR-V of
 kernels.cpp compiled by Debian's ocloc (IGC 1.0.12504) for DG2 (acm-g10) and PVC, with the facts
 sycl/README.md reports. CI installs ocloc (scripts/setup.sh --test), so there it must run."""
 
@@ -18,7 +18,7 @@ if S.runtime_reasons() and os.environ.get("CI") != "true":
 
 
 def test_ocloc_compiles_the_runtime_spirv_for_dg2_and_pvc():
-    from kvmulti.sycl_src import gpu_evidence as G
+    from devtools import sycl_gpu_evidence as G
     rows = G.report_rows()
     assert all(set(r) == set(G.KEYS) for r in rows)
     by = {(r["kernel"], r["target"]): r for r in rows}
@@ -37,7 +37,7 @@ def test_ocloc_compiles_the_runtime_spirv_for_dg2_and_pvc():
 
 
 def test_load_message_parser():
-    from kvmulti.sycl_src import gpu_evidence as G
+    from devtools import sycl_gpu_evidence as G
     asm = ("load.ugm.d16u32.a64 (16|M0)  r2 [r4:2]\n"        # 2-byte scalar per lane -> 16 x 4 bytes
            "load.ugm.d32x4.a64 (16|M0)  r8 [r4:2]\n"          # 16 bytes per lane -> 256 bytes
            "load.ugm.d32x64t.a32 (1|M0)  r8 bti[1][r4]\n")    # a 64-dword block -> 256 bytes

@@ -1,5 +1,5 @@
 """Every Triton kernel specialisation kvmulti launches cross-compiles for NVIDIA sm_80/sm_90 and
-AMD gfx90a/gfx942 (``kvmulti.triton_kernels.cross_compile``: the launches the backend builds for
+AMD gfx90a/gfx942 (``devtools.triton_cross_compile``: the launches the backend builds for
 a fixed set of batches, specialised exactly as ``@triton.jit`` does at run time).
 
 No GPU is needed: the whole pipeline runs down to PTX/cubin and AMDGCN/hsaco, so a kernel that
@@ -16,7 +16,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kvmulti.triton_kernels import cross_compile as xc  # noqa: E402
+from devtools import triton_cross_compile as xc  # noqa: E402
 from kvmulti.backends.triton import launch  # noqa: E402
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

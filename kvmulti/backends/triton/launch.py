@@ -15,8 +15,8 @@ takes the single pass. ``split_kv=True/False`` forces a path.
 Tiles per target family (:func:`tile_sizes`, :func:`pipeline_stages`), chosen from the static
 report ``benchmarks/gpu_report.py``: on AMD, tiles of 32 key positions keep a decode work-group's
 LDS under 32 KiB, so two or more fit a CU's 64 KiB, and prefill runs unpipelined; on NVIDIA, the
-next tile's K/V loads are in flight during this tile's dots (``cross_compile.kv_tiles_in_flight_at_dot``
-reads that from the TTGIR) at 3 stages. A tile that lies in one block or covers at most
+next tile's K/V loads are in flight during this tile's dots (``kv_tiles_in_flight_at_dot`` of
+devtools/triton_cross_compile.py reads that from the TTGIR) at 3 stages. A tile that lies in one block or covers at most
 :data:`MAX_TABLE_READS` whole blocks reads the block table once per block, as scalars
 (:func:`table_reads`); with smaller blocks the table is read per key position, that read takes a
 pipeline stage of its own, and fp16 / bf16 decode needs 5 stages for the same overlap. Other

@@ -17,7 +17,8 @@ Pipeline (each step is a public tool, nothing is emulated):
 
 :func:`report_rows` returns one dict per (kernel, target) with the keys
 ``kernel, target, regs_or_grf_mode, spills, slm_bytes, simd_width, matrix_instructions,
-load_widths_bytes, notes``. Results are cached in ``<kvmulti cache>/sycl/gpu_evidence/`` by the hash
+load_widths_bytes, notes, hot_loop_instructions, hot_loop_load_bytes, hot_loop_bytes_in_flight,
+hot_loop_dpas_flops`` (the key loop per thread, :func:`hot_loop_mix`). Results are cached in ``<kvmulti cache>/sycl/gpu_evidence/`` by the hash
 of the kernel source, the build options and the ocloc binary (a cold run takes a minute or two).
 """
 
@@ -42,7 +43,8 @@ DEFAULT_CONFIG = {"dtype": "bfloat16", "head_size": 128, "head_size_v": 128}
 FP8_CONFIG = dict(DEFAULT_CONFIG, cache_dtype="float8_e4m3fn")
 KERNELS = ("kvm_paged_attention", "kvm_split_reduce", "kvm_write_kv")
 KEYS = ("kernel", "target", "regs_or_grf_mode", "spills", "slm_bytes", "simd_width", "matrix_instructions",
-        "load_widths_bytes", "notes")
+        "load_widths_bytes", "notes", "hot_loop_instructions", "hot_loop_load_bytes", "hot_loop_bytes_in_flight",
+        "hot_loop_dpas_flops")
 
 
 class EvidenceUnavailable(RuntimeError):
@@ -129,6 +131,92 @@ def load_message_bytes(asm: str) -> dict[int, int]:
     return out
 
 
+_LABEL = re.compile(r"^(_\w+|L\d+):")
+_BRANCH = re.compile(r"\b(?:jmpi|goto|while|brd|brc)\b(?:\s+\(\d+\|M\d+\))?\s+(_\w+|L\d+)")
+_INSTRUCTION = re.compile(r"^\s*(?:\([~\w.&|]+\)\s*)?([a-z][a-z0-9_]*)(?:\.[\w.()&|~]+)?\s*(?:\((\d+)\|M\d+\))?")
+_BRANCH_OPS = {"jmpi", "goto", "join", "while", "if", "else", "endif", "brd", "brc", "call", "ret", "sync", "halt"}
+_DPAS = re.compile(r"\bdpasw?\.(\d+)x(\d+)\s+\((\d+)\|M\d+\)")
+_SEND_OPS = {"load", "store", "send", "sends", "sendc", "sendsc", "atomic", "fence", "lsc_load", "lsc_store"}
+
+
+_SWSB = re.compile(r"\{([^}]*)\}")
+_TOKEN = re.compile(r"\$(\d+)(\.dst|\.src)?")
+
+
+def peak_load_bytes_in_flight(lines: list[str]) -> int:
+    """Peak global-load bytes one thread has outstanding in a loop body, in steady state (the body
+    replayed twice), from IGC's software scoreboard: a ``load.ugm`` message allocates the SBID token
+    in its ``{...}`` annotation; an instruction annotated with that token (``$N`` or ``$N.dst``), or
+    a ``sync.allwr`` listing it, waits for the load, which is then no longer in flight."""
+    outstanding: dict[str, int] = {}
+    peak = 0
+    for trip in (0, 1):
+        for line in lines:
+            code = line.split("//")[0]
+            load = load_message_bytes(code)
+            notes = _SWSB.search(code)
+            tokens = _TOKEN.findall(notes.group(1)) if notes else []
+            if "sync.allwr" in code:
+                tokens += [(t, "") for t in re.findall(r"\$(\d+)", code)]
+            if load:
+                for t, suffix in tokens:
+                    if suffix == ".dst":
+                        outstanding.pop(t, None)
+                own = [t for t, suffix in tokens if not suffix]
+                if own:
+                    outstanding[own[-1]] = sum(n * c for n, c in load.items())
+            else:
+                for t, suffix in tokens:
+                    if suffix != ".src":
+                        outstanding.pop(t, None)
+            if trip:
+                peak = max(peak, sum(outstanding.values()))
+    return peak
+
+
+def dpas_flops(lines: list[str]) -> int:
+    """Flops of the ``dpas.DxR (N|M0)`` instructions of ``lines`` with 16-bit operands: each is an
+    R x N x 2D multiply-accumulate (systolic depth D of 2 bf16 / fp16 pairs, repeat count R rows,
+    N = the execution size columns), 2 x R x N x 2D flops."""
+    return sum(2 * int(r) * int(n) * 2 * int(d) for line in lines for d, r, n in _DPAS.findall(line))
+
+
+def hot_loop_mix(text: str) -> tuple[dict[str, float], int, int, int]:
+    """(instruction classes of the innermost loop with the most global load messages, its global
+    load bytes per trip, its peak load bytes in flight (:func:`peak_load_bytes_in_flight`), its
+    dpas flops (:func:`dpas_flops`)) of one IGC assembly dump, per thread; ({}, 0, 0, 0) without
+    such a loop. Classes are those of
+    the roofline model's Intel targets (devtools/roofline.py), counted in SIMD16-instruction
+    equivalents: ``alu`` (an instruction of execution size 32 counts 2), ``math`` (extended math),
+    ``send`` (memory messages), ``branch`` (control flow and ``sync``), ``dpas``. A loop is the
+    lines from a label to a later branch back to it; innermost: it holds no other loop."""
+    lines = text.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := _BRANCH.search(line)) and labels.get(m.group(1), i) < i]
+    innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    best: tuple[dict[str, float], int, int, int] = ({}, 0, 0, 0)
+    most = 0
+    for a, b in innermost:
+        body = "\n".join(lines[a:b + 1])
+        loads = load_message_bytes(body)
+        if sum(loads.values()) <= most:
+            continue
+        most = sum(loads.values())
+        mix: dict[str, float] = {}
+        for line in lines[a:b + 1]:
+            m = _INSTRUCTION.match(line)
+            if not m or line.lstrip().startswith("//") or _LABEL.match(line) or m.group(1) == "nop":
+                continue
+            op, width = m.group(1), int(m.group(2) or 1)
+            cls = ("send" if op in _SEND_OPS else "branch" if op in _BRANCH_OPS else "math" if op == "math"
+                   else "dpas" if op.startswith("dpas") else "alu")
+            mix[cls] = mix.get(cls, 0) + (max(1, width // 16) if cls == "alu" else 1)
+        best = (mix, sum(n * count for n, count in loads.items()), peak_load_bytes_in_flight(lines[a:b + 1]),
+                dpas_flops(lines[a:b + 1]))
+    return best
+
+
 def parse_kernel_asm(name: str, text: str) -> dict:
     """SIMD width, GRF count, spill bytes, load messages and dpas count of one IGC assembly dump."""
     kernel = re.search(r"^//\.kernel\s+(\S+)", text, re.M)
@@ -144,6 +232,7 @@ def parse_kernel_asm(name: str, text: str) -> dict:
         "slm_ops": len(re.findall(r"\b(?:load|store)\.slm\.", text)),
         "dpas": len(re.findall(r"\bdpas", text)),
         "barriers": text.count("signal barrier"),
+        "hot_loop": hot_loop_mix(text),
     }
 
 
@@ -168,7 +257,9 @@ def rows_for_target(asm: dict[str, str], target: str, slm_bytes: dict[str, int])
         rows.append({"kernel": kernel, "target": target, "regs_or_grf_mode": f"{last['grf']} GRF",
                      "spills": last["spill_bytes"], "slm_bytes": slm_bytes.get(kernel, 0),
                      "simd_width": last["simd_width"], "matrix_instructions": last["dpas"],
-                     "load_widths_bytes": sorted(last["loads"]), "notes": "; ".join(notes)})
+                     "load_widths_bytes": sorted(last["loads"]), "notes": "; ".join(notes),
+                     "hot_loop_instructions": last["hot_loop"][0], "hot_loop_load_bytes": last["hot_loop"][1],
+                     "hot_loop_bytes_in_flight": last["hot_loop"][2], "hot_loop_dpas_flops": last["hot_loop"][3]})
     return rows
 
 
@@ -183,6 +274,7 @@ def _cache_file(config: dict) -> Path:
     h = hashlib.sha256(S.kernel_source().encode())
     h.update(json.dumps([config, _options(config), TARGETS]).encode())
     h.update(Path(ocloc()).read_bytes()[:1 << 20])
+    h.update(repr(KEYS).encode())           # rows of an older evidence format are recomputed
     return native_build.cache_root() / "sycl" / "gpu_evidence" / f"{h.hexdigest()[:16]}.json"
 
 

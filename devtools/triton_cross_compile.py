@@ -19,7 +19,7 @@ Compilation must run in a process where ``TRITON_INTERPRET`` was never set (once
 ``triton.language`` is imported under the interpreter nothing compiles any more), hence
 :func:`compile_in_subprocesses`, which runs this module as a script once per target::
 
-    python -m kvmulti.triton_kernels.cross_compile sm_90 results.json
+    python devtools/triton_cross_compile.py sm_90 results.json
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ def compile_in_subprocesses(target_names: list[str] | None = None, jobs: int = 2
     def work(name: str) -> list[dict]:
         with tempfile.TemporaryDirectory(prefix="kvmulti_xc_") as tmp:
             out = os.path.join(tmp, f"{name}.json")
-            done = subprocess.run([sys.executable, "-m", "kvmulti.triton_kernels.cross_compile", name, out],
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), name, out],
                                   env=env, capture_output=True, text=True, timeout=timeout)
             if done.returncode != 0 or not os.path.exists(out):
                 raise RuntimeError(f"cross-compile worker for {name} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
@@ -366,7 +366,58 @@ def analyse(compiled, target: Target) -> dict:
     figures["prefetched_tile"] = target.backend == "hip" and figures["ttgir_dots"] > 2
     figures["kv_tiles_in_flight_at_dot"] = kv_tiles_in_flight_at_dot(ttgir)
     figures["occupancy"] = occupancy(target, figures, compiled.metadata.num_warps)
+    figures["hot_loop_instructions"], figures["hot_loop_serial_share"] = hot_loop_instructions(compiled, target)
     return figures
+
+
+# SASS opcode (before the first dot) -> the roofline model's NVIDIA instruction classes
+_SASS_CLASSES = (("HGMMA", "wgmma"), ("HMMA", "mma"), ("MUFU", "sfu"), ("LDSM", "lds"), ("LDS", "lds"),
+                 ("STS", "lds"), ("LDGSTS", "ldg"), ("LDG", "ldg"), ("STG", "ldg"), ("UTMALDG", "ldg"),
+                 ("BRA", "branch"), ("BAR", "branch"), ("WARPSYNC", "branch"), ("BSYNC", "branch"),
+                 ("BSSY", "branch"), ("SYNCS", "branch"), ("DEPBAR", "branch"), ("WARPGROUP", "branch"))
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[.\s;]")
+_SASS_BRANCH = re.compile(r"\bBRA\s+(?:`?\()?0x([0-9a-f]+)")
+
+
+def hot_loop_instructions(compiled, target: Target) -> tuple[dict[str, int], float | None]:
+    """(static instruction counts by the roofline model's classes (devtools/roofline.py), serial
+    share) of the innermost loop with the most matrix instructions, from the cubin's SASS (NVIDIA:
+    wgmma, mma, sfu, lds, ldg, branch, alu; serial share None: see ``kv_tiles_in_flight_at_dot``)
+    or the AMDGCN (AMD: mfma, valu, salu, lds, vmem; serial share: hip/compile_check.serial_share);
+    ({}, None) without such a loop. One loop trip = one K/V tile of the kernel's KV loop."""
+    if target.backend == "cuda":
+        return _sass_loop_mix(_sass(compiled.asm["cubin"])), None
+    from kvmulti.hip_src import compile_check
+    best: tuple[dict[str, int], float | None] = ({}, None)
+    for body in compile_check._loop_bodies(compiled.asm["amdgcn"].splitlines()).values():
+        mix = compile_check.instruction_mix(body)
+        if mix["mfma"] > best[0].get("mfma", 0):
+            best = mix, round(compile_check.serial_share(body), 4)
+    return best
+
+
+def _sass(cubin: bytes) -> str:
+    from triton import knobs
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        return subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", fh.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def _sass_loop_mix(sass: str) -> dict[str, int]:
+    """Classes of the instructions from a branch's target up to the branch, where the target lies
+    before it (a loop), for the innermost such loop with the most matrix instructions."""
+    code = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines() if (m := _SASS_LINE.match(line))]
+    loops = sorted(((int(b.group(1), 16), addr) for addr, _, line in code
+                    if (b := _SASS_BRANCH.search(line)) and int(b.group(1), 16) < addr), key=lambda ab: ab[1] - ab[0])
+    best: dict[str, int] = {}
+    for start, end in loops:
+        mix: Counter = Counter(next((c for prefix, c in _SASS_CLASSES if op.startswith(prefix)), "alu")
+                               for addr, op, _ in code if start <= addr <= end and op != "NOP")
+        if mix["wgmma"] + mix["mma"] > best.get("wgmma", 0) + best.get("mma", 0):
+            best = dict(mix)
+    return best
 
 
 _ASYNC_COPY = re.compile(r"(%[\w.#]+) = ttg\.async_copy_global_to_local .*-> <([0-9x]+)x[a-z]")

@@ -4,7 +4,7 @@
 AMD (HIP_PLATFORM=amd, Debian packages ``hipcc libamdhip64-dev rocm-device-libs``):
   1. ``hipcc -Werror -shared`` builds the fat library of launcher.hip (which instantiates every kernel) for
      gfx90a, gfx940 and gfx1030 (Debian's clang 15 rejects gfx942 and has no device libraries for
-     gfx1100; ROCm hosts build for their own targets, see kvmulti/backends/hip.py);
+     gfx1100; ROCm hosts build for their own targets, see kvmulti/backends/hip/build.py);
   2. a ``--cuda-device-only -S -Werror -Rpass-analysis=kernel-resource-usage`` pass per arch, whose
      remarks and assembly give per kernel: VGPRs, SGPRs, LDS, occupancy (waves/SIMD), spills, v_mfma
      count, global load widths, the decode hot loop's loads (see ``analyze_function``) and the kernel
@@ -19,7 +19,7 @@ AMD (HIP_PLATFORM=amd, Debian packages ``hipcc libamdhip64-dev rocm-device-libs`
 NVIDIA: ``nvcc -x cu -I hip/compat`` (kvmulti's HIP->CUDA compat headers) for sm_80 and sm_90 with
   ``-Werror all-warnings`` and ptxas ``-warn-spills -warn-lmem-usage -Werror``.
 
-Usage: python hip/compile_check.py [--amd-only | --nvidia-only] [--out DIR] [--report];
+Usage: python devtools/hip_compile_check.py [--amd-only | --nvidia-only] [--out DIR] [--report];
 exit status 0 = all pass.
 """
 
@@ -36,8 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "launcher.hip"
+HIP_DIR = Path(__file__).resolve().parents[1] / "hip"   # the HIP kernel folder
+SOURCE = HIP_DIR / "launcher.hip"
 AMD_ARCHS = ("gfx90a", "gfx940", "gfx1030")
 NVIDIA_ARCHS = ("sm_80", "sm_90")
 AMD_LIBRARY = "libkvmulti_hip_amd.so"   # the fat library (all AMD_ARCHS), as a ROCm host builds it
@@ -82,7 +82,7 @@ class Report:
 def hipcc() -> str | None:
     """The host's hipcc, looked up once for everyone by the standalone builder hip/build_rocm.py."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("kvmulti_hip_build_rocm", Path(__file__).with_name("build_rocm.py"))
+    spec = importlib.util.spec_from_file_location("kvmulti_hip_build_rocm", HIP_DIR / "build_rocm.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.hipcc()
@@ -273,6 +273,44 @@ def loop_load_profile(body: list[str]) -> dict:
             "load_widths_bytes": sorted(widths), "loads": sum(1 for l in body if _load_width(l) is not None)}
 
 
+def serial_share(body: list[str]) -> float:
+    """The share of a loop body's instructions (those :func:`instruction_mix` counts) that wait for a
+    load of the same iteration: everything from the first ``s_waitcnt vmcnt(N)`` that retires a load
+    issued earlier in the same trip (vmcnt retires in order, all but the N newest) to the end of the
+    body, in the loop's steady state (the body replayed twice, the second trip counted). 0: each trip
+    waits only for loads an earlier trip issued (the next tile is in flight during this tile's work);
+    near 1: a wave computes only after its loads have returned."""
+    pending: list[bool] = []            # outstanding loads, oldest first: issued in the counted trip?
+    counted = blocked = 0
+    waiting = False
+    for trip in (0, 1):
+        for line in body:
+            if _load_width(line) is not None:
+                pending.append(trip == 1)
+            else:
+                m = _WAIT_RE.match(line)
+                v = _VMCNT_RE.search(m.group(1)) if m else None
+                if v:
+                    n = int(v.group(1))
+                    retired, pending = (pending[:len(pending) - n], pending[len(pending) - n:]) if n else (pending, [])
+                    waiting = waiting or (trip == 1 and any(retired))
+                    continue
+                if not sum(instruction_mix([line]).values()):
+                    continue
+            if trip == 1:
+                counted += 1
+                blocked += waiting
+    return blocked / counted if counted else 0.0
+
+
+_MFMA_SHAPE = re.compile(r"^\s*v_mfma_\w+?_(\d+)x(\d+)x(\d+)")
+
+
+def mfma_flops(body: list[str]) -> int:
+    """Flops of a loop body's MFMA instructions per wave: 2 x M x N x K of each ``v_mfma_*_MxNxK*``."""
+    return sum(2 * int(m.group(1)) * int(m.group(2)) * int(m.group(3)) for m in map(_MFMA_SHAPE.match, body) if m)
+
+
 def analyze_function(lines: list[str]) -> dict:
     """Static figures of one kernel's assembly: v_mfma count, global load widths (whole kernel), and
     its hot loop = the innermost loop issuing the most global-load bytes per iteration."""
@@ -286,12 +324,14 @@ def analyze_function(lines: list[str]) -> dict:
             hot = (issued, header, prof)
     row = {"matrix_instructions": mfma, "load_widths_bytes": widths, "hot_loop": None,
            "hot_loop_load_widths_bytes": [], "bytes_in_flight_per_lane": 0, "bytes_before_vmcnt0_per_lane": 0,
-           "hot_loop_instructions": {}}
+           "hot_loop_instructions": {}, "hot_loop_serial_share": None, "hot_loop_mfma_flops": 0}
     if hot:
         row.update(hot_loop=hot[1], hot_loop_load_widths_bytes=hot[2]["load_widths_bytes"],
                    bytes_in_flight_per_lane=hot[2]["peak_bytes_per_lane"],
                    bytes_before_vmcnt0_per_lane=hot[2]["bytes_before_vmcnt0_per_lane"],
-                   hot_loop_instructions=instruction_mix(_loop_bodies(lines)[hot[1]]))
+                   hot_loop_instructions=instruction_mix(_loop_bodies(lines)[hot[1]]),
+                   hot_loop_serial_share=round(serial_share(_loop_bodies(lines)[hot[1]]), 4),
+                   hot_loop_mfma_flops=mfma_flops(_loop_bodies(lines)[hot[1]]))
     return row
 
 
@@ -412,6 +452,8 @@ def rows_of(dp: DevicePass) -> list[dict]:
             "bytes_in_flight_per_lane": a["bytes_in_flight_per_lane"],
             "bytes_before_vmcnt0_per_lane": a["bytes_before_vmcnt0_per_lane"],
             "hot_loop_instructions": a["hot_loop_instructions"],
+            "hot_loop_serial_share": a["hot_loop_serial_share"],
+            "hot_loop_mfma_flops": a["hot_loop_mfma_flops"],
             # 3: fp16 (and fp64) denormals kept on input and output (the hardware default mode)
             "fp16_denorm_mode": dp.descriptors.get(name, {}).get("float_denorm_mode_16_64"),
         })
@@ -477,7 +519,8 @@ def report_rows(archs: tuple[str, ...] = AMD_ARCHS, jobs: int = 2) -> list[dict]
     s_waitcnt vmcnt), plus symbol, kind, dtype, cache (None, or "e4m3" / "e5m2" for an fp8 cache),
     head_size, wave, agprs, scratch_bytes, hot_loop_load_widths_bytes, bytes_before_vmcnt0_per_lane (bytes
     issued in the hot loop from its first load up to its first s_waitcnt vmcnt(0); x wave size = per
-    wave), hot_loop_instructions and fp16_denorm_mode (the descriptor's; 3 = denormals kept). Raises
+    wave), hot_loop_instructions, hot_loop_serial_share (see :func:`serial_share`), hot_loop_mfma_flops (per
+    wave and iteration, :func:`mfma_flops`) and fp16_denorm_mode (the descriptor's; 3 = denormals kept). Raises
     RuntimeError when a compile fails or hipcc is missing."""
     key = tuple(archs)
     if key not in _REPORT_CACHE:
@@ -504,7 +547,7 @@ def format_report(rows: list[dict]) -> str:
 
 
 def nvidia_object(arch: str, out: Path) -> Result:
-    cmd = [nvcc(), "-x", "cu", "-I", str(HERE / "compat"), "-O3", "-std=c++17", f"-arch={arch}",
+    cmd = [nvcc(), "-x", "cu", "-I", str(HIP_DIR / "compat"), "-O3", "-std=c++17", f"-arch={arch}",
            "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Werror,-fPIC",
            "-Xptxas", "-v,-warn-spills,-warn-lmem-usage,-Werror",
            "-c", str(SOURCE), "-o", str(out / f"kvmulti_hip_{arch}.o")]

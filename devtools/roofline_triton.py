@@ -1,0 +1,95 @@
+"""Triton adapter of the roofline model: cross-compiled rows -> :class:`KernelLaunch`.
+
+Rows are those of ``benchmarks/gpu_report.py``'s triton section (``cross_compile.analyse`` figures
+plus ``kernel``, ``target``, ``spec``): the paper-model batches ``model_{decode,prefill}_{target}``
+(with a > 2 GiB cache where the target compiles that case separately) of ``unified_attention``.
+
+The launch (``kvmulti/backends/triton/launch.py``): grid (query rows // BLOCK_Q + requests, KV heads,
+partitions); a program computes BLOCK_M rows (BLOCK_Q tokens x NUM_QPK heads of one KV head) and walks
+its visible keys in tiles of TILE_N, one tile per KV-loop trip (``hot_loop_instructions`` counts one
+trip per warp / wave); the grid's ``requests`` extra programs find no q-block and return. Split-KV:
+partitions of PART_SIZE keys and a reduce launch. Matrix flops per trip: 4 x BLOCK_M x TILE_N x
+HEAD_PAD (QK^T and P.V). K/V tiles in flight: ``kv_tiles_in_flight_at_dot`` on NVIDIA (from TTGIR),
+one prefetched tile on AMD when ``prefetched_tile``; the serial share of a trip: the AMDGCN's own
+(``hot_loop_serial_share``), on NVIDIA 1 - the tiles in flight at the dot (capped to [0, 1]).
+"""
+
+from __future__ import annotations
+
+import math
+
+from devtools.roofline import DECODE, PREFILL, Case, KernelLaunch, LoopMix, TARGETS
+
+KERNEL = "unified_attention"
+#: a program that finds no q-block returns after reading the request bounds: one cache round trip
+#: (assumption)
+EXIT_ROUND_TRIPS = 1
+
+
+def _c(row: dict, name: str) -> int | bool:
+    value = row["constexprs"][name]
+    return value == "True" if value in ("True", "False") else int(value)
+
+
+def pick_rows(rows: list[dict], case: Case) -> list[dict]:
+    """Per target, the row of the case's model launch (the > 2 GiB-cache compile first)."""
+    out = []
+    for target in TARGETS:
+        for spec in (f"model_{case.name}_{target}_large_cache", f"model_{case.name}_{target}"):
+            found = [r for r in rows if r["target"] == target and r.get("spec") == spec and r["kernel"] == KERNEL
+                     and not r.get("problem") and r.get("hot_loop_instructions")]
+            if found:
+                out.append(found[0])
+                break
+    return out
+
+
+def launch(row: dict, case: Case) -> KernelLaunch:
+    """The attention launch of ``case`` on ``row``'s target, from the row's figures."""
+    target = TARGETS[row["target"]]
+    block_m, block_q, tile_n = _c(row, "BLOCK_M"), _c(row, "BLOCK_Q"), _c(row, "TILE_N")
+    hp, hpv = _c(row, "HEAD_PAD"), _c(row, "HEAD_PAD_V")
+    split = _c(row, "SPLIT")
+    parts = math.ceil(case.context / _c(row, "PART_SIZE")) if split else 1
+    span = _c(row, "PART_SIZE") if split else None
+    first = case.context - case.query_len
+    trips = []
+    for _ in range(case.sequences):
+        for q0 in range(0, case.query_len, block_q):
+            hi = first + min(case.query_len, q0 + block_q)     # the q-block's last token sees keys [0, hi)
+            for part in range(parts):
+                lo, top = (part * span, min(hi, (part + 1) * span)) if split else (0, hi)
+                if top > lo:
+                    trips.append(math.ceil((top - lo) / tile_n))
+    programs = len(trips) * case.kv_heads
+    q_blocks = sum(math.ceil(case.query_len / block_q) for _ in range(case.sequences))
+    exiting = (case.tokens // block_q + case.sequences - q_blocks) * case.kv_heads * parts
+    mix = {c: n for c, n in row["hot_loop_instructions"].items() if n}
+    matrix = "mfma" if target.vendor == "amd" else ("wgmma" if mix.get("wgmma") else "mma")
+    in_flight = (1.0 if row.get("prefetched_tile") else 0.0) if target.vendor == "amd" else float(
+        row.get("kv_tiles_in_flight_at_dot") or 0.0)
+    serial = row.get("hot_loop_serial_share")
+    if serial is None:
+        serial = min(1.0, max(0.0, 1.0 - in_flight))
+    tile_bytes = tile_n * (hp + hpv) * 2
+    partials = case.tokens * case.q_heads * parts * (hpv + 2) * 4 if split else 0
+    kv = case.kv_bytes()
+    return KernelLaunch(
+        kernel=f"triton {KERNEL}", target=target.arch, case=case.name, programs=programs,
+        waves_per_program=row["num_warps"], iterations=sum(trips) / len(trips),
+        loop=LoopMix(mix, tile_bytes, {matrix: 4 * block_m * tile_n * hp} if mix.get(matrix) else {}),
+        resident_per_unit=max(1, row["occupancy"]), bytes_in_flight=max(1.0, in_flight) * tile_bytes,
+        dram_bytes=kv + 2 * case.q_bytes + partials, useful_bytes=kv, useful_flops=case.useful_flops,
+        second_launch_bytes=(partials + case.q_bytes) if split else 0.0, serial_share=serial,
+        dram_share=min(1.0, kv / (programs * sum(trips) / len(trips) * tile_bytes)),
+        exiting_programs=exiting, exit_s=EXIT_ROUND_TRIPS * target.cache_latency_s,
+        notes=(f"{row['spec']}: tile {block_m}x{tile_n}, {row['num_warps']} warps, {row['num_stages']} stages, "
+               f"{parts} partition(s), {in_flight:g} K/V tiles in flight at the dot"))
+
+
+def launches(rows: list[dict], case: Case) -> list[KernelLaunch]:
+    """One launch per target with a compiled model row for ``case`` (DECODE or PREFILL)."""
+    return [launch(r, case) for r in pick_rows(rows, case)]
+
+
+CASES = (DECODE, PREFILL)
