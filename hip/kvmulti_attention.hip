@@ -592,7 +592,6 @@ __device__ __forceinline__ Frag k_fragment(const Chunk16& c, int h) {
   }
 }
 
-__device__ __forceinline__ uint32_t half_of(const Chunk16& c, int e) { return (c.w[e >> 1] >> (16 * (e & 1))) & 0xffffu; }
 __device__ __forceinline__ uint32_t byte_of(const Chunk16& c, int e) { return (c.w[e >> 2] >> (8 * (e & 3))) & 0xffu; }
 
 // B fragment of PV MFMA (u, c): V[keys 4g .. 4g+3][head dim c of piece u] from the lane's pieces vc[e][u]
@@ -603,8 +602,8 @@ __device__ __forceinline__ Frag v_fragment(const Chunk16 (&vc)[4][PVC], int u, i
     return Frag{{widen_pair<C, T>((byte_of(vc[0][u], c) << 8) | (byte_of(vc[1][u], c) << 24)),
                  widen_pair<C, T>((byte_of(vc[2][u], c) << 8) | (byte_of(vc[3][u], c) << 24))}};
   } else {
-    return Frag{{half_of(vc[0][u], c) | (half_of(vc[1][u], c) << 16),
-                 half_of(vc[2][u], c) | (half_of(vc[3][u], c) << 16)}};
+    return Frag{{pair_halves(vc[0][u].w[c >> 1], vc[1][u].w[c >> 1], c & 1),
+                 pair_halves(vc[2][u].w[c >> 1], vc[3][u].w[c >> 1], c & 1)}};
   }
 }
 

@@ -161,7 +161,7 @@ __device__ __forceinline__ uint32_t pack_p(float a, float b) {
     // p is in [0, 1] or NaN (canonical): the rounding add neither overflows nor turns NaN into a number
     const uint32_t ua = __float_as_uint(a), ub = __float_as_uint(b);
     const uint32_t ra = ua + 0x7FFFu + ((ua >> 16) & 1u), rb = ub + 0x7FFFu + ((ub >> 16) & 1u);
-    return (ra >> 16) | (rb & 0xFFFF0000u);
+    return pair_halves(ra, rb, 1);
   } else {
     return (uint32_t)Bits16<T>::of(a) | ((uint32_t)Bits16<T>::of(b) << 16);
   }
@@ -171,7 +171,9 @@ __device__ __forceinline__ uint32_t pack_p(float a, float b) {
 struct PrefillRows {
   int rlo, rhi;          // this lane's row (n): its visible keys
   int lo_min, hi_max;    // the wave's live rows: a tile outside [lo_min, hi_max) is skipped
-  float score_scale;
+  float cap_scale;       // softcap: the tanh argument per raw dot product (score scale / softcap)
+  float exp_scale;       // log2(e) per unit of the scores the softmax runs on (raw dot products, or capped)
+  float score_unit;      // those scores -> the softmax's natural units (split-KV partials' max)
 };
 
 // One tile of the wave: S^T, masks (MASKED only), online softmax, P V. Lane roles as in mfma_stream.
@@ -201,8 +203,8 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float x = d[e] * w.score_scale;
-      if (SOFTCAP > 0 || (SOFTCAP < 0 && softcap)) x = p.softcap * tanhf(x * p.inv_softcap);
+      float x = d[e];  // raw (without softcap: the scale is applied in the exponent)
+      if (SOFTCAP > 0 || (SOFTCAP < 0 && softcap)) x = p.softcap * tanhf(x * w.cap_scale);
       if constexpr (MASKED) {  // keys outside this lane's row range
         const int t = t0 + 16 * sub + 4 * g + e;
         bool vis = t >= w.rlo && t < w.rhi;
@@ -215,7 +217,7 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
   }
   tmax = wave_max_from<WAVE, 16>(tmax);
   const float m_new = fmaxf(m, tmax);
-  const float alpha = __expf(m - m_new);
+  const float alpha = fast_exp2((m - m_new) * w.exp_scale);
   m = m_new;
   l *= alpha;
 #pragma unroll
@@ -231,7 +233,7 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
     float pe[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      pe[e] = __expf(s[sub][e] - m);
+      pe[e] = fast_exp2((s[sub][e] - m) * w.exp_scale);
       l += pe[e];
     }
     const Frag pa = {{pack_p<T>(pe[0], pe[1]), pack_p<T>(pe[2], pe[3])}};
@@ -328,7 +330,11 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
   const bool live = has_row && w.rlo < w.rhi;
   w.lo_min = -wave_max_int<WAVE>(live ? -w.rlo : -0x7fffffff);
   w.hi_max = wave_max_int<WAVE>(live ? w.rhi : -0x7fffffff);
-  w.score_scale = is_fp8<C>() ? p.scale * p.k_scale[b.kv_head] : p.scale;
+  const float score_scale = is_fp8<C>() ? p.scale * p.k_scale[b.kv_head] : p.scale;
+  constexpr float kLog2e = 1.4426950408889634f;
+  w.cap_scale = score_scale * p.inv_softcap;
+  w.score_unit = SOFTCAP ? 1.f : score_scale;
+  w.exp_scale = kLog2e * w.score_unit;
   // Q fragments (B operand of S^T = K Q^T) of the lane's row, unscaled; rows past b.rows are zero.
   Frag qf[QKC][FPC];
   const T* q = nullptr;
@@ -394,7 +400,7 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
     if (p.num_partitions > 1) {
       const int64_t idx = ((int64_t)tok * p.num_q_heads + head) * p.num_partitions + b.part;
       if (n == 0) {
-        p.part_max[idx] = M;
+        p.part_max[idx] = L > 0.f ? M * w.score_unit : -FLT_MAX;
         p.part_sum[idx] = L;
       }
 #pragma unroll
