@@ -47,9 +47,11 @@ WAVES = (32, 64)
 #: cache element types per query dtype: the query's own, fp8 e4m3fn, fp8 e5m2 (MFMA engine for fp16 / bf16
 #: queries on gfx90a / gfx940, FMA engine otherwise)
 CACHES_PER_DTYPE = 3
-#: every kernel the launcher instantiates: attention and prefill (dtype x cache x head size x wave each),
-#: reduce per dtype, write_kv per dtype x cache
-EXPECTED_KERNELS = (2 * len(DTYPES) * CACHES_PER_DTYPE * len(HEAD_SIZES) * len(WAVES) + len(DTYPES)
+#: every kernel the launcher instantiates: attention (dtype x cache x head size x wave), prefill, reduce per
+#: dtype, write_kv per dtype x cache
+#: prefill: fp16 / bf16 over a cache of their own type, head 128, wave64 (launcher.hip's prefill_served)
+PREFILL_KERNELS = 2
+EXPECTED_KERNELS = (len(DTYPES) * CACHES_PER_DTYPE * len(HEAD_SIZES) * len(WAVES) + PREFILL_KERNELS + len(DTYPES)
                     + len(DTYPES) * CACHES_PER_DTYPE)
 #: report-row kinds of the attention kernels (decode / mixed: paged_attention_kernel; prefill:
 #: paged_prefill_kernel); the attention thresholds apply to both

@@ -49,15 +49,26 @@ int device_cu_count() {
   return n;
 }
 
+// Instantiations the prefill kernel serves: 16-bit queries over a cache of their own type at head 128 on
+// wave64 (the configurations whose compile check passes its thresholds: no spills, MFMA issue cycles >=
+// VALU issue cycles); every other step runs the attention kernel.
+template <typename T, typename C, int HS, int WAVE>
+constexpr bool prefill_served() {
+  return sizeof(T) == 2 && std::is_same<T, C>::value && HS == 128 && WAVE == 64;
+}
+
 template <typename T, typename C, int HS, int WAVE>
 hipError_t launch_attention(const PagedAttentionParams& p, bool prefill, hipStream_t stream) {
   dim3 block(kvmulti::kNumWarps * WAVE);
-  if (prefill) {
-    const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads, kvmulti::kPrefillRows);
-    const long long tiles = ((long long)p.num_tokens + map.tokens_per_block - 1) / map.tokens_per_block + p.num_reqs;
-    dim3 grid((unsigned)tiles, (unsigned)(p.num_kv_heads * map.chunks), (unsigned)p.num_partitions);
-    hipLaunchKernelGGL((kvmulti::paged_prefill_kernel<T, C, HS, WAVE>), grid, block, 0, stream, p);
-  } else {
+  if constexpr (prefill_served<T, C, HS, WAVE>()) {
+    if (prefill) {
+      const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads, kvmulti::kPrefillRows);
+      const long long tiles = ((long long)p.num_tokens + map.tokens_per_block - 1) / map.tokens_per_block + p.num_reqs;
+      dim3 grid((unsigned)tiles, (unsigned)(p.num_kv_heads * map.chunks), (unsigned)p.num_partitions);
+      hipLaunchKernelGGL((kvmulti::paged_prefill_kernel<T, C, HS, WAVE>), grid, block, 0, stream, p);
+    }
+  }
+  if (!prefill_served<T, C, HS, WAVE>() || !prefill) {
     const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads, kvmulti::rows_per_block<T, WAVE, C>());
     dim3 grid((unsigned)p.num_tokens, (unsigned)(p.num_kv_heads * map.chunks), (unsigned)p.num_partitions);
     hipLaunchKernelGGL((kvmulti::paged_attention_kernel<T, C, HS, WAVE>), grid, block, 0, stream, p);

@@ -305,7 +305,7 @@ BAD_METADATA = ["qsl_not_monotonic", "qsl_past_query_rows", "seq_len_huge", "seq
 @pytest.mark.parametrize("kind", BAD_METADATA)
 @pytest.mark.parametrize("dtype,wave", [(torch.bfloat16, 64), (torch.float32, 64), (torch.float16, 32)])
 def test_invalid_metadata_never_touches_memory_outside_the_tensors(harness, kind, dtype, wave, kernel):
-    hq, hkv, hs, bs, nb, t = 8, 2, 64, 16, 4, 5
+    hq, hkv, hs, bs, nb, t = 8, 2, 128 if kernel == "prefill" else 64, 16, 4, 5   # the prefill kernel: head 128
     layout = kvmulti.KVCacheLayout(nb, bs, hkv, hs, dtype=dtype, order="HND" if wave == 64 else "NHD")
     cache_buf = None
 
