@@ -1,0 +1,482 @@
+// kvmulti HIP prefill kernel: paged attention for steps with long queries (the launcher picks it when the
+// step's longest query reaches its threshold; decodes and short queries of the same step run in it too).
+//
+// Work-group = kNumWarps waves = kPrefillRows (64) query rows -- (token, head) pairs of one request and one
+// KV head: min(group, 64) heads of a GQA group x 64 / that many consecutive tokens (RowMap) --, wave w
+// owning rows 16 w .. 16 w + 15. The union of the rows' visible keys is cut into tiles of KT keys (64; 32
+// when a 64-key K + V tile would not fit 32 KiB of LDS); tiles outside the union (before a sliding window,
+// after the causal end of the last token) are never visited. Per tile every thread of the group issues
+// its share of the tile's K and V loads (16-byte chunks), the group stores them ONCE in LDS and all four
+// waves read them from there: S^T = K Q^T and O += P V as v_mfma_f32_16x16x16{f16,bf16_1k} tiles with the
+// lane roles of the decode engine (mfma_stream), the online softmax in registers. The next tile's loads
+// are issued right after the barrier that publishes the current one (its block-table entries one tile
+// earlier still), so they are in flight while the waves compute. A wave skips a tile none of its rows
+// sees (no MFMA). Tiles visible to every row of the group run a loop without masks (the prompt's body:
+// the hot loop); the others (the diagonal, a sliding window's edge) mask per key. A block id outside the
+// cache is read as block 0 (memory-safe; such metadata may give wrong numbers), and keys outside the
+// group's range read the kernel's zero row (key_row).
+//
+// Grid x enumerates token tiles request by request: request r owns tiles F(r) .. F(r) + ceil(q_len / tpb)
+// - 1 with F(r) = floor(qsl[r] / tpb) + r (tpb: tokens per tile), so F is strictly increasing and a
+// request's tiles never overlap the next one's; at most one block per request finds no tokens. Grid x
+// = ceil(num_tokens / tpb) + num_reqs covers every tile.
+//
+// Targets without MFMA (RDNA, NVIDIA through hip/compat; fp32 queries; the harness with MFMA disabled)
+// run the same kernel through the decode kernel's FMA engine, the 64 rows taken in slices of
+// rows_per_block rows.
+#pragma once
+
+#include "kvmulti_attention.hip"
+
+namespace kvmulti {
+
+// Query rows per prefill work-group: one 16-row MFMA tile per wave.
+constexpr int kPrefillRows = 16 * kNumWarps;
+
+// First grid-x tile of a request whose queries start at token q (floor division).
+__host__ __device__ __forceinline__ long long prefill_first_tile(int q, int r, int tokens_per_tile) {
+  const long long f = q >= 0 ? q / tokens_per_tile : -(((long long)-q + tokens_per_tile - 1) / tokens_per_tile);
+  return f + r;
+}
+
+// The block's task: grid x -> (request, first token) as above. Block-uniform.
+__device__ __forceinline__ TaskKind prefill_task(const PagedAttentionParams& p, BlockTask& b) {
+  const RowMap map(p.num_q_heads, p.num_kv_heads, kPrefillRows);
+  const int tpt = map.tokens_per_block;
+  const long long x = blockIdx.x;
+  init_task(p, map, 0, b);
+  int lo = 0, hi = p.num_reqs - 1;  // the last r with F(r) <= x
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (prefill_first_tile(p.query_start_loc[mid], mid, tpt) <= x) lo = mid; else hi = mid - 1;
+  }
+  const int q_begin = p.query_start_loc[lo], q_end = p.query_start_loc[lo + 1];
+  const long long token = (long long)q_begin + (x - prefill_first_tile(q_begin, lo, tpt)) * tpt;
+  if (q_begin < 0 || token < q_begin || token >= q_end || token >= p.num_tokens) return TaskKind::kCovered;
+  b.token = (int)token;
+  b.req = lo;
+  if (b.req >= p.bt_rows) {  // the tokens' rows get zeros
+    b.ntok = min(tpt, min(q_end, p.num_tokens) - b.token);
+    b.rows = b.nheads * b.ntok;
+    return TaskKind::kInvalid;
+  }
+  fill_task(p, b, tpt, q_begin, q_end);
+  return TaskKind::kCompute;
+}
+
+// A scheduling fence on AMD GPUs (the compiler keeps each sub-tile's LDS reads next to its MFMAs
+// instead of hoisting all of a tile's: fewer registers live); nothing elsewhere.
+__device__ __forceinline__ void sched_fence() {
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+  __builtin_amdgcn_sched_barrier(0);
+#endif
+}
+
+template <int WAVE>
+__device__ __forceinline__ int wave_max_int(int v) {
+#pragma unroll
+  for (int m = 1; m < WAVE; m <<= 1) v = max(v, __shfl_xor(v, m, WAVE));
+  return v;
+}
+
+#if KVMULTI_HAS_MFMA
+// LDS tile geometry of the MFMA path. A key's row (K or V) takes ROWB bytes: its NCH 16-byte chunks, chunk
+// ch stored at position ch ^ (key & SWZ) when NCH is a power of two (the 16 keys a K read touches land in
+// different banks), else after a 16-byte pad per row. TPK threads load one key's row (CPT chunks each).
+template <typename C, int HS>
+struct PrefillGeom {
+  static constexpr int NCH = MfmaGeom<C, HS>::NCH;
+  static constexpr bool kPow2 = (NCH & (NCH - 1)) == 0;
+  static constexpr int SWZ = kPow2 ? (NCH < 16 ? NCH : 16) - 1 : 0;
+  static constexpr int ROWB = 16 * NCH + (kPow2 ? 0 : 16);
+  static constexpr int KT = 2 * 64 * ROWB <= 32768 ? 64 : 32;   // K + V of a tile in at most 32 KiB
+  static constexpr int NSUB = KT / 16;
+  static constexpr int TPK = kNumWarps * 64 / KT;                // threads per key: 4 (KT 64) or 8 (KT 32)
+  static constexpr int CPT = (NCH + TPK - 1) / TPK;              // K (and V) chunks per thread and tile
+  __device__ static int offset(int key, int ch) { return key * ROWB + 16 * (ch ^ (key & SWZ)); }
+};
+
+template <typename C, int HS>
+struct PrefillShared {
+  alignas(16) uint8_t k[PrefillGeom<C, HS>::KT * PrefillGeom<C, HS>::ROWB];
+  alignas(16) uint8_t v[PrefillGeom<C, HS>::KT * PrefillGeom<C, HS>::ROWB];
+};
+
+// The block-table entries of the tile at key t0: lane i holds entry t0 / block_size + i (-1 past the
+// table), ws = the first entry's first key. A tile of at most 64 keys aligned to its size spans at most
+// 64 entries.
+struct TileTable {
+  int entry, ws;
+};
+// bt_lane: the request's table row + lane, a per-lane pointer (kept in VGPRs: the loop is short of SGPRs).
+__device__ __forceinline__ TileTable tile_table(const PagedAttentionParams& p, const int* bt_lane, int t0,
+                                                float inv_bs, int lane) {
+  int r;
+  const int e0 = window_entry(p, 0, inv_bs, t0, r);
+  return TileTable{e0 + lane < p.bt_cols ? bt_lane[e0] : -1, e0 * p.block_size};
+}
+
+// Issues the loads of the tile at key t0: thread tid takes key tid / TPK and its chunks tid % TPK + TPK i
+// (K and V). Every lane calls it (key_row shuffles).
+template <typename C, int HS, bool ALIGNED>
+__device__ __forceinline__ void prefill_load(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
+                                             const TileTable& tt, float inv_bs, int t0,
+                                             Chunk16 (&kr)[PrefillGeom<C, HS>::CPT],
+                                             Chunk16 (&vr)[PrefillGeom<C, HS>::CPT]) {
+  using PG = PrefillGeom<C, HS>;
+  constexpr int EPC = MfmaGeom<C, HS>::EPC;
+  const int tid = (int)threadIdx.x;
+  bool unused;
+  const C* row = key_row<64>(p, b, cache, tt.entry, tt.ws, inv_bs, t0 + tid / PG::TPK, unused);
+#pragma unroll
+  for (int i = 0; i < PG::CPT; ++i) {
+    const int ch = tid % PG::TPK + PG::TPK * i;
+    if (PG::NCH % PG::TPK == 0 || ch < PG::NCH) {
+      kr[i] = load_chunk<C, ALIGNED>(row + ch * EPC);
+      vr[i] = load_chunk<C, ALIGNED>(row + HS + ch * EPC);
+    }
+  }
+}
+
+template <typename C, int HS>
+__device__ __forceinline__ void prefill_store(PrefillShared<C, HS>& sh, const Chunk16 (&kr)[PrefillGeom<C, HS>::CPT],
+                                              const Chunk16 (&vr)[PrefillGeom<C, HS>::CPT]) {
+  using PG = PrefillGeom<C, HS>;
+  const int tid = (int)threadIdx.x;
+#pragma unroll
+  for (int i = 0; i < PG::CPT; ++i) {
+    const int ch = tid % PG::TPK + PG::TPK * i;
+    if (PG::NCH % PG::TPK == 0 || ch < PG::NCH) {
+      const int off = PG::offset(tid / PG::TPK, ch);
+      *reinterpret_cast<Chunk16*>(sh.k + off) = kr[i];
+      *reinterpret_cast<Chunk16*>(sh.v + off) = vr[i];
+    }
+  }
+}
+
+// Two probabilities as the MFMA's 16-bit operand pair (low half: a), rounded to nearest even.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_p(float a, float b) {
+  if constexpr (std::is_same<T, hip_bfloat16>::value) {
+    // p is in [0, 1] or NaN (canonical): the rounding add neither overflows nor turns NaN into a number
+    const uint32_t ua = __float_as_uint(a), ub = __float_as_uint(b);
+    const uint32_t ra = ua + 0x7FFFu + ((ua >> 16) & 1u), rb = ub + 0x7FFFu + ((ub >> 16) & 1u);
+    return pair_halves(ra, rb, 1);
+  } else {
+    return (uint32_t)Bits16<T>::of(a) | ((uint32_t)Bits16<T>::of(b) << 16);
+  }
+}
+
+// What a wave needs to know about its rows inside the tile loop.
+struct PrefillRows {
+  int rlo, rhi;          // this lane's row (n): its visible keys
+  int lo_min, hi_max;    // the wave's live rows: a tile outside [lo_min, hi_max) is skipped
+  float cap_scale;       // softcap: the tanh argument per raw dot product (score scale / softcap)
+  float exp_scale;       // log2(e) per unit of the scores the softmax runs on (raw dot products, or capped)
+  float score_unit;      // those scores -> the softmax's natural units (split-KV partials' max)
+};
+
+// One tile of the wave: S^T, masks (MASKED only), online softmax, P V. Lane roles as in mfma_stream.
+// SOFTCAP: 1 = on, 0 = off, -1 = p.softcap decides at run time.
+template <typename T, typename C, int HS, bool MASKED, int SOFTCAP>
+__device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, const PrefillShared<C, HS>& sh,
+                                             const PrefillRows& w, int t0, float& m, float& l,
+                                             mfma_f32x4 (&acc)[MfmaGeom<C, HS>::PVC][8],
+                                             const Frag (&qf)[MfmaGeom<C, HS>::QKC][MfmaGeom<C, HS>::FPC]) {
+  using G = MfmaGeom<C, HS>;
+  using PG = PrefillGeom<C, HS>;
+  constexpr int WAVE = 64, NSUB = PG::NSUB, QKC = G::QKC, FPC = G::FPC, PVC = G::PVC, NCH = G::NCH;
+  const int lane = (int)threadIdx.x % WAVE, n = lane % 16, g = lane / 16;
+  const Chunk16 zero = {{0u, 0u, 0u, 0u}};
+  float s[NSUB][4];
+  float tmax = -INFINITY;
+  const bool softcap = SOFTCAP > 0 || (SOFTCAP < 0 && p.softcap > 0.f);
+#pragma unroll
+  for (int sub = 0; sub < NSUB; ++sub) {
+    mfma_f32x4 d = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int u = 0; u < QKC; ++u) {
+      const int ch = 4 * u + g;
+      const Chunk16 kc = ch < NCH ? *reinterpret_cast<const Chunk16*>(sh.k + PG::offset(16 * sub + n, ch)) : zero;
+#pragma unroll
+      for (int h = 0; h < FPC; ++h) d = mfma_16x16x16<T>(k_fragment<T, C>(kc, h), qf[u][h], d);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = d[e];  // raw (without softcap: the scale is applied in the exponent)
+      if (SOFTCAP > 0 || (SOFTCAP < 0 && softcap)) x = p.softcap * tanhf(x * w.cap_scale);
+      if constexpr (MASKED) {  // keys outside this lane's row range
+        const int t = t0 + 16 * sub + 4 * g + e;
+        bool vis = t >= w.rlo && t < w.rhi;
+        x = vis ? x : -INFINITY;
+      }
+      s[sub][e] = x;
+      tmax = fmaxf(tmax, x);
+    }
+    sched_fence();
+  }
+  tmax = wave_max_from<WAVE, 16>(tmax);
+  const float m_new = fmaxf(m, tmax);
+  const float alpha = fast_exp2((m - m_new) * w.exp_scale);
+  m = m_new;
+  l *= alpha;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {  // acc rows 4g + r: that row's alpha lives in lane 4g + r
+    const float a = __shfl(alpha, 4 * g + r, WAVE);
+#pragma unroll
+    for (int u = 0; u < PVC; ++u)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[u][c][r] *= a;
+  }
+#pragma unroll
+  for (int sub = 0; sub < NSUB; ++sub) {
+    float pe[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      pe[e] = fast_exp2((s[sub][e] - m) * w.exp_scale);
+      l += pe[e];
+    }
+    const Frag pa = {{pack_p<T>(pe[0], pe[1]), pack_p<T>(pe[2], pe[3])}};
+    // V pieces (8 head dims) n + 16u of keys 4g + e: 16 bytes of a 16-bit row, 8 codes of an fp8 row
+    Chunk16 vc[4][PVC];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int u = 0; u < PVC; ++u) {
+        const int key = 16 * sub + 4 * g + e, piece = n + 16 * u;
+        vc[e][u] = zero;
+        if (piece < HS / 8) {
+          if constexpr (is_fp8<C>()) {
+            const uint32_t* w2 =
+                reinterpret_cast<const uint32_t*>(sh.v + PG::offset(key, piece / 2) + 8 * (piece % 2));
+            vc[e][u].w[0] = w2[0];
+            vc[e][u].w[1] = w2[1];
+          } else {
+            vc[e][u] = *reinterpret_cast<const Chunk16*>(sh.v + PG::offset(key, piece));
+          }
+        }
+      }
+#pragma unroll
+    for (int u = 0; u < PVC; ++u)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[u][c] = mfma_16x16x16<T>(pa, v_fragment<T, C>(vc, u, c), acc[u][c]);
+    sched_fence();
+  }
+}
+
+// The loop's state between tiles: the current tile's chunks (loaded, to be stored), the next tile's
+// block-table entries.
+template <typename C, int HS>
+struct PrefillPipe {
+  Chunk16 kr[PrefillGeom<C, HS>::CPT], vr[PrefillGeom<C, HS>::CPT];
+  TileTable next;
+};
+
+// The order the tiles are processed in (the online softmax takes any): the masked ones first -- before
+// the fully visible range [full_lo, full_hi), then after it -- then the fully visible ones.
+struct TileOrder {
+  int ntiles, full_lo, full_hi;
+  __device__ int masked() const { return ntiles - (full_hi - full_lo); }
+  __device__ int operator()(int k) const {
+    const int na = full_lo, nm = masked();
+    return k < na ? k : k < nm ? full_hi + (k - na) : full_lo + (k - nm);
+  }
+};
+
+// Tiles ord(from) .. ord(to - 1) of the task: store the loaded tile, barrier, issue the next tile's K/V
+// loads and the block-table entries of the one after it, compute, barrier. MASKED / SOFTCAP as in
+// prefill_tile.
+template <typename T, typename C, int HS, bool ALIGNED, bool MASKED, int SOFTCAP>
+__device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, const BlockTask& b, PrefillShared<C, HS>& sh,
+                                              PrefillPipe<C, HS>& pipe, const PrefillRows& w, int from, int to,
+                                              int base, const TileOrder& ord, float inv_bs,
+                                              float& m, float& l, mfma_f32x4 (&acc)[MfmaGeom<C, HS>::PVC][8],
+                                              const Frag (&qf)[MfmaGeom<C, HS>::QKC][MfmaGeom<C, HS>::FPC]) {
+  constexpr int KT = PrefillGeom<C, HS>::KT;
+  const int lane = (int)threadIdx.x % 64, ntiles = ord.ntiles;
+  const int* bt_lane = b.bt + lane;
+  const C* cache = static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
+  for (int k = from; k < to; ++k) {
+    const int t0 = base + ord(k) * KT, t1 = t0 + KT;
+    prefill_store<C, HS>(sh, pipe.kr, pipe.vr);
+    __syncthreads();
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+    if constexpr (!MASKED && SOFTCAP == 0) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
+#endif
+    if (k + 1 < ntiles) {  // in flight while this tile computes
+      prefill_load<C, HS, ALIGNED>(p, b, cache, pipe.next, inv_bs, base + ord(k + 1) * KT, pipe.kr, pipe.vr);
+      if (k + 2 < ntiles) pipe.next = tile_table(p, bt_lane, base + ord(k + 2) * KT, inv_bs, lane);
+    }
+    if (t0 < w.hi_max && t1 > w.lo_min)  // some row of this wave sees a key of the tile
+      prefill_tile<T, C, HS, MASKED, SOFTCAP>(p, sh, w, t0, m, l, acc, qf);
+    __syncthreads();  // the next store rewrites the tile
+  }
+}
+
+// T: the query's and output's type (fp16 / bf16); C: the cache's (T, or an fp8 type).
+template <typename T, typename C, int HS, bool ALIGNED, int SOFTCAP>
+__device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, const BlockTask& b,
+                                                 PrefillShared<C, HS>& sh) {
+  using G = MfmaGeom<C, HS>;
+  using PG = PrefillGeom<C, HS>;
+  constexpr int WAVE = 64, QKC = G::QKC, FPC = G::FPC, PVC = G::PVC, EPC = G::EPC, KT = PG::KT;
+  const int tid = (int)threadIdx.x, lane = tid % WAVE, warp = tid / WAVE;
+  const int n = lane % 16, g = lane / 16;
+  const int row = 16 * warp + n;  // this lane's row of the task (S^T's N index n)
+  const bool has_row = row < b.rows;
+  PrefillRows w;
+  w.rlo = w.rhi = 0;
+  if (has_row) key_range(p, b, row / b.nheads, w.rlo, w.rhi);
+  const bool live = has_row && w.rlo < w.rhi;
+  w.lo_min = -wave_max_int<WAVE>(live ? -w.rlo : -0x7fffffff);
+  w.hi_max = wave_max_int<WAVE>(live ? w.rhi : -0x7fffffff);
+  const float score_scale = is_fp8<C>() ? p.scale * p.k_scale[b.kv_head] : p.scale;
+  constexpr float kLog2e = 1.4426950408889634f;
+  w.cap_scale = score_scale * p.inv_softcap;
+  w.score_unit = SOFTCAP ? 1.f : score_scale;
+  w.exp_scale = kLog2e * w.score_unit;
+  // Q fragments (B operand of S^T = K Q^T) of the lane's row, unscaled; rows past b.rows are zero.
+  Frag qf[QKC][FPC];
+  const T* q = nullptr;
+  if (has_row)
+    q = static_cast<const T*>(p.query) + (int64_t)(b.token + row / b.nheads) * p.q_stride_token +
+        (int64_t)(b.head0 + row % b.nheads) * p.q_stride_head;
+#pragma unroll
+  for (int u = 0; u < QKC; ++u)
+#pragma unroll
+    for (int h = 0; h < FPC; ++h)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int d0 = EPC * (4 * u + g) + qk_dim<C>(h, 2 * i), d1 = EPC * (4 * u + g) + qk_dim<C>(h, 2 * i + 1);
+        uint32_t bits = 0u;
+        if (q && d0 < HS) {
+          const unsigned short* qh = reinterpret_cast<const unsigned short*>(q);
+          bits = (uint32_t)qh[d0] | ((uint32_t)qh[d1] << 16);
+        }
+        qf[u][h].w[i] = bits;
+      }
+  float m = -FLT_MAX, l = 0.f;
+  mfma_f32x4 acc[PVC][8];
+#pragma unroll
+  for (int u = 0; u < PVC; ++u)
+#pragma unroll
+    for (int c = 0; c < 8; ++c) acc[u][c] = mfma_f32x4{0.f, 0.f, 0.f, 0.f};
+
+  // Tiles [0, ntiles) from key base; [full_lo, full_hi) are visible to every row that sees any key (no
+  // mask): the prompt's body. The others -- before a sliding window's edge, the diagonal -- mask per key.
+  const int base = b.kv_lo / KT * KT, ntiles = (b.kv_hi - base + KT - 1) / KT;
+  int full_lo = ntiles, full_hi = ntiles;
+  if (b.all_lo < b.all_hi) {
+    full_lo = min(ntiles, (b.all_lo - base + KT - 1) / KT);
+    full_hi = max(full_lo, min(ntiles, (b.all_hi - base) / KT));
+  }
+  const float inv_bs = 1.f / (float)p.block_size;
+  const C* cache = static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
+  const TileOrder ord{ntiles, full_lo, full_hi};
+  const int* bt_lane = b.bt + lane;
+  PrefillPipe<C, HS> pipe;
+  const TileTable first = tile_table(p, bt_lane, base + ord(0) * KT, inv_bs, lane);
+  prefill_load<C, HS, ALIGNED>(p, b, cache, first, inv_bs, base + ord(0) * KT, pipe.kr, pipe.vr);
+  pipe.next = ntiles > 1 ? tile_table(p, bt_lane, base + ord(1) * KT, inv_bs, lane) : first;
+  prefill_tiles<T, C, HS, ALIGNED, true, SOFTCAP>(p, b, sh, pipe, w, 0, ord.masked(), base, ord,
+                                                  inv_bs, m, l, acc, qf);
+  prefill_tiles<T, C, HS, ALIGNED, false, SOFTCAP>(p, b, sh, pipe, w, ord.masked(), ntiles, base, ord,
+                                                   inv_bs, m, l, acc, qf);
+
+  l = wave_sum_from<WAVE, 16>(l);
+  if (!live) {  // a row with no visible key (e.g. outside this partition) may have taken unmasked tiles
+    m = -FLT_MAX;
+    l = 0.f;
+  }
+  // fp8 caches: values read as float(code) * v_scale, so the accumulated P V gets v_scale once
+  const float v_scale = is_fp8<C>() ? p.v_scale[b.kv_head] : 1.f;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {  // acc rows 4g + r; that row's m, l live in lane 4g + r
+    const float M = __shfl(m, 4 * g + r, WAVE), L = __shfl(l, 4 * g + r, WAVE);
+    const int rr = 16 * warp + 4 * g + r;
+    if (rr >= b.rows) continue;
+    const int tok = b.token + rr / b.nheads, head = b.head0 + rr % b.nheads;
+    const float f = L > 0.f ? v_scale / L : 0.f;
+    if (p.num_partitions > 1) {
+      const int64_t idx = ((int64_t)tok * p.num_q_heads + head) * p.num_partitions + b.part;
+      if (n == 0) {
+        p.part_max[idx] = L > 0.f ? M * w.score_unit : -FLT_MAX;
+        p.part_sum[idx] = L;
+      }
+#pragma unroll
+      for (int u = 0; u < PVC; ++u)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          const int d = 8 * (n + 16 * u) + c;
+          if (d < HS) p.part_out[idx * HS + d] = L > 0.f ? acc[u][c][r] * f : 0.f;
+        }
+    } else {
+      T* o = static_cast<T*>(p.out) + (int64_t)tok * p.o_stride_token + (int64_t)head * p.o_stride_head;
+#pragma unroll
+      for (int u = 0; u < PVC; ++u)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          const int d = 8 * (n + 16 * u) + c;
+          if (d < HS) o[d] = Cvt<T>::from(L > 0.f ? acc[u][c][r] * f : 0.f);
+        }
+    }
+  }
+}
+
+// One LDS tile for both address paths (16-byte vector loads or element loads of a misaligned cache).
+template <typename T, typename C, int HS>
+__device__ void prefill_mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
+  __shared__ PrefillShared<C, HS> sh;
+  const bool softcap = p.softcap > 0.f;
+  if (p.kv_aligned16) {
+    if (softcap) prefill_mfma_run<T, C, HS, true, 1>(p, b, sh);
+    else prefill_mfma_run<T, C, HS, true, 0>(p, b, sh);
+  } else {
+    if (softcap) prefill_mfma_run<T, C, HS, false, 1>(p, b, sh);
+    else prefill_mfma_run<T, C, HS, false, 0>(p, b, sh);
+  }
+}
+#endif  // KVMULTI_HAS_MFMA
+
+// The task's rows in slices of the FMA engine's R rows (targets and dtypes without the MFMA path).
+template <typename T, typename C, int HS, int WAVE>
+__device__ void prefill_fma_body(const PagedAttentionParams& p, const BlockTask& b) {
+  constexpr int R = rows_per_block<T, WAVE, C>(), NT = kNumWarps * WAVE;
+  for (int r0 = 0; r0 < b.rows; r0 += R) {
+    BlockTask s = b;
+    s.row0 = r0;
+    s.rows = min(R, b.rows - r0);
+    task_key_union(p, s);
+    if (s.kv_lo >= s.kv_hi) write_empty_rows<T, HS, NT>(p, s);
+    else fma_body<T, C, HS, WAVE, R>(p, s);
+    __syncthreads();  // the next slice rewrites fma_body's LDS
+  }
+}
+
+// grid (ceil(num_tokens / tpt) + num_reqs, num_kv_heads * RowMap::chunks, num_partitions) with RowMap over
+// kPrefillRows rows (tpt: its tokens_per_block), block kNumWarps * WAVE threads, no dynamic shared memory.
+// T: query and output type; C: cache element type (T, or an fp8 type).
+template <typename T, typename C, int HS, int WAVE>
+__global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_prefill_kernel(const PagedAttentionParams p) {
+  if (!wave_matches_target<WAVE>()) return;
+  constexpr int NT = kNumWarps * WAVE;
+  static_assert(2 * HS * sizeof(C) <= sizeof(kZeroRow), "kZeroRow must cover a K + V row");
+  BlockTask b;
+  const TaskKind kind = prefill_task(p, b);
+  if (kind == TaskKind::kCovered) return;
+  if (kind == TaskKind::kInvalid || b.kv_lo >= b.kv_hi) {
+    write_empty_rows<T, HS, NT>(p, b);
+    return;
+  }
+#if KVMULTI_HAS_MFMA
+  if constexpr (rows_per_block<T, WAVE, C>() == 16) {
+    if (mfma_enabled()) {
+      prefill_mfma_body<T, C, HS>(p, b);
+      return;
+    }
+  }
+#endif
+  prefill_fma_body<T, C, HS, WAVE>(p, b);
+}
+
+}  // namespace kvmulti
