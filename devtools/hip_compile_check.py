@@ -49,8 +49,9 @@ WAVES = (32, 64)
 CACHES_PER_DTYPE = 3
 #: every kernel the launcher instantiates: attention (dtype x cache x head size x wave), prefill, reduce per
 #: dtype, write_kv per dtype x cache
-#: prefill: fp16 / bf16 over a cache of their own type, head 128, wave64 (launcher.hip's prefill_served)
-PREFILL_KERNELS = 2
+#: prefill: fp16 / bf16 over a cache of their own type or fp8 e4m3fn / e5m2, head 128, wave64 (launcher.hip's
+#: prefill_served)
+PREFILL_KERNELS = 2 * CACHES_PER_DTYPE
 EXPECTED_KERNELS = (len(DTYPES) * CACHES_PER_DTYPE * len(HEAD_SIZES) * len(WAVES) + PREFILL_KERNELS + len(DTYPES)
                     + len(DTYPES) * CACHES_PER_DTYPE)
 #: report-row kinds of the attention kernels (decode / mixed: paged_attention_kernel; prefill:
@@ -132,6 +133,10 @@ def _wave_of(arch: str) -> int:
 MFMA_ARCHS = ("gfx90a", "gfx940")   # targets whose fp16 / bf16-query attention kernels must use v_mfma
 MIN_WAVES_PER_SIMD = 2
 MIN_BYTES_IN_FLIGHT_PER_LANE = 4 * 16
+#: prefill over an fp8 cache: its hot loop widens each tile's codes once, when they are staged in LDS (4 x 16
+#: bytes per thread at head 128), on top of the 16-bit loop; at most this many VALU issue cycles per MFMA
+#: issue cycle (in-loop widening, per wave and fragment, issues about 6.4 on gfx940)
+MAX_FP8_PREFILL_VALU_PER_MFMA = 2.5
 
 
 def parse_resource_usage(log: str) -> dict[str, dict[str, int]]:
@@ -518,6 +523,12 @@ def row_problems(row: dict) -> list[str]:
             cyc = issue_cycles(row)
             if cyc["mfma"] < cyc["valu"]:
                 problems.append(f"{k}: hot loop issues {cyc['mfma']} MFMA cycles < {cyc['valu']} VALU cycles per wave")
+        if (row["kind"] == "prefill" and row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16")
+                and row.get("cache")):
+            cyc = issue_cycles(row)
+            if cyc["valu"] > MAX_FP8_PREFILL_VALU_PER_MFMA * cyc["mfma"]:
+                problems.append(f"{k}: hot loop issues {cyc['valu']} VALU cycles > {MAX_FP8_PREFILL_VALU_PER_MFMA} x "
+                                f"{cyc['mfma']} MFMA cycles per wave (fp8 codes not widened once per tile?)")
         if row["bytes_in_flight_per_lane"] < MIN_BYTES_IN_FLIGHT_PER_LANE:
             problems.append(f"{k}: {row['bytes_in_flight_per_lane']} bytes in flight per lane in the hot loop "
                             f"(< {MIN_BYTES_IN_FLIGHT_PER_LANE} = 4 x 16-byte loads)")

@@ -80,26 +80,46 @@ __device__ __forceinline__ int wave_max_int(int v) {
 }
 
 #if KVMULTI_HAS_MFMA
-// LDS tile geometry of the MFMA path. A key's row (K or V) takes ROWB bytes: its NCH 16-byte chunks, chunk
-// ch stored at position ch ^ (key & SWZ) when NCH is a power of two (the 16 keys a K read touches land in
-// different banks), else after a 16-byte pad per row. TPK threads load one key's row (CPT chunks each).
-template <typename C, int HS>
+// The element type of the LDS tiles: the cache's, or for an fp8 cache the query's 16-bit type (codes are
+// widened once per tile when staged, so the waves' hot loop reads 16-bit K / V like a 16-bit cache's).
+template <typename T, typename C>
+using PrefillElem = typename std::conditional<is_fp8<C>(), T, C>::type;
+// V's: fp8 codes widen to fp16 whatever the query's type (every e4m3fn / e5m2 value is an fp16 value), and
+// P V runs on the fp16 MFMA with P in fp16 (p in [0, 1]: at least bf16's precision down to 2^-14) -- a
+// bf16 query saves the fp16 -> bf16 step on V.
+template <typename T, typename C>
+using PrefillVElem = typename std::conditional<is_fp8<C>(), __half, C>::type;
+
+// LDS tile geometry of the MFMA path (L: the LDS element type). A key's row (K or V) takes ROWB bytes: its
+// NCH 16-byte chunks, chunk ch stored at position ch ^ (key & SWZ) when NCH is a power of two (the 16 keys a
+// K read touches land in different banks), else after a 16-byte pad per row. TPK threads load one key's row.
+template <typename L, int HS>
 struct PrefillGeom {
-  static constexpr int NCH = MfmaGeom<C, HS>::NCH;
+  static constexpr int NCH = MfmaGeom<L, HS>::NCH;
   static constexpr bool kPow2 = (NCH & (NCH - 1)) == 0;
   static constexpr int SWZ = kPow2 ? (NCH < 16 ? NCH : 16) - 1 : 0;
   static constexpr int ROWB = 16 * NCH + (kPow2 ? 0 : 16);
   static constexpr int KT = 2 * 64 * ROWB <= 32768 ? 64 : 32;   // K + V of a tile in at most 32 KiB
   static constexpr int NSUB = KT / 16;
   static constexpr int TPK = kNumWarps * 64 / KT;                // threads per key: 4 (KT 64) or 8 (KT 32)
-  static constexpr int CPT = (NCH + TPK - 1) / TPK;              // K (and V) chunks per thread and tile
   __device__ static int offset(int key, int ch) { return key * ROWB + 16 * (ch ^ (key & SWZ)); }
 };
 
-template <typename C, int HS>
+// The global-load side of a tile: a cache row (K or V) of C is LNCH 16-byte chunks (fp8: 16 codes each,
+// WIDEN = 2 LDS chunks once widened); thread tid loads chunks tid % TPK + TPK i of key tid / TPK.
+template <typename C, int HS, typename L>
+struct PrefillLoad {
+  static constexpr int TPK = PrefillGeom<L, HS>::TPK;
+  static constexpr int EPC = 16 / (int)sizeof(C);
+  static constexpr int LNCH = HS / EPC;
+  static constexpr int CPT = (LNCH + TPK - 1) / TPK;             // K (and V) chunks per thread and tile
+  static constexpr int WIDEN = (int)(sizeof(L) / sizeof(C));
+};
+
+template <typename L, int HS>
 struct PrefillShared {
-  alignas(16) uint8_t k[PrefillGeom<C, HS>::KT * PrefillGeom<C, HS>::ROWB];
-  alignas(16) uint8_t v[PrefillGeom<C, HS>::KT * PrefillGeom<C, HS>::ROWB];
+  alignas(16) uint8_t k[PrefillGeom<L, HS>::KT * PrefillGeom<L, HS>::ROWB];
+  alignas(16) uint8_t v[PrefillGeom<L, HS>::KT * PrefillGeom<L, HS>::ROWB];
 };
 
 // The block-table entries of the tile at key t0: lane i holds entry t0 / block_size + i (-1 past the
@@ -116,40 +136,67 @@ __device__ __forceinline__ TileTable tile_table(const PagedAttentionParams& p, c
   return TileTable{e0 + lane < p.bt_cols ? bt_lane[e0] : -1, e0 * p.block_size};
 }
 
-// Issues the loads of the tile at key t0: thread tid takes key tid / TPK and its chunks tid % TPK + TPK i
-// (K and V). Every lane calls it (key_row shuffles).
-template <typename C, int HS, bool ALIGNED>
+// Issues the loads of the tile at key t0 (PrefillLoad's chunks of every thread, K and V). Every lane calls
+// it (key_row shuffles).
+template <typename C, int HS, typename L, bool ALIGNED>
 __device__ __forceinline__ void prefill_load(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
                                              const TileTable& tt, float inv_bs, int t0,
-                                             Chunk16 (&kr)[PrefillGeom<C, HS>::CPT],
-                                             Chunk16 (&vr)[PrefillGeom<C, HS>::CPT]) {
-  using PG = PrefillGeom<C, HS>;
-  constexpr int EPC = MfmaGeom<C, HS>::EPC;
+                                             Chunk16 (&kr)[PrefillLoad<C, HS, L>::CPT],
+                                             Chunk16 (&vr)[PrefillLoad<C, HS, L>::CPT]) {
+  using PL = PrefillLoad<C, HS, L>;
   const int tid = (int)threadIdx.x;
   bool unused;
-  const C* row = key_row<64>(p, b, cache, tt.entry, tt.ws, inv_bs, t0 + tid / PG::TPK, unused);
+  const C* row = key_row<64>(p, b, cache, tt.entry, tt.ws, inv_bs, t0 + tid / PL::TPK, unused);
 #pragma unroll
-  for (int i = 0; i < PG::CPT; ++i) {
-    const int ch = tid % PG::TPK + PG::TPK * i;
-    if (PG::NCH % PG::TPK == 0 || ch < PG::NCH) {
-      kr[i] = load_chunk<C, ALIGNED>(row + ch * EPC);
-      vr[i] = load_chunk<C, ALIGNED>(row + HS + ch * EPC);
+  for (int i = 0; i < PL::CPT; ++i) {
+    const int ch = tid % PL::TPK + PL::TPK * i;
+    if (PL::LNCH % PL::TPK == 0 || ch < PL::LNCH) {
+      kr[i] = load_chunk<C, ALIGNED>(row + ch * PL::EPC);
+      vr[i] = load_chunk<C, ALIGNED>(row + HS + ch * PL::EPC);
     }
   }
 }
 
-template <typename C, int HS>
-__device__ __forceinline__ void prefill_store(PrefillShared<C, HS>& sh, const Chunk16 (&kr)[PrefillGeom<C, HS>::CPT],
-                                              const Chunk16 (&vr)[PrefillGeom<C, HS>::CPT]) {
-  using PG = PrefillGeom<C, HS>;
-  const int tid = (int)threadIdx.x;
+// Codes 2j, 2j + 1 (bytes 2j, 2j + 1 of word x) as an fp8 pair (bits 8..15 and 24..31): one v_perm_b32.
+__device__ __forceinline__ uint32_t fp8_pair_of(uint32_t x, int j) {
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+  return __builtin_amdgcn_perm(x, x, j ? 0x030C020Cu : 0x010C000Cu);
+#else
+  return j ? ((x >> 8) & 0xFF00u) | (x & 0xFF000000u) : ((x & 0xFFu) << 8) | ((x & 0xFF00u) << 16);
+#endif
+}
+
+// Half `half` (codes 8 half .. 8 half + 7) of a chunk of 16 fp8 codes as 8 values of T, in order.
+template <typename C, typename T>
+__device__ __forceinline__ Chunk16 widen_half_chunk(const Chunk16& c, int half) {
+  Chunk16 o;
 #pragma unroll
-  for (int i = 0; i < PG::CPT; ++i) {
-    const int ch = tid % PG::TPK + PG::TPK * i;
-    if (PG::NCH % PG::TPK == 0 || ch < PG::NCH) {
-      const int off = PG::offset(tid / PG::TPK, ch);
-      *reinterpret_cast<Chunk16*>(sh.k + off) = kr[i];
-      *reinterpret_cast<Chunk16*>(sh.v + off) = vr[i];
+  for (int i = 0; i < 4; ++i) o.w[i] = widen_pair<C, T>(fp8_pair_of(c.w[2 * half + i / 2], i % 2));
+  return o;
+}
+
+// Stores the loaded chunks of this thread in LDS; fp8 codes widened on the way (K to L, V to VL), once per
+// tile.
+template <typename C, int HS, typename L, typename VL>
+__device__ __forceinline__ void prefill_store(PrefillShared<L, HS>& sh, const Chunk16 (&kr)[PrefillLoad<C, HS, L>::CPT],
+                                              const Chunk16 (&vr)[PrefillLoad<C, HS, L>::CPT]) {
+  using PG = PrefillGeom<L, HS>;
+  using PL = PrefillLoad<C, HS, L>;
+  const int tid = (int)threadIdx.x, key = tid / PL::TPK;
+#pragma unroll
+  for (int i = 0; i < PL::CPT; ++i) {
+    const int ch = tid % PL::TPK + PL::TPK * i;
+    if (PL::LNCH % PL::TPK == 0 || ch < PL::LNCH) {
+      if constexpr (PL::WIDEN == 1) {
+        *reinterpret_cast<Chunk16*>(sh.k + PG::offset(key, ch)) = kr[i];
+        *reinterpret_cast<Chunk16*>(sh.v + PG::offset(key, ch)) = vr[i];
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          *reinterpret_cast<Chunk16*>(sh.k + PG::offset(key, 2 * ch + h)) = widen_half_chunk<C, L>(kr[i], h);
+          *reinterpret_cast<Chunk16*>(sh.v + PG::offset(key, 2 * ch + h)) = widen_half_chunk<C, VL>(vr[i], h);
+        }
+      }
     }
   }
 }
@@ -176,15 +223,16 @@ struct PrefillRows {
   float score_unit;      // those scores -> the softmax's natural units (split-KV partials' max)
 };
 
-// One tile of the wave: S^T, masks (MASKED only), online softmax, P V. Lane roles as in mfma_stream.
-// SOFTCAP: 1 = on, 0 = off, -1 = p.softcap decides at run time.
-template <typename T, typename C, int HS, bool MASKED, int SOFTCAP>
-__device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, const PrefillShared<C, HS>& sh,
+// One tile of the wave: S^T, masks (MASKED only), online softmax, P V. Lane roles as in mfma_stream; L, VL:
+// the 16-bit element types of the K and V tiles in LDS (P V runs on VL's MFMA). SOFTCAP: 1 = on, 0 = off,
+// -1 = p.softcap decides at run time.
+template <typename T, typename L, typename VL, int HS, bool MASKED, int SOFTCAP>
+__device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, const PrefillShared<L, HS>& sh,
                                              const PrefillRows& w, int t0, float& m, float& l,
-                                             mfma_f32x4 (&acc)[MfmaGeom<C, HS>::PVC][8],
-                                             const Frag (&qf)[MfmaGeom<C, HS>::QKC][MfmaGeom<C, HS>::FPC]) {
-  using G = MfmaGeom<C, HS>;
-  using PG = PrefillGeom<C, HS>;
+                                             mfma_f32x4 (&acc)[MfmaGeom<L, HS>::PVC][8],
+                                             const Frag (&qf)[MfmaGeom<L, HS>::QKC][MfmaGeom<L, HS>::FPC]) {
+  using G = MfmaGeom<L, HS>;
+  using PG = PrefillGeom<L, HS>;
   constexpr int WAVE = 64, NSUB = PG::NSUB, QKC = G::QKC, FPC = G::FPC, PVC = G::PVC, NCH = G::NCH;
   const int lane = (int)threadIdx.x % WAVE, n = lane % 16, g = lane / 16;
   const Chunk16 zero = {{0u, 0u, 0u, 0u}};
@@ -199,7 +247,7 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
       const int ch = 4 * u + g;
       const Chunk16 kc = ch < NCH ? *reinterpret_cast<const Chunk16*>(sh.k + PG::offset(16 * sub + n, ch)) : zero;
 #pragma unroll
-      for (int h = 0; h < FPC; ++h) d = mfma_16x16x16<T>(k_fragment<T, C>(kc, h), qf[u][h], d);
+      for (int h = 0; h < FPC; ++h) d = mfma_16x16x16<T>(k_fragment<T, L>(kc, h), qf[u][h], d);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -236,39 +284,29 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
       pe[e] = fast_exp2((s[sub][e] - m) * w.exp_scale);
       l += pe[e];
     }
-    const Frag pa = {{pack_p<T>(pe[0], pe[1]), pack_p<T>(pe[2], pe[3])}};
-    // V pieces (8 head dims) n + 16u of keys 4g + e: 16 bytes of a 16-bit row, 8 codes of an fp8 row
+    const Frag pa = {{pack_p<VL>(pe[0], pe[1]), pack_p<VL>(pe[2], pe[3])}};
+    // V pieces (8 head dims) n + 16u of keys 4g + e: 16 bytes of a row
     Chunk16 vc[4][PVC];
 #pragma unroll
     for (int e = 0; e < 4; ++e)
 #pragma unroll
       for (int u = 0; u < PVC; ++u) {
         const int key = 16 * sub + 4 * g + e, piece = n + 16 * u;
-        vc[e][u] = zero;
-        if (piece < HS / 8) {
-          if constexpr (is_fp8<C>()) {
-            const uint32_t* w2 =
-                reinterpret_cast<const uint32_t*>(sh.v + PG::offset(key, piece / 2) + 8 * (piece % 2));
-            vc[e][u].w[0] = w2[0];
-            vc[e][u].w[1] = w2[1];
-          } else {
-            vc[e][u] = *reinterpret_cast<const Chunk16*>(sh.v + PG::offset(key, piece));
-          }
-        }
+        vc[e][u] = piece < HS / 8 ? *reinterpret_cast<const Chunk16*>(sh.v + PG::offset(key, piece)) : zero;
       }
 #pragma unroll
     for (int u = 0; u < PVC; ++u)
 #pragma unroll
-      for (int c = 0; c < 8; ++c) acc[u][c] = mfma_16x16x16<T>(pa, v_fragment<T, C>(vc, u, c), acc[u][c]);
+      for (int c = 0; c < 8; ++c) acc[u][c] = mfma_16x16x16<VL>(pa, v_fragment<VL, VL>(vc, u, c), acc[u][c]);
     sched_fence();
   }
 }
 
 // The loop's state between tiles: the current tile's chunks (loaded, to be stored), the next tile's
 // block-table entries.
-template <typename C, int HS>
+template <typename C, int HS, typename L>
 struct PrefillPipe {
-  Chunk16 kr[PrefillGeom<C, HS>::CPT], vr[PrefillGeom<C, HS>::CPT];
+  Chunk16 kr[PrefillLoad<C, HS, L>::CPT], vr[PrefillLoad<C, HS, L>::CPT];
   TileTable next;
 };
 
@@ -286,39 +324,39 @@ struct TileOrder {
 // Tiles ord(from) .. ord(to - 1) of the task: store the loaded tile, barrier, issue the next tile's K/V
 // loads and the block-table entries of the one after it, compute, barrier. MASKED / SOFTCAP as in
 // prefill_tile.
-template <typename T, typename C, int HS, bool ALIGNED, bool MASKED, int SOFTCAP>
-__device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, const BlockTask& b, PrefillShared<C, HS>& sh,
-                                              PrefillPipe<C, HS>& pipe, const PrefillRows& w, int from, int to,
+template <typename T, typename C, int HS, bool ALIGNED, bool MASKED, int SOFTCAP, typename L = PrefillElem<T, C>>
+__device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, const BlockTask& b, PrefillShared<L, HS>& sh,
+                                              PrefillPipe<C, HS, L>& pipe, const PrefillRows& w, int from, int to,
                                               int base, const TileOrder& ord, float inv_bs,
-                                              float& m, float& l, mfma_f32x4 (&acc)[MfmaGeom<C, HS>::PVC][8],
-                                              const Frag (&qf)[MfmaGeom<C, HS>::QKC][MfmaGeom<C, HS>::FPC]) {
-  constexpr int KT = PrefillGeom<C, HS>::KT;
+                                              float& m, float& l, mfma_f32x4 (&acc)[MfmaGeom<L, HS>::PVC][8],
+                                              const Frag (&qf)[MfmaGeom<L, HS>::QKC][MfmaGeom<L, HS>::FPC]) {
+  constexpr int KT = PrefillGeom<L, HS>::KT;
   const int lane = (int)threadIdx.x % 64, ntiles = ord.ntiles;
   const int* bt_lane = b.bt + lane;
   const C* cache = static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
   for (int k = from; k < to; ++k) {
     const int t0 = base + ord(k) * KT, t1 = t0 + KT;
-    prefill_store<C, HS>(sh, pipe.kr, pipe.vr);
+    prefill_store<C, HS, L, PrefillVElem<T, C>>(sh, pipe.kr, pipe.vr);
     __syncthreads();
 #if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
     if constexpr (!MASKED && SOFTCAP == 0) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
 #endif
     if (k + 1 < ntiles) {  // in flight while this tile computes
-      prefill_load<C, HS, ALIGNED>(p, b, cache, pipe.next, inv_bs, base + ord(k + 1) * KT, pipe.kr, pipe.vr);
+      prefill_load<C, HS, L, ALIGNED>(p, b, cache, pipe.next, inv_bs, base + ord(k + 1) * KT, pipe.kr, pipe.vr);
       if (k + 2 < ntiles) pipe.next = tile_table(p, bt_lane, base + ord(k + 2) * KT, inv_bs, lane);
     }
     if (t0 < w.hi_max && t1 > w.lo_min)  // some row of this wave sees a key of the tile
-      prefill_tile<T, C, HS, MASKED, SOFTCAP>(p, sh, w, t0, m, l, acc, qf);
+      prefill_tile<T, L, PrefillVElem<T, C>, HS, MASKED, SOFTCAP>(p, sh, w, t0, m, l, acc, qf);
     __syncthreads();  // the next store rewrites the tile
   }
 }
 
-// T: the query's and output's type (fp16 / bf16); C: the cache's (T, or an fp8 type).
-template <typename T, typename C, int HS, bool ALIGNED, int SOFTCAP>
+// T: the query's and output's type (fp16 / bf16); C: the cache's (T, or an fp8 type); L: the LDS tiles'.
+template <typename T, typename C, int HS, bool ALIGNED, int SOFTCAP, typename L = PrefillElem<T, C>>
 __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, const BlockTask& b,
-                                                 PrefillShared<C, HS>& sh) {
-  using G = MfmaGeom<C, HS>;
-  using PG = PrefillGeom<C, HS>;
+                                                 PrefillShared<L, HS>& sh) {
+  using G = MfmaGeom<L, HS>;
+  using PG = PrefillGeom<L, HS>;
   constexpr int WAVE = 64, QKC = G::QKC, FPC = G::FPC, PVC = G::PVC, EPC = G::EPC, KT = PG::KT;
   const int tid = (int)threadIdx.x, lane = tid % WAVE, warp = tid / WAVE;
   const int n = lane % 16, g = lane / 16;
@@ -347,7 +385,7 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
     for (int h = 0; h < FPC; ++h)
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const int d0 = EPC * (4 * u + g) + qk_dim<C>(h, 2 * i), d1 = EPC * (4 * u + g) + qk_dim<C>(h, 2 * i + 1);
+        const int d0 = EPC * (4 * u + g) + qk_dim<L>(h, 2 * i), d1 = EPC * (4 * u + g) + qk_dim<L>(h, 2 * i + 1);
         uint32_t bits = 0u;
         if (q && d0 < HS) {
           const unsigned short* qh = reinterpret_cast<const unsigned short*>(q);
@@ -374,9 +412,9 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
   const C* cache = static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
   const TileOrder ord{ntiles, full_lo, full_hi};
   const int* bt_lane = b.bt + lane;
-  PrefillPipe<C, HS> pipe;
+  PrefillPipe<C, HS, L> pipe;
   const TileTable first = tile_table(p, bt_lane, base + ord(0) * KT, inv_bs, lane);
-  prefill_load<C, HS, ALIGNED>(p, b, cache, first, inv_bs, base + ord(0) * KT, pipe.kr, pipe.vr);
+  prefill_load<C, HS, L, ALIGNED>(p, b, cache, first, inv_bs, base + ord(0) * KT, pipe.kr, pipe.vr);
   pipe.next = ntiles > 1 ? tile_table(p, bt_lane, base + ord(1) * KT, inv_bs, lane) : first;
   prefill_tiles<T, C, HS, ALIGNED, true, SOFTCAP>(p, b, sh, pipe, w, 0, ord.masked(), base, ord,
                                                   inv_bs, m, l, acc, qf);
@@ -391,24 +429,24 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
   // fp8 caches: values read as float(code) * v_scale, so the accumulated P V gets v_scale once
   const float v_scale = is_fp8<C>() ? p.v_scale[b.kv_head] : 1.f;
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {  // acc rows 4g + r; that row's m, l live in lane 4g + r
-    const float M = __shfl(m, 4 * g + r, WAVE), L = __shfl(l, 4 * g + r, WAVE);
+  for (int r = 0; r < 4; ++r) {  // acc rows 4g + r; that row's m, l (rm, rl) live in lane 4g + r
+    const float rm = __shfl(m, 4 * g + r, WAVE), rl = __shfl(l, 4 * g + r, WAVE);
     const int rr = 16 * warp + 4 * g + r;
     if (rr >= b.rows) continue;
     const int tok = b.token + rr / b.nheads, head = b.head0 + rr % b.nheads;
-    const float f = L > 0.f ? v_scale / L : 0.f;
+    const float f = rl > 0.f ? v_scale / rl : 0.f;
     if (p.num_partitions > 1) {
       const int64_t idx = ((int64_t)tok * p.num_q_heads + head) * p.num_partitions + b.part;
       if (n == 0) {
-        p.part_max[idx] = L > 0.f ? M * w.score_unit : -FLT_MAX;
-        p.part_sum[idx] = L;
+        p.part_max[idx] = rl > 0.f ? rm * w.score_unit : -FLT_MAX;
+        p.part_sum[idx] = rl;
       }
 #pragma unroll
       for (int u = 0; u < PVC; ++u)
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
           const int d = 8 * (n + 16 * u) + c;
-          if (d < HS) p.part_out[idx * HS + d] = L > 0.f ? acc[u][c][r] * f : 0.f;
+          if (d < HS) p.part_out[idx * HS + d] = rl > 0.f ? acc[u][c][r] * f : 0.f;
         }
     } else {
       T* o = static_cast<T*>(p.out) + (int64_t)tok * p.o_stride_token + (int64_t)head * p.o_stride_head;
@@ -417,7 +455,7 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
           const int d = 8 * (n + 16 * u) + c;
-          if (d < HS) o[d] = Cvt<T>::from(L > 0.f ? acc[u][c][r] * f : 0.f);
+          if (d < HS) o[d] = Cvt<T>::from(rl > 0.f ? acc[u][c][r] * f : 0.f);
         }
     }
   }
@@ -426,7 +464,7 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
 // One LDS tile for both address paths (16-byte vector loads or element loads of a misaligned cache).
 template <typename T, typename C, int HS>
 __device__ void prefill_mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
-  __shared__ PrefillShared<C, HS> sh;
+  __shared__ PrefillShared<PrefillElem<T, C>, HS> sh;
   const bool softcap = p.softcap > 0.f;
   if (p.kv_aligned16) {
     if (softcap) prefill_mfma_run<T, C, HS, true, 1>(p, b, sh);

@@ -49,12 +49,12 @@ int device_cu_count() {
   return n;
 }
 
-// Instantiations the prefill kernel serves: 16-bit queries over a cache of their own type at head 128 on
-// wave64 (the configurations whose compile check passes its thresholds: no spills, MFMA issue cycles >=
-// VALU issue cycles); every other step runs the attention kernel.
+// Instantiations the prefill kernel serves: 16-bit queries over a cache of their own type or of fp8 codes
+// at head 128 on wave64 (the configurations whose compile check passes its thresholds, see hip/README.md);
+// every other step runs the attention kernel.
 template <typename T, typename C, int HS, int WAVE>
 constexpr bool prefill_served() {
-  return sizeof(T) == 2 && std::is_same<T, C>::value && HS == 128 && WAVE == 64;
+  return sizeof(T) == 2 && (std::is_same<T, C>::value || kvmulti::is_fp8<C>()) && HS == 128 && WAVE == 64;
 }
 
 template <typename T, typename C, int HS, int WAVE>

@@ -688,7 +688,36 @@ def test_prefill_kernel_without_mfma_takes_the_fma_engine(hip_backend, dtype):
         lib.kvcpu_set_mfma_enabled(1)
 
 
-PREFILL_POISON_ENGINES = [(torch.float16, "fp16", 64, "mfma"), (torch.bfloat16, "bf16", 64, "mfma")]
+# fp8 caches through the prefill kernel (codes widened once per tile when staged in LDS): each case of
+# PREFILL_CASES over e4m3fn and e5m2, the query dtype and scale kind alternating so each format meets both.
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("name", PREFILL_CASES)
+def test_prefill_kernel_over_fp8_caches_matches_the_oracle(hip_backend, fmt, name):
+    spec, wave, partition = PREFILL_CASES[name]
+    i = list(PREFILL_CASES).index(name) + list(FP8_FORMATS).index(fmt)
+    spec = CaseSpec(**{**spec, "dtype": (torch.float16, torch.bfloat16)[i % 2]})
+    assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[fmt], per_head=bool(i // 2 % 2), wave=wave,
+                         partition_size=partition, prefill_min_query=1) > 0
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_kernel_serves_fp8_caches(hip_backend, fmt, dtype):
+    """The prefill kernel takes fp8 caches too: the case of
+    test_prefill_kernel_is_chosen_by_the_longest_query_and_skips_tiles gives its 9 wave-tiles of 64 MFMAs
+    (the decode kernel would count differently); every key order and the oracle agree."""
+    spec = CaseSpec(order="NHD", block_size=1, num_kv_heads=1, group=1, head_size=128, dtype=dtype,
+                    query_lens=(70, 3), context_lens=(20, 0), sliding_window=33, softcap=8.0)
+    assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[fmt], per_head=True, partition_size=0,
+                         prefill_min_query=1) == 9 * 64
+    hnd = dataclasses.replace(spec, order="HND", block_size=16)
+    assert _run_fp8_case(hip_backend, hnd, FP8_FORMATS[fmt], per_head=False, partition_size=0,
+                         prefill_min_query=1) == 9 * 64
+
+
+PREFILL_POISON_ENGINES = [(torch.float16, "fp16", 64, "mfma"), (torch.bfloat16, "bf16", 64, "mfma"),
+                          (torch.bfloat16, "e4m3", 64, "mfma"), (torch.float16, "e5m2", 64, "mfma"),
+                          (torch.float16, "e4m3", 64, "mfma"), (torch.bfloat16, "e5m2", 64, "mfma")]
 
 
 @pytest.mark.parametrize("scenario", ["mixed", "window"])
