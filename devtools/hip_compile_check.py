@@ -14,7 +14,9 @@ AMD (HIP_PLATFORM=amd, Debian packages ``hipcc libamdhip64-dev rocm-device-libs`
      -- without v_mfma on gfx90a / gfx940 (the one attention kernel serves prefill, chunked prefill,
      decode and verification), such an fp8-cache kernel whose descriptor does not keep fp16 denormals
      (its widening of e4m3 codes relies on them), a hot loop with a global load narrower than 16 bytes
-     or fewer than 4 x 16 bytes in flight per lane, and an occupancy below 2 waves/SIMD.
+     or fewer than 4 x 16 bytes in flight per lane, an occupancy below 2 waves/SIMD, and a prefill kernel
+     (fp16 / bf16 query, gfx90a / gfx940) whose hot loop issues fewer MFMA than VALU cycles over a 16-bit
+     cache, or more than MAX_FP8_PREFILL_VALU_PER_MFMA VALU cycles per MFMA cycle over an fp8 cache.
   ``report_rows()`` returns these figures as dicts (benchmarks/gpu_report.py); ``--report`` prints them.
 NVIDIA: ``nvcc -x cu -I hip/compat`` (kvmulti's HIP->CUDA compat headers) for sm_80 and sm_90 with
   ``-Werror all-warnings`` and ptxas ``-warn-spills -warn-lmem-usage -Werror``.
@@ -49,9 +51,10 @@ WAVES = (32, 64)
 CACHES_PER_DTYPE = 3
 #: every kernel the launcher instantiates: attention (dtype x cache x head size x wave), prefill, reduce per
 #: dtype, write_kv per dtype x cache
-#: prefill: fp16 / bf16 over a cache of their own type or fp8 e4m3fn / e5m2, head 128, wave64 (launcher.hip's
-#: prefill_served)
-PREFILL_KERNELS = 2 * CACHES_PER_DTYPE
+#: prefill (launcher.hip's prefill_served): fp16 / bf16, wave64, over a cache of their own type at every head
+#: size or over fp8 e4m3fn / e5m2 at FP8_PREFILL_HEAD_SIZES
+FP8_PREFILL_HEAD_SIZES = (96, 128, 256)
+PREFILL_KERNELS = 2 * (len(HEAD_SIZES) + (CACHES_PER_DTYPE - 1) * len(FP8_PREFILL_HEAD_SIZES))
 EXPECTED_KERNELS = (len(DTYPES) * CACHES_PER_DTYPE * len(HEAD_SIZES) * len(WAVES) + PREFILL_KERNELS + len(DTYPES)
                     + len(DTYPES) * CACHES_PER_DTYPE)
 #: report-row kinds of the attention kernels (decode / mixed: paged_attention_kernel; prefill:

@@ -6,9 +6,11 @@
 // owning rows 16 w .. 16 w + 15. The union of the rows' visible keys is cut into tiles of KT keys (64; 32
 // when a 64-key K + V tile would not fit 32 KiB of LDS); tiles outside the union (before a sliding window,
 // after the causal end of the last token) are never visited. Per tile every thread of the group issues
-// its share of the tile's K and V loads (16-byte chunks), the group stores them ONCE in LDS and all four
-// waves read them from there: S^T = K Q^T and O += P V as v_mfma_f32_16x16x16{f16,bf16_1k} tiles with the
-// lane roles of the decode engine (mfma_stream), the online softmax in registers. The next tile's loads
+// its share of the tile's K and V loads (16-byte chunks), the group stores them ONCE in LDS -- K as rows,
+// V transposed (a head dim's keys contiguous, so a P V operand is one 8-byte read), fp8 codes widened to
+// 16-bit values on the way -- and all four waves read them from there: S^T = K Q^T and O += P V as
+// v_mfma_f32_16x16x16{f16,bf16_1k} tiles with the lane roles of the decode engine (mfma_stream), the
+// online softmax in registers. The next tile's loads
 // are issued right after the barrier that publishes the current one (its block-table entries one tile
 // earlier still), so they are in flight while the waves compute. A wave skips a tile none of its rows
 // sees (no MFMA). Tiles visible to every row of the group run a loop without masks (the prompt's body:
@@ -103,6 +105,12 @@ struct PrefillGeom {
   static constexpr int NSUB = KT / 16;
   static constexpr int TPK = kNumWarps * 64 / KT;                // threads per key: 4 (KT 64) or 8 (KT 32)
   __device__ static int offset(int key, int ch) { return key * ROWB + 16 * (ch ^ (key & SWZ)); }
+  // V is stored transposed: row d (a head dim) holds the tile's KT keys (VRS bytes), its groups of 4 keys (8
+  // bytes: one PV B fragment) at position group ^ ((d / 8) & VSW), so the 16 dims n a PV read touches hit
+  // different banks.
+  static constexpr int VRS = 2 * KT;
+  static constexpr int VSW = (KT / 4 < 16 ? KT / 4 : 16) - 1;
+  __device__ static int voffset(int dim, int key) { return dim * VRS + ((2 * key) ^ (8 * ((dim / 8) & VSW))); }
 };
 
 // The global-load side of a tile: a cache row (K or V) of C is LNCH 16-byte chunks (fp8: 16 codes each,
@@ -119,7 +127,7 @@ struct PrefillLoad {
 template <typename L, int HS>
 struct PrefillShared {
   alignas(16) uint8_t k[PrefillGeom<L, HS>::KT * PrefillGeom<L, HS>::ROWB];
-  alignas(16) uint8_t v[PrefillGeom<L, HS>::KT * PrefillGeom<L, HS>::ROWB];
+  alignas(16) uint8_t v[HS * PrefillGeom<L, HS>::VRS];   // V^T
 };
 
 // The block-table entries of the tile at key t0: lane i holds entry t0 / block_size + i (-1 past the
@@ -187,19 +195,28 @@ __device__ __forceinline__ void prefill_store(PrefillShared<L, HS>& sh, const Ch
   for (int i = 0; i < PL::CPT; ++i) {
     const int ch = tid % PL::TPK + PL::TPK * i;
     if (PL::LNCH % PL::TPK == 0 || ch < PL::LNCH) {
-      if constexpr (PL::WIDEN == 1) {
-        *reinterpret_cast<Chunk16*>(sh.k + PG::offset(key, ch)) = kr[i];
-        *reinterpret_cast<Chunk16*>(sh.v + PG::offset(key, ch)) = vr[i];
-      } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          *reinterpret_cast<Chunk16*>(sh.k + PG::offset(key, 2 * ch + h)) = widen_half_chunk<C, L>(kr[i], h);
-          *reinterpret_cast<Chunk16*>(sh.v + PG::offset(key, 2 * ch + h)) = widen_half_chunk<C, VL>(vr[i], h);
+      for (int h = 0; h < PL::WIDEN; ++h) {  // LDS chunk lc = WIDEN ch + h: head dims 8 lc .. 8 lc + 7
+        const int lc = PL::WIDEN * ch + h;
+        Chunk16 kw = kr[i], vw = vr[i];
+        if constexpr (PL::WIDEN == 2) {
+          kw = widen_half_chunk<C, L>(kr[i], h);
+          vw = widen_half_chunk<C, VL>(vr[i], h);
         }
+        *reinterpret_cast<Chunk16*>(sh.k + PG::offset(key, lc)) = kw;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          *reinterpret_cast<unsigned short*>(sh.v + PG::voffset(8 * lc + j, key)) =
+              (unsigned short)(vw.w[j / 2] >> (16 * (j % 2)));
       }
     }
   }
 }
+
+// An MFMA fragment read from LDS with one 8-byte load.
+struct alignas(8) Frag2 {
+  uint32_t w[2];
+};
 
 // Two probabilities as the MFMA's 16-bit operand pair (low half: a), rounded to nearest even.
 template <typename T>
@@ -267,6 +284,8 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
   const float m_new = fmaxf(m, tmax);
   const float alpha = fast_exp2((m - m_new) * w.exp_scale);
   m = m_new;
+  // m in the exponent's units, finite (m = -FLT_MAX before any visible key: -inf would make -inf + inf)
+  const float ms = fmaxf(m * w.exp_scale, -FLT_MAX);
   l *= alpha;
 #pragma unroll
   for (int r = 0; r < 4; ++r) {  // acc rows 4g + r: that row's alpha lives in lane 4g + r
@@ -281,23 +300,22 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
     float pe[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      pe[e] = fast_exp2((s[sub][e] - m) * w.exp_scale);
+      pe[e] = fast_exp2(fmaf(s[sub][e], w.exp_scale, -ms));
       l += pe[e];
     }
     const Frag pa = {{pack_p<VL>(pe[0], pe[1]), pack_p<VL>(pe[2], pe[3])}};
-    // V pieces (8 head dims) n + 16u of keys 4g + e: 16 bytes of a row
-    Chunk16 vc[4][PVC];
+    // PV B fragment (u, c): V[keys 4g .. 4g + 3][head dim 8 (n + 16u) + c], 8 bytes of V^T. A lane past the
+    // head's pieces (n + 16u >= HS / 8) reads another piece: its output column is dropped.
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
+    for (int u = 0; u < PVC; ++u) {
+      const int piece = min(n + 16 * u, HS / 8 - 1);
+      const uint8_t* vrow = sh.v + PG::voffset(8 * piece, 16 * sub + 4 * g);
 #pragma unroll
-      for (int u = 0; u < PVC; ++u) {
-        const int key = 16 * sub + 4 * g + e, piece = n + 16 * u;
-        vc[e][u] = piece < HS / 8 ? *reinterpret_cast<const Chunk16*>(sh.v + PG::offset(key, piece)) : zero;
+      for (int c = 0; c < 8; ++c) {
+        const Frag2 vf = *reinterpret_cast<const Frag2*>(vrow + c * PG::VRS);
+        acc[u][c] = mfma_16x16x16<VL>(pa, Frag{{vf.w[0], vf.w[1]}}, acc[u][c]);
       }
-#pragma unroll
-    for (int u = 0; u < PVC; ++u)
-#pragma unroll
-      for (int c = 0; c < 8; ++c) acc[u][c] = mfma_16x16x16<VL>(pa, v_fragment<VL, VL>(vc, u, c), acc[u][c]);
+    }
     sched_fence();
   }
 }

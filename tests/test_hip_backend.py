@@ -301,11 +301,12 @@ BAD_METADATA = ["qsl_not_monotonic", "qsl_past_query_rows", "seq_len_huge", "seq
                 "window_garbage_entries"]
 
 
-@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "prefill-head80"])
 @pytest.mark.parametrize("kind", BAD_METADATA)
 @pytest.mark.parametrize("dtype,wave", [(torch.bfloat16, 64), (torch.float32, 64), (torch.float16, 32)])
 def test_invalid_metadata_never_touches_memory_outside_the_tensors(harness, kind, dtype, wave, kernel):
-    hq, hkv, hs, bs, nb, t = 8, 2, 128 if kernel == "prefill" else 64, 16, 4, 5   # the prefill kernel: head 128
+    hs = {"decode": 64, "prefill": 128, "prefill-head80": 80}[kernel]   # head 80: padded LDS rows
+    hq, hkv, bs, nb, t = 8, 2, 16, 4, 5
     layout = kvmulti.KVCacheLayout(nb, bs, hkv, hs, dtype=dtype, order="HND" if wave == 64 else "NHD")
     cache_buf = None
 
@@ -325,7 +326,7 @@ def test_invalid_metadata_never_touches_memory_outside_the_tensors(harness, kind
     md = _bad_metadata(kind, t, nb)
     saved = harness.cpu_wave, harness.partition_size, harness.prefill_min_query
     # the prefill kernel (64-row tiles, its own grid) when every step takes it
-    harness.prefill_min_query = 1 if kernel == "prefill" else -1
+    harness.prefill_min_query = 1 if kernel.startswith("prefill") else -1
     try:
         for partition in (0, 16):
             harness.cpu_wave, harness.partition_size = wave, partition

@@ -715,21 +715,75 @@ def test_prefill_kernel_serves_fp8_caches(hip_backend, fmt, dtype):
                          prefill_min_query=1) == 9 * 64
 
 
+# Every head size the launcher compiles runs the prefill kernel (16-bit and fp8 caches). MFMAs per wave and
+# 64-key tile (4 sub-tiles of QK chunks x fragments + 8 PV fragments per 16 head dims, padded to 16 lanes):
+# head 64: 4 x (4 + 8), 80 / 96: 4 x (6 + 8); head 256 takes 32-key tiles: 2 x (16 + 16).
+PREFILL_HEAD_MFMAS = {64: 48, 80: 56, 96: 56, 128: 64, 256: 64}
+
+
+@pytest.mark.parametrize("head_size", [64, 80, 96, 256])
+def test_prefill_kernel_serves_every_head_size(hip_backend, head_size):
+    """The case of test_prefill_kernel_is_chosen_by_the_longest_query_and_skips_tiles at each head size: 9
+    wave-tiles of 64 keys (head 256: 12 of 32 keys -- token tile 0's waves see 2, 2, 3, 2 tiles, tile 1's
+    wave 0 two, the short request one), over the query's cache type and, from head 96 on, over e4m3 / e5m2
+    (fp8 at heads 64 / 80 stays on the attention kernel; the oracle checks every run)."""
+    spec = CaseSpec(order="NHD", block_size=1, num_kv_heads=1, group=1, head_size=head_size,
+                    dtype=torch.float16, query_lens=(70, 3), context_lens=(20, 0), sliding_window=33, softcap=8.0)
+    want = (12 if head_size == 256 else 9) * PREFILL_HEAD_MFMAS[head_size]
+    assert _mfma_count(hip_backend, spec, wave=64, partition_size=0, prefill_min_query=1) == want
+    fp8_want = want if head_size >= 96 else None
+    bf16 = dataclasses.replace(spec, dtype=torch.bfloat16, order="HND", block_size=16)
+    counts = [_run_fp8_case(hip_backend, bf16, FP8_FORMATS["e4m3"], per_head=True, partition_size=0,
+                            prefill_min_query=1),
+              _run_fp8_case(hip_backend, spec, FP8_FORMATS["e5m2"], per_head=False, partition_size=0,
+                            prefill_min_query=1)]
+    for count in counts:
+        assert count > 0 and (fp8_want is None or count == fp8_want), (head_size, count, want)
+
+
+# varlen + chunked + decode, GQA 1 / 4 / 8, windows, softcap, split-KV, block sizes 1 / 16 / 32 / 128, both
+# orders, at each head size; fp16 / bf16 over their own cache and over fp8.
+PREFILL_HEAD_CASES = {
+    "varlen-chunked-gqa4-bs16": dict(order="HND", block_size=16, num_kv_heads=2, group=4,
+                                     query_lens=(40, 1, 9, 23), context_lens=(0, 30, 50, 70)),
+    "causal-window-softcap-gqa1-bs1": dict(order="NHD", block_size=1, num_kv_heads=1, group=1,
+                                           query_lens=(70, 3), context_lens=(90, 0), sliding_window=33, softcap=8.0),
+    "gqa8-bs128-window": dict(order="HND", block_size=128, num_kv_heads=2, group=8, query_lens=(17, 9),
+                              context_lens=(100, 0), sliding_window=50),
+    "gqa4-bs32-long": dict(order="NHD", block_size=32, num_kv_heads=1, group=4, query_lens=(81, 2),
+                           context_lens=(40, 60)),
+}
+
+
+@pytest.mark.parametrize("head_size", [64, 80, 96, 256])
+@pytest.mark.parametrize("name", PREFILL_HEAD_CASES)
+def test_prefill_kernel_head_sizes_match_the_oracle(hip_backend, head_size, name):
+    i = list(PREFILL_HEAD_CASES).index(name)
+    spec = CaseSpec(head_size=head_size, dtype=(torch.float16, torch.bfloat16)[(i + head_size // 16) % 2],
+                    **PREFILL_HEAD_CASES[name])
+    partition = 32 if name == "gqa8-bs128-window" else 0
+    _run_case(hip_backend, spec, wave=64, partition_size=partition, prefill_min_query=1)
+    fmt = list(FP8_FORMATS)[i % 2]
+    assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[fmt], per_head=bool(i // 2), partition_size=partition,
+                         prefill_min_query=1) > 0
+
+
 PREFILL_POISON_ENGINES = [(torch.float16, "fp16", 64, "mfma"), (torch.bfloat16, "bf16", 64, "mfma"),
                           (torch.bfloat16, "e4m3", 64, "mfma"), (torch.float16, "e5m2", 64, "mfma"),
                           (torch.float16, "e4m3", 64, "mfma"), (torch.bfloat16, "e5m2", 64, "mfma")]
 
 
+@pytest.mark.parametrize("head_size", [80, 128, 256])
 @pytest.mark.parametrize("scenario", ["mixed", "window"])
 @pytest.mark.parametrize("engine", PREFILL_POISON_ENGINES, ids=[f"{e[1]}-w{e[2]}-{e[3]}" for e in PREFILL_POISON_ENGINES])
-def test_prefill_unreadable_slots_with_nan_do_not_leak(hip_backend, engine, scenario):
-    """The prefill kernel loads whole 64-key tiles: every slot no row may read holds NaN, the output must
-    equal the oracle's (finite)."""
+def test_prefill_unreadable_slots_with_nan_do_not_leak(hip_backend, engine, scenario, head_size):
+    """The prefill kernel loads whole 64-key tiles (head 256: 32): every slot no row may read holds NaN, the
+    output must equal the oracle's (finite)."""
     dtype, cache_name, wave, kind = engine
     cache_dtype = POISON_CACHES[cache_name]
     sc = POISON_SCENARIOS[scenario]
     spec = CaseSpec(order="HND" if scenario == "mixed" else "NHD", block_size=16 if scenario == "mixed" else 5,
-                    num_kv_heads=2, group=4, head_size=128, dtype=dtype, query_lens=sc["query_lens"],
+                    num_kv_heads=2, group=4, head_size=head_size, dtype=dtype, query_lens=sc["query_lens"],
                     context_lens=sc["context_lens"], extra_blocks=2, sliding_window=sc["sliding_window"],
                     softcap=8.0 if scenario == "window" else None, seed=len(scenario))
     layout, cache, md, query, k_scale, v_scale = _poisoned_case(spec, cache_dtype, "nan")
