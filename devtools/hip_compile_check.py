@@ -53,7 +53,7 @@ CACHES_PER_DTYPE = 3
 #: dtype, write_kv per dtype x cache
 #: prefill (launcher.hip's prefill_served): fp16 / bf16, wave64, over a cache of their own type at every head
 #: size or over fp8 e4m3fn / e5m2 at FP8_PREFILL_HEAD_SIZES
-FP8_PREFILL_HEAD_SIZES = (96, 128, 256)
+FP8_PREFILL_HEAD_SIZES = (128, 256)
 PREFILL_KERNELS = 2 * (len(HEAD_SIZES) + (CACHES_PER_DTYPE - 1) * len(FP8_PREFILL_HEAD_SIZES))
 EXPECTED_KERNELS = (len(DTYPES) * CACHES_PER_DTYPE * len(HEAD_SIZES) * len(WAVES) + PREFILL_KERNELS + len(DTYPES)
                     + len(DTYPES) * CACHES_PER_DTYPE)

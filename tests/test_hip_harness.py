@@ -725,13 +725,13 @@ PREFILL_HEAD_MFMAS = {64: 48, 80: 56, 96: 56, 128: 64, 256: 64}
 def test_prefill_kernel_serves_every_head_size(hip_backend, head_size):
     """The case of test_prefill_kernel_is_chosen_by_the_longest_query_and_skips_tiles at each head size: 9
     wave-tiles of 64 keys (head 256: 12 of 32 keys -- token tile 0's waves see 2, 2, 3, 2 tiles, tile 1's
-    wave 0 two, the short request one), over the query's cache type and, from head 96 on, over e4m3 / e5m2
-    (fp8 at heads 64 / 80 stays on the attention kernel; the oracle checks every run)."""
+    wave 0 two, the short request one), over the query's cache type and, at head 256, over e4m3 / e5m2
+    (fp8 at heads 64 / 80 / 96 stays on the attention kernel; the oracle checks every run)."""
     spec = CaseSpec(order="NHD", block_size=1, num_kv_heads=1, group=1, head_size=head_size,
                     dtype=torch.float16, query_lens=(70, 3), context_lens=(20, 0), sliding_window=33, softcap=8.0)
     want = (12 if head_size == 256 else 9) * PREFILL_HEAD_MFMAS[head_size]
     assert _mfma_count(hip_backend, spec, wave=64, partition_size=0, prefill_min_query=1) == want
-    fp8_want = want if head_size >= 96 else None
+    fp8_want = want if head_size >= 128 else None
     bf16 = dataclasses.replace(spec, dtype=torch.bfloat16, order="HND", block_size=16)
     counts = [_run_fp8_case(hip_backend, bf16, FP8_FORMATS["e4m3"], per_head=True, partition_size=0,
                             prefill_min_query=1),
