@@ -137,18 +137,22 @@ def format_hip(rows: list[dict], full: bool) -> list[str]:
     matrix counts) are printed generically."""
     if full or not rows or "hot_loop_instructions" not in rows[0]:
         return format_generic(rows)
-    out = ["target  query cache  engine  vgprs sgprs   lds  waves spills mfma  hot-loop valu/mfma/lds/vmem  "
-           "in-flight B/lane"]
-    shown = [r for r in rows if r.get("kind") == "attention" and r.get("head_size") == HIP_SHOWN_HEAD_SIZE]
-    for r in sorted(shown, key=lambda r: (r["target"], r["dtype"], r.get("cache") or "")):
+    from devtools import hip_compile_check as cc
+    out = ["target  query cache  engine kernel    vgprs sgprs   lds  waves spills mfma  hot-loop valu/mfma/lds/vmem  "
+           "in-flight B/lane  issue cycles/wave mfma:valu:salu"]
+    shown = [r for r in rows if r.get("kind") in ("attention", "prefill") and r.get("head_size") == HIP_SHOWN_HEAD_SIZE]
+    for r in sorted(shown, key=lambda r: (r["kind"], r["target"], r["dtype"], r.get("cache") or "")):
         mix = r["hot_loop_instructions"]
+        cyc = cc.issue_cycles(r)
         out.append(f"{r['target']:7} {r['dtype']:5} {r.get('cache') or r['dtype']:5}  "
-                   f"{'MFMA' if r['matrix_instructions'] else 'FMA':6} {r['vgprs']:5} {r['sgprs']:5} "
+                   f"{'MFMA' if r['matrix_instructions'] else 'FMA':6} {r['kind']:9} {r['vgprs']:5} {r['sgprs']:5} "
                    f"{r['lds_bytes']:5} "
                    f"{r['waves_per_simd']:6} {r['spills']:6} {r['matrix_instructions']:4}  "
                    f"{mix.get('valu', 0):>11}/{mix.get('mfma', 0)}/{mix.get('lds', 0)}/{mix.get('vmem', 0):<10} "
-                   f"{r['bytes_in_flight_per_lane']:>6}")
-    out.append(f"({len(shown)} of {len(rows)} rows: attention at head {HIP_SHOWN_HEAD_SIZE}; --full or --json: all)")
+                   f"{r['bytes_in_flight_per_lane']:>6}            "
+                   + (f"{cyc['mfma']}:{cyc['valu']}:{cyc['salu']}" if r['matrix_instructions'] else "-"))
+    out.append(f"({len(shown)} of {len(rows)} rows: attention (decode / mixed) and prefill at head "
+               f"{HIP_SHOWN_HEAD_SIZE}; --full or --json: all)")
     return out
 
 

@@ -14,7 +14,9 @@ AMD (HIP_PLATFORM=amd, Debian packages ``hipcc libamdhip64-dev rocm-device-libs`
      -- without v_mfma on gfx90a / gfx940 (the one attention kernel serves prefill, chunked prefill,
      decode and verification), such an fp8-cache kernel whose descriptor does not keep fp16 denormals
      (its widening of e4m3 codes relies on them), a hot loop with a global load narrower than 16 bytes
-     or fewer than 4 x 16 bytes in flight per lane, and an occupancy below 2 waves/SIMD.
+     or fewer than 4 x 16 bytes in flight per lane, an occupancy below 2 waves/SIMD, and a prefill kernel
+     (fp16 / bf16 query, gfx90a / gfx940) whose hot loop issues fewer MFMA than VALU cycles over a 16-bit
+     cache, or more than MAX_FP8_PREFILL_VALU_PER_MFMA VALU cycles per MFMA cycle over an fp8 cache.
   ``report_rows()`` returns these figures as dicts (benchmarks/gpu_report.py); ``--report`` prints them.
 NVIDIA: ``nvcc -x cu -I hip/compat`` (kvmulti's HIP->CUDA compat headers) for sm_80 and sm_90 with
   ``-Werror all-warnings`` and ptxas ``-warn-spills -warn-lmem-usage -Werror``.
@@ -47,10 +49,17 @@ WAVES = (32, 64)
 #: cache element types per query dtype: the query's own, fp8 e4m3fn, fp8 e5m2 (MFMA engine for fp16 / bf16
 #: queries on gfx90a / gfx940, FMA engine otherwise)
 CACHES_PER_DTYPE = 3
-#: every kernel the launcher instantiates: attention (dtype x cache x head size x wave), reduce per
+#: every kernel the launcher instantiates: attention (dtype x cache x head size x wave), prefill, reduce per
 #: dtype, write_kv per dtype x cache
-EXPECTED_KERNELS = (len(DTYPES) * CACHES_PER_DTYPE * len(HEAD_SIZES) * len(WAVES) + len(DTYPES)
+#: prefill (launcher.hip's prefill_served): fp16 / bf16, wave64, over a cache of their own type at every head
+#: size or over fp8 e4m3fn / e5m2 at FP8_PREFILL_HEAD_SIZES
+FP8_PREFILL_HEAD_SIZES = (128, 256)
+PREFILL_KERNELS = 2 * (len(HEAD_SIZES) + (CACHES_PER_DTYPE - 1) * len(FP8_PREFILL_HEAD_SIZES))
+EXPECTED_KERNELS = (len(DTYPES) * CACHES_PER_DTYPE * len(HEAD_SIZES) * len(WAVES) + PREFILL_KERNELS + len(DTYPES)
                     + len(DTYPES) * CACHES_PER_DTYPE)
+#: report-row kinds of the attention kernels (decode / mixed: paged_attention_kernel; prefill:
+#: paged_prefill_kernel); the attention thresholds apply to both
+ATTENTION_KINDS = ("attention", "prefill")
 
 
 @dataclass
@@ -127,6 +136,10 @@ def _wave_of(arch: str) -> int:
 MFMA_ARCHS = ("gfx90a", "gfx940")   # targets whose fp16 / bf16-query attention kernels must use v_mfma
 MIN_WAVES_PER_SIMD = 2
 MIN_BYTES_IN_FLIGHT_PER_LANE = 4 * 16
+#: prefill over an fp8 cache: its hot loop widens each tile's codes once, when they are staged in LDS (4 x 16
+#: bytes per thread at head 128), on top of the 16-bit loop; at most this many VALU issue cycles per MFMA
+#: issue cycle (in-loop widening, per wave and fragment, issues about 6.4 on gfx940)
+MAX_FP8_PREFILL_VALU_PER_MFMA = 2.5
 
 
 def parse_resource_usage(log: str) -> dict[str, dict[str, int]]:
@@ -308,28 +321,56 @@ def mfma_flops(body: list[str]) -> int:
     return sum(2 * int(m.group(1)) * int(m.group(2)) * int(m.group(3)) for m in map(_MFMA_SHAPE.match, body) if m)
 
 
+#: the comment an inline asm of the prefill kernel puts into its unmasked tile loop (the loop a long
+#: prompt spends its tiles in; its masked edge loops issue as many loads and more VALU)
+HOT_LOOP_MARKER = "kvmulti-hot-loop"
+
+
 def analyze_function(lines: list[str]) -> dict:
     """Static figures of one kernel's assembly: v_mfma count, global load widths (whole kernel), and
-    its hot loop = the innermost loop issuing the most global-load bytes per iteration."""
+    its hot loop = the innermost loop holding HOT_LOOP_MARKER if one does, else the innermost loop issuing
+    the most global-load bytes per iteration."""
     widths = sorted({w for w in map(_load_width, lines) if w is not None})
     mfma = sum(1 for l in lines if re.match(r"^\s*v_mfma_", l))
     hot = None
     for header, body in _loop_bodies(lines).items():
         prof = loop_load_profile(body)
         issued = sum(w for w in map(_load_width, body) if w is not None)
-        if issued and (hot is None or issued > hot[0]):
-            hot = (issued, header, prof)
+        marked = any(HOT_LOOP_MARKER in l for l in body)
+        if issued and (hot is None or (marked, issued) > (hot[3], hot[0])):
+            hot = (issued, header, prof, marked)
     row = {"matrix_instructions": mfma, "load_widths_bytes": widths, "hot_loop": None,
            "hot_loop_load_widths_bytes": [], "bytes_in_flight_per_lane": 0, "bytes_before_vmcnt0_per_lane": 0,
-           "hot_loop_instructions": {}, "hot_loop_serial_share": None, "hot_loop_mfma_flops": 0}
+           "hot_loop_instructions": {}, "hot_loop_serial_share": None, "hot_loop_mfma_flops": 0,
+           "hot_loop_narrow_loads": 0}
     if hot:
         row.update(hot_loop=hot[1], hot_loop_load_widths_bytes=hot[2]["load_widths_bytes"],
                    bytes_in_flight_per_lane=hot[2]["peak_bytes_per_lane"],
                    bytes_before_vmcnt0_per_lane=hot[2]["bytes_before_vmcnt0_per_lane"],
                    hot_loop_instructions=instruction_mix(_loop_bodies(lines)[hot[1]]),
                    hot_loop_serial_share=round(serial_share(_loop_bodies(lines)[hot[1]]), 4),
-                   hot_loop_mfma_flops=mfma_flops(_loop_bodies(lines)[hot[1]]))
+                   hot_loop_mfma_flops=mfma_flops(_loop_bodies(lines)[hot[1]]),
+                   hot_loop_narrow_loads=sum(1 for w in map(_load_width, _loop_bodies(lines)[hot[1]])
+                                             if w is not None and w < 16))
     return row
+
+
+#: issue cycles of one wave64 instruction on a CDNA SIMD: VALU and SALU through the SIMD's issue slot
+#: (once per 4 cycles), v_mfma_f32_16x16x16 (f16 / bf16): 8 passes = 32 cycles on CDNA2, 4 passes x 4 =
+#: 16 on CDNA3 (MI250X 383 / MI300X 1307 TFLOP/s dense bf16 at 220 / 304 CUs: 256 / 512 flop/cycle/SIMD)
+MFMA_16X16X16_CYCLES = {"gfx90a": 32, "gfx940": 16}
+VALU_CYCLES = 4
+SALU_CYCLES = 4
+
+
+def issue_cycles(row: dict) -> dict[str, int]:
+    """Issue cycles per wave of the hot loop's matrix, vector and scalar instructions (``mfma`` from the
+    flops at the target's 16x16x16 rate)."""
+    mix = row.get("hot_loop_instructions") or {}
+    per_mfma = MFMA_16X16X16_CYCLES.get(row.get("target"), 0)
+    flops = row.get("hot_loop_mfma_flops") or 0
+    return {"mfma": flops * per_mfma // (2 * 16 * 16 * 16), "valu": mix.get("valu", 0) * VALU_CYCLES,
+            "salu": mix.get("salu", 0) * SALU_CYCLES}
 
 
 def instruction_mix(body: list[str]) -> dict[str, int]:
@@ -357,9 +398,9 @@ _FP8_NAMES = {"NS_7Fp8E4M3E": "e4m3", "NS_7Fp8E5M2E": "e5m2"}
 def _kernel_kind(name: str) -> tuple[str, str | None, int | None, int | None]:
     """(kind, dtype, head size, wave) from a mangled kernel name; kind: attention / reduce / write_kv;
     dtype: the query's (attention, write_kv: the key's) -- see :func:`cache_kind` for the cache's."""
-    m = re.search(r"paged_attention_kernelI(f|6__half|12hip_bfloat16)" + _CACHE + r"Li(\d+)ELi(\d+)E", name)
+    m = re.search(r"paged_(attention|prefill)_kernelI(f|6__half|12hip_bfloat16)" + _CACHE + r"Li(\d+)ELi(\d+)E", name)
     if m:
-        return "attention", _DT[m.group(1)], int(m.group(3)), int(m.group(4))
+        return m.group(1), _DT[m.group(2)], int(m.group(4)), int(m.group(5))
     m = re.search(r"write_kv_kernelI(f|6__half|12hip_bfloat16)" + _CACHE + "E", name)
     if m:
         return "write_kv", _DT[m.group(1)], None, None
@@ -371,7 +412,8 @@ def _kernel_kind(name: str) -> tuple[str, str | None, int | None, int | None]:
 
 def cache_kind(name: str) -> str | None:
     """"e4m3" / "e5m2" for an fp8-cache instantiation, None when the cache has the query's type."""
-    m = re.search(r"(?:paged_attention_kernel|write_kv_kernel)I(?:f|6__half|12hip_bfloat16)" + _CACHE, name)
+    m = re.search(r"(?:paged_attention_kernel|paged_prefill_kernel|write_kv_kernel)I(?:f|6__half|12hip_bfloat16)"
+                  + _CACHE, name)
     return _FP8_NAMES.get(m.group(1)) if m else None
 
 
@@ -379,8 +421,8 @@ def short_name(name: str) -> str:
     kind, dtype, hs, wave = _kernel_kind(name)
     cache = cache_kind(name)
     dtype = f"{dtype},{cache}" if cache else dtype
-    if kind == "attention":
-        return f"paged_attention<{dtype},{hs},wave{wave}>"
+    if kind in ATTENTION_KINDS:
+        return f"paged_{kind}<{dtype},{hs},wave{wave}>"
     return f"{kind}<{dtype}>" if dtype else name
 
 
@@ -430,7 +472,7 @@ def rows_of(dp: DevicePass) -> list[dict]:
     wave = _wave_of(dp.arch)
     for name, f in sorted(dp.resources.items()):
         kind, dtype, hs, kwave = _kernel_kind(name)
-        if kind == "attention" and kwave != wave:
+        if kind in ATTENTION_KINDS and kwave != wave:
             continue
         a = dp.asm.get(name, analyze_function([]))
         rows.append({
@@ -450,6 +492,7 @@ def rows_of(dp: DevicePass) -> list[dict]:
             "hot_loop_instructions": a["hot_loop_instructions"],
             "hot_loop_serial_share": a["hot_loop_serial_share"],
             "hot_loop_mfma_flops": a["hot_loop_mfma_flops"],
+            "hot_loop_narrow_loads": a.get("hot_loop_narrow_loads", 0),
             # 3: fp16 (and fp64) denormals kept on input and output (the hardware default mode)
             "fp16_denorm_mode": dp.descriptors.get(name, {}).get("float_denorm_mode_16_64"),
         })
@@ -464,7 +507,7 @@ def row_problems(row: dict) -> list[str]:
         problems.append(f"{k}: {row['spills']} spilled registers, {row['scratch_bytes']} scratch bytes/lane")
     if row["waves_per_simd"] < MIN_WAVES_PER_SIMD:
         problems.append(f"{k}: occupancy {row['waves_per_simd']} < {MIN_WAVES_PER_SIMD} waves/SIMD")
-    if row["kind"] == "attention":
+    if row["kind"] in ATTENTION_KINDS:
         if row["vgprs"] == 0:
             problems.append(f"{k}: wave-{row['wave']} instantiation compiled to an empty body")
         if row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16") and row["matrix_instructions"] == 0:
@@ -474,8 +517,21 @@ def row_problems(row: dict) -> list[str]:
             problems.append(f"{k}: fp8 codes widened through fp16 with fp16 denormals not kept "
                             f"(.amdhsa_float_denorm_mode_16_64 {row.get('fp16_denorm_mode')}, want 3)")
         narrow = [w for w in row["hot_loop_load_widths_bytes"] if w < 16]
+        if row["kind"] == "prefill" and narrow == [4] and row.get("hot_loop_narrow_loads") == 1:
+            narrow = []   # the next tile's block-table entries: one 4-byte load per lane and tile
         if narrow or not row["hot_loop_load_widths_bytes"]:
             problems.append(f"{k}: hot-loop global loads of {row['hot_loop_load_widths_bytes']} bytes (want 16 only)")
+        if (row["kind"] == "prefill" and row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16")
+                and not row.get("cache")):
+            cyc = issue_cycles(row)
+            if cyc["mfma"] < cyc["valu"]:
+                problems.append(f"{k}: hot loop issues {cyc['mfma']} MFMA cycles < {cyc['valu']} VALU cycles per wave")
+        if (row["kind"] == "prefill" and row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16")
+                and row.get("cache")):
+            cyc = issue_cycles(row)
+            if cyc["valu"] > MAX_FP8_PREFILL_VALU_PER_MFMA * cyc["mfma"]:
+                problems.append(f"{k}: hot loop issues {cyc['valu']} VALU cycles > {MAX_FP8_PREFILL_VALU_PER_MFMA} x "
+                                f"{cyc['mfma']} MFMA cycles per wave (fp8 codes not widened once per tile?)")
         if row["bytes_in_flight_per_lane"] < MIN_BYTES_IN_FLIGHT_PER_LANE:
             problems.append(f"{k}: {row['bytes_in_flight_per_lane']} bytes in flight per lane in the hot loop "
                             f"(< {MIN_BYTES_IN_FLIGHT_PER_LANE} = 4 x 16-byte loads)")

@@ -8,6 +8,12 @@ streams its contiguous share of the block's 32-key tiles (16 at head 256), one t
 iteration. Split-KV (partitions of 512 keys, a reduce launch) when the longest span exceeds 1024
 keys and the un-split grid has fewer than 4 working blocks per CU (the plan counts 8 rows a block).
 
+The prefill case runs ``paged_prefill_kernel`` (``hip/kvmulti_prefill.hip``; the launcher takes it when
+the step's longest query reaches 64 tokens): a 4-wave work-group computes 64 rows (the GQA group's heads x
+64 / group tokens), its grid enumerates token tiles request by request (one empty work-group per
+request), and one hot-loop iteration is one key tile (64 keys; 32 at head 256) that the group loads once
+into LDS and each of the 4 waves multiplies with its 16 rows.
+
 Only kernels on the MFMA engine are modelled (an fp16 / bf16 query, wave64, gfx90a / gfx940): the FMA
 engine's hot loop, as the analysis picks it, is its staging loop alone, not a whole tile. gfx940's
 assembly stands for MI300X (gfx942: Debian's clang 15 does not know gfx942).
@@ -41,11 +47,59 @@ def _elem_bytes(row: dict) -> int:
 
 
 def modelled(row: dict, case: Case) -> bool:
-    """A bf16-query attention row at the case's head size on the MFMA engine of a modelled target;
-    prefill only over a 16-bit cache (the case's)."""
-    return (row.get("kind") == "attention" and row.get("dtype") == "bf16" and row.get("head_size") == case.head
+    """A bf16-query row at the case's head size on the MFMA engine of a modelled target: the decode case
+    on the attention kernel, the prefill case on the prefill kernel over a 16-bit cache (the case's)."""
+    kind = "attention" if case.name == "decode" else "prefill"
+    return (row.get("kind") == kind and row.get("dtype") == "bf16" and row.get("head_size") == case.head
             and row.get("target") in ARCH_TO_TARGET and bool(row.get("matrix_instructions"))
             and row.get("hot_loop_instructions") and (case.name == "decode" or not row.get("cache")))
+
+
+PREFILL_ROWS = 64          # rows of a prefill work-group (kPrefillRows)
+PREFILL_LDS_TILE = 32768   # bytes of a K + V tile in LDS (PrefillGeom::KT)
+
+
+def prefill_tile_keys(head: int, elem: int) -> int:
+    """Keys per prefill tile: 64 when K + V of 64 keys fit 32 KiB of LDS (rows padded by 16 bytes when
+    their 16-byte chunk count is not a power of two), else 32."""
+    chunks = head * elem // 16
+    row = 16 * chunks + (0 if chunks & (chunks - 1) == 0 else 16)
+    return 64 if 2 * 64 * row <= PREFILL_LDS_TILE else 32
+
+
+def prefill_launch(row: dict, case: Case) -> KernelLaunch:
+    """The prefill kernel's launch of ``case`` on ``row``'s target (no split: prefill grids are large)."""
+    target = TARGETS[ARCH_TO_TARGET[row["target"]]]
+    elem = _elem_bytes(row)
+    keys = prefill_tile_keys(case.head, elem)
+    group = case.q_heads // case.kv_heads
+    heads = min(group, PREFILL_ROWS)
+    tokens_per_tile = PREFILL_ROWS // heads
+    chunks = math.ceil(group / heads)
+    first = case.context - case.query_len
+    tiles = [math.ceil((first + t0 + min(tokens_per_tile, case.query_len - t0)) / keys)
+             for _ in range(case.sequences) for t0 in range(0, case.query_len, tokens_per_tile)]
+    working = len(tiles) * case.kv_heads * chunks
+    iterations = sum(tiles) / len(tiles)
+    grid = (math.ceil(case.tokens / tokens_per_tile) + case.sequences) * case.kv_heads * chunks
+    mix = {c: n for c, n in row["hot_loop_instructions"].items() if c in CLASSES and n}
+    iteration_bytes = keys * 2 * case.head * elem            # the group's tile, loaded once for 4 waves
+    flops = WAVES_PER_BLOCK * (row.get("hot_loop_mfma_flops") or mix.get("mfma", 0) * MFMA_FLOPS)
+    table = case.sequences * math.ceil(case.context / case.block_size) * 4
+    kv = case.kv_bytes(elem)
+    loaded = working * iterations * iteration_bytes
+    return KernelLaunch(
+        kernel=f"hip {row['kernel']}", target=target.arch, case=case.name, programs=working,
+        waves_per_program=WAVES_PER_BLOCK, iterations=iterations,
+        loop=LoopMix(mix, iteration_bytes, {"mfma": flops} if flops else {}),
+        resident_per_unit=max(1, row["waves_per_simd"] * target.ports_per_unit // WAVES_PER_BLOCK),
+        bytes_in_flight=(row["bytes_in_flight_per_lane"] or 0) * row["wave"] * WAVES_PER_BLOCK,
+        dram_bytes=kv + case.q_bytes * 2 + table, useful_bytes=kv, useful_flops=case.useful_flops,
+        serial_share=row.get("hot_loop_serial_share") or 0.0, dram_share=min(1.0, kv / loaded),
+        exiting_programs=grid - working, exit_s=SEARCH_ROUND_TRIPS * target.cache_latency_s,
+        notes=(f"{row['target']} assembly; prefill kernel: {working} working groups of {PREFILL_ROWS} rows x "
+               f"{iterations:.2f} tiles of {keys} keys (K/V in LDS once per group); {grid - working} groups "
+               f"find no tokens"))
 
 
 def partitions(case: Case, units: int) -> int:
@@ -115,7 +169,8 @@ def launch(row: dict, case: Case) -> KernelLaunch:
 
 def launches(rows: list[dict], case: Case) -> list[KernelLaunch]:
     """One launch per modelled row (see :func:`modelled`) for ``case`` (DECODE or PREFILL)."""
-    return [launch(r, case) for r in rows if modelled(r, case)]
+    make = launch if case.name == "decode" else prefill_launch
+    return [make(r, case) for r in rows if modelled(r, case)]
 
 
 CASES = (DECODE, PREFILL)

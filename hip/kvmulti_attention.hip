@@ -108,11 +108,12 @@ struct RowMap {
   }
 };
 
-// What one attention block computes; all fields block-uniform. Row r = (token + r / nheads,
-// head0 + r % nheads) for r < rows.
+// What one attention block computes; all fields block-uniform. Row r = (token + (row0 + r) / nheads,
+// head0 + (row0 + r) % nheads) for r < rows (row0: a slice of a larger task, see the prefill kernel).
 struct BlockTask {
-  int token, req, part, nheads, head0, kv_head, rows, ntok;
+  int token, req, part, nheads, head0, kv_head, rows, ntok, row0;
   int kv_lo, kv_hi;   // union of the rows' visible keys (empty: kv_lo >= kv_hi)
+  int all_lo, all_hi; // keys visible to every row that sees any (empty: all_lo >= all_hi)
   int kmax;           // keys addressable through the block table: bt_cols * block_size (clamped)
   long long pos0;     // position of `token` in its sequence (any value for invalid metadata)
   const int* bt;      // this request's block-table row
@@ -140,20 +141,59 @@ __device__ __forceinline__ void key_range(const PagedAttentionParams& p, const B
 // metadata out of bounds for this token (the block writes zeros / empty partials for its own rows).
 enum class TaskKind { kCompute, kCovered, kInvalid };
 
-// Fills the block's task from the metadata. Block-uniform.
-template <int R>
-__device__ __forceinline__ TaskKind block_task(const PagedAttentionParams& p, BlockTask& b) {
-  b.token = (int)blockIdx.x;
+// Union [kv_lo, kv_hi) of the visible keys of the task's rows row0 .. row0 + rows - 1 (contiguous: ranges
+// shift by at most one key per token; empty: kv_lo >= kv_hi) and their intersection [all_lo, all_hi)
+// over the rows that see any key.
+__device__ __forceinline__ void task_key_union(const PagedAttentionParams& p, BlockTask& b) {
+  b.kv_lo = b.all_hi = 0x7fffffff;
+  b.kv_hi = b.all_lo = 0;
+  if (b.rows <= 0) return;
+  const int first = b.row0 / b.nheads, last = (b.row0 + b.rows - 1) / b.nheads;
+  for (int tq = first; tq <= last; ++tq) {
+    int x, y;
+    key_range(p, b, tq, x, y);
+    if (x < y) {
+      b.kv_lo = min(b.kv_lo, x);
+      b.kv_hi = max(b.kv_hi, y);
+      b.all_lo = max(b.all_lo, x);
+      b.all_hi = min(b.all_hi, y);
+    }
+  }
+}
+
+// The rest of a task whose request (b.req, rows [q_begin, q_end)) and first token are known: up to
+// tokens_per_block tokens from b.token, their positions, the table row and the key union.
+__device__ __forceinline__ void fill_task(const PagedAttentionParams& p, BlockTask& b, int tokens_per_block,
+                                          int q_begin, int q_end) {
+  b.ntok = min(tokens_per_block, min(q_end, p.num_tokens) - b.token);
+  b.rows = b.nheads * b.ntok;
+  b.pos0 = (long long)p.seq_lens[b.req] - ((long long)q_end - q_begin) + (b.token - q_begin);
+  const long long kmax = (long long)p.bt_cols * p.block_size;
+  b.kmax = (int)(kmax < 0 ? 0 : (kmax > 0x3fffffff ? 0x3fffffff : kmax));
+  b.bt = p.block_table + (int64_t)b.req * p.bt_stride;
+  task_key_union(p, b);
+}
+
+// The block's heads and partition (grid y, z), first token `token`, one empty row of work so far.
+__device__ __forceinline__ void init_task(const PagedAttentionParams& p, const RowMap& map, int token, BlockTask& b) {
+  b.token = token;
   b.part = (int)blockIdx.z;
-  const RowMap map(p.num_q_heads, p.num_kv_heads, R);
   const int group = p.num_q_heads / p.num_kv_heads;
   b.kv_head = (int)blockIdx.y / map.chunks;
   b.head0 = b.kv_head * group + ((int)blockIdx.y % map.chunks) * map.heads_per_block;
   b.nheads = min(map.heads_per_block, b.kv_head * group + group - b.head0);
   b.ntok = 1;
+  b.row0 = 0;
   b.rows = b.nheads;
   b.kv_lo = 0;
   b.kv_hi = 0;
+}
+
+// Fills the block's task from the metadata. Block-uniform.
+template <int R>
+__device__ __forceinline__ TaskKind block_task(const PagedAttentionParams& p, BlockTask& b) {
+  const RowMap map(p.num_q_heads, p.num_kv_heads, R);
+  init_task(p, map, (int)blockIdx.x, b);
   if (b.token >= p.num_tokens) return TaskKind::kCovered;
   int lo = 0, hi = p.num_reqs - 1;  // the last r with query_start_loc[r] <= token
   while (lo < hi) {
@@ -165,23 +205,7 @@ __device__ __forceinline__ TaskKind block_task(const PagedAttentionParams& p, Bl
   const int q_end = p.query_start_loc[b.req + 1];
   if (q_begin < 0 || b.token < q_begin || b.token >= q_end || b.req >= p.bt_rows) return TaskKind::kInvalid;
   if ((b.token - q_begin) % map.tokens_per_block != 0) return TaskKind::kCovered;
-  b.ntok = min(map.tokens_per_block, min(q_end, p.num_tokens) - b.token);
-  b.rows = b.nheads * b.ntok;
-  b.pos0 = (long long)p.seq_lens[b.req] - ((long long)q_end - q_begin) + (b.token - q_begin);
-  const long long kmax = (long long)p.bt_cols * p.block_size;
-  b.kmax = (int)(kmax < 0 ? 0 : (kmax > 0x3fffffff ? 0x3fffffff : kmax));
-  b.bt = p.block_table + (int64_t)b.req * p.bt_stride;
-  // The union over the block's tokens is contiguous: ranges shift by at most one key per token.
-  b.kv_lo = 0x7fffffff;
-  b.kv_hi = 0;
-  for (int tq = 0; tq < b.ntok; ++tq) {
-    int x, y;
-    key_range(p, b, tq, x, y);
-    if (x < y) {
-      b.kv_lo = min(b.kv_lo, x);
-      b.kv_hi = max(b.kv_hi, y);
-    }
-  }
+  fill_task(p, b, map.tokens_per_block, q_begin, q_end);
   return TaskKind::kCompute;
 }
 
@@ -190,7 +214,7 @@ template <typename T, int HS, int NT>
 __device__ void write_empty_rows(const PagedAttentionParams& p, const BlockTask& b) {
   for (int i = (int)threadIdx.x; i < b.rows * HS; i += NT) {
     const int r = i / HS, d = i % HS;
-    const int tok = b.token + r / b.nheads, head = b.head0 + r % b.nheads;
+    const int tok = b.token + (b.row0 + r) / b.nheads, head = b.head0 + (b.row0 + r) % b.nheads;
     if (p.num_partitions > 1) {
       const int64_t idx = ((int64_t)tok * p.num_q_heads + head) * p.num_partitions + b.part;
       if (d == 0) {
@@ -212,7 +236,7 @@ __device__ __forceinline__ void publish_row_ranges(const PagedAttentionParams& p
   const int r = (int)threadIdx.x;
   if (r < R) {
     int x = 0, y = 0;
-    if (r < b.rows) key_range(p, b, r / b.nheads, x, y);
+    if (r < b.rows) key_range(p, b, (b.row0 + r) / b.nheads, x, y);
     rlo[r] = x;
     rhi[r] = y;
   }
@@ -243,27 +267,35 @@ __device__ __forceinline__ int load_bt_window(const PagedAttentionParams& p, con
 // outside its block's range [kv_lo, kv_hi) reads (see key_row).
 __device__ Chunk16 kZeroRow[128];
 
-// Address of the row (K then V, of the cache's KV head `cache` points at) of key t of the block-table
-// window that starts at key ws = win * WAVE * block_size, whose entry i lane i holds (bt_win); a block
-// id outside [0, num_blocks) gives block 0 and valid = false. A key outside the block's range
-// [kv_lo, kv_hi) -- tiles are whole, so the first and last tiles hold some: slots before a sliding
-// window, the unwritten tail of the last block, slots of blocks the table names past the range --
-// reads kZeroRow instead: its score is masked (-inf by select, p = 0), but 0 x V is NaN for a
-// non-finite V, and such slots may hold anything. The division by block_size goes through a float reciprocal (inv_bs = 1 / block_size)
-// plus a one-step fix-up: exact for 0 <= t - ws < WAVE * block_size (the launcher bounds block_size),
-// and a few VALU ops instead of an integer division per key. Every lane calls it (a shuffle).
-template <int WAVE, typename C>
-__device__ __forceinline__ const C* key_row(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
-                                            int bt_win, int ws, float inv_bs, int t, bool& valid) {
+// Key t of the block-table window starting at key ws: its entry q (the return value) and offset r in that
+// block, through a float reciprocal (inv_bs = 1 / block_size) plus a one-step fix-up: exact for
+// 0 <= t - ws < WAVE * block_size (the launcher bounds block_size), a few VALU ops instead of an integer
+// division.
+__device__ __forceinline__ int window_entry(const PagedAttentionParams& p, int ws, float inv_bs, int t, int& r) {
   const int bs = p.block_size, tr = t - ws;
   int q = (int)((float)tr * inv_bs);
-  int r = tr - q * bs;
+  r = tr - q * bs;
   const bool under = r < 0;  // selects, not branches
   q -= under ? 1 : 0;
   r += under ? bs : 0;
   const bool over = r >= bs;
   q += over ? 1 : 0;
   r -= over ? bs : 0;
+  return q;
+}
+
+// Address of the row (K then V, of the cache's KV head `cache` points at) of key t of the block-table
+// window that starts at key ws = win * WAVE * block_size, whose entry i lane i holds (bt_win); a block
+// id outside [0, num_blocks) gives block 0 and valid = false. A key outside the block's range
+// [kv_lo, kv_hi) -- tiles are whole, so the first and last tiles hold some: slots before a sliding
+// window, the unwritten tail of the last block, slots of blocks the table names past the range --
+// reads kZeroRow instead: its score is masked (-inf by select, p = 0), but 0 x V is NaN for a
+// non-finite V, and such slots may hold anything. Every lane calls it (a shuffle).
+template <int WAVE, typename C>
+__device__ __forceinline__ const C* key_row(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
+                                            int bt_win, int ws, float inv_bs, int t, bool& valid) {
+  int r;
+  const int q = window_entry(p, ws, inv_bs, t, r);
   const int blk = __shfl(bt_win, q, WAVE);
   valid = blk >= 0 && blk < p.num_blocks;
   // blk, r >= 0 and the strides are positive: unsigned 32 x 64-bit products
@@ -297,7 +329,7 @@ __device__ void write_rows(const PagedAttentionParams& p, const BlockTask& b, co
                            const Combine<R>& c) {
   for (int i = (int)threadIdx.x; i < b.rows * HS; i += NT) {
     const int r = i / HS, d = i % HS;
-    const int tok = b.token + r / b.nheads, head = b.head0 + r % b.nheads;
+    const int tok = b.token + (b.row0 + r) / b.nheads, head = b.head0 + (b.row0 + r) % b.nheads;
     if (p.num_partitions > 1) {
       const int64_t idx = ((int64_t)tok * p.num_q_heads + head) * p.num_partitions + b.part;
       if (d == 0) {
@@ -460,7 +492,7 @@ __device__ void fma_body(const PagedAttentionParams& p, const BlockTask& b) {
     const int r = i / HS, d = i % HS;
     float q = 0.f;
     if (r < b.rows) {
-      const int tok = b.token + r / b.nheads, head = b.head0 + r % b.nheads;
+      const int tok = b.token + (b.row0 + r) / b.nheads, head = b.head0 + (b.row0 + r) % b.nheads;
       q = Cvt<T>::to(static_cast<const T*>(p.query)[(int64_t)tok * p.q_stride_token +
                                                    (int64_t)head * p.q_stride_head + d]);
     }
@@ -560,7 +592,6 @@ __device__ __forceinline__ Frag k_fragment(const Chunk16& c, int h) {
   }
 }
 
-__device__ __forceinline__ uint32_t half_of(const Chunk16& c, int e) { return (c.w[e >> 1] >> (16 * (e & 1))) & 0xffffu; }
 __device__ __forceinline__ uint32_t byte_of(const Chunk16& c, int e) { return (c.w[e >> 2] >> (8 * (e & 3))) & 0xffu; }
 
 // B fragment of PV MFMA (u, c): V[keys 4g .. 4g+3][head dim c of piece u] from the lane's pieces vc[e][u]
@@ -571,8 +602,8 @@ __device__ __forceinline__ Frag v_fragment(const Chunk16 (&vc)[4][PVC], int u, i
     return Frag{{widen_pair<C, T>((byte_of(vc[0][u], c) << 8) | (byte_of(vc[1][u], c) << 24)),
                  widen_pair<C, T>((byte_of(vc[2][u], c) << 8) | (byte_of(vc[3][u], c) << 24))}};
   } else {
-    return Frag{{half_of(vc[0][u], c) | (half_of(vc[1][u], c) << 16),
-                 half_of(vc[2][u], c) | (half_of(vc[3][u], c) << 16)}};
+    return Frag{{pair_halves(vc[0][u].w[c >> 1], vc[1][u].w[c >> 1], c & 1),
+                 pair_halves(vc[2][u].w[c >> 1], vc[3][u].w[c >> 1], c & 1)}};
   }
 }
 

@@ -234,6 +234,28 @@ __device__ __forceinline__ Chunk16 load_chunk(const T* __restrict__ p) {
   }
 }
 
+// The 16-bit halves `hi` (0: low, 1: high) of a and b as one word (a's in the low half): one v_perm_b32
+// on AMD GPUs, shifts and masks elsewhere.
+__device__ __forceinline__ uint32_t pair_halves(uint32_t a, uint32_t b, int hi) {
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+  return __builtin_amdgcn_perm(b, a, hi ? 0x07060302u : 0x05040100u);
+#else
+  return hi ? (a >> 16) | (b & 0xFFFF0000u) : (a & 0xFFFFu) | (b << 16);
+#endif
+}
+
+// 2^x: v_exp_f32 on AMD GPUs (the device library's native exp2), exp2f elsewhere.
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+extern "C" __device__ float __ocml_native_exp2_f32(float);
+#endif
+__device__ __forceinline__ float fast_exp2(float x) {
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+  return __ocml_native_exp2_f32(x);
+#else
+  return exp2f(x);
+#endif
+}
+
 // Butterfly reduction inside one wave over lane masks [FIRST, WAVE/2]. Every lane must call it.
 template <int WAVE, int FIRST = 1>
 __device__ __forceinline__ float wave_max_from(float v) {

@@ -8,7 +8,7 @@
 //                 kernels on CPU fibers (verification only);
 //   * nvcc -x cu -I hip/compat: compile check for NVIDIA targets.
 // Every entry point returns a hipError_t value (0 = success).
-#include "kvmulti_attention.hip"
+#include "kvmulti_prefill.hip"
 
 namespace {
 
@@ -28,6 +28,11 @@ constexpr int kDefaultPartition = 512;
 // blocks stay far below 2^31).
 constexpr int kMaxBlockSize = 1 << 20;
 constexpr int kCacheE4M3 = 3, kCacheE5M2 = 4;   // cache_dtype codes of the fp8 formats
+// Default prefill threshold: a step whose longest query has at least this many tokens runs the prefill
+// kernel. 64 tokens fill a 64-row tile at any GQA group (the group's heads x 64 / group tokens), and from
+// there on the decode kernel re-reads every K/V tile once per 16 rows where the prefill kernel reads it
+// once per 64 (4x less L2 traffic) and keeps 3 of every 4 of its grid's blocks busy instead of exiting.
+constexpr int kDefaultPrefillMinQuery = 64;
 
 int device_wave_size(int wave) {
   if (wave == 32 || wave == 64) return wave;
@@ -44,12 +49,32 @@ int device_cu_count() {
   return n;
 }
 
+// Instantiations the prefill kernel serves: 16-bit queries on wave64 over a cache of their own type (every
+// head size) or of fp8 codes (heads >= 128) -- the configurations whose compile check passes its
+// thresholds, see hip/README.md. fp8 at heads 64 (a 64-key tile of 64-code rows leaves 36 bytes in flight
+// per lane) and 80 / 96 (SGPR spills on gfx90a), fp32 queries (16-bit MFMA operands would miss fp32's
+// tolerance) and wave32 run the attention kernel.
 template <typename T, typename C, int HS, int WAVE>
-hipError_t launch_attention(const PagedAttentionParams& p, hipStream_t stream) {
-  const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads, kvmulti::rows_per_block<T, WAVE, C>());
-  dim3 grid((unsigned)p.num_tokens, (unsigned)(p.num_kv_heads * map.chunks), (unsigned)p.num_partitions);
+constexpr bool prefill_served() {
+  return sizeof(T) == 2 && WAVE == 64 && (std::is_same<T, C>::value || (kvmulti::is_fp8<C>() && HS >= 128));
+}
+
+template <typename T, typename C, int HS, int WAVE>
+hipError_t launch_attention(const PagedAttentionParams& p, bool prefill, hipStream_t stream) {
   dim3 block(kvmulti::kNumWarps * WAVE);
-  hipLaunchKernelGGL((kvmulti::paged_attention_kernel<T, C, HS, WAVE>), grid, block, 0, stream, p);
+  if constexpr (prefill_served<T, C, HS, WAVE>()) {
+    if (prefill) {
+      const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads, kvmulti::kPrefillRows);
+      const long long tiles = ((long long)p.num_tokens + map.tokens_per_block - 1) / map.tokens_per_block + p.num_reqs;
+      dim3 grid((unsigned)tiles, (unsigned)(p.num_kv_heads * map.chunks), (unsigned)p.num_partitions);
+      hipLaunchKernelGGL((kvmulti::paged_prefill_kernel<T, C, HS, WAVE>), grid, block, 0, stream, p);
+    }
+  }
+  if (!prefill_served<T, C, HS, WAVE>() || !prefill) {
+    const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads, kvmulti::rows_per_block<T, WAVE, C>());
+    dim3 grid((unsigned)p.num_tokens, (unsigned)(p.num_kv_heads * map.chunks), (unsigned)p.num_partitions);
+    hipLaunchKernelGGL((kvmulti::paged_attention_kernel<T, C, HS, WAVE>), grid, block, 0, stream, p);
+  }
   hipError_t e = hipGetLastError();
   if (e != hipSuccess || p.num_partitions <= 1) return e;
   dim3 rgrid((unsigned)p.num_tokens, (unsigned)p.num_q_heads);
@@ -59,22 +84,22 @@ hipError_t launch_attention(const PagedAttentionParams& p, hipStream_t stream) {
 }
 
 template <typename T, typename C, int WAVE>
-hipError_t dispatch_head_size(int head_size, const PagedAttentionParams& p, hipStream_t s) {
+hipError_t dispatch_head_size(int head_size, const PagedAttentionParams& p, bool pf, hipStream_t s) {
   switch (head_size) {
-    case 64: return launch_attention<T, C, 64, WAVE>(p, s);
-    case 80: return launch_attention<T, C, 80, WAVE>(p, s);
-    case 96: return launch_attention<T, C, 96, WAVE>(p, s);
-    case 128: return launch_attention<T, C, 128, WAVE>(p, s);
-    case 256: return launch_attention<T, C, 256, WAVE>(p, s);
+    case 64: return launch_attention<T, C, 64, WAVE>(p, pf, s);
+    case 80: return launch_attention<T, C, 80, WAVE>(p, pf, s);
+    case 96: return launch_attention<T, C, 96, WAVE>(p, pf, s);
+    case 128: return launch_attention<T, C, 128, WAVE>(p, pf, s);
+    case 256: return launch_attention<T, C, 256, WAVE>(p, pf, s);
     default: return hipErrorInvalidValue;
   }
 }
 
 template <typename T, typename C>
-hipError_t dispatch_wave(int wave, int head_size, const PagedAttentionParams& p, hipStream_t s) {
+hipError_t dispatch_wave(int wave, int head_size, const PagedAttentionParams& p, bool pf, hipStream_t s) {
   switch (wave) {
-    case 64: return dispatch_head_size<T, C, 64>(head_size, p, s);
-    case 32: return dispatch_head_size<T, C, 32>(head_size, p, s);
+    case 64: return dispatch_head_size<T, C, 64>(head_size, p, pf, s);
+    case 32: return dispatch_head_size<T, C, 32>(head_size, p, pf, s);
     default: return hipErrorInvalidDeviceFunction;
   }
 }
@@ -82,11 +107,11 @@ hipError_t dispatch_wave(int wave, int head_size, const PagedAttentionParams& p,
 // The cache's element type: the query's (cache_dtype == dtype) or fp8 (3 = e4m3fn, 4 = e5m2).
 template <typename T>
 hipError_t dispatch_cache(int dtype, int cache_dtype, int wave, int head_size, const PagedAttentionParams& p,
-                          hipStream_t s) {
-  if (cache_dtype == dtype) return dispatch_wave<T, T>(wave, head_size, p, s);
+                          bool pf, hipStream_t s) {
+  if (cache_dtype == dtype) return dispatch_wave<T, T>(wave, head_size, p, pf, s);
   if (!p.k_scale || !p.v_scale) return hipErrorInvalidValue;
-  if (cache_dtype == kCacheE4M3) return dispatch_wave<T, kvmulti::Fp8E4M3>(wave, head_size, p, s);
-  if (cache_dtype == kCacheE5M2) return dispatch_wave<T, kvmulti::Fp8E5M2>(wave, head_size, p, s);
+  if (cache_dtype == kCacheE4M3) return dispatch_wave<T, kvmulti::Fp8E4M3>(wave, head_size, p, pf, s);
+  if (cache_dtype == kCacheE5M2) return dispatch_wave<T, kvmulti::Fp8E5M2>(wave, head_size, p, pf, s);
   return hipErrorInvalidValue;
 }
 
@@ -110,7 +135,7 @@ hipError_t launch_write(int dtype, int cache_dtype, const WriteKVParams& p, hipS
 extern "C" {
 
 // Bumped whenever an entry point's signature changes (checked by the Python side).
-__attribute__((visibility("default"))) int kvmulti_hip_abi_version() { return 4; }
+__attribute__((visibility("default"))) int kvmulti_hip_abi_version() { return 5; }
 
 // Head sizes with compiled instantiations (K and V head sizes must be equal for attention).
 __attribute__((visibility("default"))) int kvmulti_hip_head_sizes(int* out, int cap) {
@@ -163,6 +188,8 @@ __attribute__((visibility("default"))) long long kvmulti_hip_workspace_floats(in
 // Bounds (memory safety, whatever the metadata holds): num_query_rows = rows of query and out (tokens
 // past it are neither read nor written), block table [bt_rows, >= bt_cols] with row stride bt_stride,
 // num_blocks = blocks of kv_cache. query_start_loc must hold num_reqs + 1 and seq_lens num_reqs ints.
+// max_query_len: the step's longest query (an upper bound is fine); prefill_min_query: the prefill kernel
+// runs when max_query_len >= it (< 0: the default threshold, 0: never).
 __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
     int dtype, int cache_dtype, const float* k_scale, const float* v_scale, int head_size, int wave, void* out,
     const void* query, const void* kv_cache,
@@ -171,7 +198,7 @@ __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
     long long kv_stride_token, long long kv_stride_head, long long bt_stride, int num_reqs, int num_tokens,
     int num_q_heads, int num_kv_heads, int block_size, int sliding_window, float scale, float softcap,
     int partition_size, int num_partitions, float* workspace, int num_query_rows, int bt_rows, int bt_cols,
-    int num_blocks, void* stream) {
+    int num_blocks, int max_query_len, int prefill_min_query, void* stream) {
   if (num_tokens > num_query_rows) num_tokens = num_query_rows;  // never touch rows past query / out
   if (num_tokens <= 0) return hipSuccess;
   if (num_reqs <= 0 || num_q_heads <= 0 || num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 ||
@@ -220,10 +247,12 @@ __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
   p.v_scale = v_scale;
   hipStream_t s = (hipStream_t)stream;
   const int w = device_wave_size(wave);
+  const int threshold = prefill_min_query < 0 ? kDefaultPrefillMinQuery : prefill_min_query;
+  const bool pf = threshold > 0 && max_query_len >= threshold;
   switch (dtype) {
-    case 0: return dispatch_cache<float>(dtype, cache_dtype, w, head_size, p, s);
-    case 1: return dispatch_cache<__half>(dtype, cache_dtype, w, head_size, p, s);
-    case 2: return dispatch_cache<hip_bfloat16>(dtype, cache_dtype, w, head_size, p, s);
+    case 0: return dispatch_cache<float>(dtype, cache_dtype, w, head_size, p, pf, s);
+    case 1: return dispatch_cache<__half>(dtype, cache_dtype, w, head_size, p, pf, s);
+    case 2: return dispatch_cache<hip_bfloat16>(dtype, cache_dtype, w, head_size, p, pf, s);
     default: return hipErrorInvalidValue;
   }
 }

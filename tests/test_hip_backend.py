@@ -301,10 +301,12 @@ BAD_METADATA = ["qsl_not_monotonic", "qsl_past_query_rows", "seq_len_huge", "seq
                 "window_garbage_entries"]
 
 
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "prefill-head80"])
 @pytest.mark.parametrize("kind", BAD_METADATA)
 @pytest.mark.parametrize("dtype,wave", [(torch.bfloat16, 64), (torch.float32, 64), (torch.float16, 32)])
-def test_invalid_metadata_never_touches_memory_outside_the_tensors(harness, kind, dtype, wave):
-    hq, hkv, hs, bs, nb, t = 8, 2, 64, 16, 4, 5
+def test_invalid_metadata_never_touches_memory_outside_the_tensors(harness, kind, dtype, wave, kernel):
+    hs = {"decode": 64, "prefill": 128, "prefill-head80": 80}[kernel]   # head 80: padded LDS rows
+    hq, hkv, bs, nb, t = 8, 2, 16, 4, 5
     layout = kvmulti.KVCacheLayout(nb, bs, hkv, hs, dtype=dtype, order="HND" if wave == 64 else "NHD")
     cache_buf = None
 
@@ -322,7 +324,9 @@ def test_invalid_metadata_never_touches_memory_outside_the_tensors(harness, kind
     o_flat.zero_()
     query, out = q_flat.view(t, hq, hs), o_flat.view(t, hq, hs)
     md = _bad_metadata(kind, t, nb)
-    saved = harness.cpu_wave, harness.partition_size
+    saved = harness.cpu_wave, harness.partition_size, harness.prefill_min_query
+    # the prefill kernel (64-row tiles, its own grid) when every step takes it
+    harness.prefill_min_query = 1 if kernel.startswith("prefill") else -1
     try:
         for partition in (0, 16):
             harness.cpu_wave, harness.partition_size = wave, partition
@@ -337,7 +341,7 @@ def test_invalid_metadata_never_touches_memory_outside_the_tensors(harness, kind
             # A read past the query or the cache would have brought a NaN margin into some output.
             assert not torch.isnan(out.float()).any(), f"{kind}: an output saw memory outside the inputs"
     finally:
-        harness.cpu_wave, harness.partition_size = saved
+        harness.cpu_wave, harness.partition_size, harness.prefill_min_query = saved
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -210,3 +210,87 @@ def test_fp8_caches_with_16bit_queries_use_mfma_on_cdna():
             assert r["spills"] == 0 and r["hot_loop_load_widths_bytes"] == [16], r
         else:
             assert r["matrix_instructions"] == 0, r
+
+
+# ------------------------------------------------------------------------------- the prefill kernel
+_MARKED_ASM = """\
+_ZN7kvmulti20paged_prefill_kernelI12hip_bfloat16S1_Li128ELi64EEEvNS_20PagedAttentionParamsE:
+; %bb.0:
+.LBB0_1:                                ; =>This Inner Loop Header: Depth=1
+	global_load_dwordx4 v[0:3], v[8:9], off
+	global_load_dwordx4 v[4:7], v[8:9], off offset:16
+	v_add_f32_e32 v10, v11, v12
+	v_mul_f32_e32 v10, v11, v12
+	s_cbranch_scc1 .LBB0_1
+; %bb.2:
+.LBB0_3:                                ; =>This Inner Loop Header: Depth=1
+	global_load_dwordx4 v[0:3], v[8:9], off
+	global_load_dword v20, v[8:9], off
+	;;#ASMSTART
+	; kvmulti-hot-loop
+	;;#ASMEND
+	v_mfma_f32_16x16x16_bf16 v[0:3], v[4:5], v[6:7], v[0:3]
+	v_mfma_f32_16x16x16_bf16 v[0:3], v[4:5], v[6:7], v[0:3]
+	v_add_f32_e32 v10, v11, v12
+	s_add_i32 s0, s0, 1
+	s_cbranch_scc1 .LBB0_3
+; %bb.4:
+	s_endpgm
+.Lfunc_end0:
+"""
+
+
+def test_the_marked_loop_is_the_hot_loop_and_its_issue_cycles():
+    """The prefill kernel marks its unmasked tile loop; the analysis takes it over a loop issuing more load
+    bytes (the masked edge loops), counts its one 4-byte block-table load, and its issue cycles per wave:
+    v_mfma_f32_16x16x16 = 16 cycles on gfx940, 32 on gfx90a; VALU and SALU 4."""
+    (name, lines), = cc.split_functions(_MARKED_ASM).items()
+    row = cc.analyze_function(lines)
+    assert row["hot_loop"] == "BB0_3" and row["hot_loop_narrow_loads"] == 1
+    assert row["hot_loop_instructions"] == {"mfma": 2, "valu": 1, "salu": 1, "lds": 0, "vmem": 2}
+    assert cc.issue_cycles(dict(row, target="gfx940")) == {"mfma": 32, "valu": 4, "salu": 4}
+    assert cc.issue_cycles(dict(row, target="gfx90a"))["mfma"] == 64
+
+
+def test_prefill_thresholds():
+    """A prefill row may issue one 4-byte load per tile (the next tile's block-table entries), no more;
+    on gfx90a / gfx940 its 16-bit hot loop must issue at least as many MFMA cycles as VALU cycles."""
+    ok = _row(kind="prefill", kernel="paged_prefill<bf16,128,wave64>", target="gfx940",
+              hot_loop_load_widths_bytes=[4, 16], hot_loop_narrow_loads=1, hot_loop_mfma_flops=64 * 8192,
+              hot_loop_instructions={"mfma": 64, "valu": 250, "salu": 40, "lds": 47, "vmem": 9})
+    assert cc.row_problems(ok) == []
+    assert any("hot-loop global loads" in p for p in cc.row_problems(dict(ok, hot_loop_narrow_loads=2)))
+    slow = dict(ok, hot_loop_instructions=dict(ok["hot_loop_instructions"], valu=300))
+    assert any("MFMA cycles" in p for p in cc.row_problems(slow))
+    assert cc.row_problems(dict(slow, target="gfx90a")) == []            # 32-cycle MFMAs there
+    # over an fp8 cache: codes widened once per tile, at most MAX_FP8_PREFILL_VALU_PER_MFMA VALU per MFMA cycle
+    fp8 = dict(ok, kernel="paged_prefill<bf16,e4m3,128,wave64>", cache="e4m3", fp16_denorm_mode=3,
+               hot_loop_instructions=dict(ok["hot_loop_instructions"], valu=510))
+    assert cc.row_problems(fp8) == []
+    in_loop = dict(fp8, hot_loop_instructions=dict(ok["hot_loop_instructions"], valu=1646))
+    assert any("widened once per tile" in p for p in cc.row_problems(in_loop))
+
+
+def test_prefill_kernel_static_figures_and_estimate():
+    """Every prefill instantiation (fp16 / bf16 over a 16-bit or fp8 cache, head 128, wave64) compiles without
+    spills at >= 2 waves/SIMD; on gfx90a / gfx940 they use v_mfma with K + V tiles of at most 32 KiB of LDS and
+    an unmasked hot loop whose MFMA issue cycles cover its VALU cycles over a 16-bit cache (fp8: see
+    MAX_FP8_PREFILL_VALU_PER_MFMA); the roofline model puts gfx942's bf16 prefill case (8 x 2048 tokens, 32 / 8
+    heads, head 128) at >= 50 % of the matrix peak (an estimate)."""
+    _require(amd=True, nvidia=False)
+    from devtools import roofline as R
+    from devtools import roofline_hip as H
+    rows = [r for r in cc.report_rows() if r["kind"] == "prefill"]
+    assert len(rows) == len(cc.MFMA_ARCHS) * cc.PREFILL_KERNELS      # wave64: none runs on gfx1030
+    for r in rows:
+        assert cc.row_problems(r) == [], cc.row_problems(r)
+        if r["target"] in cc.MFMA_ARCHS and r["dtype"] != "fp32":
+            cyc = cc.issue_cycles(r)
+            assert r["matrix_instructions"] > 0 and r["lds_bytes"] <= 32768 + 1024, r
+            assert cyc["mfma"] >= cyc["valu"] or r["cache"], r
+    launches = H.launches(rows, R.PREFILL)
+    assert {launch.target for launch in launches} == {"gfx942", "gfx90a"}
+    for launch in launches:
+        e = R.estimate(launch, R.TARGETS[launch.target])
+        if launch.target == "gfx942":
+            assert e.fraction >= 0.5, e.row()

@@ -202,12 +202,13 @@ def hip_backend():
     return backend
 
 
-def _run_case(backend, spec, wave=64, partition_size=-1):
+def _run_case(backend, spec, wave=64, partition_size=-1, prefill_min_query=-1):
     """check_against_reference through the public ops with backend="HIP" (the CPU harness here),
-    with the registry's HIP instance set to emulate ``wave`` and use ``partition_size``. Returns
-    the plan the per-step hook made (the last one)."""
-    saved = backend.cpu_wave, backend.partition_size
-    backend.cpu_wave, backend.partition_size = wave, partition_size
+    with the registry's HIP instance set to emulate ``wave`` and use ``partition_size`` and
+    ``prefill_min_query`` (1: the prefill kernel serves every step). Returns the plan the per-step hook
+    made (the last one)."""
+    saved = backend.cpu_wave, backend.partition_size, backend.prefill_min_query
+    backend.cpu_wave, backend.partition_size, backend.prefill_min_query = wave, partition_size, prefill_min_query
     steps = []
     real = type(backend).build_metadata
     backend.build_metadata = lambda *a: steps.append(real(backend, *a)) or steps[-1]
@@ -216,7 +217,7 @@ def _run_case(backend, spec, wave=64, partition_size=-1):
             warnings.filterwarnings("ignore", "kvmulti HIP backend on a CPU tensor", RuntimeWarning)
             check_against_reference(spec, "HIP")
     finally:
-        backend.cpu_wave, backend.partition_size = saved
+        backend.cpu_wave, backend.partition_size, backend.prefill_min_query = saved
         del backend.build_metadata
     return steps[-1].plan
 
@@ -344,21 +345,22 @@ def test_mfma_path_runs_on_the_harness(hip_backend, dtype):
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-def _run_fp8_case(backend, spec, cache_dtype, per_head, wave=64, partition_size=0):
+def _run_fp8_case(backend, spec, cache_dtype, per_head, wave=64, partition_size=0, prefill_min_query=-1):
     """test_fp8_backends.check_fp8 (the write bit-identical to the oracle's, attention within the query
     dtype's tolerance of the oracle over the same bytes) through backend="HIP" with the registry's HIP
-    instance emulating ``wave`` with ``partition_size``; returns the MFMA instructions the harness ran."""
+    instance emulating ``wave`` with ``partition_size`` and ``prefill_min_query``; returns the MFMA
+    instructions the harness ran."""
     from test_fp8_backends import check_fp8
     lib = _mfma_library()
-    saved = backend.cpu_wave, backend.partition_size
-    backend.cpu_wave, backend.partition_size = wave, partition_size
+    saved = backend.cpu_wave, backend.partition_size, backend.prefill_min_query
+    backend.cpu_wave, backend.partition_size, backend.prefill_min_query = wave, partition_size, prefill_min_query
     lib.kvcpu_reset_mfma_count()
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "kvmulti HIP backend on a CPU tensor", RuntimeWarning)
             check_fp8(spec, cache_dtype, per_head, "HIP")
     finally:
-        backend.cpu_wave, backend.partition_size = saved
+        backend.cpu_wave, backend.partition_size, backend.prefill_min_query = saved
     return lib.kvcpu_mfma_count()
 
 
@@ -608,3 +610,193 @@ def test_unreadable_slots_with_non_finite_bytes_do_not_leak(hip_backend, engine,
     bad = int((~out.isfinite()).sum())
     assert bad == 0, f"{bad} of {out.numel()} outputs non-finite"
     assert_close_to_reference(out, want, dtype, f"{spec} over {cache_name} poisoned with {poison}")
+
+
+# ------------------------------------------------------------------------------- the prefill kernel
+# paged_prefill_kernel (hip/kvmulti_prefill.hip): 64 query rows per work-group (16 per wave), K/V tiles of 64
+# keys staged once in LDS for all four waves. The launcher serves fp16 / bf16 queries over a cache of their
+# type at head 128 on wave64 with it; prefill_min_query=1 makes it take every such step, so small batches
+# cover several token tiles, several key tiles, tiles skipped whole, the diagonal and window edges.
+def _mfma_count(backend, spec, **kw):
+    lib = _mfma_library()
+    lib.kvcpu_reset_mfma_count()
+    _run_case(backend, spec, **kw)
+    return lib.kvcpu_mfma_count()
+
+
+def test_prefill_kernel_is_chosen_by_the_longest_query_and_skips_tiles(hip_backend):
+    """Group 1, head 128, fp16: a work-group takes 64 tokens; each wave computes 4 sub-tiles x (8 QK + 8 PV)
+    = 64 MFMAs per 64-key tile it does not skip. 70 + 3 tokens with a window of 33 over 20 cached keys: token
+    tile 0 (positions 20..83) visits key tiles 0 and 1, where waves 0 and 1 (positions 20..51) skip tile 1;
+    token tile 1 (6 rows, wave 0) visits both; the 3-token request one: 9 wave-tiles. The default threshold:
+    a longest query of 64 takes the prefill kernel (one tile, 4 waves: 256), 63 the decode kernel."""
+    spec = CaseSpec(order="NHD", block_size=1, num_kv_heads=1, group=1, head_size=128, dtype=torch.float16,
+                    query_lens=(70, 3), context_lens=(20, 0), sliding_window=33, softcap=8.0)
+    assert _mfma_count(hip_backend, spec, wave=64, partition_size=0, prefill_min_query=1) == 9 * 64
+    one = CaseSpec(order="HND", block_size=16, num_kv_heads=1, group=1, head_size=128, dtype=torch.float16,
+                   query_lens=(64,), context_lens=(0,))
+    assert _mfma_count(hip_backend, one, wave=64, partition_size=0) == 4 * 64
+    shorter = dataclasses.replace(one, query_lens=(63,))
+    assert _mfma_count(hip_backend, shorter, wave=64, partition_size=0) not in (0, 4 * 64)
+    assert _mfma_count(hip_backend, one, wave=64, partition_size=0, prefill_min_query=0) not in (0, 4 * 64)
+
+
+PREFILL_CASES = {
+    # varlen prefill + chunked prefill + decode in one launch, GQA 4, several token and key tiles
+    "varlen-chunked-gqa4-bf16": (dict(order="HND", block_size=16, num_kv_heads=2, group=4, head_size=128,
+                                      dtype=torch.bfloat16, query_lens=(40, 1, 9, 23), context_lens=(0, 30, 50, 70)),
+                                 64, 0),
+    # one long prompt: 3 token tiles, the diagonal of each, causal tiles skipped
+    "causal-gqa1-fp16": (dict(order="NHD", block_size=16, num_kv_heads=1, group=1, head_size=128,
+                              dtype=torch.float16, query_lens=(150,), context_lens=(0,)), 64, 0),
+    # sliding window + softcap, block size 1 (several block-table windows)
+    "window-softcap-gqa1-bs1": (dict(order="NHD", block_size=1, num_kv_heads=1, group=1, head_size=128,
+                                     dtype=torch.bfloat16, query_lens=(70, 3), context_lens=(90, 0),
+                                     sliding_window=33, softcap=8.0), 64, 0),
+    # GQA 8 (8 tokens x 8 heads per tile), block size 128, window, split into partitions of 32 keys
+    "gqa8-bs128-window-split": (dict(order="HND", block_size=128, num_kv_heads=2, group=8, head_size=128,
+                                     dtype=torch.bfloat16, query_lens=(17, 9), context_lens=(100, 0),
+                                     sliding_window=50), 64, 32),
+    # GQA 3 (21 tokens x 3 heads), block size 5, window + softcap
+    "gqa3-bs5-window-softcap": (dict(order="HND", block_size=5, num_kv_heads=2, group=3, head_size=128,
+                                     dtype=torch.float16, query_lens=(25, 1, 4), context_lens=(0, 33, 12),
+                                     sliding_window=9, softcap=8.0), 64, 0),
+    # GQA 12: two head chunks (12 + 0: one chunk of 12 heads x 5 tokens)
+    "gqa12-bs32": (dict(order="NHD", block_size=32, num_kv_heads=1, group=12, head_size=128, dtype=torch.bfloat16,
+                        query_lens=(9, 1), context_lens=(5, 20)), 64, 0),
+}
+
+
+@pytest.mark.parametrize("name", PREFILL_CASES)
+def test_prefill_kernel_matches_reference(hip_backend, name):
+    spec, wave, partition = PREFILL_CASES[name]
+    _run_case(hip_backend, CaseSpec(**spec), wave=wave, partition_size=partition, prefill_min_query=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_kernel_without_mfma_takes_the_fma_engine(hip_backend, dtype):
+    """MFMA disabled: the same kernel runs the FMA engine over 16-row slices (its path on targets without
+    MFMA)."""
+    lib = _mfma_library()
+    lib.kvcpu_set_mfma_enabled(0)
+    try:
+        spec = CaseSpec(order="NHD", block_size=3, num_kv_heads=2, group=8, head_size=128, dtype=dtype,
+                        query_lens=(13, 1, 2), context_lens=(7, 60, 30), sliding_window=19, softcap=10.0)
+        assert _mfma_count(hip_backend, spec, wave=64, partition_size=0, prefill_min_query=1) == 0
+        assert _mfma_count(hip_backend, spec, wave=64, partition_size=16, prefill_min_query=1) == 0
+    finally:
+        lib.kvcpu_set_mfma_enabled(1)
+
+
+# fp8 caches through the prefill kernel (codes widened once per tile when staged in LDS): each case of
+# PREFILL_CASES over e4m3fn and e5m2, the query dtype and scale kind alternating so each format meets both.
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("name", PREFILL_CASES)
+def test_prefill_kernel_over_fp8_caches_matches_the_oracle(hip_backend, fmt, name):
+    spec, wave, partition = PREFILL_CASES[name]
+    i = list(PREFILL_CASES).index(name) + list(FP8_FORMATS).index(fmt)
+    spec = CaseSpec(**{**spec, "dtype": (torch.float16, torch.bfloat16)[i % 2]})
+    assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[fmt], per_head=bool(i // 2 % 2), wave=wave,
+                         partition_size=partition, prefill_min_query=1) > 0
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_kernel_serves_fp8_caches(hip_backend, fmt, dtype):
+    """The prefill kernel takes fp8 caches too: the case of
+    test_prefill_kernel_is_chosen_by_the_longest_query_and_skips_tiles gives its 9 wave-tiles of 64 MFMAs
+    (the decode kernel would count differently); every key order and the oracle agree."""
+    spec = CaseSpec(order="NHD", block_size=1, num_kv_heads=1, group=1, head_size=128, dtype=dtype,
+                    query_lens=(70, 3), context_lens=(20, 0), sliding_window=33, softcap=8.0)
+    assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[fmt], per_head=True, partition_size=0,
+                         prefill_min_query=1) == 9 * 64
+    hnd = dataclasses.replace(spec, order="HND", block_size=16)
+    assert _run_fp8_case(hip_backend, hnd, FP8_FORMATS[fmt], per_head=False, partition_size=0,
+                         prefill_min_query=1) == 9 * 64
+
+
+# Every head size the launcher compiles runs the prefill kernel (16-bit and fp8 caches). MFMAs per wave and
+# 64-key tile (4 sub-tiles of QK chunks x fragments + 8 PV fragments per 16 head dims, padded to 16 lanes):
+# head 64: 4 x (4 + 8), 80 / 96: 4 x (6 + 8); head 256 takes 32-key tiles: 2 x (16 + 16).
+PREFILL_HEAD_MFMAS = {64: 48, 80: 56, 96: 56, 128: 64, 256: 64}
+
+
+@pytest.mark.parametrize("head_size", [64, 80, 96, 256])
+def test_prefill_kernel_serves_every_head_size(hip_backend, head_size):
+    """The case of test_prefill_kernel_is_chosen_by_the_longest_query_and_skips_tiles at each head size: 9
+    wave-tiles of 64 keys (head 256: 12 of 32 keys -- token tile 0's waves see 2, 2, 3, 2 tiles, tile 1's
+    wave 0 two, the short request one), over the query's cache type and, at head 256, over e4m3 / e5m2
+    (fp8 at heads 64 / 80 / 96 stays on the attention kernel; the oracle checks every run)."""
+    spec = CaseSpec(order="NHD", block_size=1, num_kv_heads=1, group=1, head_size=head_size,
+                    dtype=torch.float16, query_lens=(70, 3), context_lens=(20, 0), sliding_window=33, softcap=8.0)
+    want = (12 if head_size == 256 else 9) * PREFILL_HEAD_MFMAS[head_size]
+    assert _mfma_count(hip_backend, spec, wave=64, partition_size=0, prefill_min_query=1) == want
+    fp8_want = want if head_size >= 128 else None
+    bf16 = dataclasses.replace(spec, dtype=torch.bfloat16, order="HND", block_size=16)
+    counts = [_run_fp8_case(hip_backend, bf16, FP8_FORMATS["e4m3"], per_head=True, partition_size=0,
+                            prefill_min_query=1),
+              _run_fp8_case(hip_backend, spec, FP8_FORMATS["e5m2"], per_head=False, partition_size=0,
+                            prefill_min_query=1)]
+    for count in counts:
+        assert count > 0 and (fp8_want is None or count == fp8_want), (head_size, count, want)
+
+
+# varlen + chunked + decode, GQA 1 / 4 / 8, windows, softcap, split-KV, block sizes 1 / 16 / 32 / 128, both
+# orders, at each head size; fp16 / bf16 over their own cache and over fp8.
+PREFILL_HEAD_CASES = {
+    "varlen-chunked-gqa4-bs16": dict(order="HND", block_size=16, num_kv_heads=2, group=4,
+                                     query_lens=(40, 1, 9, 23), context_lens=(0, 30, 50, 70)),
+    "causal-window-softcap-gqa1-bs1": dict(order="NHD", block_size=1, num_kv_heads=1, group=1,
+                                           query_lens=(70, 3), context_lens=(90, 0), sliding_window=33, softcap=8.0),
+    "gqa8-bs128-window": dict(order="HND", block_size=128, num_kv_heads=2, group=8, query_lens=(17, 9),
+                              context_lens=(100, 0), sliding_window=50),
+    "gqa4-bs32-long": dict(order="NHD", block_size=32, num_kv_heads=1, group=4, query_lens=(81, 2),
+                           context_lens=(40, 60)),
+}
+
+
+@pytest.mark.parametrize("head_size", [64, 80, 96, 256])
+@pytest.mark.parametrize("name", PREFILL_HEAD_CASES)
+def test_prefill_kernel_head_sizes_match_the_oracle(hip_backend, head_size, name):
+    i = list(PREFILL_HEAD_CASES).index(name)
+    spec = CaseSpec(head_size=head_size, dtype=(torch.float16, torch.bfloat16)[(i + head_size // 16) % 2],
+                    **PREFILL_HEAD_CASES[name])
+    partition = 32 if name == "gqa8-bs128-window" else 0
+    _run_case(hip_backend, spec, wave=64, partition_size=partition, prefill_min_query=1)
+    fmt = list(FP8_FORMATS)[i % 2]
+    assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[fmt], per_head=bool(i // 2), partition_size=partition,
+                         prefill_min_query=1) > 0
+
+
+PREFILL_POISON_ENGINES = [(torch.float16, "fp16", 64, "mfma"), (torch.bfloat16, "bf16", 64, "mfma"),
+                          (torch.bfloat16, "e4m3", 64, "mfma"), (torch.float16, "e5m2", 64, "mfma"),
+                          (torch.float16, "e4m3", 64, "mfma"), (torch.bfloat16, "e5m2", 64, "mfma")]
+
+
+@pytest.mark.parametrize("head_size", [80, 128, 256])
+@pytest.mark.parametrize("scenario", ["mixed", "window"])
+@pytest.mark.parametrize("engine", PREFILL_POISON_ENGINES, ids=[f"{e[1]}-w{e[2]}-{e[3]}" for e in PREFILL_POISON_ENGINES])
+def test_prefill_unreadable_slots_with_nan_do_not_leak(hip_backend, engine, scenario, head_size):
+    """The prefill kernel loads whole 64-key tiles (head 256: 32): every slot no row may read holds NaN, the
+    output must equal the oracle's (finite)."""
+    dtype, cache_name, wave, kind = engine
+    cache_dtype = POISON_CACHES[cache_name]
+    sc = POISON_SCENARIOS[scenario]
+    spec = CaseSpec(order="HND" if scenario == "mixed" else "NHD", block_size=16 if scenario == "mixed" else 5,
+                    num_kv_heads=2, group=4, head_size=head_size, dtype=dtype, query_lens=sc["query_lens"],
+                    context_lens=sc["context_lens"], extra_blocks=2, sliding_window=sc["sliding_window"],
+                    softcap=8.0 if scenario == "window" else None, seed=len(scenario))
+    layout, cache, md, query, k_scale, v_scale = _poisoned_case(spec, cache_dtype, "nan")
+    want = reference.paged_attention(query, cache, layout, md, sliding_window=spec.sliding_window,
+                                     softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale)
+    lib = _mfma_library()
+    lib.kvcpu_reset_mfma_count()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "kvmulti HIP backend on a CPU tensor", RuntimeWarning)
+        out = kvmulti.paged_attention(query, cache, layout, md, sliding_window=spec.sliding_window,
+                                      softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale,
+                                      backend=hip.HipBackend(partition_size=sc["partition"], cpu_wave=wave,
+                                                             prefill_min_query=1))
+    assert (lib.kvcpu_mfma_count() > 0) == (kind == "mfma")
+    assert bool(out.isfinite().all())
+    assert_close_to_reference(out, want, dtype, f"prefill {spec} over {cache_name} poisoned with NaN")

@@ -51,10 +51,14 @@ class HipBackend(Backend):
     dtypes = ALL_DTYPES + FP8_DTYPES     # fp8 caches: the FMA engine, hip/kvmulti_common.h's fp8 codecs
     head_sizes = HEAD_SIZES
 
-    def __init__(self, partition_size: int | None = None, cpu_wave: int | None = None):
+    def __init__(self, partition_size: int | None = None, cpu_wave: int | None = None,
+                 prefill_min_query: int = -1):
         """``cpu_wave``: wave size the CPU harness emulates (32 = RDNA/NVIDIA-like, 64 = CDNA;
-        default ``KVMULTI_HIP_CPU_WAVE``). ROCm always uses the device's wave size."""
+        default ``KVMULTI_HIP_CPU_WAVE``). ROCm always uses the device's wave size.
+        ``prefill_min_query``: a step whose longest query has at least this many tokens runs the prefill
+        kernel (-1: the launcher's default, 64; 0: never; 1: every step)."""
         super().__init__(partition_size)
+        self.prefill_min_query = int(prefill_min_query)
         wave = int(settings.get("KVMULTI_HIP_CPU_WAVE")) if cpu_wave is None else int(cpu_wave)
         if wave not in (32, 64):
             raise ValueError(f"cpu_wave must be 32 or 64, got {wave}")
@@ -184,7 +188,7 @@ class HipBackend(Backend):
                 float(softcap or 0.0), plan.partition_size, plan.num_partitions,
                 plan.workspace.data_ptr() if plan.workspace is not None else None,
                 min(query.shape[0], dst.shape[0]), plan.block_table.shape[0], plan.block_table.shape[1],
-                min(layout.num_blocks, kv_cache.shape[0]), stream)
+                min(layout.num_blocks, kv_cache.shape[0]), int(common.max_query_len), self.prefill_min_query, stream)
         check(lib, err, "paged_attention", kv_cache.device.type == "cpu")
         if dst is not out:
             out.copy_(dst)

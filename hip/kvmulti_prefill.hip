@@ -1,0 +1,538 @@
+// kvmulti HIP prefill kernel: paged attention for steps with long queries (the launcher picks it when the
+// step's longest query reaches its threshold; decodes and short queries of the same step run in it too).
+//
+// Work-group = kNumWarps waves = kPrefillRows (64) query rows -- (token, head) pairs of one request and one
+// KV head: min(group, 64) heads of a GQA group x 64 / that many consecutive tokens (RowMap) --, wave w
+// owning rows 16 w .. 16 w + 15. The union of the rows' visible keys is cut into tiles of KT keys (64; 32
+// when a 64-key K + V tile would not fit 32 KiB of LDS); tiles outside the union (before a sliding window,
+// after the causal end of the last token) are never visited. Per tile every thread of the group issues
+// its share of the tile's K and V loads (16-byte chunks), the group stores them ONCE in LDS -- K as rows,
+// V transposed (a head dim's keys contiguous, so a P V operand is one 8-byte read), fp8 codes widened to
+// 16-bit values on the way -- and all four waves read them from there: S^T = K Q^T and O += P V as
+// v_mfma_f32_16x16x16{f16,bf16_1k} tiles with the lane roles of the decode engine (mfma_stream), the
+// online softmax in registers. The next tile's loads
+// are issued right after the barrier that publishes the current one (its block-table entries one tile
+// earlier still), so they are in flight while the waves compute. A wave skips a tile none of its rows
+// sees (no MFMA). Tiles visible to every row of the group run a loop without masks (the prompt's body:
+// the hot loop); the others (the diagonal, a sliding window's edge) mask per key. A block id outside the
+// cache is read as block 0 (memory-safe; such metadata may give wrong numbers), and keys outside the
+// group's range read the kernel's zero row (key_row).
+//
+// Grid x enumerates token tiles request by request: request r owns tiles F(r) .. F(r) + ceil(q_len / tpb)
+// - 1 with F(r) = floor(qsl[r] / tpb) + r (tpb: tokens per tile), so F is strictly increasing and a
+// request's tiles never overlap the next one's; at most one block per request finds no tokens. Grid x
+// = ceil(num_tokens / tpb) + num_reqs covers every tile.
+//
+// Targets without MFMA (RDNA, NVIDIA through hip/compat; fp32 queries; the harness with MFMA disabled)
+// run the same kernel through the decode kernel's FMA engine, the 64 rows taken in slices of
+// rows_per_block rows.
+#pragma once
+
+#include "kvmulti_attention.hip"
+
+namespace kvmulti {
+
+// Query rows per prefill work-group: one 16-row MFMA tile per wave.
+constexpr int kPrefillRows = 16 * kNumWarps;
+
+// First grid-x tile of a request whose queries start at token q (floor division).
+__host__ __device__ __forceinline__ long long prefill_first_tile(int q, int r, int tokens_per_tile) {
+  const long long f = q >= 0 ? q / tokens_per_tile : -(((long long)-q + tokens_per_tile - 1) / tokens_per_tile);
+  return f + r;
+}
+
+// The block's task: grid x -> (request, first token) as above. Block-uniform.
+__device__ __forceinline__ TaskKind prefill_task(const PagedAttentionParams& p, BlockTask& b) {
+  const RowMap map(p.num_q_heads, p.num_kv_heads, kPrefillRows);
+  const int tpt = map.tokens_per_block;
+  const long long x = blockIdx.x;
+  init_task(p, map, 0, b);
+  int lo = 0, hi = p.num_reqs - 1;  // the last r with F(r) <= x
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (prefill_first_tile(p.query_start_loc[mid], mid, tpt) <= x) lo = mid; else hi = mid - 1;
+  }
+  const int q_begin = p.query_start_loc[lo], q_end = p.query_start_loc[lo + 1];
+  const long long token = (long long)q_begin + (x - prefill_first_tile(q_begin, lo, tpt)) * tpt;
+  if (q_begin < 0 || token < q_begin || token >= q_end || token >= p.num_tokens) return TaskKind::kCovered;
+  b.token = (int)token;
+  b.req = lo;
+  if (b.req >= p.bt_rows) {  // the tokens' rows get zeros
+    b.ntok = min(tpt, min(q_end, p.num_tokens) - b.token);
+    b.rows = b.nheads * b.ntok;
+    return TaskKind::kInvalid;
+  }
+  fill_task(p, b, tpt, q_begin, q_end);
+  return TaskKind::kCompute;
+}
+
+// A scheduling fence on AMD GPUs (the compiler keeps each sub-tile's LDS reads next to its MFMAs
+// instead of hoisting all of a tile's: fewer registers live); nothing elsewhere.
+__device__ __forceinline__ void sched_fence() {
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+  __builtin_amdgcn_sched_barrier(0);
+#endif
+}
+
+template <int WAVE>
+__device__ __forceinline__ int wave_max_int(int v) {
+#pragma unroll
+  for (int m = 1; m < WAVE; m <<= 1) v = max(v, __shfl_xor(v, m, WAVE));
+  return v;
+}
+
+#if KVMULTI_HAS_MFMA
+// The element type of the LDS tiles: the cache's, or for an fp8 cache the query's 16-bit type (codes are
+// widened once per tile when staged, so the waves' hot loop reads 16-bit K / V like a 16-bit cache's).
+template <typename T, typename C>
+using PrefillElem = typename std::conditional<is_fp8<C>(), T, C>::type;
+// V's: fp8 codes widen to fp16 whatever the query's type (every e4m3fn / e5m2 value is an fp16 value), and
+// P V runs on the fp16 MFMA with P in fp16 (p in [0, 1]: at least bf16's precision down to 2^-14) -- a
+// bf16 query saves the fp16 -> bf16 step on V.
+template <typename T, typename C>
+using PrefillVElem = typename std::conditional<is_fp8<C>(), __half, C>::type;
+
+// LDS tile geometry of the MFMA path (L: the LDS element type). A key's row (K or V) takes ROWB bytes: its
+// NCH 16-byte chunks, chunk ch stored at position ch ^ (key & SWZ) when NCH is a power of two (the 16 keys a
+// K read touches land in different banks), else after a 16-byte pad per row. TPK threads load one key's row.
+template <typename L, int HS>
+struct PrefillGeom {
+  static constexpr int NCH = MfmaGeom<L, HS>::NCH;
+  static constexpr bool kPow2 = (NCH & (NCH - 1)) == 0;
+  static constexpr int SWZ = kPow2 ? (NCH < 16 ? NCH : 16) - 1 : 0;
+  static constexpr int ROWB = 16 * NCH + (kPow2 ? 0 : 16);
+  static constexpr int KT = 2 * 64 * ROWB <= 32768 ? 64 : 32;   // K + V of a tile in at most 32 KiB
+  static constexpr int NSUB = KT / 16;
+  static constexpr int TPK = kNumWarps * 64 / KT;                // threads per key: 4 (KT 64) or 8 (KT 32)
+  __device__ static int offset(int key, int ch) { return key * ROWB + 16 * (ch ^ (key & SWZ)); }
+  // V is stored transposed: row d (a head dim) holds the tile's KT keys (VRS bytes), its groups of 4 keys (8
+  // bytes: one PV B fragment) at position group ^ ((d / 8) & VSW), so the 16 dims n a PV read touches hit
+  // different banks.
+  static constexpr int VRS = 2 * KT;
+  static constexpr int VSW = (KT / 4 < 16 ? KT / 4 : 16) - 1;
+  __device__ static int voffset(int dim, int key) { return dim * VRS + ((2 * key) ^ (8 * ((dim / 8) & VSW))); }
+};
+
+// The global-load side of a tile: a cache row (K or V) of C is LNCH 16-byte chunks (fp8: 16 codes each,
+// WIDEN = 2 LDS chunks once widened); thread tid loads chunks tid % TPK + TPK i of key tid / TPK.
+template <typename C, int HS, typename L>
+struct PrefillLoad {
+  static constexpr int TPK = PrefillGeom<L, HS>::TPK;
+  static constexpr int EPC = 16 / (int)sizeof(C);
+  static constexpr int LNCH = HS / EPC;
+  static constexpr int CPT = (LNCH + TPK - 1) / TPK;             // K (and V) chunks per thread and tile
+  static constexpr int WIDEN = (int)(sizeof(L) / sizeof(C));
+};
+
+template <typename L, int HS>
+struct PrefillShared {
+  alignas(16) uint8_t k[PrefillGeom<L, HS>::KT * PrefillGeom<L, HS>::ROWB];
+  alignas(16) uint8_t v[HS * PrefillGeom<L, HS>::VRS];   // V^T
+};
+
+// The block-table entries of the tile at key t0: lane i holds entry t0 / block_size + i (-1 past the
+// table), ws = the first entry's first key. A tile of at most 64 keys aligned to its size spans at most
+// 64 entries.
+struct TileTable {
+  int entry, ws;
+};
+// bt_lane: the request's table row + lane, a per-lane pointer (kept in VGPRs: the loop is short of SGPRs).
+__device__ __forceinline__ TileTable tile_table(const PagedAttentionParams& p, const int* bt_lane, int t0,
+                                                float inv_bs, int lane) {
+  int r;
+  const int e0 = window_entry(p, 0, inv_bs, t0, r);
+  return TileTable{e0 + lane < p.bt_cols ? bt_lane[e0] : -1, e0 * p.block_size};
+}
+
+// Issues the loads of the tile at key t0 (PrefillLoad's chunks of every thread, K and V). Every lane calls
+// it (key_row shuffles).
+template <typename C, int HS, typename L, bool ALIGNED>
+__device__ __forceinline__ void prefill_load(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
+                                             const TileTable& tt, float inv_bs, int t0,
+                                             Chunk16 (&kr)[PrefillLoad<C, HS, L>::CPT],
+                                             Chunk16 (&vr)[PrefillLoad<C, HS, L>::CPT]) {
+  using PL = PrefillLoad<C, HS, L>;
+  const int tid = (int)threadIdx.x;
+  bool unused;
+  const C* row = key_row<64>(p, b, cache, tt.entry, tt.ws, inv_bs, t0 + tid / PL::TPK, unused);
+#pragma unroll
+  for (int i = 0; i < PL::CPT; ++i) {
+    const int ch = tid % PL::TPK + PL::TPK * i;
+    if (PL::LNCH % PL::TPK == 0 || ch < PL::LNCH) {
+      kr[i] = load_chunk<C, ALIGNED>(row + ch * PL::EPC);
+      vr[i] = load_chunk<C, ALIGNED>(row + HS + ch * PL::EPC);
+    }
+  }
+}
+
+// Codes 2j, 2j + 1 (bytes 2j, 2j + 1 of word x) as an fp8 pair (bits 8..15 and 24..31): one v_perm_b32.
+__device__ __forceinline__ uint32_t fp8_pair_of(uint32_t x, int j) {
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+  return __builtin_amdgcn_perm(x, x, j ? 0x030C020Cu : 0x010C000Cu);
+#else
+  return j ? ((x >> 8) & 0xFF00u) | (x & 0xFF000000u) : ((x & 0xFFu) << 8) | ((x & 0xFF00u) << 16);
+#endif
+}
+
+// Half `half` (codes 8 half .. 8 half + 7) of a chunk of 16 fp8 codes as 8 values of T, in order.
+template <typename C, typename T>
+__device__ __forceinline__ Chunk16 widen_half_chunk(const Chunk16& c, int half) {
+  Chunk16 o;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o.w[i] = widen_pair<C, T>(fp8_pair_of(c.w[2 * half + i / 2], i % 2));
+  return o;
+}
+
+// Stores the loaded chunks of this thread in LDS; fp8 codes widened on the way (K to L, V to VL), once per
+// tile.
+template <typename C, int HS, typename L, typename VL>
+__device__ __forceinline__ void prefill_store(PrefillShared<L, HS>& sh, const Chunk16 (&kr)[PrefillLoad<C, HS, L>::CPT],
+                                              const Chunk16 (&vr)[PrefillLoad<C, HS, L>::CPT]) {
+  using PG = PrefillGeom<L, HS>;
+  using PL = PrefillLoad<C, HS, L>;
+  const int tid = (int)threadIdx.x, key = tid / PL::TPK;
+#pragma unroll
+  for (int i = 0; i < PL::CPT; ++i) {
+    const int ch = tid % PL::TPK + PL::TPK * i;
+    if (PL::LNCH % PL::TPK == 0 || ch < PL::LNCH) {
+#pragma unroll
+      for (int h = 0; h < PL::WIDEN; ++h) {  // LDS chunk lc = WIDEN ch + h: head dims 8 lc .. 8 lc + 7
+        const int lc = PL::WIDEN * ch + h;
+        Chunk16 kw = kr[i], vw = vr[i];
+        if constexpr (PL::WIDEN == 2) {
+          kw = widen_half_chunk<C, L>(kr[i], h);
+          vw = widen_half_chunk<C, VL>(vr[i], h);
+        }
+        *reinterpret_cast<Chunk16*>(sh.k + PG::offset(key, lc)) = kw;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          *reinterpret_cast<unsigned short*>(sh.v + PG::voffset(8 * lc + j, key)) =
+              (unsigned short)(vw.w[j / 2] >> (16 * (j % 2)));
+      }
+    }
+  }
+}
+
+// An MFMA fragment read from LDS with one 8-byte load.
+struct alignas(8) Frag2 {
+  uint32_t w[2];
+};
+
+// Two probabilities as the MFMA's 16-bit operand pair (low half: a), rounded to nearest even.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_p(float a, float b) {
+  if constexpr (std::is_same<T, hip_bfloat16>::value) {
+    // p is in [0, 1] or NaN (canonical): the rounding add neither overflows nor turns NaN into a number
+    const uint32_t ua = __float_as_uint(a), ub = __float_as_uint(b);
+    const uint32_t ra = ua + 0x7FFFu + ((ua >> 16) & 1u), rb = ub + 0x7FFFu + ((ub >> 16) & 1u);
+    return pair_halves(ra, rb, 1);
+  } else {
+    return (uint32_t)Bits16<T>::of(a) | ((uint32_t)Bits16<T>::of(b) << 16);
+  }
+}
+
+// What a wave needs to know about its rows inside the tile loop.
+struct PrefillRows {
+  int rlo, rhi;          // this lane's row (n): its visible keys
+  int lo_min, hi_max;    // the wave's live rows: a tile outside [lo_min, hi_max) is skipped
+  float cap_scale;       // softcap: the tanh argument per raw dot product (score scale / softcap)
+  float exp_scale;       // log2(e) per unit of the scores the softmax runs on (raw dot products, or capped)
+  float score_unit;      // those scores -> the softmax's natural units (split-KV partials' max)
+};
+
+// One tile of the wave: S^T, masks (MASKED only), online softmax, P V. Lane roles as in mfma_stream; L, VL:
+// the 16-bit element types of the K and V tiles in LDS (P V runs on VL's MFMA). SOFTCAP: 1 = on, 0 = off,
+// -1 = p.softcap decides at run time.
+template <typename T, typename L, typename VL, int HS, bool MASKED, int SOFTCAP>
+__device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, const PrefillShared<L, HS>& sh,
+                                             const PrefillRows& w, int t0, float& m, float& l,
+                                             mfma_f32x4 (&acc)[MfmaGeom<L, HS>::PVC][8],
+                                             const Frag (&qf)[MfmaGeom<L, HS>::QKC][MfmaGeom<L, HS>::FPC]) {
+  using G = MfmaGeom<L, HS>;
+  using PG = PrefillGeom<L, HS>;
+  constexpr int WAVE = 64, NSUB = PG::NSUB, QKC = G::QKC, FPC = G::FPC, PVC = G::PVC, NCH = G::NCH;
+  const int lane = (int)threadIdx.x % WAVE, n = lane % 16, g = lane / 16;
+  const Chunk16 zero = {{0u, 0u, 0u, 0u}};
+  float s[NSUB][4];
+  float tmax = -INFINITY;
+  const bool softcap = SOFTCAP > 0 || (SOFTCAP < 0 && p.softcap > 0.f);
+#pragma unroll
+  for (int sub = 0; sub < NSUB; ++sub) {
+    mfma_f32x4 d = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int u = 0; u < QKC; ++u) {
+      const int ch = 4 * u + g;
+      const Chunk16 kc = ch < NCH ? *reinterpret_cast<const Chunk16*>(sh.k + PG::offset(16 * sub + n, ch)) : zero;
+#pragma unroll
+      for (int h = 0; h < FPC; ++h) d = mfma_16x16x16<T>(k_fragment<T, L>(kc, h), qf[u][h], d);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = d[e];  // raw (without softcap: the scale is applied in the exponent)
+      if (SOFTCAP > 0 || (SOFTCAP < 0 && softcap)) x = p.softcap * tanhf(x * w.cap_scale);
+      if constexpr (MASKED) {  // keys outside this lane's row range
+        const int t = t0 + 16 * sub + 4 * g + e;
+        bool vis = t >= w.rlo && t < w.rhi;
+        x = vis ? x : -INFINITY;
+      }
+      s[sub][e] = x;
+      tmax = fmaxf(tmax, x);
+    }
+    sched_fence();
+  }
+  tmax = wave_max_from<WAVE, 16>(tmax);
+  const float m_new = fmaxf(m, tmax);
+  const float alpha = fast_exp2((m - m_new) * w.exp_scale);
+  m = m_new;
+  // m in the exponent's units, finite (m = -FLT_MAX before any visible key: -inf would make -inf + inf)
+  const float ms = fmaxf(m * w.exp_scale, -FLT_MAX);
+  l *= alpha;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {  // acc rows 4g + r: that row's alpha lives in lane 4g + r
+    const float a = __shfl(alpha, 4 * g + r, WAVE);
+#pragma unroll
+    for (int u = 0; u < PVC; ++u)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[u][c][r] *= a;
+  }
+#pragma unroll
+  for (int sub = 0; sub < NSUB; ++sub) {
+    float pe[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      pe[e] = fast_exp2(fmaf(s[sub][e], w.exp_scale, -ms));
+      l += pe[e];
+    }
+    const Frag pa = {{pack_p<VL>(pe[0], pe[1]), pack_p<VL>(pe[2], pe[3])}};
+    // PV B fragment (u, c): V[keys 4g .. 4g + 3][head dim 8 (n + 16u) + c], 8 bytes of V^T. A lane past the
+    // head's pieces (n + 16u >= HS / 8) reads another piece: its output column is dropped.
+#pragma unroll
+    for (int u = 0; u < PVC; ++u) {
+      const int piece = min(n + 16 * u, HS / 8 - 1);
+      const uint8_t* vrow = sh.v + PG::voffset(8 * piece, 16 * sub + 4 * g);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        const Frag2 vf = *reinterpret_cast<const Frag2*>(vrow + c * PG::VRS);
+        acc[u][c] = mfma_16x16x16<VL>(pa, Frag{{vf.w[0], vf.w[1]}}, acc[u][c]);
+      }
+    }
+    sched_fence();
+  }
+}
+
+// The loop's state between tiles: the current tile's chunks (loaded, to be stored), the next tile's
+// block-table entries.
+template <typename C, int HS, typename L>
+struct PrefillPipe {
+  Chunk16 kr[PrefillLoad<C, HS, L>::CPT], vr[PrefillLoad<C, HS, L>::CPT];
+  TileTable next;
+};
+
+// The order the tiles are processed in (the online softmax takes any): the masked ones first -- before
+// the fully visible range [full_lo, full_hi), then after it -- then the fully visible ones.
+struct TileOrder {
+  int ntiles, full_lo, full_hi;
+  __device__ int masked() const { return ntiles - (full_hi - full_lo); }
+  __device__ int operator()(int k) const {
+    const int na = full_lo, nm = masked();
+    return k < na ? k : k < nm ? full_hi + (k - na) : full_lo + (k - nm);
+  }
+};
+
+// Tiles ord(from) .. ord(to - 1) of the task: store the loaded tile, barrier, issue the next tile's K/V
+// loads and the block-table entries of the one after it, compute, barrier. MASKED / SOFTCAP as in
+// prefill_tile.
+template <typename T, typename C, int HS, bool ALIGNED, bool MASKED, int SOFTCAP, typename L = PrefillElem<T, C>>
+__device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, const BlockTask& b, PrefillShared<L, HS>& sh,
+                                              PrefillPipe<C, HS, L>& pipe, const PrefillRows& w, int from, int to,
+                                              int base, const TileOrder& ord, float inv_bs,
+                                              float& m, float& l, mfma_f32x4 (&acc)[MfmaGeom<L, HS>::PVC][8],
+                                              const Frag (&qf)[MfmaGeom<L, HS>::QKC][MfmaGeom<L, HS>::FPC]) {
+  constexpr int KT = PrefillGeom<L, HS>::KT;
+  const int lane = (int)threadIdx.x % 64, ntiles = ord.ntiles;
+  const int* bt_lane = b.bt + lane;
+  const C* cache = static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
+  for (int k = from; k < to; ++k) {
+    const int t0 = base + ord(k) * KT, t1 = t0 + KT;
+    prefill_store<C, HS, L, PrefillVElem<T, C>>(sh, pipe.kr, pipe.vr);
+    __syncthreads();
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+    if constexpr (!MASKED && SOFTCAP == 0) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
+#endif
+    if (k + 1 < ntiles) {  // in flight while this tile computes
+      prefill_load<C, HS, L, ALIGNED>(p, b, cache, pipe.next, inv_bs, base + ord(k + 1) * KT, pipe.kr, pipe.vr);
+      if (k + 2 < ntiles) pipe.next = tile_table(p, bt_lane, base + ord(k + 2) * KT, inv_bs, lane);
+    }
+    if (t0 < w.hi_max && t1 > w.lo_min)  // some row of this wave sees a key of the tile
+      prefill_tile<T, L, PrefillVElem<T, C>, HS, MASKED, SOFTCAP>(p, sh, w, t0, m, l, acc, qf);
+    __syncthreads();  // the next store rewrites the tile
+  }
+}
+
+// T: the query's and output's type (fp16 / bf16); C: the cache's (T, or an fp8 type); L: the LDS tiles'.
+template <typename T, typename C, int HS, bool ALIGNED, int SOFTCAP, typename L = PrefillElem<T, C>>
+__device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, const BlockTask& b,
+                                                 PrefillShared<L, HS>& sh) {
+  using G = MfmaGeom<L, HS>;
+  using PG = PrefillGeom<L, HS>;
+  constexpr int WAVE = 64, QKC = G::QKC, FPC = G::FPC, PVC = G::PVC, EPC = G::EPC, KT = PG::KT;
+  const int tid = (int)threadIdx.x, lane = tid % WAVE, warp = tid / WAVE;
+  const int n = lane % 16, g = lane / 16;
+  const int row = 16 * warp + n;  // this lane's row of the task (S^T's N index n)
+  const bool has_row = row < b.rows;
+  PrefillRows w;
+  w.rlo = w.rhi = 0;
+  if (has_row) key_range(p, b, row / b.nheads, w.rlo, w.rhi);
+  const bool live = has_row && w.rlo < w.rhi;
+  w.lo_min = -wave_max_int<WAVE>(live ? -w.rlo : -0x7fffffff);
+  w.hi_max = wave_max_int<WAVE>(live ? w.rhi : -0x7fffffff);
+  const float score_scale = is_fp8<C>() ? p.scale * p.k_scale[b.kv_head] : p.scale;
+  constexpr float kLog2e = 1.4426950408889634f;
+  w.cap_scale = score_scale * p.inv_softcap;
+  w.score_unit = SOFTCAP ? 1.f : score_scale;
+  w.exp_scale = kLog2e * w.score_unit;
+  // Q fragments (B operand of S^T = K Q^T) of the lane's row, unscaled; rows past b.rows are zero.
+  Frag qf[QKC][FPC];
+  const T* q = nullptr;
+  if (has_row)
+    q = static_cast<const T*>(p.query) + (int64_t)(b.token + row / b.nheads) * p.q_stride_token +
+        (int64_t)(b.head0 + row % b.nheads) * p.q_stride_head;
+#pragma unroll
+  for (int u = 0; u < QKC; ++u)
+#pragma unroll
+    for (int h = 0; h < FPC; ++h)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int d0 = EPC * (4 * u + g) + qk_dim<L>(h, 2 * i), d1 = EPC * (4 * u + g) + qk_dim<L>(h, 2 * i + 1);
+        uint32_t bits = 0u;
+        if (q && d0 < HS) {
+          const unsigned short* qh = reinterpret_cast<const unsigned short*>(q);
+          bits = (uint32_t)qh[d0] | ((uint32_t)qh[d1] << 16);
+        }
+        qf[u][h].w[i] = bits;
+      }
+  float m = -FLT_MAX, l = 0.f;
+  mfma_f32x4 acc[PVC][8];
+#pragma unroll
+  for (int u = 0; u < PVC; ++u)
+#pragma unroll
+    for (int c = 0; c < 8; ++c) acc[u][c] = mfma_f32x4{0.f, 0.f, 0.f, 0.f};
+
+  // Tiles [0, ntiles) from key base; [full_lo, full_hi) are visible to every row that sees any key (no
+  // mask): the prompt's body. The others -- before a sliding window's edge, the diagonal -- mask per key.
+  const int base = b.kv_lo / KT * KT, ntiles = (b.kv_hi - base + KT - 1) / KT;
+  int full_lo = ntiles, full_hi = ntiles;
+  if (b.all_lo < b.all_hi) {
+    full_lo = min(ntiles, (b.all_lo - base + KT - 1) / KT);
+    full_hi = max(full_lo, min(ntiles, (b.all_hi - base) / KT));
+  }
+  const float inv_bs = 1.f / (float)p.block_size;
+  const C* cache = static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
+  const TileOrder ord{ntiles, full_lo, full_hi};
+  const int* bt_lane = b.bt + lane;
+  PrefillPipe<C, HS, L> pipe;
+  const TileTable first = tile_table(p, bt_lane, base + ord(0) * KT, inv_bs, lane);
+  prefill_load<C, HS, L, ALIGNED>(p, b, cache, first, inv_bs, base + ord(0) * KT, pipe.kr, pipe.vr);
+  pipe.next = ntiles > 1 ? tile_table(p, bt_lane, base + ord(1) * KT, inv_bs, lane) : first;
+  prefill_tiles<T, C, HS, ALIGNED, true, SOFTCAP>(p, b, sh, pipe, w, 0, ord.masked(), base, ord,
+                                                  inv_bs, m, l, acc, qf);
+  prefill_tiles<T, C, HS, ALIGNED, false, SOFTCAP>(p, b, sh, pipe, w, ord.masked(), ntiles, base, ord,
+                                                   inv_bs, m, l, acc, qf);
+
+  l = wave_sum_from<WAVE, 16>(l);
+  if (!live) {  // a row with no visible key (e.g. outside this partition) may have taken unmasked tiles
+    m = -FLT_MAX;
+    l = 0.f;
+  }
+  // fp8 caches: values read as float(code) * v_scale, so the accumulated P V gets v_scale once
+  const float v_scale = is_fp8<C>() ? p.v_scale[b.kv_head] : 1.f;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {  // acc rows 4g + r; that row's m, l (rm, rl) live in lane 4g + r
+    const float rm = __shfl(m, 4 * g + r, WAVE), rl = __shfl(l, 4 * g + r, WAVE);
+    const int rr = 16 * warp + 4 * g + r;
+    if (rr >= b.rows) continue;
+    const int tok = b.token + rr / b.nheads, head = b.head0 + rr % b.nheads;
+    const float f = rl > 0.f ? v_scale / rl : 0.f;
+    if (p.num_partitions > 1) {
+      const int64_t idx = ((int64_t)tok * p.num_q_heads + head) * p.num_partitions + b.part;
+      if (n == 0) {
+        p.part_max[idx] = rl > 0.f ? rm * w.score_unit : -FLT_MAX;
+        p.part_sum[idx] = rl;
+      }
+#pragma unroll
+      for (int u = 0; u < PVC; ++u)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          const int d = 8 * (n + 16 * u) + c;
+          if (d < HS) p.part_out[idx * HS + d] = rl > 0.f ? acc[u][c][r] * f : 0.f;
+        }
+    } else {
+      T* o = static_cast<T*>(p.out) + (int64_t)tok * p.o_stride_token + (int64_t)head * p.o_stride_head;
+#pragma unroll
+      for (int u = 0; u < PVC; ++u)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          const int d = 8 * (n + 16 * u) + c;
+          if (d < HS) o[d] = Cvt<T>::from(rl > 0.f ? acc[u][c][r] * f : 0.f);
+        }
+    }
+  }
+}
+
+// One LDS tile for both address paths (16-byte vector loads or element loads of a misaligned cache).
+template <typename T, typename C, int HS>
+__device__ void prefill_mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
+  __shared__ PrefillShared<PrefillElem<T, C>, HS> sh;
+  const bool softcap = p.softcap > 0.f;
+  if (p.kv_aligned16) {
+    if (softcap) prefill_mfma_run<T, C, HS, true, 1>(p, b, sh);
+    else prefill_mfma_run<T, C, HS, true, 0>(p, b, sh);
+  } else {
+    if (softcap) prefill_mfma_run<T, C, HS, false, 1>(p, b, sh);
+    else prefill_mfma_run<T, C, HS, false, 0>(p, b, sh);
+  }
+}
+#endif  // KVMULTI_HAS_MFMA
+
+// The task's rows in slices of the FMA engine's R rows (targets and dtypes without the MFMA path).
+template <typename T, typename C, int HS, int WAVE>
+__device__ void prefill_fma_body(const PagedAttentionParams& p, const BlockTask& b) {
+  constexpr int R = rows_per_block<T, WAVE, C>(), NT = kNumWarps * WAVE;
+  for (int r0 = 0; r0 < b.rows; r0 += R) {
+    BlockTask s = b;
+    s.row0 = r0;
+    s.rows = min(R, b.rows - r0);
+    task_key_union(p, s);
+    if (s.kv_lo >= s.kv_hi) write_empty_rows<T, HS, NT>(p, s);
+    else fma_body<T, C, HS, WAVE, R>(p, s);
+    __syncthreads();  // the next slice rewrites fma_body's LDS
+  }
+}
+
+// grid (ceil(num_tokens / tpt) + num_reqs, num_kv_heads * RowMap::chunks, num_partitions) with RowMap over
+// kPrefillRows rows (tpt: its tokens_per_block), block kNumWarps * WAVE threads, no dynamic shared memory.
+// T: query and output type; C: cache element type (T, or an fp8 type).
+template <typename T, typename C, int HS, int WAVE>
+__global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_prefill_kernel(const PagedAttentionParams p) {
+  if (!wave_matches_target<WAVE>()) return;
+  constexpr int NT = kNumWarps * WAVE;
+  static_assert(2 * HS * sizeof(C) <= sizeof(kZeroRow), "kZeroRow must cover a K + V row");
+  BlockTask b;
+  const TaskKind kind = prefill_task(p, b);
+  if (kind == TaskKind::kCovered) return;
+  if (kind == TaskKind::kInvalid || b.kv_lo >= b.kv_hi) {
+    write_empty_rows<T, HS, NT>(p, b);
+    return;
+  }
+#if KVMULTI_HAS_MFMA
+  if constexpr (rows_per_block<T, WAVE, C>() == 16) {
+    if (mfma_enabled()) {
+      prefill_mfma_body<T, C, HS>(p, b);
+      return;
+    }
+  }
+#endif
+  prefill_fma_body<T, C, HS, WAVE>(p, b);
+}
+
+}  // namespace kvmulti
