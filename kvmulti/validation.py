@@ -117,10 +117,33 @@ def check_metadata(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num
     ``layout`` (see the module docstring for what runs where). Raises TypeError/ValueError naming
     the field and the rule. ``check_values=False`` skips the block-id / host-copy value checks: for
     metadata whose ids come from kvmulti's own block pools (the model runner's)."""
-    longest = check_lengths(metadata, num_query_rows, device)
+    longest = _lengths_once(metadata, num_query_rows, device)
     check_block_table(metadata, layout, device, longest)
     if check_values and value_checks_enabled(metadata.block_table.device):
         _check_device_values(metadata, layout, sliding_window)
+
+
+#: the last metadata whose lengths passed: (its length tensors, their versions and the scalars, longest)
+_last_lengths: list = []
+
+
+def _lengths_once(metadata: CommonAttentionMetadata, num_query_rows: int, device: torch.device) -> int:
+    """:func:`check_lengths`, skipped when the previous call checked the very same length tensors
+    (same objects, no in-place change since: torch's version counters) with the same scalars, as
+    for the KV-cache groups of one step, which share them. The tensors are kept, so their ids are not
+    reused while they are remembered. Inference tensors have no version counter: always checked."""
+    tensors = (metadata.query_start_loc, metadata.seq_lens, metadata.query_start_loc_cpu, metadata.seq_lens_cpu) \
+        if isinstance(metadata, CommonAttentionMetadata) else ()
+    if not tensors or not all(type(t) is torch.Tensor and not t.is_inference() for t in tensors):   # no versions
+        return check_lengths(metadata, num_query_rows, device)
+    key = (tuple(t._version for t in tensors), metadata.num_reqs, metadata.num_actual_tokens, metadata.max_query_len,
+           metadata.max_seq_len, num_query_rows, device)
+    if _last_lengths and _last_lengths[1] == key and all(a is b for a, b in zip(_last_lengths[0], tensors)):
+        return _last_lengths[2]
+    _last_lengths[:] = ()
+    longest = check_lengths(metadata, num_query_rows, device)
+    _last_lengths[:] = (tensors, key, longest)
+    return longest
 
 
 def check_lengths(metadata: CommonAttentionMetadata, num_query_rows: int, device: torch.device) -> int:
