@@ -132,14 +132,16 @@ def _lengths_once(metadata: CommonAttentionMetadata, num_query_rows: int, device
     (same objects, no in-place change since: torch's version counters) with the same scalars, as
     for the KV-cache groups of one step, which share them. The tensors are kept, so their ids are not
     reused while they are remembered. Inference tensors have no version counter: always checked."""
-    tensors = (metadata.query_start_loc, metadata.seq_lens, metadata.query_start_loc_cpu, metadata.seq_lens_cpu) \
-        if isinstance(metadata, CommonAttentionMetadata) else ()
-    if not tensors or not all(type(t) is torch.Tensor and not t.is_inference() for t in tensors):   # no versions
+    try:
+        tensors = (metadata.query_start_loc, metadata.seq_lens, metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
+        key = (tensors[0]._version, tensors[1]._version, tensors[2]._version, tensors[3]._version, metadata.num_reqs,
+               metadata.num_actual_tokens, metadata.max_query_len, metadata.max_seq_len, num_query_rows, device)
+    except (AttributeError, RuntimeError):      # not metadata of tensors, or inference tensors (no versions)
         return check_lengths(metadata, num_query_rows, device)
-    key = (tuple(t._version for t in tensors), metadata.num_reqs, metadata.num_actual_tokens, metadata.max_query_len,
-           metadata.max_seq_len, num_query_rows, device)
-    if _last_lengths and _last_lengths[1] == key and all(a is b for a, b in zip(_last_lengths[0], tensors)):
-        return _last_lengths[2]
+    if _last_lengths and _last_lengths[1] == key:
+        seen = _last_lengths[0]
+        if seen[0] is tensors[0] and seen[1] is tensors[1] and seen[2] is tensors[2] and seen[3] is tensors[3]:
+            return _last_lengths[2]
     _last_lengths[:] = ()
     longest = check_lengths(metadata, num_query_rows, device)
     _last_lengths[:] = (tensors, key, longest)
