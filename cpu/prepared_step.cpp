@@ -6,9 +6,13 @@
 // contiguous last dimension, every slot in -1 .. num_slots - 1. A call of that form runs the kernel
 // and returns true; any other returns false, without touching anything, and kvmulti/ops.py then takes
 // the Python checks, which either raise the error that names the argument or run the call their way.
+// Each refusal records the id of the rule it applied (last_refusal): the ids are those of the rule table
+// kvmulti/input_rules.py, and tests/test_input_rules.py walks that table through these calls.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "torch_ops.h"
@@ -35,10 +39,13 @@ class PreparedStep {
   // out[:num_rows] = attention of query[:num_rows]; out's later rows are zeroed.
   bool attend(const torch::Tensor& query, const torch::Tensor& kv_cache, torch::Tensor& out, double scale,
               double softcap) {
-    if (!std::isfinite(scale) || !(softcap >= 0.0) || !std::isfinite(softcap) || !is_cache(kv_cache) ||
-        !is_rows(query, num_query_heads_, head_size_) || query.size(0) < num_rows_ ||
-        !is_rows(out, num_query_heads_, head_size_v_) || out.size(0) != query.size(0))
-      return false;
+    if (!std::isfinite(scale)) return refuse("scale.finite");
+    if (!(softcap >= 0.0) || !std::isfinite(softcap)) return refuse("softcap");
+    if (const char* rule = cache_refusal(kv_cache)) return refuse(rule);
+    if (const char* rule = rows_refusal(query, kQuery, num_query_heads_, head_size_)) return refuse(rule);
+    if (query.size(0) < num_rows_) return refuse("step.query_rows");
+    if (const char* rule = rows_refusal(out, kOut, num_query_heads_, head_size_v_)) return refuse(rule);
+    if (out.size(0) != query.size(0)) return refuse("out.shape");
     if (out.size(0) > num_rows_) out.narrow(0, num_rows_, out.size(0) - num_rows_).zero_();
     if (num_rows_ == 0) return true;
     paged_attention(query, kv_cache, out, block_table_, query_start_loc_, seq_lens_, cache_strides_[0],
@@ -53,13 +60,17 @@ class PreparedStep {
   // key / value rows t to slot slot_mapping[t] (-1 skips).
   bool write(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
              const torch::Tensor& slot_mapping) {
-    if (!is_cache(kv_cache) || !is_rows(key, num_kv_heads_, head_size_) ||
-        !is_rows(value, num_kv_heads_, head_size_v_) || value.size(0) != key.size(0) ||
-        slot_mapping.dim() != 1 || slot_mapping.size(0) != key.size(0) || !slot_mapping.device().is_cpu() ||
-        !slot_mapping.is_contiguous() ||
-        (slot_mapping.scalar_type() != torch::kInt64 && slot_mapping.scalar_type() != torch::kInt32) ||
-        !slots_checked(slot_mapping))
-      return false;
+    if (const char* rule = cache_refusal(kv_cache)) return refuse(rule);
+    if (const char* rule = rows_refusal(key, kKey, num_kv_heads_, head_size_)) return refuse(rule);
+    if (const char* rule = rows_refusal(value, kValue, num_kv_heads_, head_size_v_)) return refuse(rule);
+    if (value.size(0) != key.size(0)) return refuse("value.tokens");
+    if (slot_mapping.scalar_type() != torch::kInt64 && slot_mapping.scalar_type() != torch::kInt32)
+      return refuse("slots.dtype");
+    if (slot_mapping.dim() != 1) return refuse("slots.dim");
+    if (!slot_mapping.device().is_cpu()) return refuse("slots.device");
+    if (slot_mapping.size(0) != key.size(0)) return refuse("slots.tokens");
+    if (!slot_mapping.is_contiguous()) return refuse("slots.contiguous");
+    if (!slots_checked(slot_mapping)) return refuse("slots.range");
     const torch::Tensor slots =
         slot_mapping.scalar_type() == torch::kInt64 ? slot_mapping : slot_mapping.to(torch::kInt64);
     write_kv(key, value, kv_cache, slots, cache_strides_[0], cache_strides_[1], cache_strides_[2], head_size_,
@@ -67,15 +78,56 @@ class PreparedStep {
     return true;
   }
 
- private:
-  bool is_cache(const torch::Tensor& t) const {
-    return t.defined() && t.scalar_type() == dtype_ && t.device().is_cpu() && t.sizes() == cache_sizes_ &&
-           t.strides() == cache_strides_;
+  // The rule id of the last refused call ("" before any).
+  std::string last_refusal() const { return last_refusal_; }
+
+  // Every rule id a call can be refused with.
+  static std::vector<std::string> rule_ids() {
+    std::vector<std::string> ids = {"scale.finite", "softcap", "cache.layout", "cache.device", "step.query_rows",
+                                    "out.shape", "value.tokens", "slots.dtype", "slots.dim", "slots.device",
+                                    "slots.tokens", "slots.contiguous", "slots.range"};
+    for (const RowRules* rules : {&kQuery, &kOut, &kKey, &kValue})
+      for (const char* id : {rules->dtype, rules->dim, rules->heads, rules->size, rules->device, rules->contiguous})
+        ids.emplace_back(id);
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    return ids;
   }
 
-  bool is_rows(const torch::Tensor& t, int64_t heads, int64_t size) const {
-    return t.defined() && t.scalar_type() == dtype_ && t.device().is_cpu() && t.dim() == 3 &&
-           t.size(1) == heads && t.size(2) == size && (size <= 1 || t.stride(2) == 1);
+ private:
+  // The rule ids of one [tokens, heads, size] argument's checks, in the order they are applied.
+  struct RowRules {
+    const char *dtype, *dim, *heads, *size, *device, *contiguous;
+  };
+  static constexpr RowRules kQuery = {"query.dtype", "query.dim", "step.query_heads", "query.head_size",
+                                      "query.device", "query.contiguous"};
+  static constexpr RowRules kOut = {"out.dtype", "out.shape", "out.shape", "out.shape", "out.device",
+                                    "out.contiguous"};
+  static constexpr RowRules kKey = {"key.dtype", "key.dim", "key.heads", "key.head_size", "key.device",
+                                    "key.contiguous"};
+  static constexpr RowRules kValue = {"value.dtype", "value.dim", "value.heads", "value.head_size",
+                                      "value.device", "value.contiguous"};
+
+  bool refuse(const char* rule) {
+    last_refusal_ = rule;
+    return false;
+  }
+
+  const char* cache_refusal(const torch::Tensor& t) const {
+    if (!t.defined() || t.scalar_type() != dtype_ || t.sizes() != cache_sizes_ || t.strides() != cache_strides_)
+      return "cache.layout";
+    if (!t.device().is_cpu()) return "cache.device";
+    return nullptr;
+  }
+
+  const char* rows_refusal(const torch::Tensor& t, const RowRules& rules, int64_t heads, int64_t size) const {
+    if (!t.defined() || t.scalar_type() != dtype_) return rules.dtype;
+    if (t.dim() != 3) return rules.dim;
+    if (t.size(1) != heads) return rules.heads;
+    if (t.size(2) != size) return rules.size;
+    if (!t.device().is_cpu()) return rules.device;
+    if (size > 1 && t.stride(2) != 1) return rules.contiguous;
+    return nullptr;
   }
 
   // Slot values are checked once per step per slot tensor (the layers of a group share it), which is
@@ -100,6 +152,7 @@ class PreparedStep {
   bool causal_;
   int64_t partition_len_, isa_, num_slots_ = 0;
   std::vector<torch::Tensor> checked_slots_;
+  const char* last_refusal_ = "";
 };
 
 }  // namespace
@@ -112,6 +165,10 @@ void bind_prepared_step(pybind11::module& m) {
                           bool, int64_t, int64_t>())
       .def("attend", &PreparedStep::attend, "query, kv_cache, out, scale, softcap -> ran (False: not this step's form)")
       .def("write", &PreparedStep::write, "key, value, kv_cache, slot_mapping -> ran (False: not this step's form)")
+      .def_property_readonly("last_refusal", &PreparedStep::last_refusal,
+                             "the input rule id (kvmulti/input_rules.py) of the last refused call")
+      .def_property_readonly_static("rule_ids", [](pybind11::object) { return PreparedStep::rule_ids(); },
+                                    "every input rule id a call can be refused with")
       .def_property_readonly("checked_slot_tensors", &PreparedStep::checked_slot_tensors,
                              "slot tensors whose values this step has checked");
 }

@@ -4,18 +4,21 @@
 inside the backend that needs them.
 """
 
-from .backends import AttentionConfig, BackendSelectionError, available_backends, register_backend, select_backend
+from .backends import AttentionConfig, Backend, BackendSelectionError, available_backends, register_backend, select_backend
+from .backends.registry import ROLES
+from .fp8 import FP8_DTYPES
 from .layout import KVCacheLayout, LayoutStrides
 from .metadata import CommonAttentionMetadata
 from .backends.base import StepMetadata
-from .ops import paged_attention, prepare_step, write_kv
+from .ops import paged_attention, prepare_step, resolve_backend, write_kv
 from .platform import register_platform
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionConfig", "AttentionSpec", "BackendSelectionError", "CommonAttentionMetadata", "KVCacheConfig",
-           "KVCacheLayout", "LayoutStrides", "ModelRunner", "SpeculativeRunner", "StepMetadata", "available_backends", "paged_attention", "prepare_step",
-           "register_backend", "register_platform", "select_backend", "write_kv"]
+__all__ = ["AttentionConfig", "AttentionSpec", "Backend", "BackendSelectionError", "CommonAttentionMetadata",
+           "FP8_DTYPES", "KVCacheConfig", "KVCacheLayout", "LayoutStrides", "ModelRunner", "ROLES", "SpeculativeRunner",
+           "StepMetadata", "available_backends", "paged_attention", "prepare_step", "register_backend",
+           "register_platform", "resolve_backend", "select_backend", "write_kv"]
 
 
 _LAZY = {"SpeculativeRunner": "kvmulti.spec_decode.runner", "ModelRunner": "kvmulti.engine",

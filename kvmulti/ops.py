@@ -25,7 +25,7 @@ from .backends.registry import get_backend, select_backend_for_layout
 from .fp8 import is_fp8, scale_tensor
 from .layout import CROSS_LAYER_ORDERS, KVCacheLayout, token_order
 from .metadata import CommonAttentionMetadata
-from .validation import (check_attention_args, check_metadata, check_out, check_slot_values, check_window,
+from .validation import (check_attention_args, check_metadata, check_slot_values, check_window,
                          check_write, prepared_attention_is_plain, prepared_attention_tensors_fit,
                          prepared_write_is_plain, prepared_write_tensors_fit)
 
@@ -158,11 +158,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
                 query.new_zeros(query.shape[0], metadata.num_query_heads, layout.value_size)
             if target is not None and calls.attend(query, kv_cache, target, scale, softcap or 0.0):
                 return target
-        if prepared_attention_tensors_fit(query, kv_cache, metadata, out):
+        if prepared_attention_tensors_fit(query, kv_cache, metadata, out, scale, softcap):
             return _attend(query, kv_cache, metadata, scale, softcap or None, out)
-    check_attention_args(query, kv_cache, layout, scale, sliding_window, softcap)
-    if out is not None:
-        check_out(out, query, layout)
+    check_attention_args(query, kv_cache, layout, scale, sliding_window, softcap, out,
+                         metadata if isinstance(metadata, StepMetadata) else None)
     softcap = float(softcap) if softcap else None
     scale = float(layout.default_scale if scale is None else scale)
     k_scale, v_scale = _scales(k_scale, v_scale, layout, kv_cache.device)
@@ -203,11 +202,6 @@ def _check_step(step: StepMetadata, query: torch.Tensor, layout: KVCacheLayout, 
     if step.sliding_window != sliding_window:
         raise ValueError(f"metadata was prepared for sliding_window={step.sliding_window}, the call passes "
                          f"{sliding_window}")
-    if query.shape[1] != step.num_query_heads:
-        raise ValueError(f"query has {query.shape[1]} heads, metadata was prepared for {step.num_query_heads}")
-    if query.shape[0] < step.common.num_actual_tokens:
-        raise ValueError(f"query has {query.shape[0]} tokens, metadata.num_actual_tokens is "
-                         f"{step.common.num_actual_tokens}")
     if backend is not None and backend is not step.backend and get_backend_name(backend) != step.backend.name:
         raise ValueError(f"backend={get_backend_name(backend)} but the metadata was prepared by {step.backend.name}")
     return step

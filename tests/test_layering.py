@@ -89,3 +89,39 @@ def test_every_module_is_small():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
+
+
+def _library_names_used(path: Path) -> list[str]:
+    """What a module of ``kvmulti/engine/`` takes from the library (not from the engine and the
+    applications): ``from kvmulti import X`` gives ``kvmulti.X``; any other library import gives the
+    module; ``obj._name`` on anything but ``self`` / ``cls`` gives ``._name``."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    used = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            used += [a.name for a in node.names if a.name.startswith("kvmulti") and not _is_engine(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            if base == FACADE:
+                used += [f"kvmulti.{a.name}" for a in node.names if not _is_engine(f"kvmulti.{a.name}")]
+            elif base.startswith("kvmulti") and not _is_engine(base):
+                used.append(base)
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            used.append(f".{node.attr}")
+    return used
+
+
+def test_the_engine_uses_only_the_public_api():
+    """kvmulti/engine/ is built on the library's public names (``kvmulti.__all__``: the ops,
+    ``resolve_backend``, the layout and metadata types) and nothing private."""
+    import kvmulti
+    public = {f"kvmulti.{n}" for n in kvmulti.__all__}
+    used = {p.name: _library_names_used(p) for p in (PACKAGE / "engine").rglob("*.py")}
+    offenders = {k: sorted(set(v) - public) for k, v in used.items() if set(v) - public}
+    assert not offenders, offenders
+    assert {"kvmulti.prepare_step", "kvmulti.resolve_backend"} <= set().union(*used.values())

@@ -65,8 +65,8 @@ class StepMetadata:
 
     @cached_property
     def call_signature(self) -> tuple:
-        """What a layer call of this step is checked against on the fast paths of
-        :mod:`kvmulti.validation` (``prepared_*_is_well_formed``): the cache's (dtype, shape,
+        """What a layer call of this step is checked against on the prepared paths of
+        :mod:`kvmulti.input_rules` (``prepared_*_fits``): the cache's (dtype, shape,
         strides), then num_kv_heads, head_size, head_size_v, num_query_heads, num_actual_tokens,
         and whether the layout takes the fast paths at all (not fp8, not latent)."""
         layout = self.layout
@@ -164,7 +164,7 @@ class Backend(abc.ABC):
                        sliding_window: int | None) -> StepMetadata:
         """The per-step hook: everything this backend derives from ``common`` for a group whose
         layers have ``num_query_heads`` query heads and ``sliding_window``, computed once per step.
-        ``common`` must already be validated (:func:`kvmulti.validation.check_step_metadata`)."""
+        ``common`` must already be validated (:func:`kvmulti.validation.check_metadata`)."""
         step = StepMetadata(common, self, layout, num_query_heads, sliding_window,
                             self.plan(common, layout, num_query_heads, sliding_window))
         step.calls = self.prepared_calls(step)
@@ -179,8 +179,8 @@ class Backend(abc.ABC):
         """What :func:`kvmulti.paged_attention` / :func:`kvmulti.write_kv` hand a layer call of
         ``step`` to first, or None (the default): an object whose ``attend(query, kv_cache, out,
         scale: float, softcap: float) -> bool`` and ``write(key, value, kv_cache, slot_mapping) ->
-        bool`` check the call against the step (every check of :mod:`kvmulti.validation`'s prepared
-        fast paths, including the slot values once per slot tensor) and run it, or return False having
+        bool`` check the call against the step (every ``native`` rule of :mod:`kvmulti.input_rules`,
+        including the slot values once per slot tensor) and run it, or return False having
         done nothing. ``softcap`` is 0.0 for off; ``out`` rows past ``num_actual_tokens`` are zeroed."""
         return None
 

@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..backends.base import StepMetadata
-from ..metadata import CommonAttentionMetadata
+from .. import CommonAttentionMetadata, StepMetadata
 
 
 @dataclass

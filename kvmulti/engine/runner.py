@@ -22,14 +22,9 @@ from typing import Hashable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..backends.base import Backend, StepMetadata
-from ..backends.registry import ROLES
-from ..fp8 import FP8_DTYPES
+from .. import (FP8_DTYPES, ROLES, Backend, CommonAttentionMetadata, KVCacheLayout, StepMetadata, prepare_step,
+               resolve_backend)
 from ..kv_cache import AttentionSpec, BlockPool, BlockTables, KVCacheConfig, OutOfBlocksError
-from ..layout import KVCacheLayout
-from ..metadata import CommonAttentionMetadata
-from ..ops import resolve_backend
-from ..validation import check_block_table, check_lengths
 from ..models.decoder import AttentionContext, CausalLM
 from ..models.loader import load_model
 from .batch import StepBatch
@@ -307,8 +302,7 @@ class ModelRunner:
                 slot_mapping=self._to_device(torch.from_numpy(slots)), num_reqs=r, num_actual_tokens=t,
                 max_query_len=max_q, max_seq_len=max_seq, causal=True, query_start_loc_cpu=qsl32,
                 seq_lens_cpu=seq32)
-        longest = check_lengths(metadata[next(iter(metadata))], t, self.device)   # the groups share these
-        steps = {gid: self._prepare_step(gid, md, longest) for gid, md in metadata.items()}
+        steps = {gid: self._prepare_step(gid, md) for gid, md in metadata.items()}
 
         if num_logits is None and pure_decode:
             m = None                                          # decodes: one logit row each
@@ -333,13 +327,13 @@ class ModelRunner:
                          num_logits=[1] * r if m is None else m.tolist(),
                          logits_all_rows=one_each and t == r)
 
-    def _prepare_step(self, group_id: int, metadata: CommonAttentionMetadata, longest: int) -> StepMetadata:
-        """The per-step hook for one group: its block table checked (the lengths it shares with the
-        other groups are checked once per step by :meth:`prepare`, which found the step's ``longest``
-        seq_len; the block ids come from this runner's own pools), then prepared by its backend."""
-        layout, window = self.layouts[group_id], self.windows[group_id]
-        check_block_table(metadata, layout, self.device, longest)
-        return self.backends[group_id].build_metadata(metadata, layout, self.config.num_attention_heads, window)
+    def _prepare_step(self, group_id: int, metadata: CommonAttentionMetadata) -> StepMetadata:
+        """The per-step hook for one group (:func:`kvmulti.prepare_step` with the group's backend
+        object): its metadata checked, the block ids' values aside (they come from this runner's own
+        pools), then prepared by its backend."""
+        return prepare_step(metadata, self.layouts[group_id], self.config.num_attention_heads,
+                            num_query_rows=metadata.num_actual_tokens, sliding_window=self.windows[group_id],
+                            backend=self.backends[group_id], device=self.device, check_values=False)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self._on_cpu else tensor.to(self.device, non_blocking=True)

@@ -1,0 +1,191 @@
+"""Every rule of the input-rule table (kvmulti/input_rules.py), walked through every path that
+evaluates it: for each rule an input that breaks exactly that rule is rejected by the full checks
+(the public op without a prepared step, or with one but a backend named), by the prepared fast
+checks (``prepared_*_fits`` false, and the public op with a step raising), and by the CPU backend's
+native ``PreparedStep`` (refused with the rule's id), each where the rule's ``paths`` say so. The
+error is the rule's type and its text ends with ``(rule <id>)``."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+import kvmulti
+from kvmulti import input_rules
+from kvmulti.input_rules import BY_ID, FULL, NATIVE, NATIVE_ONLY, PREPARED
+
+HQ, HKV, HEAD = 4, 2, 16
+
+
+def base_args() -> dict:
+    gen = torch.Generator().manual_seed(0)
+    layout = kvmulti.KVCacheLayout(12, 4, HKV, HEAD, dtype=torch.float32)
+    cache = layout.allocate()
+    table = torch.randperm(12, generator=gen).to(torch.int32)[:9].view(3, 3)
+    md = kvmulti.CommonAttentionMetadata.from_lens([3, 1, 1], [7, 9, 4], table, 4)
+    t = md.num_actual_tokens
+    return dict(layout=layout, kv_cache=cache, md=md, query=torch.randn(t, HQ, HEAD, generator=gen),
+                key=torch.randn(t, HKV, HEAD, generator=gen), value=torch.randn(t, HKV, HEAD, generator=gen),
+                slot_mapping=md.slot_mapping, out=None, scale=None, sliding_window=None, softcap=None)
+
+
+def strided(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a last dimension of stride 2 (a legal input the native calls do not take)."""
+    wide = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)[..., ::2]
+    return wide.copy_(x)
+
+
+def _set(**changes):
+    return lambda a: a.update({k: f(a) for k, f in changes.items()})
+
+
+#: rule id -> how to break exactly that rule in :func:`base_args`' input
+VIOLATIONS = {
+    "layout.type": _set(layout=lambda a: "a layout"),
+    "cache.layout": _set(kv_cache=lambda a: a["kv_cache"][:6]),
+    "cache.device": _set(kv_cache=lambda a: a["kv_cache"].to("meta"), query=lambda a: a["query"].to("meta"),
+                         key=lambda a: a["key"].to("meta"), value=lambda a: a["value"].to("meta"),
+                         slot_mapping=lambda a: a["slot_mapping"].to("meta")),
+    "slots.type": _set(slot_mapping=lambda a: a["slot_mapping"].tolist()),
+    "slots.dtype": _set(slot_mapping=lambda a: a["slot_mapping"].float()),
+    "slots.dim": _set(slot_mapping=lambda a: a["slot_mapping"][:, None]),
+    "slots.device": _set(slot_mapping=lambda a: a["slot_mapping"].to("meta")),
+    "slots.tokens": _set(slot_mapping=lambda a: a["slot_mapping"][:-1]),
+    "slots.contiguous": _set(slot_mapping=lambda a: torch.stack([a["slot_mapping"]] * 2, 1)[:, 0]),
+    "slots.range": _set(slot_mapping=lambda a: torch.tensor([0, 1, 48, 2, 3])),
+    "value.missing": _set(value=lambda a: None),
+    "value.tokens": _set(value=lambda a: a["value"][:-1]),
+    "query.heads": _set(query=lambda a: a["query"][:, :3]),
+    "step.query_heads": _set(query=lambda a: a["query"][:, :2]),
+    "step.query_rows": _set(query=lambda a: a["query"][:-1]),
+    "scale.type": _set(scale=lambda a: "0.5"),
+    "scale.finite": _set(scale=lambda a: float("nan")),
+    "window": _set(sliding_window=lambda a: 0),
+    "softcap": _set(softcap=lambda a: -1.0),
+    "out.type": _set(out=lambda a: "a buffer"),
+    "out.shape": _set(out=lambda a: torch.zeros(a["query"].shape[0] - 1, HQ, HEAD)),
+    "out.dtype": _set(out=lambda a: torch.zeros(a["query"].shape[0], HQ, HEAD, dtype=torch.float64)),
+    "out.device": _set(out=lambda a: torch.zeros(a["query"].shape[0], HQ, HEAD, device="meta")),
+    "out.contiguous": _set(out=lambda a: strided(torch.zeros(a["query"].shape[0], HQ, HEAD))),
+}
+for _name in ("key", "value", "query"):
+    VIOLATIONS |= {
+        f"{_name}.type": _set(**{_name: lambda a, n=_name: a[n].numpy()}),
+        f"{_name}.dtype": _set(**{_name: lambda a, n=_name: a[n].double()}),
+        f"{_name}.dim": _set(**{_name: lambda a, n=_name: a[n].flatten(1)}),
+        f"{_name}.head_size": _set(**{_name: lambda a, n=_name: a[n][..., :8]}),
+        f"{_name}.device": _set(**{_name: lambda a, n=_name: a[n].to("meta")}),
+        f"{_name}.contiguous": _set(**{_name: lambda a, n=_name: strided(a[n])}),
+    }
+VIOLATIONS |= {f"{n}.heads": _set(**{n: lambda a, n=n: a[n][:, :1]}) for n in ("key", "value")}
+
+
+def broken(rule_id: str) -> tuple[dict, dict]:
+    """(the unbroken input, a copy with the rule broken)."""
+    base = base_args()
+    args = dict(base)
+    VIOLATIONS[rule_id](args)
+    return base, args
+
+
+def steps(base: dict):
+    """(the step with its native calls, the same step without them) for the unbroken input."""
+    step = kvmulti.prepare_step(base["md"], base["layout"], HQ, backend="CPU")
+    return step, dataclasses.replace(step, calls=None)
+
+
+def write(args: dict, step=None, backend=None) -> None:
+    kvmulti.write_kv(args["key"], args["value"], args["kv_cache"], args["layout"], args["slot_mapping"],
+                     step=step, backend=backend)
+
+
+def attend(args: dict, metadata, backend=None) -> None:
+    kvmulti.paged_attention(args["query"], args["kv_cache"], args["layout"], metadata, scale=args["scale"],
+                            sliding_window=args["sliding_window"], softcap=args["softcap"], out=args["out"],
+                            backend=backend)
+
+
+def op_of(rule) -> str:
+    return "write" if "write" in rule.ops or rule.ops == ("slots",) else "attention"
+
+
+def rejects(rule, call) -> None:
+    with pytest.raises(rule.error, match=re.escape(f"(rule {rule.id})")):
+        call()
+
+
+def test_every_rule_has_a_violation_and_unique_id():
+    ids = [r.id for r in input_rules.RULES if isinstance(r, input_rules.Rule)]
+    assert len(ids) == len(set(ids))
+    assert set(VIOLATIONS) == set(ids)
+
+
+def test_the_unbroken_input_passes_every_path():
+    args = base_args()
+    step, py = steps(args)
+    assert input_rules.prepared_write_fits(args["key"], args["value"], args["kv_cache"], args["slot_mapping"], py)
+    assert input_rules.prepared_attention_fits(args["query"], args["kv_cache"], None, None, None, py)
+    write(args), write(args, step), write(args, py)
+    attend(args, args["md"]), attend(args, step), attend(args, py)
+    if step.calls is not None:
+        assert step.calls.write(args["key"], args["value"], args["kv_cache"], args["slot_mapping"])
+        assert step.calls.last_refusal == ""
+
+
+@pytest.mark.parametrize("rule_id", sorted(BY_ID))
+def test_rule_is_enforced_by_every_path_that_evaluates_it(rule_id):
+    rule, (base, args) = BY_ID[rule_id], broken(rule_id)
+    op = op_of(rule)
+    step, py = steps(base)
+    before = args["kv_cache"].clone() if args["kv_cache"].device.type == "cpu" else None
+    if rule.paths == NATIVE_ONLY:              # a legal input: the Python rules accept it
+        if op == "write":
+            input_rules.check_write(args["key"], args["value"], args["kv_cache"], args["layout"], args["slot_mapping"])
+            assert input_rules.prepared_write_fits(args["key"], args["value"], args["kv_cache"],
+                                                   args["slot_mapping"], py)
+        else:
+            input_rules.check_attention(args["query"], args["kv_cache"], args["layout"], args["out"], None, None,
+                                        None, py)
+            assert input_rules.prepared_attention_fits(args["query"], args["kv_cache"], args["out"], None, None, py)
+    if FULL in rule.paths:
+        if rule.ops == ("attention", "step"):
+            rejects(rule, lambda: kvmulti.prepare_step(args["md"], args["layout"], HQ, sliding_window=0))
+        if op == "write":
+            rejects(rule, lambda: write(args))
+            rejects(rule, lambda: write(args, step, backend="CPU"))
+        elif rule.when == "step is not None":          # the full checks of a call with a step
+            rejects(rule, lambda: attend(args, step, backend="CPU"))
+        else:
+            rejects(rule, lambda: attend(args, args["md"]))
+            rejects(rule, lambda: attend(args, step, backend="CPU"))
+    if PREPARED in rule.paths:
+        if op == "write" and rule.id != "slots.range":
+            assert not input_rules.prepared_write_fits(args["key"], args["value"], args["kv_cache"],
+                                                       args["slot_mapping"], py)
+        elif op == "attention":
+            assert not input_rules.prepared_attention_fits(args["query"], args["kv_cache"], args["out"],
+                                                           args["scale"], args["softcap"], py)
+        for prepared in (py, step):               # the fast path refuses, the full checks name the rule
+            rejects(rule, lambda: write(args, prepared) if op == "write" else attend(args, prepared))
+    if before is not None:
+        assert torch.equal(args["kv_cache"], before)
+    if NATIVE in rule.paths:
+        if step.calls is None:
+            pytest.skip(f"the native CPU kernel is not built here: {kvmulti.backends.cpu.native.status()}")
+        if op == "write":
+            assert step.calls.write(args["key"], args["value"], args["kv_cache"], args["slot_mapping"]) is False
+        else:
+            out = args["out"] if args["out"] is not None else torch.zeros(args["query"].shape[0], HQ, HEAD)
+            scale = args["scale"] if args["scale"] is not None else 0.25
+            assert step.calls.attend(args["query"], args["kv_cache"], out, scale, args["softcap"] or 0.0) is False
+        assert step.calls.last_refusal == rule.id
+
+
+def test_the_native_calls_refuse_with_the_tables_ids_only():
+    step, _ = steps(base_args())
+    if step.calls is None:
+        pytest.skip("the native CPU kernel is not built here")
+    assert set(type(step.calls).rule_ids) == {r.id for r in BY_ID.values() if NATIVE in r.paths}
