@@ -163,13 +163,13 @@ def check_lengths(metadata: CommonAttentionMetadata, num_query_rows: int, device
     n = metadata.num_reqs
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"metadata.num_reqs must be an int >= 0, got {n!r}")
-    for name in ("query_start_loc", "query_start_loc_cpu"):
-        if getattr(metadata, name).shape[0] != n + 1:
-            raise ValueError(f"metadata.{name} has {getattr(metadata, name).shape[0]} entries, "
-                             f"expected num_reqs + 1 = {n + 1}")
-    for name in ("seq_lens", "seq_lens_cpu"):
-        if getattr(metadata, name).shape[0] != n:
-            raise ValueError(f"metadata.{name} has {getattr(metadata, name).shape[0]} entries, expected num_reqs = {n}")
+    counts = {name: getattr(metadata, name).shape[0] - (name.startswith("query_start_loc"))
+              for name in ("query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu")}
+    if any(c != n for c in counts.values()):
+        sizes = ", ".join(f"{name} has {c + name.startswith('query_start_loc')} entries ({c} requests)"
+                          for name, c in counts.items())
+        raise ValueError(f"metadata's request counts disagree: num_reqs = {n}, {sizes}; query_start_loc "
+                         "needs num_reqs + 1 entries and seq_lens num_reqs")
     for name in ("num_actual_tokens", "max_query_len", "max_seq_len"):
         value = getattr(metadata, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

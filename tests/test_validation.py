@@ -1,5 +1,7 @@
 """Every bad input gets a TypeError/ValueError naming the argument, and leaves the cache untouched."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -270,3 +272,14 @@ def test_from_lens_refuses_a_block_size_that_is_not_a_positive_int(block_size):
     table = torch.zeros(1, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match=f"block_size must be a positive int, got {block_size!r}"):
         kvmulti.CommonAttentionMetadata.from_lens([1], [3], table, block_size=block_size)
+
+
+def test_metadata_whose_lengths_disagree_names_every_count():
+    """A seq_lens of the wrong length: the message names num_reqs, query_start_loc and seq_lens."""
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    md = kvmulti.CommonAttentionMetadata.from_lens([1, 1], [3, 3], table, block_size=4)
+    md = dataclasses.replace(md, seq_lens=md.seq_lens[:1], seq_lens_cpu=md.seq_lens_cpu[:1], num_reqs=1)
+    layout = kvmulti.KVCacheLayout(num_blocks=4, block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"num_reqs = 1, query_start_loc has 3 entries \(2 requests\).*"
+                                         r"seq_lens has 1 entries \(1 requests\)"):
+        kvmulti.prepare_step(md, layout, 1)
