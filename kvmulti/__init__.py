@@ -1,15 +1,8 @@
 """kvmulti: one paged-attention API and KV-cache layout for HIP, SYCL, Triton and CPU.
 
-``import kvmulti`` needs only torch: Triton, the SYCL runtime and the HIP library load lazily
-inside the backend that needs them.
+``import kvmulti`` imports nothing else: each public name loads its module (and torch) at first
+use; Triton, the SYCL runtime and the HIP library load inside the backend that needs them.
 """
-
-from .backends import AttentionConfig, BackendSelectionError, available_backends, register_backend, select_backend
-from .layout import KVCacheLayout, LayoutStrides
-from .metadata import CommonAttentionMetadata
-from .backends.base import StepMetadata
-from .ops import paged_attention, prepare_step, write_kv
-from .platform import register_platform
 
 __version__ = "0.1.0"
 
@@ -18,12 +11,23 @@ __all__ = ["AttentionConfig", "AttentionSpec", "BackendSelectionError", "CommonA
            "register_backend", "register_platform", "select_backend", "write_kv"]
 
 
-_LAZY = {"SpeculativeRunner": "kvmulti.spec_decode.runner", "ModelRunner": "kvmulti.engine",
+#: every public name and the module that defines it, imported at first use (``kvmulti --help``
+#: and ``import kvmulti.settings`` stay free of torch)
+_LAZY = {"AttentionConfig": "kvmulti.backends", "BackendSelectionError": "kvmulti.backends",
+         "available_backends": "kvmulti.backends", "register_backend": "kvmulti.backends",
+         "select_backend": "kvmulti.backends", "KVCacheLayout": "kvmulti.layout", "LayoutStrides": "kvmulti.layout",
+         "CommonAttentionMetadata": "kvmulti.metadata", "StepMetadata": "kvmulti.backends.base",
+         "paged_attention": "kvmulti.ops", "prepare_step": "kvmulti.ops", "write_kv": "kvmulti.ops",
+         "register_platform": "kvmulti.platform",
+         "SpeculativeRunner": "kvmulti.spec_decode.runner", "ModelRunner": "kvmulti.engine",
          "KVCacheConfig": "kvmulti.kv_cache", "AttentionSpec": "kvmulti.kv_cache"}
 
 
 def __getattr__(name: str):
+    import importlib
+    import importlib.util
     if name in _LAZY:
-        import importlib
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")     # a submodule, as eager imports made it
     raise AttributeError(f"module 'kvmulti' has no attribute {name!r}")
