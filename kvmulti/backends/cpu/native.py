@@ -139,7 +139,8 @@ def build_jit(src: Path, files: list[Path], cflags: list[str], ldflags: list[str
                 native_build.announce("the native CPU attention kernel (about a minute)", build_dir)
             module = cpp_extension.load(
                 name=name, sources=[str(src / n) for n in _SOURCES], extra_cflags=list(cflags),
-                extra_ldflags=list(ldflags),   # copies: load() appends torch's libraries to them extra_include_paths=[str(src)], build_directory=str(build_dir),
+                extra_ldflags=list(ldflags),   # copies: load() appends torch's libraries to them
+                extra_include_paths=[str(src)], build_directory=str(build_dir),
                 verbose=verbose)
     except Exception as exc:  # a compiler error, a missing header, ...
         lines = str(exc).splitlines()
