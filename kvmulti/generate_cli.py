@@ -47,15 +47,23 @@ def _backend_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+def _speculative_tokens(text: str) -> int:
+    from .spec_decode.runner import MAX_SPECULATIVE_TOKENS
+    value = int(text)
+    if not 1 <= value <= MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be in 1..{MAX_SPECULATIVE_TOKENS}, got {value}")
+    return value
+
+
+def add_generate_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     from .backends.registry import backend_names
     names = ", ".join(backend_names())
-    p = sub.add_parser("generate", help="speculative decoding: print the text, backends, acceptance and speed")
+    p = sub.add_parser("generate", help=help_text)
     p.add_argument("prompt", nargs="+", help="one or more prompts (a batch)")
     p.add_argument("--model", metavar="DIR", default=None, help="target HF model dir (default: the shipped tiny target)")
     p.add_argument("--draft", metavar="DIR", default=None,
                    help="draft HF model dir, or 'none' (default: the shipped tiny draft)")
-    p.add_argument("-k", "--num-speculative-tokens", metavar="K", type=_positive_int, default=4,
+    p.add_argument("-k", "--num-speculative-tokens", metavar="K", type=_speculative_tokens, default=4,
                    help="tokens the draft proposes per step, 1..32 (default: %(default)s)")
     p.add_argument("--temperature", metavar="T", type=_temperature, default=0.0,
                    help="0 is greedy, > 0 samples (default: %(default)s)")
@@ -64,7 +72,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", metavar="NAME", type=_backend_name, default=None,
                    help=f"target attention backend: {names} (default: dispatch)")
     p.add_argument("--draft-backend", metavar="NAME", type=_backend_name, default=None,
-                   help=f"draft attention backend: {names} (default: dispatch, never the target's)")
+                   help=f"attention backend of the draft model: {names} (default: dispatch for the draft -- "
+                        "KVMULTI_DRAFT_ATTENTION_BACKEND, else KVMULTI_ATTENTION_BACKEND, else platform "
+                        "priority; --backend names the target's only)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the sampler (default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="model and KV cache dtype (default: %(default)s)")
@@ -144,13 +154,10 @@ class Progress:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .spec_decode.runner import MAX_SPECULATIVE_TOKENS, GenerationError, SpeculativeRunner
+    from .spec_decode.runner import GenerationError, SpeculativeRunner
 
     target = args.model or str(shipped_model("target"))
     draft = None if (args.draft or "").lower() == "none" else (args.draft or str(shipped_model("draft")))
-    if args.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
-        raise UsageError(f"-k/--num-speculative-tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
-                         f"got {args.num_speculative_tokens}")
     contexts = [c for c in (model_context(target, "--model"), draft and model_context(draft, "--draft")) if c]
     if contexts:
         args.prompt = fit_prompts(args.prompt, min(contexts), args.max_new_tokens, args.truncate_prompt)

@@ -1,7 +1,7 @@
 """Every environment variable kvmulti reads, declared once: name, type, default, meaning.
 
 Code reads a variable only through :func:`get` (or :func:`raw`), which refuses names that are not
-declared here; ``kvmulti info`` lists the declared variables that are set, and the README's table is
+declared here; :func:`validate` checks every set one at once (the CLI calls it first); ``kvmulti info`` lists the declared variables that are set, and the README's table is
 checked against this list by a test. Values are parsed at the call, so a changed variable takes
 effect at the next read (backends read theirs when they are constructed or when a build starts, not
 on the per-layer path).
@@ -131,7 +131,7 @@ def _parse_bool(setting: Setting, text: str) -> bool:
         return True
     if low in _FALSE:
         return False
-    raise SettingError(f"{setting.name}={text!r}: expected 1 or 0")
+    raise SettingError(f"{setting.name}={text!r}: expected 1 or 0 (or true/false, yes/no, on/off)")
 
 
 def _parse_int(setting: Setting, text: str) -> int:
@@ -144,7 +144,7 @@ def _parse_int(setting: Setting, text: str) -> int:
 def _parse_choice(setting: Setting, text: str) -> str:
     low = text.lower()
     if low not in setting.choices:
-        raise SettingError(f"{setting.name}={text!r}: valid values are {', '.join(setting.choices)}")
+        raise SettingError(f"{setting.name}={text!r}: expected one of {', '.join(setting.choices)}")
     return low
 
 
@@ -162,8 +162,25 @@ def partition_size() -> int:
     """``KVMULTI_PARTITION_SIZE`` (-1 auto, 0 never, N > 0 always), checked."""
     value = get("KVMULTI_PARTITION_SIZE")
     if value < -1:
-        raise SettingError(f"KVMULTI_PARTITION_SIZE={value}: expected -1 (auto), 0 (never) or a positive size")
+        raise SettingError(f"KVMULTI_PARTITION_SIZE={raw('KVMULTI_PARTITION_SIZE')!r}: expected -1 (auto), "
+                           "0 (never) or a positive size")
     return value
+
+
+def validate() -> None:
+    """Parse every variable kvmulti reads at run time or install time that is set; SettingError
+    with one line (``NAME='value': expected ...``; several joined by ``; ``) for bad values.
+    Backend names are checked by the registry (:func:`kvmulti.backends.registry.check_environment`)."""
+    errors = []
+    for setting in _SETTINGS:
+        if setting.read_by not in ("kvmulti", "install") or raw(setting.name) is None:
+            continue
+        try:
+            partition_size() if setting.name == "KVMULTI_PARTITION_SIZE" else get(setting.name)
+        except SettingError as error:
+            errors.append(str(error))
+    if errors:
+        raise SettingError("; ".join(errors))
 
 
 def set_variables() -> dict[str, str]:

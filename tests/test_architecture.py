@@ -73,7 +73,7 @@ def test_readme_variable_table_matches_settings():
 
 def test_bad_values_are_errors(monkeypatch):
     monkeypatch.setenv("KVMULTI_PARTITION_SIZE", "-7")
-    with pytest.raises(ValueError, match="KVMULTI_PARTITION_SIZE=-7"):
+    with pytest.raises(ValueError, match="KVMULTI_PARTITION_SIZE='-7'"):
         settings.partition_size()
     monkeypatch.setenv("KVMULTI_VALIDATE", "maybe")
     with pytest.raises(ValueError, match="KVMULTI_VALIDATE='maybe'"):

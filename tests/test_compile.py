@@ -33,6 +33,7 @@ def test_compile_fullgraph_write_and_attend(cross_layer_order):
 
 
 def test_ops_are_registered():
+    import kvmulti.ops  # noqa: F401  (the package imports its modules at first use)
     assert hasattr(torch.ops.kvmulti, "write_kv") and hasattr(torch.ops.kvmulti, "paged_attention")
 
 

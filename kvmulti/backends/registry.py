@@ -186,6 +186,18 @@ def env_override(role: str = "target") -> tuple[str, str] | None:
     return None
 
 
+def construct_for(device: torch.device | str, role: str = "target") -> tuple[str, ...]:
+    """Construct now the backends a call on ``device`` may dispatch to (the env override for
+    ``role``, else the platform's priority list): each builds or loads its native code in its
+    constructor, so an engine calling this at start-up never builds inside an attention call.
+    Returns their names."""
+    override = env_override(role)
+    names = (override[1],) if override else dispatch_order(platform_of(torch.device(device)))
+    for name in names:
+        get_backend(name)
+    return names
+
+
 def check_environment() -> None:
     """Raise ValueError if either override variable holds an unknown backend name."""
     env_override("target")

@@ -1,5 +1,5 @@
-"""CPU backend: the native kernel (``cpu/``, built on first use by :mod:`.native`) with the
-vectorised torch path (:mod:`.torch_path`) as the fallback when it cannot be built.
+"""CPU backend: the native kernel (``cpu/``, loaded or built by :mod:`.native` when the backend is
+constructed) with the vectorised torch path (:mod:`.torch_path`) as the fallback when it cannot be built.
 
 Both read the canonical layout in place through its named strides; ``describe()`` says which path
 runs and why (``kvmulti info``).
@@ -59,6 +59,8 @@ class CPUBackend(Backend):
         super().__init__(partition_size)
         self.native_kernel = settings.get("KVMULTI_CPU_NATIVE") if native_kernel is None else bool(native_kernel)
         self.isa = settings.get("KVMULTI_CPU_ISA") if isa is None else isa
+        if self.native_kernel:
+            native.status()    # load (or build) now: never inside an attention call
 
     def module(self):
         """The loaded native module, or None when the torch path runs."""

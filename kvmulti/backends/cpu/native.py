@@ -1,4 +1,6 @@
-"""Build (on first use) and load the native CPU attention kernel from ``kvmulti.cpu_src`` (cpu/).
+"""Load the native CPU attention kernel: the one a wheel carries (:mod:`.prebuilt`) when it fits
+this interpreter, else built from ``kvmulti.cpu_src`` (cpu/) and cached (the JIT fallback).
+:class:`~.backend.CPUBackend` loads it when it is constructed, never inside an attention call.
 
 The sources are compiled with :func:`torch.utils.cpp_extension.load` (ninja + the host C++
 compiler, OpenMP) into ``<cache>/cpu/<name>``, where the name hashes everything that goes into the
@@ -21,6 +23,7 @@ from types import ModuleType
 import torch
 
 from ... import native_build, settings
+from . import prebuilt
 
 ENV_ISA = "KVMULTI_CPU_ISA"
 ISAS = {"generic": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
@@ -32,6 +35,7 @@ _LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
 _state: tuple[ModuleType | None, str | None] | None = None
+_origin: str | None = None
 
 
 def source_dir() -> Path:
@@ -71,46 +75,94 @@ def describe(wanted_isa: str | None) -> str:
         isa = selected_isa(module, wanted_isa)
     except ValueError as exc:
         return f"native (unusable: {exc})"
-    return f"native ({isa}, {torch.get_num_threads()} threads)"
+    where = "prebuilt" if (_origin or "").startswith("prebuilt") else "JIT-built"
+    return f"native ({isa}, {torch.get_num_threads()} threads, {where})"
+
+
+def build_inputs(src: Path | None = None) -> tuple[Path, list[Path], list[str], list[str]]:
+    """(source folder, files hashed, cflags, ldflags) of the kernel build; ``src`` defaults to
+    :func:`source_dir`. FileNotFoundError when a source is missing."""
+    src = source_dir() if src is None else src
+    missing = [n for n in _SOURCES + _HEADERS if not (src / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"kernel sources missing from {src}: {', '.join(missing)}")
+    sanitize = native_build.sanitizer_flags()
+    cflags = [*_CFLAGS, *sanitize, *settings.get("KVMULTI_CPU_EXTRA_CFLAGS").split()]
+    return src, [src / n for n in _SOURCES + _HEADERS], cflags, [*_LDFLAGS, *sanitize]
+
+
+def origin() -> str | None:
+    """Where the loaded kernel came from (``prebuilt (...)`` or ``JIT build ...``); None when none is."""
+    status()
+    return _origin
 
 
 def _build() -> tuple[ModuleType | None, str | None]:
+    global _origin
+    try:
+        src, files, cflags, ldflags = build_inputs()
+    except Exception as exc:
+        return None, f"kernel sources not found (kvmulti.cpu_src): {exc}"
+    module, note = prebuilt.load(prebuilt.sources_hash(files, cflags + ldflags))
+    wanted = settings.get(ENV_ISA)
+    if module is not None and wanted and wanted not in module.available_isas():
+        module, note = None, f"prebuilt kernel has no usable {wanted} variant"
+    if module is not None:
+        _origin = note
+        return module, None
+    module, reason, build_dir = build_jit(src, files, cflags, ldflags)
+    if module is not None:
+        _origin = f"JIT build in {build_dir} ({note})"
+    return module, reason
+
+
+def build_jit(src: Path, files: list[Path], cflags: list[str], ldflags: list[str],
+              cache: Path | None = None) -> tuple[ModuleType | None, str | None, Path | None]:
+    """Build (or reuse from ``cache``, default the kvmulti cache) and load the kernel:
+    (module, None, build folder) or (None, why not, None)."""
     try:
         from torch.utils import cpp_extension
     except Exception as exc:  # pragma: no cover - torch always has it
-        return None, f"torch.utils.cpp_extension unavailable: {exc}"
-    try:
-        src = source_dir()
-    except Exception as exc:
-        return None, f"kernel sources not found (kvmulti.cpu_src): {exc}"
-    missing = [n for n in _SOURCES + _HEADERS if not (src / n).is_file()]
-    if missing:
-        return None, f"kernel sources missing from {src}: {', '.join(missing)}"
+        return None, f"torch.utils.cpp_extension unavailable: {exc}", None
     cxx, cxx_path = native_build.cxx_compiler()
     if cxx_path is None:
-        return None, f"no C++ compiler ({cxx!r} not found; set CXX or install g++)"
+        return None, f"no C++ compiler ({cxx!r} not found; set CXX or install g++)", None
     if not cpp_extension.is_ninja_available():
-        return None, "ninja not found (pip install ninja)"
-
-    sanitize = native_build.sanitizer_flags()
-    cflags = [*_CFLAGS, *sanitize, *settings.get("KVMULTI_CPU_EXTRA_CFLAGS").split()]
-    ldflags = [*_LDFLAGS, *sanitize]
-    key = native_build.build_key([src / n for n in _SOURCES + _HEADERS],
-                                 [*cflags, *ldflags, cxx_path, native_build.compiler_version(cxx_path)])
+        return None, "ninja not found (pip install ninja)", None
+    key = native_build.build_key(files, [*cflags, *ldflags, cxx_path, native_build.compiler_version(cxx_path)])
     name = f"kvmulti_cpu_{key}"
-    build_dir = native_build.cache_root() / "cpu" / name
+    build_dir = (native_build.cache_root() if cache is None else cache) / "cpu" / name
     verbose = bool(settings.get("KVMULTI_CPU_VERBOSE"))
     try:
         with native_build.build_lock(build_dir):
             if not any(build_dir.glob(f"{name}*.so")):
                 native_build.announce("the native CPU attention kernel (about a minute)", build_dir)
             module = cpp_extension.load(
-                name=name, sources=[str(src / n) for n in _SOURCES], extra_cflags=cflags,
-                extra_ldflags=ldflags, extra_include_paths=[str(src)], build_directory=str(build_dir),
+                name=name, sources=[str(src / n) for n in _SOURCES], extra_cflags=list(cflags),
+                extra_ldflags=list(ldflags),   # copies: load() appends torch's libraries to them
+                extra_include_paths=[str(src)], build_directory=str(build_dir),
                 verbose=verbose)
     except Exception as exc:  # a compiler error, a missing header, ...
         lines = str(exc).splitlines()
         errors = [ln.strip() for ln in lines if "error" in ln.lower() and not ln.lstrip().startswith("[")]
         text = " | ".join(errors[:3]) if errors else " ".join(str(exc).split())
-        return None, f"native build failed ({type(exc).__name__}: {text[:300]}); set KVMULTI_CPU_VERBOSE=1 to see the log"
-    return module, None
+        return (None, f"native build failed ({type(exc).__name__}: {text[:300]}); "
+                      "set KVMULTI_CPU_VERBOSE=1 to see the log", None)
+    return module, None, build_dir
+
+
+def build_for_wheel(src: Path, dest: Path) -> tuple[Path | None, str]:
+    """Build the kernel from ``src`` (the tree a wheel is made from) and put it with its manifest
+    into ``dest`` (the wheel's ``kvmulti/_prebuilt/cpu``): (library, what happened); (None, why not)."""
+    try:
+        src, files, cflags, ldflags = build_inputs(src)
+    except FileNotFoundError as exc:
+        return None, str(exc)
+    sources = prebuilt.sources_hash(files, cflags + ldflags)
+    module, reason, _ = build_jit(src, files, cflags, ldflags)
+    if module is None:
+        return None, reason or "no module"
+    cxx_path = native_build.cxx_compiler()[1] or ""
+    target = prebuilt.write(Path(module.__file__), module.__name__, sources, native_build.compiler_version(cxx_path),
+                            dest)
+    return target, f"CPU kernel {module.__name__} ({', '.join(module.available_isas())} usable here) -> {target}"

@@ -66,6 +66,11 @@ class HipBackend(Backend):
         self._warned = False
         self._rocm_reasons: list[str] | None = None
         self._cpu_reasons: list[str] | None = None
+        if torch.version.hip and not self.rocm_reasons():
+            try:                 # load (or build) the ROCm library now, never inside an attention call
+                load_rocm_library()
+            except Exception as error:
+                self._rocm_reasons = [f"the ROCm library failed to build or load: {type(error).__name__}: {error}"]
 
     # -- availability -------------------------------------------------------------------------
     def rocm_reasons(self) -> list[str]:

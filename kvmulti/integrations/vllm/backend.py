@@ -28,6 +28,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout as VllmKVCacheLayout
 
 from ... import ops
 from ...backends.base import Backend, StepMetadata
+from ...backends.registry import construct_for
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata
 from . import BACKEND_NAME
@@ -183,6 +184,10 @@ class KvmultiAttentionImpl(AttentionImpl):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self._backend: Backend | None = None
+        # the backends this layer may dispatch to are constructed now, at model construction (engine
+        # start-up): a native build happens here, with its message, never in the first forward
+        from vllm.platforms import current_platform
+        construct_for(torch.device(current_platform.device_type))
         self._cache_key: tuple | None = None
         self._cache_view: tuple[torch.Tensor, KVCacheLayout] | None = None
 
