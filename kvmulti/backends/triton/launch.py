@@ -14,13 +14,18 @@ takes the single pass. ``split_kv=True/False`` forces a path.
 
 Tiles per target family (:func:`tile_sizes`, :func:`pipeline_stages`), chosen from the static
 report ``benchmarks/gpu_report.py``: on AMD, tiles of 32 key positions keep a decode work-group's
-LDS under 32 KiB, so two or more fit a CU's 64 KiB, and prefill runs unpipelined; on NVIDIA, the
+LDS under 32 KiB, so two or more fit a CU's 64 KiB, and short mixed steps run unpipelined; on NVIDIA, the
 next tile's K/V loads are in flight during this tile's dots (``kv_tiles_in_flight_at_dot`` of
 devtools/triton_cross_compile.py reads that from the TTGIR) at 3 stages. A tile that lies in one block or covers at most
 :data:`MAX_TABLE_READS` whole blocks reads the block table once per block, as scalars
 (:func:`table_reads`); with smaller blocks the table is read per key position, that read takes a
 pipeline stage of its own, and fp16 / bf16 decode needs 5 stages for the same overlap. Other
 targets (XPU, the interpreter) keep the base tiles.
+
+Prefill (:data:`PREFILL_MIN_QUERY_LEN`, :func:`prefill_tiles`): a step whose longest query has at
+least 64 new tokens and whose dots run on 16-bit operands gets the matrix-unit tiles of its target
+family and the kernel's prefill loop (interior key tiles without a per-score mask); every row of the
+step, decode rows included, runs in those tiles.
 
 Memory safety: the launchers pass the kernels the bounds of every tensor that metadata indexes
 (usable query/output rows, block-table rows and columns, cache blocks, cache slots); the kernels
@@ -71,6 +76,7 @@ class AttentionPlan:
     table_reads: int = 0    # block-table reads per key tile as scalars (0: one per key position)
     num_warps: int = 4
     num_stages: int = 2
+    prefill: bool = False   # prefill_tiles' tiles and the kernel's prefill loop (interior tiles unmasked)
 
 
 FAMILIES = ("nvidia", "amd", "other")
@@ -102,6 +108,36 @@ def tile_sizes(decode: bool, num_qpk: int, head_pad_: int, head_pad_v: int, dtyp
             tile_n = 32
     block_m = max(base_m, triton.next_power_of_2(num_qpk))
     return block_m, tile_n
+
+
+#: A step whose longest query has at least this many new tokens is planned as prefill where
+#: :func:`prefill_tiles` has tiles for it: the matrix-unit tiles and the kernel's prefill loop.
+PREFILL_MIN_QUERY_LEN = 64
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_tiles(family: str, widest: int, dots_16bit: bool) -> PrefillTiles | None:
+    """The prefill tiles of one target family for heads padded to ``widest`` whose dots run on 16-bit
+    operands (fp16 / bf16 queries; fp32 dots have no matrix instruction and keep :func:`tile_sizes`);
+    None: :func:`tile_sizes`' tiles. The one place prefill tiles are chosen, each from the
+    cross-compiled evidence (devtools/triton_cross_compile.py: no spills on any target of the family)."""
+    if not dots_16bit or family not in ("nvidia", "amd"):
+        return None
+    if family == "nvidia":
+        # 128 rows: two m64 wgmma warpgroups on sm_90, 8 warps (219-224 regs, 1 CTA/SM); 3 stages keep
+        # the next K/V tile's cp.async loads in flight during the dots; head 256: 64 x 32 (64-key
+        # tiles need 172 KB of shared memory on sm_80)
+        return PrefillTiles(128, 64, 8, 3) if widest <= 128 else PrefillTiles(64, 32, 8, 3)
+    # AMD: 128 rows x 32 keys over 4 wave64s, the next tile prefetched (2 stages): 229-252 VGPRs, 2
+    # work-groups per CU (64-key tiles spill SGPRs); head 256: 64 rows over 8 wave64s (4: 300+ VGPRs)
+    return PrefillTiles(128, 32, 4, 2) if widest <= 128 else PrefillTiles(64, 32, 8, 2)
 
 
 def table_reads(block_size: int, tile_n: int) -> int:
@@ -156,6 +192,11 @@ def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_
     hp, hpv = head_pad(head_size), head_pad(head_size_v)
     decode = max_query_len <= 1 or split_kv
     block_m, tile_n = tile_sizes(decode, num_qpk, hp, hpv, dtype, family, query_dtype)
+    dots_16bit = not (dtype == torch.float32 or dtype in FP8_DTYPES and query_dtype == torch.float32)
+    big = (prefill_tiles(family, max(hp, hpv), dots_16bit)
+           if not split_kv and max_query_len >= PREFILL_MIN_QUERY_LEN else None)
+    if big is not None:
+        block_m, tile_n = max(big.block_m, triton.next_power_of_2(num_qpk)), big.tile_n
     num_parts = 1
     if split_kv:
         tile_n = min(tile_n, partition_size)
@@ -165,9 +206,11 @@ def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_
         # a table read per key position holds a lane mask per key: smaller tiles (gpu_report: no spills)
         tile_n = min(tile_n, 16 if family == "amd" else 32)
         reads = table_reads(block_size, tile_n)
+    warps, stages = ((big.num_warps, big.num_stages) if big is not None else
+                     (4, pipeline_stages(decode, family, dtype, reads, max(hp, hpv))))
     return AttentionPlan(split=bool(split_kv), block_m=block_m, block_q=block_m // num_qpk, tile_n=tile_n,
                          head_pad=hp, head_pad_v=hpv, partition_size=partition_size, num_parts=num_parts,
-                         table_reads=reads, num_stages=pipeline_stages(decode, family, dtype, reads, max(hp, hpv)))
+                         table_reads=reads, num_warps=warps, num_stages=stages, prefill=big is not None)
 
 
 def num_compute_units(device: torch.device) -> int:
@@ -281,7 +324,7 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
         NUM_QPK=num_qpk, BLOCK_Q=plan.block_q, BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_SIZE_V=head_size_v,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, HEAD_PAD=plan.head_pad, HEAD_PAD_V=plan.head_pad_v,
         SPLIT=plan.split, PART_SIZE=plan.partition_size if plan.split else 16, DOT_F32=dot_f32, FP8=fp8,
-        TABLE_READS=plan.table_reads,
+        TABLE_READS=plan.table_reads, PREFILL=plan.prefill,
     )
     grid = (num_rows // plan.block_q + num_reqs, num_kv_heads, plan.num_parts)
     launches = [Launch("unified_attention", grid, args, plan.num_warps, plan.num_stages)]
