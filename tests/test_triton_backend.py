@@ -216,6 +216,9 @@ def prefill_specs() -> list:
              context_lens=(40,)),
         spec("hsv_differs_softcap", head_size=128, head_size_v=64, query_lens=(64, 1), context_lens=(30, 50),
              softcap=10.0),
+        spec("hs32_window_fp16", head_size=32, dtype=F16, query_lens=(80, 1), context_lens=(20, 60),
+             sliding_window=40),
+        spec("hs256_window_bf16", head_size=256, group=1, query_lens=(66,), context_lens=(10,), sliding_window=30),
     ]
 
 
@@ -236,8 +239,11 @@ def run_with_target_tiles(spec: CaseSpec, family: str, monkeypatch) -> list:
 def test_prefill_tiles_match_reference(spec, family, monkeypatch):
     from kvmulti.backends.triton import launch
     (ln,) = run_with_target_tiles(spec, family, monkeypatch)
-    hp = max(launch.head_pad(spec.head_size), launch.head_pad(spec.head_size_v or spec.head_size))
-    tiles = launch.prefill_tiles(family, hp, spec.dtype != F32)      # fp32 dots: None, the mixed tiles
+    hs, hsv = spec.head_size, spec.head_size_v or spec.head_size
+    hp = max(launch.head_pad(hs), launch.head_pad(hsv))
+    tiles = launch.prefill_tiles(family, hp, spec.dtype != F32,      # fp32 dots: None, the mixed tiles
+                                 exact_head=(launch.head_pad(hs), launch.head_pad(hsv)) == (hs, hsv),
+                                 window=bool(spec.sliding_window), softcap=bool(spec.softcap))
     assert ln.args["PREFILL"] == (tiles is not None)
     if tiles is not None:
         assert (ln.args["BLOCK_M"], ln.args["TILE_N"], ln.num_warps, ln.num_stages) == (
