@@ -134,6 +134,11 @@ def batch_specs(target_name: str | None = None) -> list[BatchSpec]:
             out.append(BatchSpec(f"{d}_mixed", (7, 1, 3), (0, 40, 9), sliding_window=20, softcap=10.0, **base))
             out.append(BatchSpec(f"{d}_decode", (1, 1, 1), (40, 9, 100), **base))
             out.append(BatchSpec(f"{d}_split", (1, 1), (1100, 300), split_kv=True, **base))
+            out.append(BatchSpec(f"{d}_prefill", (PREFILL_LEN, 1, 9), (0, 40, 100), **base))
+            if dtype != F32:      # prefill_tiles picks other tiles under a window
+                out.append(BatchSpec(f"{d}_prefill_window", (PREFILL_LEN, 1, 9), (0, 40, 100), sliding_window=40,
+                                     softcap=30.0, **base))
+    out += prefill_specs()
     out += [
         BatchSpec("ones", (5,), (3,), num_kv_heads=1, group=1, block_size=1, sliding_window=1),
         BatchSpec("decode_g16_blockq1", (1, 1), (30, 7), group=16),
@@ -151,6 +156,37 @@ def batch_specs(target_name: str | None = None) -> list[BatchSpec]:
         if target_name in (None, target.name):
             out += model_specs(target)
     return out
+
+
+PREFILL_LEN = 70        # a query at least launch.PREFILL_MIN_QUERY_LEN long: the step is planned as prefill
+
+
+def prefill_specs() -> list[BatchSpec]:
+    """Prefill steps (the longest query at least ``launch.PREFILL_MIN_QUERY_LEN``) beyond the
+    dtype x head-size ones (each with and without window + softcap): window and softcap alone, head
+    sizes below their pads, GQA
+    1 / 8 / 16, HND, block sizes 1 and 128, K/V head sizes that differ, fp8 caches with and without a
+    window."""
+    q, c = (PREFILL_LEN, 1, 9), (0, 40, 100)
+    return [
+        BatchSpec("prefill_window_softcap", q, c, dtype=BF16, head_size=128, sliding_window=40, softcap=30.0),
+        BatchSpec("prefill_window_fp16", q, c, dtype=F16, head_size=128, sliding_window=40),
+        BatchSpec("prefill_window_softcap_fp16", q, c, dtype=F16, head_size=128, sliding_window=40, softcap=30.0),
+        BatchSpec("prefill_softcap_fp16", q, c, dtype=F16, head_size=128, softcap=30.0),
+        BatchSpec("prefill_window_hs32", q, c, dtype=BF16, head_size=32, sliding_window=40),
+        *(BatchSpec(f"prefill_hs{hs}_{DTYPE_NAMES[dt]}", q, c, dtype=dt, head_size=hs)   # masked head lanes
+          for hs in (8, 24, 40) for dt in (F16, BF16)),
+        BatchSpec("prefill_e4m3_bf16_no_window", q, c, dtype=E4M3, query_dtype=BF16, head_size=128),
+        BatchSpec("prefill_e5m2_bf16_window", q, c, dtype=E5M2, query_dtype=BF16, head_size=128, sliding_window=40),
+        BatchSpec("prefill_gqa1_hnd", q, c, dtype=F16, head_size=128, group=1, order="HND"),
+        BatchSpec("prefill_gqa8_block128", q, c, dtype=BF16, head_size=128, group=8, block_size=128),
+        BatchSpec("prefill_gqa16", q, c, dtype=BF16, head_size=64, group=16),
+        BatchSpec("prefill_block1", q, c, dtype=F16, head_size=64, block_size=1),
+        BatchSpec("prefill_hsv_differs", q, c, dtype=BF16, head_size=128, head_size_v=64),
+        BatchSpec("prefill_e4m3_bf16", q, c, dtype=E4M3, query_dtype=BF16, head_size=128, sliding_window=40),
+        BatchSpec("prefill_e5m2_fp16", q, c, dtype=E5M2, query_dtype=F16, head_size=128, order="HND"),
+        BatchSpec("prefill_e4m3_fp32", q, c, dtype=E4M3, query_dtype=F32, head_size=64),
+    ]
 
 
 def fp8_specs() -> list[BatchSpec]:

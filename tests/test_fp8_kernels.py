@@ -155,6 +155,18 @@ def test_split_kv_decode(backend_name, dtype):
     run_and_compare(backend_name, spec, BF16, "head", partition_size=16)
 
 
+@pytest.mark.parametrize("family", ["nvidia", "amd"])
+@pytest.mark.parametrize("dtype,query_dtype", [(E4M3, BF16), (E5M2, F16), (E4M3, F32)], ids=["e4m3_bf16", "e5m2_fp16",
+                                                                                           "e4m3_fp32"])
+def test_triton_prefill_tiles(family, dtype, query_dtype, monkeypatch):
+    """Triton's prefill tiles of each target family (launch.prefill_tiles) over an fp8 cache: several
+    q-blocks and key tiles, a window, chunked and decode rows beside the prompt."""
+    from kvmulti.backends.triton import launch
+    monkeypatch.setattr(launch, "device_family", lambda device: family)
+    spec = mixed(dtype, "HND", query_lens=(70, 1, 3), context_lens=(0, 90, 40), sliding_window=45, group=4)
+    run_and_compare("TRITON", spec, query_dtype, "head")
+
+
 # ------------------------------------------------------------------------------ memory safety
 MARGIN = 2048
 NAN_CODE = 0x7F            # NaN in both formats: a read of a margin turns an output non-finite

@@ -196,6 +196,60 @@ def test_triton_corners(spec):
     check_against_reference(spec, "TRITON")
 
 
+def prefill_specs() -> list:
+    """Prefill steps (the longest query at least ``launch.PREFILL_MIN_QUERY_LEN``): several q-blocks and
+    key tiles per request, whole tiles skipped before a window, interior tiles without a per-score
+    mask and the diagonal tile, next to decode and chunked rows of the same step."""
+    def spec(id_, **kw):
+        base = dict(order="NHD", block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=BF16)
+        base.update(kw)
+        return pytest.param(CaseSpec(**base), id=id_)
+    return [
+        spec("varlen_bf16_gqa4", query_lens=(70, 1, 9, 40), context_lens=(0, 130, 20, 90)),
+        spec("chunked_window_softcap_fp16_gqa8_hnd", order="HND", block_size=32, group=8, head_size=80, dtype=F16,
+             query_lens=(66, 5), context_lens=(150, 10), sliding_window=50, softcap=20.0),
+        spec("gqa1_fp32_block1_window", block_size=1, group=1, dtype=F32, query_lens=(64, 2), context_lens=(100, 7),
+             sliding_window=30),
+        spec("gqa1_bf16_block128_two_qblocks", block_size=128, group=1, num_kv_heads=1, query_lens=(130,),
+             context_lens=(70,)),
+        spec("hs256_fp16_gqa2_hnd", order="HND", group=2, head_size=256, dtype=F16, query_lens=(65,),
+             context_lens=(40,)),
+        spec("hsv_differs_softcap", head_size=128, head_size_v=64, query_lens=(64, 1), context_lens=(30, 50),
+             softcap=10.0),
+        spec("hs32_window_fp16", head_size=32, dtype=F16, query_lens=(80, 1), context_lens=(20, 60),
+             sliding_window=40),
+        spec("hs256_window_bf16", head_size=256, group=1, query_lens=(66,), context_lens=(10,), sliding_window=30),
+    ]
+
+
+def run_with_target_tiles(spec: CaseSpec, family: str, monkeypatch) -> list:
+    """check_against_reference with the tiles the planner picks for ``family`` ("nvidia" / "amd"):
+    the interpreter runs the kernel those targets compile. Returns the attention launches."""
+    from kvmulti.backends.triton import launch
+    monkeypatch.setattr(launch, "device_family", lambda device: family)
+    launches, run = [], launch.run
+    monkeypatch.setattr(launch, "run", lambda ls: (launches.extend(ls), run(ls))[1])
+    check_against_reference(spec, "TRITON")
+    return [ln for ln in launches if ln.kernel == "unified_attention"]
+
+
+@ON_CPU
+@pytest.mark.parametrize("family", ["nvidia", "amd"])
+@pytest.mark.parametrize("spec", prefill_specs())
+def test_prefill_tiles_match_reference(spec, family, monkeypatch):
+    from kvmulti.backends.triton import launch
+    (ln,) = run_with_target_tiles(spec, family, monkeypatch)
+    hs, hsv = spec.head_size, spec.head_size_v or spec.head_size
+    hp = max(launch.head_pad(hs), launch.head_pad(hsv))
+    tiles = launch.prefill_tiles(family, hp, spec.dtype != F32,      # fp32 dots: None, the mixed tiles
+                                 exact_head=(launch.head_pad(hs), launch.head_pad(hsv)) == (hs, hsv),
+                                 window=bool(spec.sliding_window), softcap=bool(spec.softcap))
+    assert ln.args["PREFILL"] == (tiles is not None)
+    if tiles is not None:
+        assert (ln.args["BLOCK_M"], ln.args["TILE_N"], ln.num_warps, ln.num_stages) == (
+            tiles.block_m, tiles.tile_n, tiles.num_warps, tiles.num_stages)
+
+
 @ON_CPU
 @pytest.mark.parametrize("spec", split_specs())
 def test_split_kv_matches_single_pass(spec):

@@ -30,30 +30,42 @@ def compiled() -> dict[str, list[dict]]:
 
 @pytest.mark.parametrize("family", ["nvidia", "amd"])
 def test_launch_set_covers_every_tile_choice(family):
-    """Every (dtype, head pad, BLOCK_M, TILE_N, path, table reads, stages) the planner picks on
-    ``family`` for head sizes <= 256 and GQA groups <= 16 at block size 16, and for blocks small
-    enough that a tile reads the table per key position, is among the compiled launches; all
-    kernels are there."""
+    """Every (cache dtype, head pad, BLOCK_M, TILE_N, path, table reads, stages, warps, prefill loop,
+    window and softcap in the prefill loop) the planner picks on ``family`` for head sizes <= 256,
+    GQA groups <= 16, with and without a sliding window and softcap, at block size 16 (fp8 caches:
+    head 128), and for blocks small enough that a tile reads the table per key position, is among
+    the compiled launches; all kernels are there."""
     target = next(t for t in xc.TARGETS.values() if t.family == family)
     launches = xc.all_launches(target.name)
-    compiled = {(ln.args["kv_ptr"].dtype, ln.args["HEAD_PAD"], ln.args["HEAD_PAD_V"], ln.args["BLOCK_M"],
-                 ln.args["TILE_N"], ln.args["SPLIT"], ln.args["TABLE_READS"], ln.num_stages)
+    compiled = {((ln.args["kv_ptr"].dtype, ln.args["FP8"]), ln.args["HEAD_PAD"], ln.args["HEAD_PAD_V"], ln.args["BLOCK_M"],
+                 ln.args["TILE_N"], ln.args["SPLIT"], ln.args["TABLE_READS"], ln.num_stages, ln.num_warps,
+                 ln.args["PREFILL"], ln.args["PREFILL"] and ln.args["WINDOW"] > 0, ln.args["PREFILL"] and ln.args["SOFTCAP"] > 0)
                 for _, ln in launches if ln.kernel == "unified_attention"}
     assert {ln.kernel for _, ln in launches} == set(launch.KERNELS)
 
-    def key(dtype, hs, group, max_q, split, block_size):
+    def key(dtype, hs, group, max_q, split, block_size, window=None, query_dtype=None, softcap=None):
         plan = launch.plan_attention(num_reqs=2, num_kv_heads=2, num_qpk=group, max_query_len=max_q,
                                      max_seq_len=4096, head_size=hs, head_size_v=hs, dtype=dtype,
-                                     num_compute_units=132, block_size=block_size, split_kv=split, family=family)
-        return (dtype, plan.head_pad, plan.head_pad_v, plan.block_m, plan.tile_n, plan.split, plan.table_reads,
-                plan.num_stages)
+                                     num_compute_units=132, block_size=block_size, split_kv=split, family=family,
+                                     sliding_window=window, query_dtype=query_dtype, softcap=softcap)
+        cache = (launch.raw_cache(torch.empty(0, dtype=dtype)).dtype, launch.fp8_code(dtype))
+        return (cache, plan.head_pad, plan.head_pad_v, plan.block_m, plan.tile_n, plan.split, plan.table_reads,
+                plan.num_stages, plan.num_warps, plan.prefill, plan.prefill and bool(window),
+                plan.prefill and bool(softcap))
 
     for dtype in (F32, F16, BF16):
         for hs in (8, 16, 24, 40, 64, 80, 96, 128, 160, 256):
             for group in (1, 2, 3, 4, 8, 16):
                 for max_q, split in ((1, False), (1, True), (7, False), (300, False)):
-                    assert key(dtype, hs, group, max_q, split, 16) in compiled
-    for max_q in (1, 7):
+                    assert key(dtype, hs, group, max_q, split, 16) in compiled, (dtype, hs, group, max_q, split)
+                for max_q in (7, 300):
+                    assert key(dtype, hs, group, max_q, False, 16, 40, softcap=30.0) in compiled, (dtype, hs, max_q)
+    for window, softcap in ((40, None), (None, 30.0)):
+        assert key(F16, 128, 4, 300, False, 16, window, softcap=softcap) in compiled, (window, softcap)
+    for dtype in (xc.E4M3, xc.E5M2):
+        for window in (None, 40):
+            assert key(dtype, 128, 4, 300, False, 16, window, BF16) in compiled, (dtype, window)
+    for max_q in (1, 7, 300):
         per_key = key(F16, 64, 4, max_q, False, 1)
         assert per_key[6] == 0 and per_key in compiled, per_key
 
@@ -75,10 +87,36 @@ def test_cross_compiles(target_name, compiled):
     assert {r["kernel"] for r in results} == set(launch.KERNELS)
     for dt in ("fp32", "fp16", "bf16"):
         for hs in (16, 32, 64, 80, 256):
-            for kind in ("mixed", "decode", "split"):
+            for kind in ("mixed", "decode", "split", "prefill") + (("prefill_window",) if dt != "fp32" else ()):
                 assert any(r["name"] == f"unified_attention-{dt}_hs{hs}_{kind}" for r in results), (dt, hs, kind)
     failed = [f"{r['name']} {r['constexprs']}: {r['problem']}" for r in results if r["problem"]]
     assert not failed, f"{len(failed)} of {len(results)} specialisations fail on {target_name}:\n" + "\n".join(failed)
+    spilled = [(r["name"], r["num_warps"], r["num_stages"], r["spills"]) for r in results if r["spills"]]
+    assert not spilled, f"{len(spilled)} specialisations spill on {target_name}: {spilled}"
+
+
+MATRIX_KIND = {"sm_80": "mma.sync", "sm_90": "wgmma.mma_async", "gfx90a": "v_mfma", "gfx942": "v_mfma"}
+
+
+@pytest.mark.parametrize("target_name", list(xc.TARGETS))
+def test_prefill_tiles_run_on_the_matrix_units(target_name, compiled):
+    """Every prefill specialisation with 16-bit dots (launch.prefill_tiles) compiles to the target's
+    matrix instruction (wgmma on sm_90, mma.sync on sm_80, v_mfma on gfx9) without spills; on NVIDIA
+    the model prefill keeps the next K/V tile in flight during the dots."""
+    kind = MATRIX_KIND[target_name]
+    rows = [r for r in compiled[target_name] if r["kernel"] == "unified_attention"
+            and r["constexprs"].get("PREFILL") == "True"]
+    assert len(rows) >= 10, len(rows)
+    big = [r for r in rows if "fp32" not in r["name"]]
+    assert big and all(int(r["constexprs"]["BLOCK_M"]) >= 64 for r in big)
+    for r in rows:
+        assert not r["problem"] and r["spills"] == 0, (r["name"], r["problem"], r["spills"])
+    for r in big:
+        assert r["matrix_instructions"] > 0 and any(k.startswith(kind) for k in r["matrix_kind"]), (
+            r["name"], r["matrix_kind"])
+    if target_name.startswith("sm_"):
+        model = next(r for r in rows if r["name"] == f"unified_attention-model_prefill_{target_name}")
+        assert model["kv_tiles_in_flight_at_dot"] >= 1, model["wait_groups"]
 
 
 def _ttgir(prologue: list[str], body: list[str]) -> str:

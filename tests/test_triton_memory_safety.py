@@ -73,10 +73,16 @@ BAD_METADATA = [
 ]
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
+@pytest.mark.parametrize("path", ["single", "split", "prefill_nvidia", "prefill_amd"])
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 @pytest.mark.parametrize("name,qsl,seq_lens,table,num_tokens", BAD_METADATA, ids=[c[0] for c in BAD_METADATA])
-def test_attention_stays_inside_its_tensors(name, qsl, seq_lens, table, num_tokens, order, split, monkeypatch):
+def test_attention_stays_inside_its_tensors(name, qsl, seq_lens, table, num_tokens, order, path, monkeypatch):
+    split = path == "split"
+    if path.startswith("prefill"):
+        # every step planned as prefill, with the tiles of that target family
+        from kvmulti.backends.triton import launch
+        monkeypatch.setattr(launch, "PREFILL_MIN_QUERY_LEN", 1)
+        monkeypatch.setattr(launch, "device_family", lambda device: path.split("_")[1])
     backend = TritonBackend(partition_size=16 if split else 0)
     dtype = torch.float16
     layout, cache, cache_buf = make_cache(order, dtype)
@@ -86,6 +92,7 @@ def test_attention_stays_inside_its_tensors(name, qsl, seq_lens, table, num_toke
     out, out_buf = guarded((rows, HKV * G, HS), None, dtype, None)
     md = metadata(qsl, seq_lens, table, num_tokens)
     step = backend.build_metadata(md, layout, HKV * G, None)     # the unvalidated per-step hook
+    assert step.plan.prefill or not path.startswith("prefill")
     backend.paged_attention(query, cache, step, HS ** -0.5, None, out)
     assert margins_untouched(out_buf), "write outside the output"
     assert torch.equal(cache_buf.nan_to_num(7.0), cache_before.nan_to_num(7.0)), "attention changed the cache"

@@ -28,6 +28,13 @@ Two kernels serve every batch:
   model shape, so one specialisation per model): the per-key block/offset split is a shift and a
   mask for power-of-two block sizes, and the scalar registers they would hold are free (gfx942
   prefill spilled SGPRs with them as arguments).
+* Prefill (``PREFILL=True``, the tiles of ``launch.prefill_tiles``: 64-128 rows against 32-64 keys
+  on the matrix units): the key range is walked in three loops, each a whole number of tiles: the
+  tiles before the window start of the q-block's last row (masked), the tiles every row sees whole
+  (no per-score mask: only keys in blocks outside the cache are masked, per key), and the tiles from
+  the causal end of the q-block's first row on (the diagonal, masked). Tiles past the causal end of
+  the last row or wholly before the window start of the first row are never loaded. Scores are kept
+  in log2 units (log2(e) folded into the scale) and the softmax runs on ``exp2``.
 * Split-KV (``SPLIT=True``): the same kernel with the context cut in partitions of
   ``PART_SIZE`` positions (grid dim 2); each program writes its unnormalised partial output,
   running max and sum to a fp32 workspace, and ``reduce_partitions_kernel`` combines them.
@@ -57,6 +64,7 @@ from .fp8 import fp8_decode
 # triton) the interpreter cannot call them. The kernels below use only builtins and these.
 _MAX = tl.standard._elementwise_max
 _SUM = tl.standard._sum_combine
+_LOG2E = tl.constexpr(1.4426950408889634)       # scores in log2 units: exp2 in the softmax
 
 
 @triton.jit
@@ -65,6 +73,90 @@ def _table_entry(bt_row, stride_bn, first, SPAN: tl.constexpr, k_lo, k_end, BLOC
     the keys [first, first + SPAN) meet [k_lo, k_end); else -1."""
     return tl.load(bt_row + (first // BLOCK_SIZE) * stride_bn, mask=(first < k_end) & (first + SPAN > k_lo),
                    other=-1)
+
+
+@triton.jit
+def _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride_bn, head_off, num_blocks,
+             qk_scale, q_ptr,
+             STRIDE_CB: tl.constexpr, STRIDE_CT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+             BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr, TILE_N: tl.constexpr,
+             HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
+             TABLE_READS: tl.constexpr, MASKED: tl.constexpr, LOG2: tl.constexpr):
+    """One key tile [start, start + TILE_N) folded into the online softmax; ``LOG2``: scores and
+    ``m_i`` in log2 units (the scale folds log2(e), the softmax runs on exp2), else natural units.
+    Keys outside [k_lo, k_end) or in a block outside the cache are masked. ``MASKED``: also those a row
+    cannot see (causal / window), one compare per score; otherwise the caller guarantees every key
+    of the tile is in range and visible to every row, and the mask is per key."""
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_SIZE
+    offs_dv = tl.arange(0, HEAD_PAD_V)
+    dv_ok = offs_dv < HEAD_SIZE_V
+    k_pos = start + offs_n
+    in_range = (k_pos >= k_lo) & (k_pos < k_end)     # never touch table entries outside [k_lo, k_end)
+    if TABLE_READS > 0:
+        # The tile lies in one block or covers TABLE_READS whole ones: one scalar table read per
+        # block (a uniform value) instead of one per key position.
+        SPAN: tl.constexpr = TILE_N // TABLE_READS
+        blk = _table_entry(bt_row, stride_bn, start, SPAN, k_lo, k_end, BLOCK_SIZE)
+        for j in tl.static_range(1, TABLE_READS):
+            blk = tl.where(offs_n >= j * SPAN,
+                           _table_entry(bt_row, stride_bn, start + j * SPAN, SPAN, k_lo, k_end, BLOCK_SIZE), blk)
+    else:
+        blk = tl.load(bt_row + (k_pos // BLOCK_SIZE) * stride_bn, mask=in_range, other=0)
+    # A block id outside the cache: a masked key. (A scalar blk goes through tl.where: the
+    # interpreter cannot & a scalar mask with a vector one.)
+    if TABLE_READS == 1:
+        k_ok = tl.where((blk >= 0) & (blk < num_blocks), in_range, False)
+    else:
+        k_ok = in_range & (blk >= 0) & (blk < num_blocks)
+    off = blk.to(tl.int64) * STRIDE_CB + (k_pos % BLOCK_SIZE).to(tl.int64) * STRIDE_CT + head_off
+    k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0)
+    v = tl.load(kv_ptr + off[:, None] + HEAD_SIZE + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :],
+                other=0)
+    if FP8 > 0:
+        k = fp8_decode(k, FP8).to(q_ptr.dtype.element_ty)
+        v = fp8_decode(v, FP8).to(q_ptr.dtype.element_ty)
+    if DOT_F32:
+        k = k.to(tl.float32)
+    s = tl.dot(q, k, input_precision="ieee")                  # [BLOCK_M, TILE_N], fp32
+    units: tl.constexpr = _LOG2E if LOG2 else 1.0
+    if SOFTCAP > 0:
+        # softcap * tanh(s / softcap), tanh via exp(-2|x|): no overflow, exact sign.
+        s = s * qk_scale
+        e = tl.exp(-2.0 * tl.abs(s / SOFTCAP))
+        t = (1.0 - e) / (1.0 + e)
+        s = (SOFTCAP * units) * tl.where(s < 0, -t, t)
+    elif LOG2:
+        s = s * (qk_scale * units)
+    else:
+        s = s * qk_scale
+    if MASKED:
+        # One compare per score: a masked key gets a position no row reaches. Rows past the tile's
+        # (not row_ok) are never stored, and their finite scores harm nothing.
+        k_vis = tl.where(k_ok, k_pos, 2147483647)
+        visible = k_vis[None, :] <= q_pos[:, None]
+        if WINDOW > 0:
+            visible = visible & ((q_pos[:, None] - k_pos[None, :]) < WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+    else:
+        s = tl.where(k_ok[None, :], s, float("-inf"))        # a block id outside the cache: a masked key
+
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)      # a row with nothing visible yet
+    if LOG2:
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+    else:
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+    l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+    p_dot = p.to(v.dtype)
+    if DOT_F32:
+        p_dot = p_dot.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision="ieee")
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -84,7 +176,7 @@ def unified_attention_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
     SPLIT: tl.constexpr, PART_SIZE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
-    TABLE_READS: tl.constexpr,
+    TABLE_READS: tl.constexpr, PREFILL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -147,63 +239,37 @@ def unified_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, HEAD_PAD_V], 0.0, tl.float32)
-    offs_n = tl.arange(0, TILE_N)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     head_off = kvh.to(tl.int64) * STRIDE_CH
 
+    if PREFILL:
+        # Tiles every row sees whole (after the window start of the tile's last row, up to the causal
+        # end of its first row) run without a per-score mask; the tiles before them (window) and after
+        # them (the diagonal) are masked. [tile_start, full_lo) masked, [full_lo, full_hi) whole,
+        # [full_hi, k_end) masked; all three start on multiples of TILE_N.
+        full_lo = tile_start
+        if (WINDOW > 0) | SPLIT:
+            lo = k_lo
+            if WINDOW > 0:
+                lo = tl.maximum(lo, ctx_len + last_local - WINDOW + 1)
+            full_lo = tl.maximum(tile_start, ((lo + TILE_N - 1) // TILE_N) * TILE_N)
+            for start in range(tile_start, tl.minimum(full_lo, k_end), TILE_N):
+                acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride_bn,
+                                         head_off, num_blocks, qk_scale, q_ptr, STRIDE_CB, STRIDE_CT, WINDOW,
+                                         SOFTCAP, BLOCK_SIZE, HEAD_SIZE, HEAD_SIZE_V, TILE_N, HEAD_PAD, HEAD_PAD_V,
+                                         DOT_F32, FP8, TABLE_READS, True, PREFILL)
+        full_hi = tl.maximum(full_lo, (tl.minimum(ctx_len + q_block * BLOCK_Q + 1, k_end) // TILE_N) * TILE_N)
+        for start in range(full_lo, full_hi, TILE_N):
+            acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride_bn,
+                                     head_off, num_blocks, qk_scale, q_ptr, STRIDE_CB, STRIDE_CT, WINDOW, SOFTCAP,
+                                     BLOCK_SIZE, HEAD_SIZE, HEAD_SIZE_V, TILE_N, HEAD_PAD, HEAD_PAD_V, DOT_F32, FP8,
+                                     TABLE_READS, False, PREFILL)
+        tile_start = full_hi
     for start in range(tile_start, k_end, TILE_N):
-        k_pos = start + offs_n
-        in_range = (k_pos >= k_lo) & (k_pos < k_end)     # never touch table entries outside [k_lo, k_end)
-        if TABLE_READS > 0:
-            # The tile lies in one block or covers TABLE_READS whole ones: one scalar table read per
-            # block (a uniform value) instead of one per key position.
-            SPAN: tl.constexpr = TILE_N // TABLE_READS
-            blk = _table_entry(bt_row, stride_bn, start, SPAN, k_lo, k_end, BLOCK_SIZE)
-            for j in tl.static_range(1, TABLE_READS):
-                blk = tl.where(offs_n >= j * SPAN,
-                               _table_entry(bt_row, stride_bn, start + j * SPAN, SPAN, k_lo, k_end, BLOCK_SIZE), blk)
-        else:
-            blk = tl.load(bt_row + (k_pos // BLOCK_SIZE) * stride_bn, mask=in_range, other=0)
-        # A block id outside the cache: a masked key. (A scalar blk goes through tl.where: the
-        # interpreter cannot & a scalar mask with a vector one.)
-        if TABLE_READS == 1:
-            k_ok = tl.where((blk >= 0) & (blk < num_blocks), in_range, False)
-        else:
-            k_ok = in_range & (blk >= 0) & (blk < num_blocks)
-        off = blk.to(tl.int64) * STRIDE_CB + (k_pos % BLOCK_SIZE).to(tl.int64) * STRIDE_CT + head_off
-        k = tl.load(kv_ptr + off[None, :] + offs_d[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0)
-        v = tl.load(kv_ptr + off[:, None] + HEAD_SIZE + offs_dv[None, :], mask=k_ok[:, None] & dv_ok[None, :],
-                    other=0)
-        if FP8 > 0:
-            k = fp8_decode(k, FP8).to(q_ptr.dtype.element_ty)
-            v = fp8_decode(v, FP8).to(q_ptr.dtype.element_ty)
-        if DOT_F32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision="ieee") * qk_scale         # [BLOCK_M, TILE_N], fp32
-        if SOFTCAP > 0:
-            # softcap * tanh(s / softcap), tanh via exp(-2|x|): no overflow, exact sign.
-            e = tl.exp(-2.0 * tl.abs(s / SOFTCAP))
-            t = (1.0 - e) / (1.0 + e)
-            s = SOFTCAP * tl.where(s < 0, -t, t)
-        # One compare per score: a masked key gets a position no row reaches. Rows past the tile's
-        # (not row_ok) are never stored, and their finite scores harm nothing.
-        k_vis = tl.where(k_ok, k_pos, 2147483647)
-        visible = k_vis[None, :] <= q_pos[:, None]
-        if WINDOW > 0:
-            visible = visible & ((q_pos[:, None] - k_pos[None, :]) < WINDOW)
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)      # a row with nothing visible yet
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(s - m_use[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
-        p_dot = p.to(v.dtype)
-        if DOT_F32:
-            p_dot = p_dot.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision="ieee")
-        m_i = m_new
+        acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride_bn, head_off,
+                                 num_blocks, qk_scale, q_ptr, STRIDE_CB, STRIDE_CT, WINDOW, SOFTCAP, BLOCK_SIZE,
+                                 HEAD_SIZE, HEAD_SIZE_V, TILE_N, HEAD_PAD, HEAD_PAD_V, DOT_F32, FP8, TABLE_READS,
+                                 True, PREFILL)
 
     if FP8 > 0:
         acc = acc * tl.load(v_scale_ptr + kvh)

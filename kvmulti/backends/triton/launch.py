@@ -14,13 +14,20 @@ takes the single pass. ``split_kv=True/False`` forces a path.
 
 Tiles per target family (:func:`tile_sizes`, :func:`pipeline_stages`), chosen from the static
 report ``benchmarks/gpu_report.py``: on AMD, tiles of 32 key positions keep a decode work-group's
-LDS under 32 KiB, so two or more fit a CU's 64 KiB, and prefill runs unpipelined; on NVIDIA, the
+LDS under 32 KiB, so two or more fit a CU's 64 KiB, and short mixed steps run unpipelined; on NVIDIA, the
 next tile's K/V loads are in flight during this tile's dots (``kv_tiles_in_flight_at_dot`` of
 devtools/triton_cross_compile.py reads that from the TTGIR) at 3 stages. A tile that lies in one block or covers at most
 :data:`MAX_TABLE_READS` whole blocks reads the block table once per block, as scalars
 (:func:`table_reads`); with smaller blocks the table is read per key position, that read takes a
 pipeline stage of its own, and fp16 / bf16 decode needs 5 stages for the same overlap. Other
 targets (XPU, the interpreter) keep the base tiles.
+
+Prefill (:data:`PREFILL_MIN_QUERY_LEN`, :func:`prefill_tiles`): a step whose longest query has at
+least 64 new tokens and whose dots run on 16-bit operands gets the matrix-unit tiles of its target
+family and the kernel's prefill loop (interior key tiles without a per-score mask); every row of the
+step, decode rows included, runs in those tiles. The tiles depend on the head size, the cache dtype,
+the sliding window and the softcap (the per-step plan knows the window; a launch with a softcap
+plans its prefill tiles again).
 
 Memory safety: the launchers pass the kernels the bounds of every tensor that metadata indexes
 (usable query/output rows, block-table rows and columns, cache blocks, cache slots); the kernels
@@ -71,6 +78,7 @@ class AttentionPlan:
     table_reads: int = 0    # block-table reads per key tile as scalars (0: one per key position)
     num_warps: int = 4
     num_stages: int = 2
+    prefill: bool = False   # prefill_tiles' tiles and the kernel's prefill loop (interior tiles unmasked)
 
 
 FAMILIES = ("nvidia", "amd", "other")
@@ -97,11 +105,66 @@ def tile_sizes(decode: bool, num_qpk: int, head_pad_: int, head_pad_v: int, dtyp
         # tiles whose accumulator, scores and decoded K/V fit the registers (gpu_report: no spills)
         if fp32:
             base_m = base_m if decode else (32 if widest <= 128 else 16)
-            tile_n = 16 if widest > 64 or fp8 and not decode else 32
+            # fp32 prefill tiles of 64-wide heads at 32 keys spill 32 B on sm_90
+            tile_n = 16 if widest > 64 or not decode and (fp8 or widest == 64) else 32
         elif fp8 or not decode and widest > 64:
             tile_n = 32
     block_m = max(base_m, triton.next_power_of_2(num_qpk))
     return block_m, tile_n
+
+
+#: A step whose longest query has at least this many new tokens is planned as prefill where
+#: :func:`prefill_tiles` has tiles for it: the matrix-unit tiles and the kernel's prefill loop.
+PREFILL_MIN_QUERY_LEN = 64
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_tiles(family: str, widest: int, dots_16bit: bool, *, exact_head: bool = True, window: bool = False,
+                  softcap: bool = False, fp8: bool = False) -> PrefillTiles | None:
+    """The prefill tiles of one target family for heads padded to ``widest`` whose dots run on 16-bit
+    operands (fp16 / bf16 queries; fp32 dots have no matrix instruction and keep :func:`tile_sizes`);
+    None: :func:`tile_sizes`' tiles. ``exact_head``: K and V head sizes equal their pads (no masked
+    head lanes); ``window`` / ``softcap``: the layer has a sliding window / a logit softcap; ``fp8``:
+    an fp8 cache (its tiles decoded in registers). The one place prefill tiles are chosen, each from
+    the cross-compiled evidence (devtools/triton_cross_compile.py: no spills on any target of the
+    family; the spills quoted are of the larger tiles rejected)."""
+    if not dots_16bit or family not in ("nvidia", "amd"):
+        return None
+    if family == "nvidia":
+        # 128 rows: two m64 wgmma warpgroups on sm_90, 8 warps; 3 stages keep the next K/V tile's
+        # cp.async loads in flight during the dots. sm_80 spills at 128 x 64 with a softcap (40 B), a
+        # window (32 B), an fp8 cache (3,208 B), masked head lanes (32 B) or head 32 (8 B), and at
+        # 128 x 32 with window + softcap at head 64 (8 B): those take 128 x 32, or 64 x 32 over 4 warps
+        # under a window or softcap (head 80: 8 B there, none at 128 x 32); head 256: 64 x 32 (64-key tiles need 172 KB of shared memory on sm_80)
+        if widest > 128:
+            return PrefillTiles(64, 32, 8, 3)
+        if window or softcap:
+            return (PrefillTiles(128, 32, 8, 3) if widest == 128 and not exact_head else
+                    PrefillTiles(64, 32, 4, 3))
+        if fp8 or not exact_head or widest == 32:
+            return PrefillTiles(128, 32, 8, 3)
+        return PrefillTiles(128, 64, 8, 3)
+    # AMD: 128 rows x 32 keys over 4 wave64s, the next tile prefetched (2 stages), 2 work-groups per CU
+    # (64-key tiles spill SGPRs). At 128 x 32 a window spills 10-29 registers, an fp8 cache 16-45
+    # (e4m3 at 128 x 16 still 2 on gfx90a, none unpipelined), masked head lanes 1 (gfx90a): 128 x 16,
+    # 128 x 16 at 1 stage, 64 x 32. Head 256: 64 rows over 8 wave64s (4: 300+ VGPRs), 16 keys under
+    # a window or an fp8 cache (32: 21 spilled).
+    if widest > 128:
+        return PrefillTiles(64, 16 if window or fp8 else 32, 8, 2)
+    if fp8:
+        return PrefillTiles(128, 16, 4, 1)
+    if window:
+        return PrefillTiles(128, 16, 4, 2)
+    if not exact_head:
+        return PrefillTiles(64, 32, 4, 2)
+    return PrefillTiles(128, 32, 4, 2)
 
 
 def table_reads(block_size: int, tile_n: int) -> int:
@@ -144,10 +207,12 @@ def device_family(device: torch.device) -> str:
 def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_len: int, max_seq_len: int,
                    head_size: int, head_size_v: int, dtype: torch.dtype, num_compute_units: int, block_size: int,
                    split_kv: bool | None = None, partition_size: int = DEFAULT_PARTITION_SIZE,
-                   family: str = "other", query_dtype: torch.dtype | None = None) -> AttentionPlan:
+                   family: str = "other", query_dtype: torch.dtype | None = None,
+                   sliding_window: int | None = None, softcap: float | None = None) -> AttentionPlan:
     """Tiles and path for one batch (see the module docstring for the split-KV heuristic).
     ``dtype``: the cache's; ``query_dtype``: the query's when it matters for the tiles (an fp8 cache
-    read by fp32 queries; None: the cache's)."""
+    read by fp32 queries; None: the cache's); ``sliding_window`` / ``softcap``: the layer's (None or 0:
+    none), which the prefill tiles depend on."""
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     if split_kv is None:
@@ -156,6 +221,12 @@ def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_
     hp, hpv = head_pad(head_size), head_pad(head_size_v)
     decode = max_query_len <= 1 or split_kv
     block_m, tile_n = tile_sizes(decode, num_qpk, hp, hpv, dtype, family, query_dtype)
+    dots_16bit = not (dtype == torch.float32 or dtype in FP8_DTYPES and query_dtype == torch.float32)
+    big = (prefill_tiles(family, max(hp, hpv), dots_16bit, exact_head=(head_size, head_size_v) == (hp, hpv),
+                         window=bool(sliding_window), softcap=bool(softcap), fp8=dtype in FP8_DTYPES)
+           if not split_kv and max_query_len >= PREFILL_MIN_QUERY_LEN else None)
+    if big is not None:
+        block_m, tile_n = max(big.block_m, triton.next_power_of_2(num_qpk)), big.tile_n
     num_parts = 1
     if split_kv:
         tile_n = min(tile_n, partition_size)
@@ -165,9 +236,11 @@ def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_
         # a table read per key position holds a lane mask per key: smaller tiles (gpu_report: no spills)
         tile_n = min(tile_n, 16 if family == "amd" else 32)
         reads = table_reads(block_size, tile_n)
+    warps, stages = ((big.num_warps, big.num_stages) if big is not None else
+                     (4, pipeline_stages(decode, family, dtype, reads, max(hp, hpv))))
     return AttentionPlan(split=bool(split_kv), block_m=block_m, block_q=block_m // num_qpk, tile_n=tile_n,
                          head_pad=hp, head_pad_v=hpv, partition_size=partition_size, num_parts=num_parts,
-                         table_reads=reads, num_stages=pipeline_stages(decode, family, dtype, reads, max(hp, hpv)))
+                         table_reads=reads, num_warps=warps, num_stages=stages, prefill=big is not None)
 
 
 def num_compute_units(device: torch.device) -> int:
@@ -241,7 +314,8 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
     # over an fp8 cache the dots run in the query's dtype: fp32 queries take fp32 tiles (the per-step
     # plan only knows the cache)
     fp32_over_fp8 = kv_cache.dtype in FP8_DTYPES and query.dtype == torch.float32
-    if plan is not None and fp32_over_fp8:
+    # a softcap changes the prefill tiles, and the per-step plan does not know the layer's softcap
+    if plan is not None and (fp32_over_fp8 or plan.prefill and softcap):
         split_kv, partition_size, plan = plan.split, plan.partition_size, None
     if plan is None:
         plan = plan_attention(num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_qpk=num_qpk,
@@ -250,7 +324,7 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
                               num_compute_units=(num_compute_units(query.device) if num_compute_units_ is None
                                                  else num_compute_units_),
                               block_size=block_size, split_kv=split_kv, partition_size=partition_size,
-                              family=family)
+                              family=family, sliding_window=sliding_window, softcap=softcap)
     num_rows = min(num_tokens, query.shape[0], out.shape[0])
     num_reqs = min(num_reqs, seq_lens.shape[0], query_start_loc.shape[0] - 1)
     if num_rows <= 0 or num_reqs <= 0:
@@ -281,7 +355,7 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
         NUM_QPK=num_qpk, BLOCK_Q=plan.block_q, BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_SIZE_V=head_size_v,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, HEAD_PAD=plan.head_pad, HEAD_PAD_V=plan.head_pad_v,
         SPLIT=plan.split, PART_SIZE=plan.partition_size if plan.split else 16, DOT_F32=dot_f32, FP8=fp8,
-        TABLE_READS=plan.table_reads,
+        TABLE_READS=plan.table_reads, PREFILL=plan.prefill,
     )
     grid = (num_rows // plan.block_q + num_reqs, num_kv_heads, plan.num_parts)
     launches = [Launch("unified_attention", grid, args, plan.num_warps, plan.num_stages)]
