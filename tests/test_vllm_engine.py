@@ -15,7 +15,9 @@ models, one engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 * a Gemma-3-style model (sliding-window + full-attention layers: two KV-cache groups; a tiny random
   checkpoint made by tests/vllm_gemma3_model.py) gives CPU_ATTN's ids;
 * ``draft_model`` speculative decoding with target and draft on kvmulti equals target-only output;
-* without ``KVMULTI_VLLM`` the plugin leaves CPU_ATTN alone.
+* without ``KVMULTI_VLLM`` the plugin leaves CPU_ATTN alone;
+* vLLM's default multiprocess engine with an empty kvmulti cache builds the kernel at start-up
+  and gives CPU_ATTN's ids.
 
 Without the vLLM venv these tests skip, except under CI=true, where they fail.
 """
@@ -146,3 +148,20 @@ def test_gemma3_style_sliding_window_model_equals_cpu_attn(gemma3_model, block_s
 def test_draft_model_speculative_equals_target_only(cpu_attn):
     result = kvmulti_run("--block-size", "32", "--draft", str(MODELS / "draft"), "--num-spec-tokens", "3")
     assert result["token_ids"] == cpu_attn["token_ids"]
+
+
+def test_default_multiprocess_engine_builds_the_kernel_at_start_up(cpu_attn, tmp_path):
+    """vLLM's default engine (the model in its own worker process) with the plugin on and an empty
+    kvmulti cache: the kernel is built while the model loads, with a message, and the first request
+    completes with CPU_ATTN's ids (no build inside an attention call to outlast vLLM's RPC timeout)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KVMULTI_VLLM", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1", KVMULTI_VLLM="1",
+               KVMULTI_CACHE_DIR=str(tmp_path))
+    cmd = [str(VLLM_PYTHON), "-m", "kvmulti.integrations.vllm.engine_run", "--model", str(MODELS / "target"),
+           "--block-size", "32"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stderr[-4000:]}"
+    log = run.stdout + run.stderr
+    assert "kvmulti: building the native CPU attention kernel" in log
+    assert list((tmp_path / "cpu").glob("kvmulti_cpu_*/*.so")), "no kernel was built into the empty cache"
+    assert json.loads(run.stdout.strip().splitlines()[-1])["token_ids"] == cpu_attn["token_ids"]
