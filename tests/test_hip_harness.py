@@ -439,15 +439,23 @@ def test_fp8_mfma_long_contexts_span_several_tiles(hip_backend, fmt):
     assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[fmt], per_head=False) > 0
 
 
-def _fp8_attention(cache, layout, md, query, k_scale, v_scale):
-    """(HIP on the harness at wave 64, the oracle) over the same fp8 bytes; asserts the MFMA engine ran."""
+def _harness_attention(backend, query, cache, layout, md, *, sliding_window=None, softcap=None, k_scale=None,
+                       v_scale=None):
+    """``paged_attention`` on ``backend`` (HIP on the CPU harness): (output, MFMAs the harness counted)."""
     lib = _mfma_library()
     lib.kvcpu_reset_mfma_count()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "kvmulti HIP backend on a CPU tensor", RuntimeWarning)
-        out = kvmulti.paged_attention(query, cache, layout, md, backend=hip.HipBackend(partition_size=0, cpu_wave=64),
-                                      k_scale=k_scale, v_scale=v_scale)
-    assert lib.kvcpu_mfma_count() > 0
+        out = kvmulti.paged_attention(query, cache, layout, md, sliding_window=sliding_window, softcap=softcap,
+                                      k_scale=k_scale, v_scale=v_scale, backend=backend)
+    return out, lib.kvcpu_mfma_count()
+
+
+def _fp8_attention(cache, layout, md, query, k_scale, v_scale):
+    """(HIP on the harness at wave 64, the oracle) over the same fp8 bytes; asserts the MFMA engine ran."""
+    out, mfmas = _harness_attention(hip.HipBackend(partition_size=0, cpu_wave=64), query, cache, layout, md,
+                                    k_scale=k_scale, v_scale=v_scale)
+    assert mfmas > 0
     return out, reference.paged_attention(query, cache, layout, md, k_scale=k_scale, v_scale=v_scale)
 
 
@@ -599,14 +607,10 @@ def test_unreadable_slots_with_non_finite_bytes_do_not_leak(hip_backend, engine,
     want = reference.paged_attention(query, cache, layout, md, sliding_window=spec.sliding_window,
                                      softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale)
     assert bool(want.isfinite().all())
-    lib = _mfma_library()
-    lib.kvcpu_reset_mfma_count()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "kvmulti HIP backend on a CPU tensor", RuntimeWarning)
-        out = kvmulti.paged_attention(query, cache, layout, md, sliding_window=spec.sliding_window,
-                                      softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale,
-                                      backend=hip.HipBackend(partition_size=sc["partition"], cpu_wave=wave))
-    assert (lib.kvcpu_mfma_count() > 0) == (kind == "mfma")
+    out, mfmas = _harness_attention(hip.HipBackend(partition_size=sc["partition"], cpu_wave=wave), query, cache,
+                                    layout, md, sliding_window=spec.sliding_window, softcap=spec.softcap,
+                                    k_scale=k_scale, v_scale=v_scale)
+    assert (mfmas > 0) == (kind == "mfma")
     bad = int((~out.isfinite()).sum())
     assert bad == 0, f"{bad} of {out.numel()} outputs non-finite"
     assert_close_to_reference(out, want, dtype, f"{spec} over {cache_name} poisoned with {poison}")
@@ -789,14 +793,9 @@ def test_prefill_unreadable_slots_with_nan_do_not_leak(hip_backend, engine, scen
     layout, cache, md, query, k_scale, v_scale = _poisoned_case(spec, cache_dtype, "nan")
     want = reference.paged_attention(query, cache, layout, md, sliding_window=spec.sliding_window,
                                      softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale)
-    lib = _mfma_library()
-    lib.kvcpu_reset_mfma_count()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "kvmulti HIP backend on a CPU tensor", RuntimeWarning)
-        out = kvmulti.paged_attention(query, cache, layout, md, sliding_window=spec.sliding_window,
-                                      softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale,
-                                      backend=hip.HipBackend(partition_size=sc["partition"], cpu_wave=wave,
-                                                             prefill_min_query=1))
-    assert (lib.kvcpu_mfma_count() > 0) == (kind == "mfma")
+    out, mfmas = _harness_attention(hip.HipBackend(partition_size=sc["partition"], cpu_wave=wave, prefill_min_query=1),
+                                    query, cache, layout, md, sliding_window=spec.sliding_window,
+                                    softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale)
+    assert (mfmas > 0) == (kind == "mfma")
     assert bool(out.isfinite().all())
     assert_close_to_reference(out, want, dtype, f"prefill {spec} over {cache_name} poisoned with NaN")
