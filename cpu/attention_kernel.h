@@ -1383,7 +1383,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
     }
     const int t = rr / G, h = (it.kv_head + hh) * G + rr % G;
     QE* dst = out + int64_t(it.q_row0 + t) * P.o_stride_token + int64_t(h) * P.o_stride_head;
-    const float inv = l != l ? l : l > 0.0f ? 1.0f / l : 0.0f;   // NaN l: NaN row
+    const float inv = row_inverse(P, h, m, l);
     for (int d = 0; d < Dv; ++d) store_one<QT>(dst + d, o[d] * inv);
   }
 }

@@ -2,6 +2,7 @@
 // per-ISA kernel translation units (kernels_*.cpp). Plain C++17, no torch headers.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -38,6 +39,7 @@ struct AttnParams {
   float scale;
   int window;          // <= 0: no sliding window
   float softcap;       // <= 0: off
+  const float* sinks;  // [num_q_heads] attention-sink logits (in each row's final denominator), or nullptr
   bool causal;
   bool prefetch;       // software prefetch of K/V rows ahead (off for calls small enough to gain nothing)
 };
@@ -62,6 +64,14 @@ struct WorkItem {
 };
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// 1 / the softmax denominator of a finished row of query head h: its running sum l (max m) plus
+// head h's sink logit where there is one; 0 for a row without keys or mass, NaN for a NaN row.
+inline float row_inverse(const AttnParams& P, int h, float m, float l) {
+  if (l != l) return l;
+  if (P.sinks != nullptr) l += std::exp(P.sinks[h] - m);   // m = -inf (no key): l = inf, the row stays 0
+  return l > 0.0f ? 1.0f / l : 0.0f;
+}
 
 // Keys per tile of the many-row path (prefill_tiles.h), and the most rows per KV head it takes.
 constexpr int kTileKeys = 32;

@@ -187,7 +187,8 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
                      int64_t head_size, int64_t head_size_v, int64_t num_kv_heads, int64_t block_size,
                      double scale, int64_t window, double softcap, bool causal, int64_t partition_len,
                      int64_t isa_req, const c10::optional<torch::Tensor>& k_scale,
-                     const c10::optional<torch::Tensor>& v_scale) {
+                     const c10::optional<torch::Tensor>& v_scale,
+                     const c10::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && block_table.dim() == 2 && kv_cache.dim() >= 1,
               "query/out [T, H, D], block_table [R, W]");
@@ -241,6 +242,14 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
   P.window = window > 0 ? int(std::min<int64_t>(window, INT32_MAX / 4)) : 0;
   P.softcap = softcap > 0 ? float(softcap) : 0.0f;
   P.causal = causal;
+  P.sinks = nullptr;
+  if (sinks.has_value()) {
+    const torch::Tensor& s = *sinks;
+    TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == torch::kFloat32 && s.dim() == 1 && s.is_contiguous() &&
+                    s.size(0) >= query.size(1),
+                "sinks must be a contiguous fp32 CPU tensor of num_q_heads values");
+    P.sinks = s.data_ptr<float>();
+  }
 
   const int G = P.num_q_heads / P.num_kv_heads;
   const int tile_tokens = std::max(1, 64 / G);
@@ -400,9 +409,9 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
           for (int d = 0; d < Dv; ++d) acc[d] += o[d] * w;
         }
       }
-      const float inv = lsum != lsum ? lsum : lsum > 0.0f ? 1.0f / lsum : 0.0f;
       const int hh = r / rows_h, rr = r % rows_h;
       const int tok = rr / G, h = (mg.kv_head + hh) * G + rr % G;
+      const float inv = row_inverse(P, h, mx, lsum);   // the sink joins once, after the merge
       const int64_t off = int64_t(t.q_row0 + tok) * P.o_stride_token + int64_t(h) * P.o_stride_head;
       if (P.dtype == kF32) {
         float* dst = static_cast<float*>(P.out) + off;

@@ -384,7 +384,7 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
       }
       const int t = rr / G, h = kvh * G + rr % G;
       QE* dst = out + int64_t(it.q_row0 + t) * P.o_stride_token + int64_t(h) * P.o_stride_head;
-      const float inv = lr != lr ? lr : lr > 0.0f ? 1.0f / lr : 0.0f;   // NaN l: NaN row
+      const float inv = row_inverse(P, h, mrow[rr], lr);
       for (int d = 0; d < Dv; ++d) store_one<QT>(dst + d, o[d] * inv);
     }
   }

@@ -19,7 +19,7 @@ with ``(rule <id>)``). ``paths`` says who evaluates it:
   the Python way.
 
 Names a rule may use: the op's arguments (write: ``key, value, kv_cache, layout, slot_mapping``;
-attention: ``query, kv_cache, layout, out, scale, sliding_window, softcap, step``) and, after the
+attention: ``query, kv_cache, layout, out, scale, sliding_window, softcap, step, sinks``) and, after the
 cache rule, ``heads`` (num_kv_heads), ``size`` / ``vsize`` (head_size / head_size_v), ``dtypes``
 (the activation dtypes the cache takes), ``device`` (the cache's); step rules ``qheads`` / ``rows``
 (the step's num_query_heads / num_actual_tokens). tests/test_input_rules.py walks every rule
@@ -135,6 +135,16 @@ RULES: tuple[Rule | str, ...] = (
     Rule("step.query_rows", A, "query.shape[0] >= rows",
          "query has {query.shape[0]} tokens, metadata.num_actual_tokens is {rows}", ValueError, EVERYWHERE,
          "step is not None"),
+    # attention sinks: one fp32 logit per query head (full path only: a call with sinks skips the fast paths)
+    Rule("sinks.type", A, "isinstance(sinks, torch.Tensor)", "sinks must be a torch.Tensor, got {type(sinks).__name__}",
+         TypeError, frozenset({FULL}), "sinks is not None"),
+    Rule("sinks.dtype", A, "sinks.dtype == torch.float32", "sinks has dtype {sinks.dtype}, must be torch.float32",
+         TypeError, frozenset({FULL}), "sinks is not None"),
+    Rule("sinks.shape", A, "sinks.shape == (query.shape[1],)",
+         "sinks has shape {tuple(sinks.shape)}, expected ({query.shape[1]},) (one logit per query head)",
+         ValueError, frozenset({FULL}), "sinks is not None"),
+    Rule("sinks.device", A, "sinks.device == device", "sinks is on {sinks.device} but the kv_cache is on {device}",
+         ValueError, frozenset({FULL}), "sinks is not None"),
     Rule("scale.type", A, "not isinstance(scale, bool) and isinstance(scale, (int, float))",
          "scale must be a float or None, got {type(scale).__name__}", TypeError, CHECKED, "scale is not None"),
     Rule("scale.finite", A, "math.isfinite(scale)", "scale must be finite, got {scale}", ValueError, EVERYWHERE,
@@ -225,11 +235,11 @@ def _compile(source: str, name: str):
 
 
 _WRITE = "key, value, kv_cache, layout, slot_mapping"
-_ATTENTION = "query, kv_cache, layout, out, scale, sliding_window, softcap, step"
+_ATTENTION = "query, kv_cache, layout, out, scale, sliding_window, softcap, step, sinks=None"
 
 #: ``check_write(key, value, kv_cache, layout, slot_mapping)``: raises the first broken write rule
 check_write = _compile(_full_source("check_write", "write", _WRITE), "check_write")
-#: ``check_attention(query, kv_cache, layout, out, scale, sliding_window, softcap, step)``: raises
+#: ``check_attention(query, kv_cache, layout, out, scale, sliding_window, softcap, step, sinks=None)``: raises
 #: the first broken attention rule (step rules only with a step)
 check_attention = _compile(_full_source("check_attention", "attention", _ATTENTION), "check_attention")
 #: ``check_window(sliding_window)``

@@ -32,30 +32,32 @@ from .validation import (check_attention_args, check_metadata, check_slot_values
 
 def resolve_backend(layout: KVCacheLayout, device: torch.device | str, *, sliding_window: int | None = None,
                     softcap: float | None = None, causal: bool = True, backend: str | Backend | None = None,
-                    role: str = "target") -> Backend:
+                    role: str = "target", sinks: bool = False) -> Backend:
     """The backend object serving caches of ``layout`` on ``device`` with these features: the
     backend ``backend`` names, else the env override for ``role``, else platform priority. Raises
     BackendSelectionError listing every reason when none can serve. A backend OBJECT is returned as
-    it is: it was resolved for this cache already (by the model runner or :func:`prepare_step`)."""
+    it is: it was resolved for this cache already (by the model runner or :func:`prepare_step`).
+    ``sinks``: the layers pass attention sinks (only backends serving them qualify)."""
     if isinstance(backend, Backend):
         return backend
-    return get_backend(_backend_name(layout, device, sliding_window, softcap, causal, backend, role))
+    return get_backend(_backend_name(layout, device, sliding_window, softcap, causal, backend, role, sinks))
 
 
 def _backend_name(layout: KVCacheLayout, device: torch.device | str, sliding_window: int | None,
-                  softcap: float | None, causal: bool, backend: str | Backend | None, role: str) -> str:
+                  softcap: float | None, causal: bool, backend: str | Backend | None, role: str,
+                  sinks: bool = False) -> str:
     """:func:`resolve_backend`'s choice as a name (a constant to torch.compile)."""
     if isinstance(backend, Backend):
         return backend.name
     return select_backend_for_layout(layout, torch.device(device), sliding_window is not None, bool(softcap),
-                                     causal, role, backend)
+                                     causal, role, backend, bool(sinks))
 
 
 def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int, *,
                  num_query_rows: int | None = None, sliding_window: int | None = None,
                  softcap: float | None = None, backend: str | Backend | None = None,
                  role: str = "target", device: torch.device | None = None,
-                 check_values: bool = True) -> StepMetadata:
+                 check_values: bool = True, sinks: torch.Tensor | bool | None = None) -> StepMetadata:
     """The per-step hook: validate ``metadata`` for one KV-cache group (query of ``num_query_rows``
     rows, default ``num_actual_tokens``; tensors on ``device``, default the metadata's), resolve its
     backend and let it prepare what every layer of the group reuses this step. Pass the result to
@@ -65,7 +67,10 @@ def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_q
     tensors against their host copies (a device sync on accelerators): for metadata an engine's
     own block manager made (kvmulti's runner, vLLM's scheduler). Types, shapes and the host lengths
     are still checked, and the kernels never access memory outside their tensors whatever the
-    values (tests/test_fuzz_metadata.py)."""
+    values (tests/test_fuzz_metadata.py).
+
+    ``sinks``: the group's layers pass attention sinks to :func:`paged_attention` (a layer's sinks
+    tensor, or True; None / False: they do not). Only a backend serving sinks is chosen."""
     check_window(sliding_window)
     if isinstance(num_query_heads, bool) or not isinstance(num_query_heads, int) or num_query_heads < 1 \
             or num_query_heads % layout.num_kv_heads:
@@ -76,9 +81,14 @@ def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_q
             and isinstance(metadata.query_start_loc, torch.Tensor):
         device = metadata.query_start_loc.device
     check_metadata(metadata, layout, rows, sliding_window, device, check_values=check_values)
+    has_sinks = sinks is not None and sinks is not False
     chosen = resolve_backend(layout, device, sliding_window=sliding_window, softcap=softcap,
-                             causal=metadata.causal, backend=backend, role=role)
-    return chosen.build_metadata(metadata, layout, num_query_heads, sliding_window)
+                             causal=metadata.causal, backend=backend, role=role, sinks=has_sinks)
+    if has_sinks and isinstance(backend, Backend) and not backend.supports_sinks:
+        raise ValueError(f"backend {backend.name} does not serve attention sinks")
+    step = chosen.build_metadata(metadata, layout, num_query_heads, sliding_window)
+    step.sinks = has_sinks
+    return step
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor, layout: KVCacheLayout,
@@ -136,7 +146,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
                     sliding_window: int | None = None, softcap: float | None = None,
                     backend: str | Backend | None = None, role: str = "target",
                     out: torch.Tensor | None = None, k_scale: float | torch.Tensor | None = None,
-                    v_scale: float | torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: float | torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention for a mixed batch (prefill, chunked prefill, decode, verification).
 
     query [T, Hq, head_size] (cache dtype; fp32/fp16/bf16 for an fp8 cache) -> out
@@ -145,9 +155,12 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
     keeps keys with q_pos - k_pos < W; ``softcap`` c > 0 applies c * tanh(score / c) after scaling
     (0 or None: off). ``out``: a caller's buffer of that shape to fill (and return) instead of a new
     tensor. ``metadata`` from :func:`prepare_step` skips validation, selection and planning; its
-    window and backend are the ones it was prepared with.
+    window and backend are the ones it was prepared with (with ``sinks``, a step prepared with
+    ``sinks``). ``sinks`` fp32 [Hq] on the cache's device: head h's logit joins the softmax
+    denominator of each of its rows and contributes no value (gpt-oss); only backends serving
+    sinks take them.
     """
-    if type(metadata) is StepMetadata and k_scale is None and v_scale is None \
+    if type(metadata) is StepMetadata and k_scale is None and v_scale is None and sinks is None \
             and not torch.compiler.is_compiling() \
             and prepared_attention_is_plain(query, kv_cache, layout, metadata, out, scale, sliding_window, softcap,
                                             backend):
@@ -161,7 +174,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         if prepared_attention_tensors_fit(query, kv_cache, metadata, out, scale, softcap):
             return _attend(query, kv_cache, metadata, scale, softcap or None, out)
     check_attention_args(query, kv_cache, layout, scale, sliding_window, softcap, out,
-                         metadata if isinstance(metadata, StepMetadata) else None)
+                         metadata if isinstance(metadata, StepMetadata) else None, sinks)
     softcap = float(softcap) if softcap else None
     scale = float(layout.default_scale if scale is None else scale)
     k_scale, v_scale = _scales(k_scale, v_scale, layout, kv_cache.device)
@@ -170,20 +183,24 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
             common, name = metadata.common, metadata.backend.name
         else:
             common = metadata
-            name = _backend_name(layout, kv_cache.device, sliding_window, softcap, metadata.causal, backend, role)
+            name = _backend_name(layout, kv_cache.device, sliding_window, softcap, metadata.causal, backend, role,
+                                 sinks is not None)
         result = torch.ops.kvmulti.paged_attention(
             query, kv_cache, common.query_start_loc, common.seq_lens, common.block_table,
             common.query_start_loc_cpu, common.seq_lens_cpu, common.num_actual_tokens, common.max_query_len,
             common.max_seq_len, common.causal, *_layout_args(layout), scale, sliding_window, softcap, name,
-            k_scale, v_scale)
+            k_scale, v_scale, sinks)
         return result if out is None else out.copy_(result)
     if isinstance(metadata, StepMetadata):
         step = _check_step(metadata, query, layout, sliding_window, backend)
+        if sinks is not None and not step.sinks:
+            raise ValueError("the call passes sinks but the metadata was prepared without them "
+                             "(prepare_step(..., sinks=...))")
     else:
         step = prepare_step(metadata, layout, query.shape[1], num_query_rows=query.shape[0],
                             sliding_window=sliding_window, softcap=softcap, backend=backend, role=role,
-                            device=kv_cache.device)
-    return _attend(query, kv_cache, step, scale, softcap, out, k_scale, v_scale)
+                            device=kv_cache.device, sinks=sinks)
+    return _attend(query, kv_cache, step, scale, softcap, out, k_scale, v_scale, sinks)
 
 
 def _scales(k_scale: float | torch.Tensor | None, v_scale: float | torch.Tensor | None, layout: KVCacheLayout,
@@ -247,17 +264,17 @@ def _check_slots_once(step: StepMetadata, slot_mapping: torch.Tensor, layout: KV
 
 def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
             softcap: float | None, out: torch.Tensor | None, k_scale: torch.Tensor | None = None,
-            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+            v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     n = step.common.num_actual_tokens
     if out is None:
         out = torch.zeros(query.shape[0], query.shape[1], step.layout.value_size, dtype=query.dtype,
                           device=query.device)
     elif out.shape[0] > n:
         out[n:].zero_()
-    if k_scale is None:
-        step.backend.paged_attention(query, kv_cache, step, scale, softcap, out)
-    else:                                                                          # fp8 caches only
-        step.backend.paged_attention(query, kv_cache, step, scale, softcap, out, k_scale=k_scale, v_scale=v_scale)
+    extra = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}   # fp8 caches only
+    if sinks is not None:                                       # backends serving sinks only
+        extra["sinks"] = sinks.contiguous()
+    step.backend.paged_attention(query, kv_cache, step, scale, softcap, out, **extra)
     return out
 
 
@@ -286,7 +303,8 @@ def _paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, query_sta
                           max_seq_len: int, causal: bool, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_size: int, head_size_v: int, order: str, num_layers: int, scale: float,
                           sliding_window: int | None, softcap: float | None, backend: str,
-                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, num_layers, kv_cache.dtype)
     metadata = CommonAttentionMetadata(
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
@@ -294,8 +312,9 @@ def _paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, query_sta
         num_actual_tokens=num_actual_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
         causal=causal, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu)
     step = prepare_step(metadata, layout, query.shape[1], num_query_rows=query.shape[0],
-                        sliding_window=sliding_window, softcap=softcap, backend=backend, device=kv_cache.device)
-    return _attend(query, kv_cache, step, scale, softcap, None, k_scale, v_scale)
+                        sliding_window=sliding_window, softcap=softcap, backend=backend, device=kv_cache.device,
+                        sinks=sinks)
+    return _attend(query, kv_cache, step, scale, softcap, None, k_scale, v_scale, sinks)
 
 
 _paged_attention_op = torch.library.custom_op("kvmulti::paged_attention", _paged_attention_impl, mutates_args=())
@@ -305,5 +324,5 @@ _paged_attention_op = torch.library.custom_op("kvmulti::paged_attention", _paged
 def _(query, kv_cache, query_start_loc, seq_lens, block_table, query_start_loc_cpu, seq_lens_cpu,
       num_actual_tokens, max_query_len, max_seq_len, causal, num_blocks, block_size, num_kv_heads, head_size,
       head_size_v, order, num_layers, scale, sliding_window, softcap, backend, k_scale=None,
-      v_scale=None) -> torch.Tensor:
+      v_scale=None, sinks=None) -> torch.Tensor:
     return query.new_empty(query.shape[0], query.shape[1], head_size_v)

@@ -36,12 +36,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
                     metadata: CommonAttentionMetadata, scale: float | None = None,
                     sliding_window: int | None = None, softcap: float | None = None,
                     k_scale: float | torch.Tensor | None = None,
-                    v_scale: float | torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: float | torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each new token over its request's context read from the paged cache.
 
     query [num_tokens, num_q_heads, head_size] -> out [num_tokens, num_q_heads, head_size_v]
     (query dtype; rows past num_actual_tokens are zero). An fp8 cache reads as
-    ``float(k) * k_scale``, ``float(v) * v_scale``.
+    ``float(k) * k_scale``, ``float(v) * v_scale``. ``sinks`` [num_q_heads]: head h's logit joins
+    the softmax of each of its rows as one more (always visible) key whose value is zero.
     """
     quantized = fp8.is_fp8(layout.dtype)
     k_scale = _scale(k_scale, layout, kv_cache.device) if quantized else None
@@ -77,7 +79,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         if sliding_window is not None:
             visible &= (q_pos - k_pos) < sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            sink = sinks.float().to(scores.device).view(-1, 1, 1).expand(-1, query_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
 

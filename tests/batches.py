@@ -41,6 +41,7 @@ class CaseSpec:
     softcap: float | None = None
     head_size_v: int | None = None
     seed: int = 0
+    sinks: bool = False             # fp32 attention-sink logits per query head (some dominating their rows)
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
@@ -57,11 +58,19 @@ class Case:
     key: torch.Tensor
     value: torch.Tensor
 
+    @property
+    def sinks(self) -> torch.Tensor | None:
+        """fp32 [Hq] attention-sink logits in [-3, 5) when the spec has sinks (some dominate their rows)."""
+        if not self.spec.sinks:
+            return None
+        gen = torch.Generator().manual_seed(self.spec.seed + 7)
+        return (torch.rand(self.query.shape[1], generator=gen) * 8 - 3).to(self.query.device)
+
 
 @st.composite
 def batch_cases(draw, dtypes=ALL_DTYPES, block_sizes=(1, 16, 32), head_sizes=(64,), groups=(1, 2, 4, 8),
                 kv_heads=(1, 2), max_reqs: int = 4, max_context: int = 80, max_query: int = 20,
-                orders=ORDERS, windows: bool = True, softcaps: bool = True) -> CaseSpec:
+                orders=ORDERS, windows: bool = True, softcaps: bool = True, sinks: bool = False) -> CaseSpec:
     """A mixed batch: prefills (no context), chunked prefills and verifications (context + several
     new tokens) and decodes (context + one token), in any mix."""
     num_reqs = draw(st.integers(1, max_reqs))
@@ -83,6 +92,7 @@ def batch_cases(draw, dtypes=ALL_DTYPES, block_sizes=(1, 16, 32), head_sizes=(64
         sliding_window=draw(st.one_of(st.none(), st.integers(1, 48))) if windows else None,
         softcap=draw(st.one_of(st.none(), st.floats(2.0, 30.0))) if softcaps else None,
         seed=draw(st.integers(0, 2**16)),
+        sinks=draw(st.booleans()) if sinks else False,
     )
 
 
@@ -124,11 +134,13 @@ def check_against_reference(spec: CaseSpec, backend: str, device: str | torch.de
     reference.write_kv(case.key.cpu(), case.value.cpu(), ref_cache, case.layout, case.metadata.slot_mapping.cpu())
     kvmulti.write_kv(case.key, case.value, case.cache, case.layout, case.metadata.slot_mapping, backend=backend)
     assert torch.equal(case.cache.cpu(), ref_cache.cpu()), f"{backend} write_kv differs from the oracle for {spec}"
+    sinks = None if case.sinks is None else case.sinks.cpu()
     expected = reference.paged_attention(case.query.cpu(), case.cache.cpu(), case.layout,
                                          _to_cpu(case.metadata), sliding_window=spec.sliding_window,
-                                         softcap=spec.softcap)
+                                         softcap=spec.softcap, sinks=sinks)
     actual = kvmulti.paged_attention(case.query, case.cache, case.layout, case.metadata,
-                                     sliding_window=spec.sliding_window, softcap=spec.softcap, backend=backend)
+                                     sliding_window=spec.sliding_window, softcap=spec.softcap, backend=backend,
+                                     sinks=case.sinks)
     assert actual.dtype == spec.dtype and actual.shape == expected.shape
     assert_close_to_reference(actual, expected, spec.dtype, f"{backend} attention differs from the oracle for {spec}")
 
@@ -151,11 +163,12 @@ def check_fp8_against_reference(spec: CaseSpec, backend, cache_dtype: torch.dtyp
     kvmulti.write_kv(case.key, case.value, cache, layout, case.metadata.slot_mapping, backend=backend, **scales)
     assert torch.equal(cache.cpu().view(torch.uint8), ref_cache.view(torch.uint8)), \
         f"{backend} fp8 write_kv differs from the oracle for {spec}"
+    sinks = None if case.sinks is None else case.sinks.cpu()
     expected = reference.paged_attention(case.query.cpu(), ref_cache, layout, _to_cpu(case.metadata),
                                          sliding_window=spec.sliding_window, softcap=spec.softcap,
-                                         k_scale=k_scale, v_scale=v_scale)
+                                         k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     actual = kvmulti.paged_attention(case.query, cache, layout, case.metadata, sliding_window=spec.sliding_window,
-                                     softcap=spec.softcap, backend=backend, **scales)
+                                     softcap=spec.softcap, backend=backend, sinks=case.sinks, **scales)
     assert actual.dtype == spec.dtype and actual.shape == expected.shape
     assert_close_to_reference(actual, expected, spec.dtype, f"{backend} fp8 attention differs from the oracle for {spec}")
 

@@ -30,7 +30,7 @@ def base_args() -> dict:
     t = md.num_actual_tokens
     return dict(layout=layout, kv_cache=cache, md=md, query=torch.randn(t, HQ, HEAD, generator=gen),
                 key=torch.randn(t, HKV, HEAD, generator=gen), value=torch.randn(t, HKV, HEAD, generator=gen),
-                slot_mapping=md.slot_mapping, out=None, scale=None, sliding_window=None, softcap=None)
+                slot_mapping=md.slot_mapping, out=None, scale=None, sliding_window=None, softcap=None, sinks=None)
 
 
 def strided(x: torch.Tensor) -> torch.Tensor:
@@ -71,6 +71,10 @@ VIOLATIONS = {
     "out.dtype": _set(out=lambda a: torch.zeros(a["query"].shape[0], HQ, HEAD, dtype=torch.float64)),
     "out.device": _set(out=lambda a: torch.zeros(a["query"].shape[0], HQ, HEAD, device="meta")),
     "out.contiguous": _set(out=lambda a: strided(torch.zeros(a["query"].shape[0], HQ, HEAD))),
+    "sinks.type": _set(sinks=lambda a: [0.0] * HQ),
+    "sinks.dtype": _set(sinks=lambda a: torch.zeros(HQ, dtype=torch.bfloat16)),
+    "sinks.shape": _set(sinks=lambda a: torch.zeros(HQ - 1)),
+    "sinks.device": _set(sinks=lambda a: torch.zeros(HQ, device="meta")),
 }
 for _name in ("key", "value", "query"):
     VIOLATIONS |= {
@@ -106,7 +110,7 @@ def write(args: dict, step=None, backend=None) -> None:
 def attend(args: dict, metadata, backend=None) -> None:
     kvmulti.paged_attention(args["query"], args["kv_cache"], args["layout"], metadata, scale=args["scale"],
                             sliding_window=args["sliding_window"], softcap=args["softcap"], out=args["out"],
-                            backend=backend)
+                            backend=backend, sinks=args["sinks"])
 
 
 def op_of(rule) -> str:

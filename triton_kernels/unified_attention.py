@@ -39,6 +39,10 @@ Two kernels serve every batch:
   ``PART_SIZE`` positions (grid dim 2); each program writes its unnormalised partial output,
   running max and sum to a fp32 workspace, and ``reduce_partitions_kernel`` combines them.
 
+* Attention sinks (``SINKS``): query head h's fp32 logit ``sinks[h]`` joins each row's softmax
+  denominator once, where the row is normalised (the single pass's store, or the partition
+  reduction: never per partition), as ``exp(sink - m)`` in the running max's units; it adds no value.
+
 * fp8 caches (``FP8`` != 0; kvmulti/fp8.py): the cache arrives as its uint8 bytes; each K/V tile
   is decoded in registers (``fp8_decode``, exact) to the query's dtype (every fp8 value is exact
   in fp16 and bf16), so the dots are those of a query-dtype cache holding the unscaled values. The
@@ -163,7 +167,7 @@ def _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride
 def unified_attention_kernel(
     q_ptr, kv_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
-    part_acc_ptr, part_ml_ptr, k_scale_ptr, v_scale_ptr,
+    part_acc_ptr, part_ml_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
     scale,
     num_reqs, num_q_heads, num_parts,
     num_rows, num_blocks, table_rows, table_cols,
@@ -176,7 +180,7 @@ def unified_attention_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
     SPLIT: tl.constexpr, PART_SIZE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
-    TABLE_READS: tl.constexpr, PREFILL: tl.constexpr,
+    TABLE_READS: tl.constexpr, PREFILL: tl.constexpr, SINKS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -279,6 +283,12 @@ def unified_attention_kernel(
         tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
     else:
+        if SINKS:   # m_i is in log2 units on the prefill loop (PREFILL), natural units otherwise
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0)
+            if PREFILL:
+                l_i = l_i + tl.exp2(sink * _LOG2E - m_i)
+            else:
+                l_i = l_i + tl.exp(sink - m_i)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :] * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
@@ -286,12 +296,13 @@ def unified_attention_kernel(
 
 @triton.jit
 def reduce_partitions_kernel(
-    out_ptr, part_acc_ptr, part_ml_ptr,
+    out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr,
     num_q_heads, num_parts,
     stride_ot, stride_oh, stride_od,
-    HEAD_SIZE_V: tl.constexpr, HEAD_PAD_V: tl.constexpr, PART_CHUNK: tl.constexpr,
+    HEAD_SIZE_V: tl.constexpr, HEAD_PAD_V: tl.constexpr, PART_CHUNK: tl.constexpr, SINKS: tl.constexpr = False,
 ):
-    """out[t, h] = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p, over the partitions."""
+    """out[t, h] = sum_p exp(m_p - M) acc_p / (sum_p exp(m_p - M) l_p [+ exp(sinks[h] - M)]), over the
+    partitions (natural units: the split path never takes the prefill loop)."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (tok * num_q_heads + head) * num_parts
@@ -314,6 +325,8 @@ def reduce_partitions_kernel(
                     other=0.0)
         o = o * alpha + tl.reduce(a * w[:, None], 0, _SUM)
         m_run = m_new
+    if SINKS:
+        l_run = l_run + tl.exp(tl.load(sinks_ptr + head) - m_run)
     o = o / tl.where(l_run == 0.0, 1.0, l_run)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_dv * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=offs_dv < HEAD_SIZE_V)

@@ -31,15 +31,18 @@ class AttentionConfig:
     sliding_window: bool = False
     softcap: bool = False
     causal: bool = True
+    #: the layers pass attention sinks (one fp32 logit per query head in the softmax denominator)
+    sinks: bool = False
 
     @classmethod
     def from_layout(cls, layout: KVCacheLayout, device: torch.device | str,
                     sliding_window: int | None = None, softcap: float | None = None,
-                    causal: bool = True) -> "AttentionConfig":
+                    causal: bool = True, sinks: bool = False) -> "AttentionConfig":
         return cls(platform=platform_of(device), dtype=layout.dtype, head_size=layout.head_size,
                    head_size_v=layout.value_size, num_kv_heads=layout.num_kv_heads,
                    block_size=layout.block_size, order=layout.order,
-                   sliding_window=sliding_window is not None, softcap=bool(softcap), causal=bool(causal))
+                   sliding_window=sliding_window is not None, softcap=bool(softcap), causal=bool(causal),
+                   sinks=bool(sinks))
 
 
 @dataclass
@@ -62,6 +65,8 @@ class StepMetadata:
     extras: dict = field(default_factory=dict)
     #: the backend's own checked entry points for this step's layer calls (:meth:`Backend.prepared_calls`), or None
     calls: Any = None
+    #: the step was prepared for layers that pass attention sinks (its backend serves them)
+    sinks: bool = False
 
     @cached_property
     def call_signature(self) -> tuple:
@@ -102,6 +107,9 @@ class Backend(abc.ABC):
     supports_softcap: ClassVar[bool] = True
     supports_latent: ClassVar[bool] = False
     supports_non_causal: ClassVar[bool] = False
+    #: attention sinks: ``paged_attention(..., sinks=)`` fp32 [num_q_heads] logits joining each
+    #: softmax denominator (no value); a backend without them reports "does not serve attention sinks"
+    supports_sinks: ClassVar[bool] = False
 
     def __init__(self, partition_size: int | None = None):
         """``partition_size``: split-KV (see the class doc); None reads ``KVMULTI_PARTITION_SIZE``."""
@@ -154,6 +162,8 @@ class Backend(abc.ABC):
             reasons.append("softcap not supported")
         if not config.causal and not self.supports_non_causal:
             reasons.append("non-causal attention not supported (metadata.causal is False)")
+        if config.sinks and not self.supports_sinks:
+            reasons.append(f"{self.name} does not serve attention sinks")
         return reasons
 
     def not_supported_reasons(self, config: AttentionConfig) -> list[str]:
@@ -199,4 +209,6 @@ class Backend(abc.ABC):
         """Write every row [:num_actual_tokens] of ``out`` [T, Hq, head_size_v] (query dtype; rows
         after those are the caller's). ``step`` comes from this backend's :meth:`build_metadata`.
         ``k_scale`` / ``v_scale``: fp32 [Hkv] for an fp8 cache (keys read as float(k) * k_scale),
-        else None."""
+        else None. A backend with ``supports_sinks`` also takes ``sinks=``: fp32 [Hq] contiguous on
+        the cache's device, passed only when the layer has sinks (the logit joins each row's softmax
+        denominator once, after any split-KV merge, and contributes no value)."""

@@ -38,13 +38,14 @@ def write_kv_torch(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torc
 def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
                           metadata: CommonAttentionMetadata, scale: float, sliding_window: int | None,
                           softcap: float | None, out: torch.Tensor, k_scale: torch.Tensor | None = None,
-                          v_scale: torch.Tensor | None = None) -> None:
+                          v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> None:
     """Padded-batch attention over chunks of requests, each chunk one set of batched matmuls.
 
     For a chunk the context of each request (only the part some query can see) is gathered from
     the paged cache into [R, span, Hkv, D], queries are padded to [R, max_q, Hq, D], and the
     causal / window mask is built from positions. Memory per chunk is bounded by SCORE_BUDGET_BYTES.
     An fp8 cache is read as ``float(k) * k_scale``, ``float(v) * v_scale`` (fp32 [Hkv] each).
+    ``sinks`` fp32 [Hq]: one more logit per query head in each row's softmax, with no value.
     """
     if layout.is_latent or metadata.num_actual_tokens == 0:
         return
@@ -64,12 +65,12 @@ def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, layout: K
                 break
             end += 1
         _attend_chunk(query, kv_cache, layout, metadata, scale, sliding_window, softcap, out,
-                      torch.arange(start, end), qsl, seq_lens, query_lens, first, k_scale, v_scale)
+                      torch.arange(start, end), qsl, seq_lens, query_lens, first, k_scale, v_scale, sinks)
         start = end
 
 
 def _attend_chunk(query, kv_cache, layout, metadata, scale, sliding_window, softcap, out,
-                  reqs, qsl, seq_lens, query_lens, first, k_scale=None, v_scale=None) -> None:
+                  reqs, qsl, seq_lens, query_lens, first, k_scale=None, v_scale=None, sinks=None) -> None:
     qlen, seq, lo = query_lens[reqs], seq_lens[reqs], first[reqs]
     max_q, span = int(qlen.max()), int((seq - lo).max())
     if max_q == 0:
@@ -111,7 +112,11 @@ def _attend_chunk(query, kv_cache, layout, metadata, scale, sliding_window, soft
     visible &= q_valid[:, :, None]
     visible = visible.to(device)[:, None, None]                               # [R, 1, 1, max_q, span]
     scores = scores.view(len(reqs), hkv, group, max_q, span).masked_fill_(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)                                     # a NaN query row stays NaN
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)                                 # a NaN query row stays NaN
+    else:                                                                     # the sink: a last column, dropped
+        sink = sinks.view(1, hkv, group, 1, 1).expand(len(reqs), -1, -1, max_q, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :span]
     probs.masked_fill_(~visible.any(-1, keepdim=True), 0.0)                  # padded rows: all -inf
     o = torch.matmul(probs.view(len(reqs), hkv, group * max_q, span), v)      # [R, Hkv, G*max_q, Dv]
     o = o.view(len(reqs), hkv, group, max_q, -1).permute(0, 3, 1, 2, 4).reshape(len(reqs), max_q, hkv * group, -1)
