@@ -14,6 +14,9 @@ models, one engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
   vLLM's ``VLLM_KV_CACHE_LAYOUT`` selects) gives the same ids;
 * a Gemma-3-style model (sliding-window + full-attention layers: two KV-cache groups; a tiny random
   checkpoint made by tests/vllm_gemma3_model.py) gives CPU_ATTN's ids;
+* a gpt-oss-style model (attention sinks on every layer, sliding-window and full layers alternating:
+  two KV-cache groups, a small mixture of experts; made by tests/vllm_gptoss_model.py) gives
+  CPU_ATTN's ids;
 * ``draft_model`` speculative decoding with target and draft on kvmulti equals target-only output;
 * without ``KVMULTI_VLLM`` the plugin leaves CPU_ATTN alone;
 * vLLM's default multiprocess engine with an empty kvmulti cache builds the kernel at start-up
@@ -142,6 +145,26 @@ def test_gemma3_style_sliding_window_model_equals_cpu_attn(gemma3_model, block_s
     want = generate(False, "--block-size", "32", "--model", gemma3_model)
     assert want["kvmulti_forward_calls"] == 0
     result = kvmulti_run("--block-size", block_size, "--model", gemma3_model)
+    assert result["token_ids"] == want["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def gptoss_model(tmp_path_factory) -> str:
+    require_vllm()
+    path = tmp_path_factory.mktemp("gptoss")
+    run = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_gptoss_model.py"), str(path)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return str(path)
+
+
+@pytest.mark.parametrize("block_size", ["32", "16"])
+def test_gptoss_style_sinks_model_equals_cpu_attn(gptoss_model, block_size):
+    # attention sinks on every layer, sliding-window (8) and full layers alternating; prompts of 9-40
+    # tokens cross the window. CPU_ATTN runs block 32 only; kvmulti must give its ids at both sizes.
+    want = generate(False, "--block-size", "32", "--model", gptoss_model)
+    assert want["kvmulti_forward_calls"] == 0
+    result = kvmulti_run("--block-size", block_size, "--model", gptoss_model)
     assert result["token_ids"] == want["token_ids"]
 
 

@@ -70,6 +70,10 @@ class KvmultiAttentionBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        return True         # every layer's backend is chosen among those serving sinks (gpt-oss)
+
+    @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
 
@@ -100,13 +104,15 @@ class KvmultiStepMetadata:
         return self.common.num_actual_tokens
 
     def step_for(self, layout: KVCacheLayout, num_query_heads: int, sliding_window: int | None,
-                 backend: Backend) -> StepMetadata:
-        """The prepared step for a layer: built by the group's first such layer, then reused."""
-        key = (layout, num_query_heads, sliding_window, backend.name)
+                 backend: Backend, sinks: bool = False) -> StepMetadata:
+        """The prepared step for a layer: built by the group's first such layer, then reused.
+        ``sinks``: the layer passes attention sinks."""
+        key = (layout, num_query_heads, sliding_window, backend.name, sinks)
         step = self.prepared.get(key)
         if step is None:
             step = ops.prepare_step(self.common, layout, num_query_heads, sliding_window=sliding_window,
-                                    backend=backend, check_values=False)     # vLLM's scheduler made the ids
+                                    backend=backend, check_values=False,     # vLLM's scheduler made the ids
+                                    sinks=sinks)
             self.prepared[key] = step
         return step
 
@@ -167,7 +173,7 @@ class KvmultiAttentionImpl(AttentionImpl):
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None) -> None:
         fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
-        unsupported = [what for what, present in (("ALiBi", alibi_slopes is not None), ("attention sinks", sinks is not None),
+        unsupported = [what for what, present in (("ALiBi", alibi_slopes is not None),
                                                   (f"kv_cache_dtype={kv_cache_dtype}", kv_cache_dtype != "auto" and not fp8),
                                                   (f"attn_type={attn_type}", attn_type != AttentionType.DECODER))
                        if present]
@@ -183,6 +189,8 @@ class KvmultiAttentionImpl(AttentionImpl):
         self._fp8_dtype = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        #: the layer's attention-sink logits [num_heads] (gpt-oss; loaded in place after construction)
+        self.sinks = sinks
         self._backend: Backend | None = None
         # the backends this layer may dispatch to are constructed now, at model construction (engine
         # start-up): a native build happens here, with its message, never in the first forward
@@ -204,7 +212,7 @@ class KvmultiAttentionImpl(AttentionImpl):
     def _kvmulti_backend(self, layout: KVCacheLayout, device: torch.device) -> Backend:
         if self._backend is None:
             self._backend = ops.resolve_backend(layout, device, sliding_window=self.sliding_window,
-                                                softcap=self.logits_soft_cap)
+                                                softcap=self.logits_soft_cap, sinks=self.sinks is not None)
         return self._backend
 
     def _scales(self, layer: torch.nn.Module) -> dict:
@@ -227,8 +235,9 @@ class KvmultiAttentionImpl(AttentionImpl):
         if attn_metadata is None:                    # vLLM's memory profiling run
             return output
         view, layout = self._view(kv_cache)
+        sinks = None if self.sinks is None else self.sinks.to(torch.float32)   # no copy when fp32 already
         step = attn_metadata.step_for(layout, self.num_heads, self.sliding_window,
-                                      self._kvmulti_backend(layout, kv_cache.device))
+                                      self._kvmulti_backend(layout, kv_cache.device), sinks is not None)
         n = attn_metadata.num_actual_tokens
         scales = self._scales(layer)
         if key is not None and value is not None and self.kv_sharing_target_layer_name is None:
@@ -237,5 +246,5 @@ class KvmultiAttentionImpl(AttentionImpl):
         query = _rows(query, n).view(n, self.num_heads, self.head_size)
         out = _rows(output, n).view(n, self.num_heads, layout.value_size)
         ops.paged_attention(query, view, layout, step, self.scale, self.sliding_window, self.logits_soft_cap,
-                            out=out, **scales)
+                            out=out, sinks=sinks, **scales)
         return output
