@@ -128,44 +128,45 @@ def test_fp8_kv_cache_runs_on_kvmulti(cpu_attn, kv_cache_dtype):
     assert same >= 0.6 * sum(len(t) for t in want), f"{same} of {sum(len(t) for t in want)} tokens equal"
 
 
-@pytest.fixture(scope="module")
-def gemma3_model(tmp_path_factory) -> str:
+def tiny_checkpoint(tmp_path_factory, script: str) -> str:
+    """A tiny random checkpoint written by ``tests/<script>`` in vLLM's venv (its transformers)."""
     require_vllm()
-    path = tmp_path_factory.mktemp("gemma3")
-    run = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_gemma3_model.py"), str(path)],
+    path = tmp_path_factory.mktemp(script.removesuffix(".py"))
+    run = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / script), str(path)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     return str(path)
+
+
+def assert_ids_equal_cpu_attn(model: str, block_size: str) -> None:
+    """kvmulti at ``block_size`` gives CPU_ATTN's ids (CPU_ATTN runs block 32 only)."""
+    want = generate(False, "--block-size", "32", "--model", model)
+    assert want["kvmulti_forward_calls"] == 0
+    assert kvmulti_run("--block-size", block_size, "--model", model)["token_ids"] == want["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def gemma3_model(tmp_path_factory) -> str:
+    return tiny_checkpoint(tmp_path_factory, "vllm_gemma3_model.py")
+
+
+@pytest.fixture(scope="module")
+def gptoss_model(tmp_path_factory) -> str:
+    return tiny_checkpoint(tmp_path_factory, "vllm_gptoss_model.py")
 
 
 @pytest.mark.parametrize("block_size", ["32", "16"])
 def test_gemma3_style_sliding_window_model_equals_cpu_attn(gemma3_model, block_size):
     # sliding-window (8) and full-attention layers: two KV-cache groups; prompts of 9-40 tokens
-    # cross the window. CPU_ATTN runs block 32 only; kvmulti must give its ids at both sizes.
-    want = generate(False, "--block-size", "32", "--model", gemma3_model)
-    assert want["kvmulti_forward_calls"] == 0
-    result = kvmulti_run("--block-size", block_size, "--model", gemma3_model)
-    assert result["token_ids"] == want["token_ids"]
-
-
-@pytest.fixture(scope="module")
-def gptoss_model(tmp_path_factory) -> str:
-    require_vllm()
-    path = tmp_path_factory.mktemp("gptoss")
-    run = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_gptoss_model.py"), str(path)],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return str(path)
+    # cross the window
+    assert_ids_equal_cpu_attn(gemma3_model, block_size)
 
 
 @pytest.mark.parametrize("block_size", ["32", "16"])
 def test_gptoss_style_sinks_model_equals_cpu_attn(gptoss_model, block_size):
-    # attention sinks on every layer, sliding-window (8) and full layers alternating; prompts of 9-40
-    # tokens cross the window. CPU_ATTN runs block 32 only; kvmulti must give its ids at both sizes.
-    want = generate(False, "--block-size", "32", "--model", gptoss_model)
-    assert want["kvmulti_forward_calls"] == 0
-    result = kvmulti_run("--block-size", block_size, "--model", gptoss_model)
-    assert result["token_ids"] == want["token_ids"]
+    # attention sinks on every layer, sliding-window (8) and full layers alternating (two KV-cache
+    # groups); prompts of 9-40 tokens cross the window
+    assert_ids_equal_cpu_attn(gptoss_model, block_size)
 
 
 def test_draft_model_speculative_equals_target_only(cpu_attn):
