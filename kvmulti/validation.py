@@ -19,6 +19,7 @@ model runner checks each group's metadata once per step (in the per-step hook), 
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -130,6 +131,9 @@ def check_group_metadata(metadata: CommonAttentionMetadata, layout: KVCacheLayou
         _check_device_values(metadata, layout, sliding_window)
 
 
+_CPU = torch.device("cpu")
+
+
 def check_lengths(metadata: CommonAttentionMetadata, num_query_rows: int, device: torch.device) -> int:
     """The layout-independent part of :func:`check_metadata`: types and shapes of the length
     tensors, the scalar fields and the host values of ``query_start_loc`` / ``seq_lens``. KV-cache
@@ -139,15 +143,15 @@ def check_lengths(metadata: CommonAttentionMetadata, num_query_rows: int, device
         raise TypeError(f"metadata must be a kvmulti.CommonAttentionMetadata, got {type(metadata).__name__}")
     check_index("metadata.query_start_loc", metadata.query_start_loc, 1, device, (torch.int32,))
     check_index("metadata.seq_lens", metadata.seq_lens, 1, device, (torch.int32,))
-    cpu = torch.device("cpu")
-    check_index("metadata.query_start_loc_cpu", metadata.query_start_loc_cpu, 1, cpu, (torch.int32,))
-    check_index("metadata.seq_lens_cpu", metadata.seq_lens_cpu, 1, cpu, (torch.int32,))
+    check_index("metadata.query_start_loc_cpu", metadata.query_start_loc_cpu, 1, _CPU, (torch.int32,))
+    check_index("metadata.seq_lens_cpu", metadata.seq_lens_cpu, 1, _CPU, (torch.int32,))
     n = metadata.num_reqs
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"metadata.num_reqs must be an int >= 0, got {n!r}")
-    counts = {name: getattr(metadata, name).shape[0] - (name.startswith("query_start_loc"))
-              for name in ("query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu")}
-    if any(c != n for c in counts.values()):
+    if not (metadata.query_start_loc.shape[0] - 1 == metadata.query_start_loc_cpu.shape[0] - 1
+            == metadata.seq_lens.shape[0] == metadata.seq_lens_cpu.shape[0] == n):
+        counts = {name: getattr(metadata, name).shape[0] - (name.startswith("query_start_loc"))
+                  for name in ("query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu")}
         sizes = ", ".join(f"{name} has {c + name.startswith('query_start_loc')} entries ({c} requests)"
                           for name, c in counts.items())
         raise ValueError(f"metadata's request counts disagree: num_reqs = {n}, {sizes}; query_start_loc "
@@ -188,8 +192,8 @@ def _host_extremes(qsl_t: torch.Tensor, seq_t: torch.Tensor) -> tuple[int, int, 
     query_len exceeds its seq_len, from the host copies (num_reqs >= 1)."""
     if seq_t.shape[0] <= _SMALL_BATCH:
         qsl, seq = qsl_t.tolist(), seq_t.tolist()
-        query_lens = [b - a for a, b in zip(qsl, qsl[1:])]
-        over = any(q > s for q, s in zip(query_lens, seq))
+        query_lens = list(map(operator.sub, qsl[1:], qsl))
+        over = any(map(operator.gt, query_lens, seq))
         return qsl[0], qsl[-1], min(query_lens), max(query_lens), min(seq), max(seq), over
     qsl, seq = qsl_t.numpy().astype(np.int64), seq_t.numpy().astype(np.int64)
     query_lens = np.diff(qsl)
