@@ -10,7 +10,8 @@ __version__ = "0.1.0"
 
 __all__ = ["AttentionConfig", "AttentionSpec", "Backend", "BackendSelectionError", "CommonAttentionMetadata",
            "FP8_DTYPES", "KVCacheConfig", "KVCacheLayout", "LayoutStrides", "ModelRunner", "ROLES", "SpeculativeRunner",
-           "StepMetadata", "available_backends", "paged_attention", "prepare_step", "register_backend",
+           "StepMetadata", "available_backends", "paged_attention", "prepare_step", "prepare_steps",
+           "register_backend",
            "register_platform", "resolve_backend", "select_backend", "write_kv"]
 
 
@@ -21,7 +22,8 @@ _LAZY = {"AttentionConfig": "kvmulti.backends", "Backend": "kvmulti.backends",
          "ROLES": "kvmulti.backends.registry", "FP8_DTYPES": "kvmulti.fp8",
          "KVCacheLayout": "kvmulti.layout", "LayoutStrides": "kvmulti.layout",
          "CommonAttentionMetadata": "kvmulti.metadata", "StepMetadata": "kvmulti.backends.base",
-         "paged_attention": "kvmulti.ops", "prepare_step": "kvmulti.ops", "resolve_backend": "kvmulti.ops",
+         "paged_attention": "kvmulti.ops", "prepare_step": "kvmulti.ops",
+         "prepare_steps": "kvmulti.ops", "resolve_backend": "kvmulti.ops",
          "write_kv": "kvmulti.ops", "register_platform": "kvmulti.platform",
          "SpeculativeRunner": "kvmulti.spec_decode.runner", "ModelRunner": "kvmulti.engine",
          "KVCacheConfig": "kvmulti.kv_cache", "AttentionSpec": "kvmulti.kv_cache"}

@@ -17,6 +17,8 @@ so ``torch.compile(fullgraph=True)`` traces calls to them.
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable, Mapping
+from typing import TypeVar
 
 import torch
 
@@ -25,9 +27,11 @@ from .backends.registry import get_backend, select_backend_for_layout
 from .fp8 import is_fp8, scale_tensor
 from .layout import CROSS_LAYER_ORDERS, KVCacheLayout, token_order
 from .metadata import CommonAttentionMetadata
-from .validation import (check_attention_args, check_metadata, check_slot_values, check_window,
-                         check_write, prepared_attention_is_plain, prepared_attention_tensors_fit,
+from .validation import (check_attention_args, check_group_metadata, check_lengths, check_slot_values,
+                         check_window, check_write, prepared_attention_is_plain, prepared_attention_tensors_fit,
                          prepared_write_is_plain, prepared_write_tensors_fit)
+
+K = TypeVar("K", bound=Hashable)
 
 
 def resolve_backend(layout: KVCacheLayout, device: torch.device | str, *, sliding_window: int | None = None,
@@ -61,7 +65,8 @@ def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_q
     """The per-step hook: validate ``metadata`` for one KV-cache group (query of ``num_query_rows``
     rows, default ``num_actual_tokens``; tensors on ``device``, default the metadata's), resolve its
     backend and let it prepare what every layer of the group reuses this step. Pass the result to
-    :func:`paged_attention` as ``metadata``.
+    :func:`paged_attention` as ``metadata``. An engine with several groups calls
+    :func:`prepare_steps` instead, which checks what the groups share once.
 
     ``check_values=False`` skips the checks of the block ids each request reads and of device
     tensors against their host copies (a device sync on accelerators): for metadata an engine's
@@ -71,16 +76,78 @@ def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_q
 
     ``sinks``: the group's layers pass attention sinks to :func:`paged_attention` (a layer's sinks
     tensor, or True; None / False: they do not). Only a backend serving sinks is chosen."""
+    device = _metadata_device(metadata, device)
+    rows = metadata.num_actual_tokens if num_query_rows is None else num_query_rows
+    _check_group_args(layout, num_query_heads, sliding_window)
+    longest = check_lengths(metadata, rows, device)
+    return _prepare_group(metadata, layout, num_query_heads, sliding_window, softcap, backend, role, device,
+                          check_values, longest, sinks)
+
+
+def prepare_steps(metadata: Mapping[K, CommonAttentionMetadata], layouts: Mapping[K, KVCacheLayout],
+                  num_query_heads: int, *, num_query_rows: int | None = None,
+                  sliding_windows: Mapping[K, int | None] | None = None, softcap: float | None = None,
+                  backends: Mapping[K, str | Backend | None] | None = None, role: str = "target",
+                  device: torch.device | None = None, check_values: bool = True,
+                  sinks: Mapping[K, torch.Tensor | bool | None] | None = None) -> dict[K, StepMetadata]:
+    """:func:`prepare_step` for every KV-cache group of one step: ``metadata[g]`` over a cache of
+    ``layouts[g]`` with window ``sliding_windows[g]`` (default None), backend ``backends[g]``
+    (default: dispatch) and ``sinks[g]`` (default None), the other arguments as there. Returns
+    ``{g: StepMetadata}``.
+
+    The length checks (query_start_loc, seq_lens, their host copies and the scalar fields) run once
+    for all groups whose metadata hold the very same length tensors and scalars, as an engine's
+    groups do; each group's block table, values and backend are checked on their own. Raises
+    KeyError when ``layouts`` lacks a group of ``metadata``."""
+    windows, chosen, group_sinks = sliding_windows or {}, backends or {}, sinks or {}
+    steps: dict[K, StepMetadata] = {}
+    checked: list[tuple[CommonAttentionMetadata, int]] = []        # (metadata checked, its longest seq_len)
+    for group, md in metadata.items():
+        layout, window = layouts[group], windows.get(group)
+        dev = _metadata_device(md, device)
+        rows = md.num_actual_tokens if num_query_rows is None else num_query_rows
+        _check_group_args(layout, num_query_heads, window)
+        longest = next((n for seen, n in checked if _same_lengths(seen, md)), None)
+        if longest is None:
+            longest = check_lengths(md, rows, dev)
+            checked.append((md, longest))
+        steps[group] = _prepare_group(md, layout, num_query_heads, window, softcap, chosen.get(group), role, dev,
+                                      check_values, longest, group_sinks.get(group))
+    return steps
+
+
+def _metadata_device(metadata: CommonAttentionMetadata, device: torch.device | None) -> torch.device | None:
+    """``device``, else the metadata's (that of its query_start_loc)."""
+    if not isinstance(metadata, CommonAttentionMetadata):
+        raise TypeError(f"metadata must be a kvmulti.CommonAttentionMetadata, got {type(metadata).__name__}")
+    if device is None and isinstance(metadata.query_start_loc, torch.Tensor):
+        return metadata.query_start_loc.device
+    return device
+
+
+def _check_group_args(layout: KVCacheLayout, num_query_heads: int, sliding_window: int | None) -> None:
     check_window(sliding_window)
     if isinstance(num_query_heads, bool) or not isinstance(num_query_heads, int) or num_query_heads < 1 \
             or num_query_heads % layout.num_kv_heads:
         raise ValueError(f"num_query_heads must be a positive multiple of num_kv_heads={layout.num_kv_heads}, "
                          f"got {num_query_heads!r}")
-    rows = metadata.num_actual_tokens if num_query_rows is None else num_query_rows
-    if device is None and isinstance(metadata, CommonAttentionMetadata) \
-            and isinstance(metadata.query_start_loc, torch.Tensor):
-        device = metadata.query_start_loc.device
-    check_metadata(metadata, layout, rows, sliding_window, device, check_values=check_values)
+
+
+def _same_lengths(a: CommonAttentionMetadata, b: CommonAttentionMetadata) -> bool:
+    """``b`` holds the very length tensors and scalars ``a`` held when its lengths were checked."""
+    return (type(b) is CommonAttentionMetadata and a.query_start_loc is b.query_start_loc
+            and a.seq_lens is b.seq_lens and a.query_start_loc_cpu is b.query_start_loc_cpu
+            and a.seq_lens_cpu is b.seq_lens_cpu and a.num_reqs == b.num_reqs
+            and a.num_actual_tokens == b.num_actual_tokens and a.max_query_len == b.max_query_len
+            and a.max_seq_len == b.max_seq_len)
+
+
+def _prepare_group(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int,
+                   sliding_window: int | None, softcap: float | None, backend: str | Backend | None, role: str,
+                   device: torch.device, check_values: bool, longest: int,
+                   sinks: torch.Tensor | bool | None = None) -> StepMetadata:
+    """One group's step after :func:`check_lengths` passed (``longest``: its longest seq_len)."""
+    check_group_metadata(metadata, layout, sliding_window, device, longest, check_values)
     has_sinks = sinks is not None and sinks is not False
     chosen = resolve_backend(layout, device, sliding_window=sliding_window, softcap=softcap,
                              causal=metadata.causal, backend=backend, role=role, sinks=has_sinks)

@@ -19,6 +19,7 @@ model runner checks each group's metadata once per step (in the per-step hook), 
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -115,38 +116,23 @@ check_window = input_rules.check_window
 def check_metadata(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_query_rows: int,
                    sliding_window: int | None, device: torch.device, check_values: bool = True) -> None:
     """Every invariant of ``metadata`` for a query of ``num_query_rows`` rows over a cache of
-    ``layout`` (see the module docstring for what runs where). Raises TypeError/ValueError naming
-    the field and the rule. ``check_values=False`` skips the block-id / host-copy value checks: for
-    metadata whose ids come from kvmulti's own block pools (the model runner's)."""
-    longest = _lengths_once(metadata, num_query_rows, device)
+    ``layout`` (see the module docstring for what runs where): :func:`check_lengths`, then
+    :func:`check_group_metadata`. Raises TypeError/ValueError naming the field and the rule."""
+    longest = check_lengths(metadata, num_query_rows, device)
+    check_group_metadata(metadata, layout, sliding_window, device, longest, check_values)
+
+
+def check_group_metadata(metadata: CommonAttentionMetadata, layout: KVCacheLayout, sliding_window: int | None,
+                         device: torch.device, longest: int, check_values: bool = True) -> None:
+    """What one KV-cache group checks after :func:`check_lengths` passed (``longest``: its result):
+    the block table (:func:`check_block_table`) and, unless ``check_values`` is False (metadata
+    whose ids come from an engine's own block pools), the block ids' and host copies' values."""
     check_block_table(metadata, layout, device, longest)
     if check_values and value_checks_enabled(metadata.block_table.device):
         _check_device_values(metadata, layout, sliding_window)
 
 
-#: the last metadata whose lengths passed: (its length tensors, their versions and the scalars, longest)
-_last_lengths: list = []
-
-
-def _lengths_once(metadata: CommonAttentionMetadata, num_query_rows: int, device: torch.device) -> int:
-    """:func:`check_lengths`, skipped when the previous call checked the very same length tensors
-    (same objects, no in-place change since: torch's version counters) with the same scalars, as
-    for the KV-cache groups of one step, which share them. The tensors are kept, so their ids are not
-    reused while they are remembered. Inference tensors have no version counter: always checked."""
-    try:
-        tensors = (metadata.query_start_loc, metadata.seq_lens, metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
-        key = (tensors[0]._version, tensors[1]._version, tensors[2]._version, tensors[3]._version, metadata.num_reqs,
-               metadata.num_actual_tokens, metadata.max_query_len, metadata.max_seq_len, num_query_rows, device)
-    except (AttributeError, RuntimeError):      # not metadata of tensors, or inference tensors (no versions)
-        return check_lengths(metadata, num_query_rows, device)
-    if _last_lengths and _last_lengths[1] == key:
-        seen = _last_lengths[0]
-        if seen[0] is tensors[0] and seen[1] is tensors[1] and seen[2] is tensors[2] and seen[3] is tensors[3]:
-            return _last_lengths[2]
-    _last_lengths[:] = ()
-    longest = check_lengths(metadata, num_query_rows, device)
-    _last_lengths[:] = (tensors, key, longest)
-    return longest
+_CPU = torch.device("cpu")
 
 
 def check_lengths(metadata: CommonAttentionMetadata, num_query_rows: int, device: torch.device) -> int:
@@ -158,15 +144,15 @@ def check_lengths(metadata: CommonAttentionMetadata, num_query_rows: int, device
         raise TypeError(f"metadata must be a kvmulti.CommonAttentionMetadata, got {type(metadata).__name__}")
     check_index("metadata.query_start_loc", metadata.query_start_loc, 1, device, (torch.int32,))
     check_index("metadata.seq_lens", metadata.seq_lens, 1, device, (torch.int32,))
-    cpu = torch.device("cpu")
-    check_index("metadata.query_start_loc_cpu", metadata.query_start_loc_cpu, 1, cpu, (torch.int32,))
-    check_index("metadata.seq_lens_cpu", metadata.seq_lens_cpu, 1, cpu, (torch.int32,))
+    check_index("metadata.query_start_loc_cpu", metadata.query_start_loc_cpu, 1, _CPU, (torch.int32,))
+    check_index("metadata.seq_lens_cpu", metadata.seq_lens_cpu, 1, _CPU, (torch.int32,))
     n = metadata.num_reqs
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"metadata.num_reqs must be an int >= 0, got {n!r}")
-    counts = {name: getattr(metadata, name).shape[0] - (name.startswith("query_start_loc"))
-              for name in ("query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu")}
-    if any(c != n for c in counts.values()):
+    if not (metadata.query_start_loc.shape[0] - 1 == metadata.query_start_loc_cpu.shape[0] - 1
+            == metadata.seq_lens.shape[0] == metadata.seq_lens_cpu.shape[0] == n):
+        counts = {name: getattr(metadata, name).shape[0] - (name.startswith("query_start_loc"))
+                  for name in ("query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu")}
         sizes = ", ".join(f"{name} has {c + name.startswith('query_start_loc')} entries ({c} requests)"
                           for name, c in counts.items())
         raise ValueError(f"metadata's request counts disagree: num_reqs = {n}, {sizes}; query_start_loc "
@@ -207,8 +193,8 @@ def _host_extremes(qsl_t: torch.Tensor, seq_t: torch.Tensor) -> tuple[int, int, 
     query_len exceeds its seq_len, from the host copies (num_reqs >= 1)."""
     if seq_t.shape[0] <= _SMALL_BATCH:
         qsl, seq = qsl_t.tolist(), seq_t.tolist()
-        query_lens = [b - a for a, b in zip(qsl, qsl[1:])]
-        over = any(q > s for q, s in zip(query_lens, seq))
+        query_lens = list(map(operator.sub, qsl[1:], qsl))
+        over = any(map(operator.gt, query_lens, seq))
         return qsl[0], qsl[-1], min(query_lens), max(query_lens), min(seq), max(seq), over
     qsl, seq = qsl_t.numpy().astype(np.int64), seq_t.numpy().astype(np.int64)
     query_lens = np.diff(qsl)

@@ -124,4 +124,4 @@ def test_the_engine_uses_only_the_public_api():
     used = {p.name: _library_names_used(p) for p in (PACKAGE / "engine").rglob("*.py")}
     offenders = {k: sorted(set(v) - public) for k, v in used.items() if set(v) - public}
     assert not offenders, offenders
-    assert {"kvmulti.prepare_step", "kvmulti.resolve_backend"} <= set().union(*used.values())
+    assert {"kvmulti.prepare_steps", "kvmulti.resolve_backend"} <= set().union(*used.values())

@@ -240,6 +240,61 @@ def test_metadata_checked_again_after_in_place_change_in_inference_mode():
             kvmulti.paged_attention(q, cache, LAYOUT, md)
 
 
+def test_lengths_edited_through_a_numpy_view_are_checked_again():
+    cache, md, q, _, _ = fresh()
+    kvmulti.paged_attention(q, cache, LAYOUT, md)
+    md.seq_lens_cpu.numpy()[1] = 0                        # below its query_len 1; no torch version bump
+    with pytest.raises(ValueError, match="request 1 has query_len 1 > seq_len 0"):
+        kvmulti.paged_attention(q, cache, LAYOUT, md)
+
+
+def two_groups(block_table_b=None):
+    """Two KV-cache groups of one step (block sizes 4 and 8) sharing the length tensors, as an
+    engine's are; group "b"'s block table may be replaced."""
+    _, md, q, _, _ = fresh()
+    layout_b = kvmulti.KVCacheLayout(num_blocks=2, block_size=8, num_kv_heads=2, head_size=8,
+                                     dtype=torch.float32, order="HND")
+    table_b = torch.tensor([[0], [1]], dtype=torch.int32) if block_table_b is None else block_table_b
+    md_b = dataclasses.replace(md, block_table=table_b, slot_mapping=md.slot_mapping.clone())
+    return {"a": md, "b": md_b}, {"a": LAYOUT, "b": layout_b}, q
+
+
+def test_prepare_steps_checks_shared_lengths_once_and_each_block_table(monkeypatch):
+    import kvmulti.ops as ops
+    from kvmulti import validation
+    calls, real = [], validation.check_lengths
+    monkeypatch.setattr(ops, "check_lengths", lambda *a: calls.append(a) or real(*a))
+    metadata, layouts, q = two_groups()
+    steps = kvmulti.prepare_steps(metadata, layouts, 4)
+    assert len(calls) == 1 and set(steps) == {"a", "b"}
+    for g in steps:
+        cache = layouts[g].allocate()
+        cache.copy_(torch.randn(layouts[g].shape))
+        want = kvmulti.paged_attention(q, cache, layouts[g], metadata[g])
+        torch.testing.assert_close(kvmulti.paged_attention(q, cache, layouts[g], steps[g]), want)
+    narrow, _, _ = two_groups(torch.tensor([[0], [1]], dtype=torch.int32))
+    narrow["b"] = dataclasses.replace(narrow["b"], block_table=torch.tensor([[0]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_table has 1 rows for 2 requests"):
+        kvmulti.prepare_steps(narrow, layouts, 4)
+    bad_id, _, _ = two_groups(torch.tensor([[0], [5]], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = 5"):
+        kvmulti.prepare_steps(bad_id, layouts, 4)
+
+
+def test_prepare_steps_checks_groups_with_their_own_lengths_each():
+    metadata, layouts, _ = two_groups()
+    other = metadata["b"]
+    metadata["b"] = dataclasses.replace(other, seq_lens_cpu=torch.tensor([6, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="request 1 has query_len 1 > seq_len 0"):
+        kvmulti.prepare_steps(metadata, layouts, 4)
+    with pytest.raises(KeyError):
+        kvmulti.prepare_steps({"c": other}, layouts, 4)
+    with pytest.raises(TypeError, match="metadata must be a kvmulti.CommonAttentionMetadata"):
+        kvmulti.prepare_steps({"a": object()}, layouts, 4)
+    with pytest.raises(ValueError, match="num_query_heads must be a positive multiple"):
+        kvmulti.prepare_steps(metadata, layouts, 3)
+
+
 HOST_VALUE_ERRORS = {
     "query_start_loc not at 0": (lambda q, s: (q + 1, s), "must start at 0, got 1"),
     "query_start_loc decreases": (lambda q, s: (torch.cat([q[:3], q[2:3] - 1, q[4:]]), s),

