@@ -20,7 +20,9 @@ faked. Adding one is one line in :data:`SECTIONS`.
   kernel x gfx90a / gfx940 / gfx1030, fp8 caches (e4m3fn, e5m2) included; printed: the attention kernels
   at head 128 (the decode case's) per query dtype x cache, with the engine (MFMA / FMA); ``--full``:
   every row. Thresholds: ``compile_check.row_problems`` (an fp16 / bf16 query over a 16-bit or an fp8
-  cache uses v_mfma on gfx90a / gfx940, no spills, 16-byte hot-loop loads, occupancy).
+  cache uses v_mfma on gfx90a / gfx940, no spills, 16-byte hot-loop loads, occupancy, no block-id
+  shuffles in the decode kernel's MFMA hot loop). The in-flight column's second figure: the bytes per lane
+  the hot loop keeps outstanding at its head (``hip_compile_check.head_in_flight``).
 * ``sycl``: ``devtools.sycl_gpu_evidence.report_rows`` once devtools/ provides it (bf16, head 128);
   ``sycl_fp8``: the same case over an fp8 e4m3fn cache (``gpu_evidence.FP8_CONFIG``, rows with
   ``cache``). Triton's fp8 specialisations (e4m3 / e5m2 caches with bf16 / fp16 / fp32 queries:
@@ -139,7 +141,7 @@ def format_hip(rows: list[dict], full: bool) -> list[str]:
         return format_generic(rows)
     from devtools import hip_compile_check as cc
     out = ["target  query cache  engine kernel    vgprs sgprs   lds  waves spills mfma  hot-loop valu/mfma/lds/vmem  "
-           "in-flight B/lane  issue cycles/wave mfma:valu:salu"]
+           "in-flight B/lane peak:head  issue cycles/wave mfma:valu:salu"]
     shown = [r for r in rows if r.get("kind") in ("attention", "prefill") and r.get("head_size") == HIP_SHOWN_HEAD_SIZE]
     for r in sorted(shown, key=lambda r: (r["kind"], r["target"], r["dtype"], r.get("cache") or "")):
         mix = r["hot_loop_instructions"]
@@ -149,7 +151,7 @@ def format_hip(rows: list[dict], full: bool) -> list[str]:
                    f"{r['lds_bytes']:5} "
                    f"{r['waves_per_simd']:6} {r['spills']:6} {r['matrix_instructions']:4}  "
                    f"{mix.get('valu', 0):>11}/{mix.get('mfma', 0)}/{mix.get('lds', 0)}/{mix.get('vmem', 0):<10} "
-                   f"{r['bytes_in_flight_per_lane']:>6}            "
+                   f"{r['bytes_in_flight_per_lane']:>6}:{r.get('head_bytes_in_flight_per_lane', 0):<13}      "
                    + (f"{cyc['mfma']}:{cyc['valu']}:{cyc['salu']}" if r['matrix_instructions'] else "-"))
     out.append(f"({len(shown)} of {len(rows)} rows: attention (decode / mixed) and prefill at head "
                f"{HIP_SHOWN_HEAD_SIZE}; --full or --json: all)")

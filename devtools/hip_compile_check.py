@@ -16,7 +16,11 @@ AMD (HIP_PLATFORM=amd, Debian packages ``hipcc libamdhip64-dev rocm-device-libs`
      (its widening of e4m3 codes relies on them), a hot loop with a global load narrower than 16 bytes
      or fewer than 4 x 16 bytes in flight per lane, an occupancy below 2 waves/SIMD, and a prefill kernel
      (fp16 / bf16 query, gfx90a / gfx940) whose hot loop issues fewer MFMA than VALU cycles over a 16-bit
-     cache, or more than MAX_FP8_PREFILL_VALU_PER_MFMA VALU cycles per MFMA cycle over an fp8 cache.
+     cache, or more than MAX_FP8_PREFILL_VALU_PER_MFMA VALU cycles per MFMA cycle over an fp8 cache, and a
+     decode kernel (fp16 / bf16 query, gfx90a / gfx940) whose hot loop shuffles more than the softmax's
+     DECODE_SOFTMAX_SHUFFLES values with ds_bpermute (its block ids are scalars). The rows also carry the
+     loads the hot loop keeps in flight at its head (``head_in_flight``); ``decode_pipeline_problems``
+     judges them (a tile in flight there, no vmcnt(0)), not yet a threshold.
   ``report_rows()`` returns these figures as dicts (benchmarks/gpu_report.py); ``--report`` prints them.
 NVIDIA: ``nvcc -x cu -I hip/compat`` (kvmulti's HIP->CUDA compat headers) for sm_80 and sm_90 with
   ``-Werror all-warnings`` and ptxas ``-warn-spills -warn-lmem-usage -Werror``.
@@ -313,6 +317,44 @@ def serial_share(body: list[str]) -> float:
     return blocked / counted if counted else 0.0
 
 
+def head_in_flight(body: list[str]) -> dict:
+    """The loads a loop keeps in flight across its back edge, in its steady state (the body replayed
+    three times, vmcnt retiring in order all but the N newest): ``head_bytes_per_lane``, the global-load
+    bytes per lane still outstanding when a trip begins (what the previous trip issued and nothing has
+    waited for yet), and ``min_vmcnt``, the smallest N of the body's ``s_waitcnt vmcnt(N)`` (None: no
+    such wait). A loop whose waits all keep N > 0 outstanding never drains the memory pipe at its head."""
+    pending: list[int] = []
+    head = 0
+    waits: list[int] = []
+    for trip in range(3):
+        if trip == 2:
+            head = sum(pending)
+        for line in body:
+            w = _load_width(line)
+            if w is not None:
+                pending.append(w)
+                continue
+            m = _WAIT_RE.match(line)
+            v = _VMCNT_RE.search(m.group(1)) if m else None
+            if v:
+                n = int(v.group(1))
+                pending = pending[len(pending) - n:] if n else []
+                if trip == 0:
+                    waits.append(n)
+    return {"head_bytes_per_lane": head, "min_vmcnt": min(waits) if waits else None}
+
+
+def decode_tile_load_bytes(head: int, elem: int) -> int:
+    """Global-load bytes per lane of one tile of the decode kernel's MFMA engine (MfmaGeom in
+    hip/kvmulti_attention.hip; 16-byte loads, aligned cache): per 16-key sub-tile ceil(NCH / 4) K chunks,
+    and 4 x ceil(NCH / 16) V pieces (16-bit cache) or ceil(16 NCH / 64) V chunks (fp8), NCH = head x elem /
+    16; sub-tiles per tile: 1 above head 128, 4 for rows of <= 64 bytes, else 2."""
+    nch = head * elem // 16
+    nsub = 1 if head > 128 else 4 if head * elem <= 64 else 2
+    vin = -(-16 * nch // 64) if elem == 1 else 4 * -(-head // 8 // 16)
+    return 16 * nsub * (-(-nch // 4) + vin)
+
+
 _MFMA_SHAPE = re.compile(r"^\s*v_mfma_\w+?_(\d+)x(\d+)x(\d+)")
 
 
@@ -342,7 +384,8 @@ def analyze_function(lines: list[str]) -> dict:
     row = {"matrix_instructions": mfma, "load_widths_bytes": widths, "hot_loop": None,
            "hot_loop_load_widths_bytes": [], "bytes_in_flight_per_lane": 0, "bytes_before_vmcnt0_per_lane": 0,
            "hot_loop_instructions": {}, "hot_loop_serial_share": None, "hot_loop_mfma_flops": 0,
-           "hot_loop_narrow_loads": 0}
+           "hot_loop_narrow_loads": 0, "head_bytes_in_flight_per_lane": 0, "hot_loop_min_vmcnt": None,
+           "hot_loop_ds_bpermute": 0}
     if hot:
         row.update(hot_loop=hot[1], hot_loop_load_widths_bytes=hot[2]["load_widths_bytes"],
                    bytes_in_flight_per_lane=hot[2]["peak_bytes_per_lane"],
@@ -352,6 +395,10 @@ def analyze_function(lines: list[str]) -> dict:
                    hot_loop_mfma_flops=mfma_flops(_loop_bodies(lines)[hot[1]]),
                    hot_loop_narrow_loads=sum(1 for w in map(_load_width, _loop_bodies(lines)[hot[1]])
                                              if w is not None and w < 16))
+        flight = head_in_flight(_loop_bodies(lines)[hot[1]])
+        row.update(head_bytes_in_flight_per_lane=flight["head_bytes_per_lane"], hot_loop_min_vmcnt=flight["min_vmcnt"],
+                   hot_loop_ds_bpermute=sum(1 for l in _loop_bodies(lines)[hot[1]]
+                                            if re.match(r"^\s*ds_bpermute", l)))
     return row
 
 
@@ -493,10 +540,38 @@ def rows_of(dp: DevicePass) -> list[dict]:
             "hot_loop_serial_share": a["hot_loop_serial_share"],
             "hot_loop_mfma_flops": a["hot_loop_mfma_flops"],
             "hot_loop_narrow_loads": a.get("hot_loop_narrow_loads", 0),
+            "head_bytes_in_flight_per_lane": a.get("head_bytes_in_flight_per_lane", 0),
+            "hot_loop_min_vmcnt": a.get("hot_loop_min_vmcnt"),
+            "hot_loop_ds_bpermute": a.get("hot_loop_ds_bpermute", 0),
             # 3: fp16 (and fp64) denormals kept on input and output (the hardware default mode)
             "fp16_denorm_mode": dp.descriptors.get(name, {}).get("float_denorm_mode_16_64"),
         })
     return rows
+
+
+#: ds_bpermute per decode tile that the online softmax needs: the row max over the 4 lane groups (2
+#: butterflies) and the 4 rows' rescale factors broadcast to the accumulator lanes; block ids (block size a
+#: multiple of 16, aligned cache: the hot loop) are wave-uniform scalars (v_readlane_b32), not shuffles
+DECODE_SOFTMAX_SHUFFLES = 6
+
+
+def _mfma_decode(row: dict) -> bool:
+    return (row["kind"] == "attention" and row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16")
+            and bool(row["matrix_instructions"]))
+
+
+def decode_pipeline_problems(row: dict) -> list[str]:
+    """The decode pipelining criterion (not met yet, so not among :func:`row_problems`): an MFMA decode
+    kernel's hot loop has no ``s_waitcnt vmcnt(0)`` and keeps at least one tile's loads
+    (:func:`decode_tile_load_bytes`) in flight at its head (:func:`head_in_flight`)."""
+    if not _mfma_decode(row):
+        return []
+    tile = decode_tile_load_bytes(row["head_size"], 1 if row.get("cache") else 2)
+    if row.get("hot_loop_min_vmcnt") == 0 or row.get("head_bytes_in_flight_per_lane", 0) < tile:
+        return [f"{row['target']} {row['kernel']}: decode hot loop keeps {row.get('head_bytes_in_flight_per_lane', 0)} "
+                f"bytes per lane in flight at its head (one tile: {tile}), smallest vmcnt "
+                f"{row.get('hot_loop_min_vmcnt')} (want > 0)"]
+    return []
 
 
 def row_problems(row: dict) -> list[str]:
@@ -532,6 +607,9 @@ def row_problems(row: dict) -> list[str]:
             if cyc["valu"] > MAX_FP8_PREFILL_VALU_PER_MFMA * cyc["mfma"]:
                 problems.append(f"{k}: hot loop issues {cyc['valu']} VALU cycles > {MAX_FP8_PREFILL_VALU_PER_MFMA} x "
                                 f"{cyc['mfma']} MFMA cycles per wave (fp8 codes not widened once per tile?)")
+        if _mfma_decode(row) and row.get("hot_loop_ds_bpermute", 0) > DECODE_SOFTMAX_SHUFFLES:
+            problems.append(f"{k}: decode hot loop issues {row['hot_loop_ds_bpermute']} ds_bpermute (> the softmax's "
+                            f"{DECODE_SOFTMAX_SHUFFLES}: block ids shuffled?)")
         if row["bytes_in_flight_per_lane"] < MIN_BYTES_IN_FLIGHT_PER_LANE:
             problems.append(f"{k}: {row['bytes_in_flight_per_lane']} bytes in flight per lane in the hot loop "
                             f"(< {MIN_BYTES_IN_FLIGHT_PER_LANE} = 4 x 16-byte loads)")

@@ -24,7 +24,8 @@
 // with its own online softmax per row (running max / sum, fp32 accumulation), so the hot loop has no
 // block barrier; the waves' partial results are combined once at the end through LDS.
 // Block-table entries are read once per window of WAVE entries (one 4-byte load per lane, outside the
-// tile loop) and handed to the lanes that need them with shuffles.
+// tile loop) and handed to the lanes that need them with shuffles -- or, on the MFMA engine when the block
+// size is a multiple of 16, read out of the window as one wave-uniform scalar per 16-key sub-tile.
 //
 // Two tile engines, chosen at compile time per target (and at run time on the CPU harness):
 //   * MFMA (CDNA2/3, fp16 / bf16 queries, wave64): K and V are loaded straight into matrix-fragment
@@ -290,19 +291,25 @@ __device__ __forceinline__ int window_entry(const PagedAttentionParams& p, int w
 // [kv_lo, kv_hi) -- tiles are whole, so the first and last tiles hold some: slots before a sliding
 // window, the unwritten tail of the last block, slots of blocks the table names past the range --
 // reads kZeroRow instead: its score is masked (-inf by select, p = 0), but 0 x V is NaN for a
-// non-finite V, and such slots may hold anything. Every lane calls it (a shuffle).
-template <int WAVE, typename C>
-__device__ __forceinline__ const C* key_row(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
-                                            int bt_win, int ws, float inv_bs, int t, bool& valid) {
-  int r;
-  const int q = window_entry(p, ws, inv_bs, t, r);
-  const int blk = __shfl(bt_win, q, WAVE);
+// non-finite V, and such slots may hold anything. Every lane calls key_row (a shuffle); key_row_at is its
+// second half, for a caller that knows the block id blk and the offset r of key t in that block.
+template <typename C>
+__device__ __forceinline__ const C* key_row_at(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
+                                               int blk, int r, int t, bool& valid) {
   valid = blk >= 0 && blk < p.num_blocks;
   // blk, r >= 0 and the strides are positive: unsigned 32 x 64-bit products
   const int64_t row = (int64_t)((uint64_t)(uint32_t)(valid ? blk : 0) * (uint64_t)p.kv_stride_block +
                                 (uint64_t)(uint32_t)r * (uint64_t)p.kv_stride_token);
   const bool in_range = (unsigned)(t - b.kv_lo) < (unsigned)(b.kv_hi - b.kv_lo);
   return in_range ? cache + row : reinterpret_cast<const C*>(kZeroRow);  // a select, not a branch
+}
+
+template <int WAVE, typename C>
+__device__ __forceinline__ const C* key_row(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
+                                            int bt_win, int ws, float inv_bs, int t, bool& valid) {
+  int r;
+  const int q = window_entry(p, ws, inv_bs, t, r);
+  return key_row_at(p, b, cache, __shfl(bt_win, q, WAVE), r, t, valid);
 }
 
 // Cross-wave combine: every wave has per-row (m, l) and unnormalised accumulators; the block's result
@@ -607,22 +614,42 @@ __device__ __forceinline__ Frag v_fragment(const Chunk16 (&vc)[4][PVC], int u, i
   }
 }
 
-// Issues the V loads of the 16-key sub-tile starting at key t (MfmaGeom::VIN per lane) and sets ok[e]:
-// key t + 4g + e has a valid block id. 16-bit caches: vin[e * PVC + u] = piece n + 16u of key t + 4g + e.
-// fp8 caches (a piece would be an 8-byte load): vin[j] = chunk 64 j + lane of the sub-tile's 16 x NCH
+// Rows of the 16 keys [t, t + 16) of a sub-tile (t a multiple of 16): through the block-table window's
+// shuffles (key_row; any block size) or, when WHOLE (block_size a multiple of 16, so the sub-tile lies in
+// one block), from one wave-uniform block id read out of the window with wave_read_lane -- a scalar, no
+// LDS traffic. Every lane must construct it; rows(j, valid) is key t + j's row (key_row's contract).
+template <typename C, bool WHOLE>
+struct SubTileRows {
+  const PagedAttentionParams& p;
+  const BlockTask& b;
+  const C* cache;
+  int bt_win, ws, t, blk, r0;
+  float inv_bs;
+  __device__ SubTileRows(const PagedAttentionParams& p_, const BlockTask& b_, const C* cache_, int bt_win_, int ws_,
+                         float inv_bs_, int t_)
+      : p(p_), b(b_), cache(cache_), bt_win(bt_win_), ws(ws_), t(t_), blk(0), r0(0), inv_bs(inv_bs_) {
+    if constexpr (WHOLE) blk = wave_read_lane(bt_win, window_entry(p, ws, inv_bs, t, r0));
+  }
+  __device__ __forceinline__ const C* operator()(int j, bool& valid) const {
+    if constexpr (WHOLE) return key_row_at(p, b, cache, blk, r0 + j, t + j, valid);
+    else return key_row<64>(p, b, cache, bt_win, ws, inv_bs, t + j, valid);
+  }
+};
+
+// Issues the V loads of the 16-key sub-tile whose rows `rows` gives (MfmaGeom::VIN per lane) and sets ok[e]:
+// key 4g + e of the sub-tile has a valid block id. 16-bit caches: vin[e * PVC + u] = piece n + 16u of key
+// 4g + e. fp8 caches (a piece would be an 8-byte load): vin[j] = chunk 64 j + lane of the sub-tile's 16 x NCH
 // chunks, for v_subtile to stage in LDS.
-template <typename C, int HS, bool ALIGNED>
-__device__ __forceinline__ void load_v_subtile(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
-                                               int bt_win, int ws,
-                                               float inv_bs, int t, Chunk16 (&vin)[MfmaGeom<C, HS>::VIN],
-                                               bool (&ok)[4]) {
+template <typename C, int HS, bool ALIGNED, bool WHOLE>
+__device__ __forceinline__ void load_v_subtile(const SubTileRows<C, WHOLE>& rows,
+                                               Chunk16 (&vin)[MfmaGeom<C, HS>::VIN], bool (&ok)[4]) {
   using G = MfmaGeom<C, HS>;
   constexpr int WAVE = 64, NCH = G::NCH, PVC = G::PVC, EPC = G::EPC;
   const int lane = (int)threadIdx.x % WAVE, n = lane % 16, g = lane / 16;
   const Chunk16 zero = {{0u, 0u, 0u, 0u}};
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const C* row = key_row<WAVE>(p, b, cache, bt_win, ws, inv_bs, t + 4 * g + e, ok[e]);
+    const C* row = rows(4 * g + e, ok[e]);
     if constexpr (!is_fp8<C>()) {
 #pragma unroll
       for (int u = 0; u < PVC; ++u) {
@@ -637,7 +664,7 @@ __device__ __forceinline__ void load_v_subtile(const PagedAttentionParams& p, co
       const int c = 64 * j + lane;
       const int kk = (c < 16 * NCH ? c : 0) / NCH, ch = c % NCH;
       bool unused;
-      const C* row = key_row<WAVE>(p, b, cache, bt_win, ws, inv_bs, t + kk, unused);
+      const C* row = rows(kk, unused);
       vin[j] = c < 16 * NCH ? load_chunk<C, ALIGNED>(row + HS + ch * EPC) : zero;
     }
   }
@@ -680,6 +707,34 @@ __device__ __forceinline__ void v_subtile(const Chunk16 (&vin)[MfmaGeom<C, HS>::
   }
 }
 
+// One tile's registers between its loads and its MFMAs: K chunks, V loads, key validity per sub-tile.
+template <typename C, int HS>
+struct MfmaTile {
+  using G = MfmaGeom<C, HS>;
+  Chunk16 kc[G::NSUB][G::QKC], vin[G::NSUB][G::VIN];
+  bool ok[G::NSUB][4];
+};
+
+// Issues every K and V load of the tile at key t0 (no wait: the registers fill while other work runs).
+template <typename C, int HS, bool ALIGNED, bool WHOLE>
+__device__ __forceinline__ void mfma_load_tile(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
+                                               int bt_win, int ws, float inv_bs, int t0, MfmaTile<C, HS>& x) {
+  using G = MfmaGeom<C, HS>;
+  const int lane = (int)threadIdx.x % 64, n = lane % 16, g = lane / 16;
+#pragma unroll
+  for (int sub = 0; sub < G::NSUB; ++sub) {
+    const SubTileRows<C, WHOLE> rows(p, b, cache, bt_win, ws, inv_bs, t0 + 16 * sub);
+    bool unused;
+    const C* krow = rows(n, unused);
+#pragma unroll
+    for (int u = 0; u < G::QKC; ++u) {
+      const int ch = 4 * u + g;
+      x.kc[sub][u] = ch < G::NCH ? load_chunk<C, ALIGNED>(krow + ch * G::EPC) : Chunk16{{0u, 0u, 0u, 0u}};
+    }
+    load_v_subtile<C, HS, ALIGNED, WHOLE>(rows, x.vin[sub], x.ok[sub]);
+  }
+}
+
 // Lane roles (lane = n + 16 * g, n < 16, g < 4) in the 16x16x16 layouts (A[i][k]: lane i + 16 (k/4),
 // B[k][j]: lane j + 16 (k/4), D[i][j]: lane j + 16 (i/4), element = k%4 resp. i%4):
 //   S^T = K Q^T (M = keys, N = rows, K = head dims): lane (n, g) holds K[key n] and Q[row n] dims
@@ -693,15 +748,76 @@ __device__ __forceinline__ void v_subtile(const Chunk16 (&vin)[MfmaGeom<C, HS>::
 //     O[rows 4g .. 4g+3][dim 8 (n + 16u) + c].
 // fp8 caches: the fragments hold the codes' values; k_scale joins the score scale here and v_scale
 // the output's normalisation (mfma_body): the KV head, hence both scales, is constant in a block.
-template <typename T, typename C, int HS, bool ALIGNED>
+// The MFMAs and the online softmax of the tile at key t0 whose loads x holds (lane roles above).
+template <typename T, typename C, int HS>
+__device__ __forceinline__ void mfma_tile(const PagedAttentionParams& p, const MfmaTile<C, HS>& x, int t0, int rlo,
+                                          int rhi, float score_scale, uint8_t* vs, float& m, float& l,
+                                          mfma_f32x4 (&acc)[MfmaGeom<C, HS>::PVC][8],
+                                          const Frag (&qf)[MfmaGeom<C, HS>::QKC][MfmaGeom<C, HS>::FPC]) {
+  using G = MfmaGeom<C, HS>;
+  constexpr int WAVE = 64, NSUB = G::NSUB, QKC = G::QKC, FPC = G::FPC, PVC = G::PVC;
+  const int lane = (int)threadIdx.x % WAVE, g = lane / 16;
+  // 1. S^T = K Q^T per 16-key sub-tile, scores, masks, tile max per row.
+  float s[NSUB][4];
+  float tmax = -INFINITY;
+#pragma unroll
+  for (int sub = 0; sub < NSUB; ++sub) {
+    mfma_f32x4 d = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int u = 0; u < QKC; ++u)
+#pragma unroll
+      for (int h = 0; h < FPC; ++h) d = mfma_16x16x16<T>(k_fragment<T, C>(x.kc[sub][u], h), qf[u][h], d);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int t = t0 + 16 * sub + 4 * g + e;
+      s[sub][e] = finish_score(p, d[e], score_scale, x.ok[sub][e] && t >= rlo && t < rhi);
+      tmax = fmaxf(tmax, s[sub][e]);
+    }
+  }
+  // 2. Online softmax: row n's max over the 4 lanes g holding its keys.
+  tmax = wave_max_from<WAVE, 16>(tmax);
+  const float m_new = fmaxf(m, tmax);
+  const float alpha = __expf(m - m_new);
+  m = m_new;
+  l *= alpha;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {  // acc rows 4g + r: that row's alpha lives in lane 4g + r
+    const float a = __shfl(alpha, 4 * g + r, WAVE);
+#pragma unroll
+    for (int u = 0; u < PVC; ++u)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[u][c][r] *= a;
+  }
+  // 3. O += P V per 16-key sub-tile.
+#pragma unroll
+  for (int sub = 0; sub < NSUB; ++sub) {
+    float pe[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      pe[e] = __expf(s[sub][e] - m);
+      l += pe[e];
+    }
+    const Frag pa = {{(uint32_t)Bits16<T>::of(pe[0]) | ((uint32_t)Bits16<T>::of(pe[1]) << 16),
+                      (uint32_t)Bits16<T>::of(pe[2]) | ((uint32_t)Bits16<T>::of(pe[3]) << 16)}};
+    Chunk16 vc[4][PVC];
+    v_subtile<C, HS>(x.vin[sub], vs, vc);
+#pragma unroll
+    for (int u = 0; u < PVC; ++u)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[u][c] = mfma_16x16x16<T>(pa, v_fragment<T, C>(vc, u, c), acc[u][c]);
+  }
+}
+
+// A wave's tiles: each iteration issues every K and V load of a tile, then computes it. WHOLE: block_size
+// is a multiple of 16 (SubTileRows: the block ids are wave-uniform scalars, no shuffles).
+template <typename T, typename C, int HS, bool ALIGNED, bool WHOLE>
 __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const BlockTask& b, MfmaShared<HS>& sh,
                                             int rlo, int rhi, float& m, float& l,
                                             mfma_f32x4 (&acc)[MfmaGeom<C, HS>::PVC][8],
                                             const Frag (&qf)[MfmaGeom<C, HS>::QKC][MfmaGeom<C, HS>::FPC]) {
   using G = MfmaGeom<C, HS>;
-  constexpr int WAVE = 64, NSUB = G::NSUB, QKC = G::QKC, FPC = G::FPC, PVC = G::PVC, NCH = G::NCH, KT = G::KT;
+  constexpr int WAVE = 64, KT = G::KT;
   const int lane = (int)threadIdx.x % WAVE, warp = (int)threadIdx.x / WAVE;
-  const int n = lane % 16, g = lane / 16;
   const C* cache = static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
   // scores: (q . k) * scale with k = float(code) * k_scale for fp8 caches, i.e. (q . code) * (scale * k_scale)
   const float score_scale = is_fp8<C>() ? p.scale * p.k_scale[b.kv_head] : p.scale;
@@ -714,70 +830,13 @@ __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const
     const int bt_win = load_bt_window<WAVE>(p, b, win, lane);
     const int ws = win * win_keys, win_end = ws + win_keys;
     for (; tile < tiles.last && tiles.base + tile * KT < win_end; ++tile) {  // the hot loop
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+      if constexpr (ALIGNED && WHOLE) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
+#endif
       const int t0 = tiles.base + tile * KT;
-      // 1. Every K and V load of the iteration is issued before any is used.
-      Chunk16 kc[NSUB][QKC], vin[NSUB][G::VIN];
-      bool ok[NSUB][4];
-#pragma unroll
-      for (int sub = 0; sub < NSUB; ++sub) {
-        bool unused;
-        const C* krow = key_row<WAVE>(p, b, cache, bt_win, ws, inv_bs, t0 + 16 * sub + n, unused);
-#pragma unroll
-        for (int u = 0; u < QKC; ++u) {
-          const int ch = 4 * u + g;
-          kc[sub][u] = ch < NCH ? load_chunk<C, ALIGNED>(krow + ch * G::EPC) : Chunk16{{0u, 0u, 0u, 0u}};
-        }
-        load_v_subtile<C, HS, ALIGNED>(p, b, cache, bt_win, ws, inv_bs, t0 + 16 * sub, vin[sub], ok[sub]);
-      }
-      // 2. S^T = K Q^T per 16-key sub-tile, scores, masks, tile max per row.
-      float s[NSUB][4];
-      float tmax = -INFINITY;
-#pragma unroll
-      for (int sub = 0; sub < NSUB; ++sub) {
-        mfma_f32x4 d = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int u = 0; u < QKC; ++u)
-#pragma unroll
-          for (int h = 0; h < FPC; ++h) d = mfma_16x16x16<T>(k_fragment<T, C>(kc[sub][u], h), qf[u][h], d);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int t = t0 + 16 * sub + 4 * g + e;
-          s[sub][e] = finish_score(p, d[e], score_scale, ok[sub][e] && t >= rlo && t < rhi);
-          tmax = fmaxf(tmax, s[sub][e]);
-        }
-      }
-      // 3. Online softmax: row n's max over the 4 lanes g holding its keys.
-      tmax = wave_max_from<WAVE, 16>(tmax);
-      const float m_new = fmaxf(m, tmax);
-      const float alpha = __expf(m - m_new);
-      m = m_new;
-      l *= alpha;
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {  // acc rows 4g + r: that row's alpha lives in lane 4g + r
-        const float a = __shfl(alpha, 4 * g + r, WAVE);
-#pragma unroll
-        for (int u = 0; u < PVC; ++u)
-#pragma unroll
-          for (int c = 0; c < 8; ++c) acc[u][c][r] *= a;
-      }
-      // 4. O += P V per 16-key sub-tile.
-#pragma unroll
-      for (int sub = 0; sub < NSUB; ++sub) {
-        float pe[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          pe[e] = __expf(s[sub][e] - m);
-          l += pe[e];
-        }
-        const Frag pa = {{(uint32_t)Bits16<T>::of(pe[0]) | ((uint32_t)Bits16<T>::of(pe[1]) << 16),
-                          (uint32_t)Bits16<T>::of(pe[2]) | ((uint32_t)Bits16<T>::of(pe[3]) << 16)}};
-        Chunk16 vc[4][PVC];
-        v_subtile<C, HS>(vin[sub], vs, vc);
-#pragma unroll
-        for (int u = 0; u < PVC; ++u)
-#pragma unroll
-          for (int c = 0; c < 8; ++c) acc[u][c] = mfma_16x16x16<T>(pa, v_fragment<T, C>(vc, u, c), acc[u][c]);
-      }
+      MfmaTile<C, HS> x;
+      mfma_load_tile<C, HS, ALIGNED, WHOLE>(p, b, cache, bt_win, ws, inv_bs, t0, x);
+      mfma_tile<T, C, HS>(p, x, t0, rlo, rhi, score_scale, vs, m, l, acc, qf);
     }
   }
 }
@@ -818,8 +877,11 @@ __device__ void mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
   for (int u = 0; u < PVC; ++u)
 #pragma unroll
     for (int c = 0; c < 8; ++c) acc[u][c] = mfma_f32x4{0.f, 0.f, 0.f, 0.f};
-  if (p.kv_aligned16) mfma_stream<T, C, HS, true>(p, b, sh, rlo, rhi, m, l, acc, qf);
-  else mfma_stream<T, C, HS, false>(p, b, sh, rlo, rhi, m, l, acc, qf);
+  // Block size a multiple of 16 and an aligned cache (the serving case): a 16-key sub-tile lies in one block,
+  // its block id a wave-uniform scalar. Anything else takes the shuffles and the unaligned loads: a third
+  // instantiation (aligned, shuffled) spilled 2 - 6 SGPRs of the kernel on gfx90a.
+  if (p.kv_aligned16 && p.block_size % 16 == 0) mfma_stream<T, C, HS, true, true>(p, b, sh, rlo, rhi, m, l, acc, qf);
+  else mfma_stream<T, C, HS, false, false>(p, b, sh, rlo, rhi, m, l, acc, qf);
 
   l = wave_sum_from<WAVE, 16>(l);
   if (g == 0) {

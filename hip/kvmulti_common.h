@@ -270,6 +270,20 @@ __device__ __forceinline__ float wave_sum_from(float v) {
   return v;
 }
 
+// Lane src's x as a wave-uniform value (src wave-uniform): v_readlane_b32 into a scalar register on AMD (no
+// LDS traffic, unlike a shuffle); a shuffle on the CPU harness, which fails the launch when src differs
+// between lanes. Every lane must call it.
+__device__ __forceinline__ int wave_read_lane(int x, int src) {
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+  if (__shfl(src, 0) != src) ::kvcpu::fail(hipErrorLaunchFailure, "kvcpu: wave_read_lane with a divergent lane");
+  return __shfl(x, src);
+#elif defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__)
+  return __builtin_amdgcn_readlane(x, src);
+#else
+  return __shfl(x, src);
+#endif
+}
+
 #if KVMULTI_HAS_MFMA
 // Register types of the 16x16x16 matrix builtins: C/D 4 x fp32; A/B 4 x 16-bit (f16 or bf16).
 #if defined(KVMULTI_HIP_CPU_HARNESS)

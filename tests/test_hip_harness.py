@@ -341,6 +341,23 @@ def test_mfma_path_runs_on_the_harness(hip_backend, dtype):
         lib.kvcpu_set_mfma_enabled(1)
 
 
+@pytest.mark.parametrize("block_size", [1, 16, 32, 128])
+def test_decode_tiles_with_scalar_and_shuffled_block_ids(hip_backend, block_size):
+    """The MFMA decode loop reads a 16-key sub-tile's block id as one wave-uniform scalar when the block size
+    is a multiple of 16 (else it shuffles each key's entry out of the 64-entry block-table window and loads
+    without the 16-byte alignment): every
+    visible tile is computed exactly once, for waves with 1 .. 9 tiles, across windows. 1 KV head x GQA 4,
+    head 128: one block per request and KV head, 2 x (8 QK + 8 PV) MFMAs per 32-key tile."""
+    lib = _mfma_library()
+    contexts = (40, 300, 1150) if block_size > 1 else (40, 300)   # 1150: a wave's share crosses a window at 1024
+    spec = CaseSpec(order="NHD" if block_size != 32 else "HND", block_size=block_size, num_kv_heads=1, group=4,
+                    head_size=128, dtype=torch.bfloat16, query_lens=(1,) * len(contexts),
+                    context_lens=tuple(c - 1 for c in contexts), sliding_window=None, softcap=30.0)
+    lib.kvcpu_reset_mfma_count()
+    _run_case(hip_backend, spec, wave=64, partition_size=0)
+    assert lib.kvcpu_mfma_count() == sum(-(-c // 32) for c in contexts) * 2 * (8 + 8)
+
+
 # ------------------------------------------------------------ fp8 caches on the MFMA engine (16-bit queries)
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
