@@ -20,7 +20,10 @@ models, one engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 * ``draft_model`` speculative decoding with target and draft on kvmulti equals target-only output;
 * without ``KVMULTI_VLLM`` the plugin leaves CPU_ATTN alone;
 * vLLM's default multiprocess engine with an empty kvmulti cache builds the kernel at start-up
-  and gives CPU_ATTN's ids.
+  and gives CPU_ATTN's ids;
+* tensor parallelism 2 (two worker processes, gloo and vLLM's shared-memory all-reduce, one core
+  each) gives CPU_ATTN's single-process ids, and every attention layer of each rank is kvmulti's,
+  with that rank's half of the query and KV heads, and served calls.
 
 Without the vLLM venv these tests skip, except under CI=true, where they fail.
 """
@@ -190,3 +193,27 @@ def test_default_multiprocess_engine_builds_the_kernel_at_start_up(cpu_attn, tmp
     assert "kvmulti: building the native CPU attention kernel" in log
     assert list((tmp_path / "cpu").glob("kvmulti_cpu_*/*.so")), "no kernel was built into the empty cache"
     assert json.loads(result.read_text())["token_ids"] == cpu_attn["token_ids"]
+
+
+def test_tensor_parallel_2_gives_cpu_attn_ids_with_each_rank_on_its_own_kv_heads(cpu_attn, tmp_path):
+    config = json.loads((MODELS / "target" / "config.json").read_text())
+    env = {k: v for k, v in os.environ.items() if k not in ("KVMULTI_VLLM", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1", KVMULTI_VLLM="1",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_OMP_THREADS_BIND="0|1" if (os.cpu_count() or 1) > 1 else "0|0")
+    result = tmp_path / "result.json"
+    cmd = [str(VLLM_PYTHON), "-m", "kvmulti.integrations.vllm.engine_run", "--model", str(MODELS / "target"),
+           "--block-size", "32", "--tensor-parallel-size", "2", "--report-attention", "--out", str(result)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500, cwd=ROOT)
+    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stderr[-4000:]}"
+    got = json.loads(result.read_text())
+    assert got["token_ids"] == cpu_attn["token_ids"]
+    ranks = got["attention_per_rank"]
+    assert len(ranks) == 2
+    for layers in ranks:
+        assert len(layers) == config["num_hidden_layers"]
+        for layer in layers:
+            assert layer["impl"] == "KvmultiAttentionImpl", layer
+            assert (layer["num_heads"], layer["num_kv_heads"]) == (config["num_attention_heads"] // 2,
+                                                                  config["num_key_value_heads"] // 2), layer
+            assert layer["calls"] > 0, layer
+

