@@ -60,12 +60,25 @@ class CPUBackend(Backend):
         super().__init__(partition_size)
         self.native_kernel = settings.get("KVMULTI_CPU_NATIVE") if native_kernel is None else bool(native_kernel)
         self.isa = settings.get("KVMULTI_CPU_ISA") if isa is None else isa
+        self._native_variant: tuple[object, int] | None = None
         if self.native_kernel:
             native.status()    # load (or build) now: never inside an attention call
 
     def module(self):
         """The loaded native module, or None when the torch path runs."""
         return native.load() if self.native_kernel else None
+
+    def _variant(self) -> tuple[object, int]:
+        """The native module and its ISA variant's code (native.ISAS), or (None, 0) on the torch
+        path; found once (a step's plan reads it)."""
+        if not self.native_kernel:
+            return None, 0
+        if self._native_variant is None:
+            module = self.module()
+            if module is None:
+                return None, 0
+            self._native_variant = (module, native.ISAS[native.selected_isa(module, self.isa)])
+        return self._native_variant
 
     def describe(self) -> str:
         pages = "2 MiB pages" if host_memory.huge_pages_usable() else "4 KiB pages"
@@ -77,8 +90,7 @@ class CPUBackend(Backend):
     def plan(self, common: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int,
              sliding_window: int | None) -> CPUPlan:
         part = {-1: 0, 0: NEVER_SPLIT}.get(self.partition_size, self.partition_size)
-        module = self.module()
-        isa = native.ISAS[native.selected_isa(module, self.isa)] if module is not None else 0
+        module, isa = self._variant()
         s = layout.expected_strides()
         cache_args = (s.block, s.token, s.head, layout.head_size, layout.value_size, layout.num_kv_heads,
                       layout.block_size)
