@@ -70,15 +70,14 @@ class CPUBackend(Backend):
 
     def _variant(self) -> tuple[object, int]:
         """The native module and its ISA variant's code (native.ISAS), or (None, 0) on the torch
-        path; found once (a step's plan reads it)."""
-        if not self.native_kernel:
+        path; the variant is looked up again only when `native.load()` hands back another module."""
+        module = self.module()
+        if module is None:
             return None, 0
-        if self._native_variant is None:
-            module = self.module()
-            if module is None:
-                return None, 0
-            self._native_variant = (module, native.ISAS[native.selected_isa(module, self.isa)])
-        return self._native_variant
+        found = self._native_variant
+        if found is None or found[0] is not module:
+            found = self._native_variant = (module, native.ISAS[native.selected_isa(module, self.isa)])
+        return found
 
     def describe(self) -> str:
         pages = "2 MiB pages" if host_memory.huge_pages_usable() else "4 KiB pages"
