@@ -41,26 +41,35 @@ MODELS = ROOT / "kvmulti" / "models" / "tiny"
 MODEL_CONFIGS = ROOT / "benchmarks" / "model_configs"
 
 
-def engine_run(kvmulti: bool, batch: int, speculative: bool, args: argparse.Namespace) -> dict:
-    """One engine's JSON result (engine_run's output line)."""
+def run_engine(kvmulti: bool, engine_args: list[str], kv_gib: int, python: Path, timeout_s: int) -> dict:
+    """One ``engine_run`` process (vLLM's offline engine, in-process workers) with the plugin on or
+    off; its JSON result, after checking that the engine asked for was the one that served it."""
     env = {k: v for k, v in os.environ.items() if k != "KVMULTI_VLLM"}
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(kv_gib))
     if kvmulti:
         env["KVMULTI_VLLM"] = "1"
-    cmd = [str(args.python), "-m", "kvmulti.integrations.vllm.engine_run", "--model", str(MODELS / "target"),
-           "--block-size", "32", "--prompts", str(batch), "--max-num-seqs", str(batch), "--max-tokens",
-           str(args.max_tokens), "--rounds", str(args.gens), "--dtype", args.dtype, "--count-calls"]
-    if speculative:
-        cmd += ["--draft", str(MODELS / "draft"), "--num-spec-tokens", "3"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvmulti-e2e-{os.getpid()}.json"
+    cmd = [str(python), "-m", "kvmulti.integrations.vllm.engine_run", *engine_args, "--count-calls",
+           "--out", str(out)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
     if run.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{run.stderr[-3000:]}")
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    served = result["kvmulti_forward_calls"] > 0
-    if served != kvmulti:
+    result = json.loads(out.read_text())
+    out.unlink()
+    if (result["kvmulti_forward_calls"] > 0) != kvmulti:
         raise SystemExit(f"expected {'kvmulti' if kvmulti else 'CPU_ATTN'} to serve the run, "
                          f"kvmulti served {result['kvmulti_forward_calls']} calls")
     return result
+
+
+def tiny_run(kvmulti: bool, batch: int, speculative: bool, args: argparse.Namespace) -> dict:
+    """The tiny target (and draft) model: ``--gens`` generations of ``batch`` prompts."""
+    engine_args = ["--model", str(MODELS / "target"), "--block-size", "32", "--prompts", str(batch),
+                   "--max-num-seqs", str(batch), "--max-tokens", str(args.max_tokens), "--rounds", str(args.gens),
+                   "--dtype", args.dtype]
+    if speculative:
+        engine_args += ["--draft", str(MODELS / "draft"), "--num-spec-tokens", "3"]
+    return run_engine(kvmulti, engine_args, 1, args.python, 1800)
 
 
 def kv_bytes_per_token(config: dict, dtype_bytes: int = 2) -> int:
@@ -73,25 +82,12 @@ def kv_bytes_per_token(config: dict, dtype_bytes: int = 2) -> int:
 def real_shape_run(kvmulti: bool, model: Path, prompt_len: int, batch: int, kv_gib: int,
                    args: argparse.Namespace) -> dict:
     """One engine on a config-only model: ``--gens`` generations, each after its TTFT probe."""
-    env = {k: v for k, v in os.environ.items() if k != "KVMULTI_VLLM"}
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(kv_gib))
-    if kvmulti:
-        env["KVMULTI_VLLM"] = "1"
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvmulti-e2e-{os.getpid()}.json"
     max_len = -(-(prompt_len + args.max_tokens) // 256) * 256
-    cmd = [str(args.python), "-m", "kvmulti.integrations.vllm.engine_run", "--model", str(model),
-           "--load-format", "dummy", "--dtype", "bfloat16", "--block-size", "32", "--prompts", str(batch),
-           "--max-num-seqs", str(batch), "--prompt-len", str(prompt_len), "--max-tokens", str(args.max_tokens),
-           "--max-model-len", str(max_len), "--rounds", str(args.gens), "--ttft", "--no-prefix-caching",
-           "--count-calls", "--out", str(out)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, cwd=ROOT)
-    if run.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{run.stderr[-3000:]}")
-    result = json.loads(out.read_text())
-    out.unlink()
-    if (result["kvmulti_forward_calls"] > 0) != kvmulti:
-        raise SystemExit(f"expected {'kvmulti' if kvmulti else 'CPU_ATTN'} to serve the run")
-    return result
+    engine_args = ["--model", str(model), "--load-format", "dummy", "--dtype", "bfloat16", "--block-size", "32",
+                   "--prompts", str(batch), "--max-num-seqs", str(batch), "--prompt-len", str(prompt_len),
+                   "--max-tokens", str(args.max_tokens), "--max-model-len", str(max_len), "--rounds", str(args.gens),
+                   "--ttft", "--no-prefix-caching"]
+    return run_engine(kvmulti, engine_args, kv_gib, args.python, 3600)
 
 
 def real_shapes(args: argparse.Namespace) -> None:
@@ -174,7 +170,7 @@ def main() -> None:
         ids = {}
         for r in range(args.rounds):
             for kvmulti in ((False, True) if r % 2 == 0 else (True, False)):
-                result = engine_run(kvmulti, batch, spec, args)
+                result = tiny_run(kvmulti, batch, spec, args)
                 speeds[kvmulti].append(tokens_per_second(result))
                 ids[kvmulti] = result["token_ids"]
         base, ours = statistics.median(speeds[False]), statistics.median(speeds[True])
