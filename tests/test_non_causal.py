@@ -76,25 +76,21 @@ def test_cpu_matches_oracle(native, case_spec):
     backend = CPUBackend(native_kernel=native)
     if native and backend.module is None:
         pytest.skip("the native CPU kernel is not built on this host")
+    check_backend(case_spec, backend)
+
+
+def check_backend(case_spec: CaseSpec, backend) -> None:
+    """``backend`` against the oracle on the spec's batch made non-causal."""
     case = non_causal_case(case_spec)
     expected = reference.paged_attention(case.query, case.cache, case.layout, case.metadata,
                                          softcap=case_spec.softcap)
     actual = kvmulti.paged_attention(case.query, case.cache, case.layout, case.metadata, softcap=case_spec.softcap,
                                      backend=backend)
-    assert_close_to_reference(actual, expected, case_spec.dtype, f"CPU native={native}")
+    assert_close_to_reference(actual, expected, case_spec.dtype, f"{backend} non-causal {case_spec}")
 
 
 triton_only = pytest.mark.skipif(not triton_backend.interpreting(),
                                  reason="CPU-tensor Triton tests need TRITON_INTERPRET=1 (GPU hosts: test_triton_gpu.py)")
-
-
-def check_triton(case_spec: CaseSpec, backend: TritonBackend | str = "TRITON") -> None:
-    case = non_causal_case(case_spec)
-    expected = reference.paged_attention(case.query, case.cache, case.layout, case.metadata,
-                                         softcap=case_spec.softcap)
-    actual = kvmulti.paged_attention(case.query, case.cache, case.layout, case.metadata, softcap=case_spec.softcap,
-                                     backend=backend)
-    assert_close_to_reference(actual, expected, case_spec.dtype, f"TRITON non-causal {case_spec}")
 
 
 @triton_only
@@ -104,7 +100,7 @@ def check_triton(case_spec: CaseSpec, backend: TritonBackend | str = "TRITON") -
     spec(dtype=BF16, block_size=1, head_size=80, head_size_v=64),
 ], ids=["fp32", "fp16_hnd_softcap_gqa4", "bf16_bs1_hs80_hsv64"])
 def test_triton_single_pass_matches_oracle(case_spec):
-    check_triton(case_spec, TritonBackend(partition_size=0))
+    check_backend(case_spec, TritonBackend(partition_size=0))
 
 
 @triton_only
@@ -114,7 +110,7 @@ def test_triton_prefill_loop_matches_oracle(family, monkeypatch):
     monkeypatch.setattr(launch, "device_family", lambda device: family)
     launches, run = [], launch.run
     monkeypatch.setattr(launch, "run", lambda ls: (launches.extend(ls), run(ls))[1])
-    check_triton(spec(dtype=BF16, query_lens=(70, 1, 9), context_lens=(0, 30, 20)))
+    check_backend(spec(dtype=BF16, query_lens=(70, 1, 9), context_lens=(0, 30, 20)), "TRITON")
     (attention,) = [ln for ln in launches if ln.kernel == "unified_attention"]
     assert attention.args["PREFILL"] and attention.args["CAUSAL"] is False
 
