@@ -17,6 +17,9 @@ models, one engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 * a gpt-oss-style model (attention sinks on every layer, sliding-window and full layers alternating:
   two KV-cache groups, a small mixture of experts; made by tests/vllm_gptoss_model.py) gives
   CPU_ATTN's ids;
+* a BERT-style embedding model (encoder-only, non-causal layers without a KV cache; made by
+  tests/vllm_bert_model.py, embedded by tests/vllm_embed_run.py) gives CPU_ATTN's embeddings, and
+  ENCODER / ENCODER_DECODER layers are refused with the reason;
 * ``draft_model`` speculative decoding with target and draft on kvmulti equals target-only output;
 * without ``KVMULTI_VLLM`` the plugin leaves CPU_ATTN alone;
 * vLLM's default multiprocess engine with an empty kvmulti cache builds the kernel at start-up
@@ -217,3 +220,74 @@ def test_tensor_parallel_2_gives_cpu_attn_ids_with_each_rank_on_its_own_kv_heads
                                                                   config["num_key_value_heads"] // 2), layer
             assert layer["calls"] > 0, layer
 
+
+
+def embed(model: str, kvmulti: bool, block_size: str) -> dict:
+    """tests/vllm_embed_run.py's JSON for ``model`` (kvmulti imported from this checkout)."""
+    env = {k: v for k, v in os.environ.items() if k != "KVMULTI_VLLM"}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    if kvmulti:
+        env["KVMULTI_VLLM"] = "1"
+    cmd = [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_embed_run.py"), model, block_size]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stderr[-4000:]}"
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert Path(result["kvmulti_file"]).resolve().is_relative_to(ROOT.resolve())
+    return result
+
+
+def test_bert_style_encoder_only_embeddings_equal_cpu_attn(tmp_path_factory):
+    """A BERT-style embedding model (encoder-only, non-causal attention; vLLM gives its layers no
+    KV cache): kvmulti's embeddings (block 16) within fp32 tolerance of CPU_ATTN's (block 32)."""
+    model = tiny_checkpoint(tmp_path_factory, "vllm_bert_model.py")
+    want = embed(model, False, "32")
+    assert want["kvmulti_forward_calls"] == 0
+    got = embed(model, True, "16")
+    assert got["kvmulti_forward_calls"] > 0, "KVMULTI_VLLM=1 but kvmulti served no attention call"
+    import torch
+    torch.testing.assert_close(torch.tensor(got["embeddings"]), torch.tensor(want["embeddings"]), atol=2e-5, rtol=2e-5)
+
+
+ATTN_TYPE_CHECK = """
+import torch
+from vllm.v1.attention.backend import AttentionType
+from kvmulti.integrations.vllm.backend import KvmultiAttentionBackend as B, KvmultiAttentionImpl as Impl
+from kvmulti.integrations.vllm.encoder_only import scratch_metadata
+from kvmulti.metadata import CommonAttentionMetadata
+assert B.supports_attn_type(AttentionType.DECODER) and B.supports_attn_type(AttentionType.ENCODER_ONLY)
+assert B.supports_non_causal()
+Impl(4, 32, 0.1, 2, attn_type=AttentionType.ENCODER_ONLY)
+for attn_type, window, what in ((AttentionType.ENCODER, None, "attn_type ENCODER (served: DECODER, ENCODER_ONLY)"),
+                                (AttentionType.ENCODER_DECODER, None, "attn_type ENCODER_DECODER (served"),
+                                (AttentionType.ENCODER_ONLY, 8, "a sliding window on encoder-only layers")):
+    assert not B.supports_attn_type(attn_type) or window
+    try:
+        Impl(4, 32, 0.1, 2, sliding_window=window, attn_type=attn_type)
+    except NotImplementedError as exc:
+        assert what in str(exc), exc
+    else:
+        raise AssertionError(f"{attn_type} window={window} accepted")
+md = CommonAttentionMetadata.from_lens([3, 20], [3, 20], torch.zeros(2, 1, dtype=torch.int32), 32)
+scratch = scratch_metadata(md)
+assert not scratch.causal and scratch.block_table.tolist() == [[0, 1], [1, 2]]
+assert scratch.slot_mapping.tolist() == [0, 1, 2] + list(range(16, 36))
+try:
+    scratch_metadata(CommonAttentionMetadata.from_lens([3], [5], torch.zeros(1, 1, dtype=torch.int32), 32))
+except NotImplementedError as exc:
+    assert "whole sequence in one step" in str(exc)
+else:
+    raise AssertionError("a cached prefix accepted")
+print("ok")
+"""
+
+
+def test_attention_types_served_and_refused():
+    """ENCODER_ONLY is served (the scratch metadata lays each request's tokens out in blocks of its
+    own); ENCODER and ENCODER_DECODER, and encoder-only layers with a sliding window, are refused
+    with the reason; so is an encoder-only step over a cached prefix."""
+    require_vllm()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([str(VLLM_PYTHON), "-c", ATTN_TYPE_CHECK], capture_output=True, text=True, timeout=600,
+                         cwd=ROOT, env=env)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-4000:]

@@ -15,7 +15,8 @@ Two kernels serve every batch:
   (uniform registers; 0: one read per key position). Keys are addressed
   through the cache's named strides (block, token, head; content stride 1), so both NHD and HND
   caches are read in place. Causal masking uses positions (a request's new tokens are its last
-  ``query_len`` positions); with a sliding window whole tiles before the window are skipped and
+  ``query_len`` positions; ``CAUSAL=False``: every row sees all ``seq_len`` keys of its request,
+  encoder-only attention); with a sliding window whole tiles before the window are skipped and
   positions before it are never loaded (their block-table entries may be garbage). Softcap is
   ``c * tanh(s / c)``; accumulation is fp32 (online softmax), fp32 inputs use exact ("ieee") dots.
   Head sizes are padded to powers of two inside the kernel and masked.
@@ -85,11 +86,11 @@ def _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride
              STRIDE_CB: tl.constexpr, STRIDE_CT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
              BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr, TILE_N: tl.constexpr,
              HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
-             TABLE_READS: tl.constexpr, MASKED: tl.constexpr, LOG2: tl.constexpr):
+             TABLE_READS: tl.constexpr, MASKED: tl.constexpr, LOG2: tl.constexpr, CAUSAL: tl.constexpr = True):
     """One key tile [start, start + TILE_N) folded into the online softmax; ``LOG2``: scores and
     ``m_i`` in log2 units (the scale folds log2(e), the softmax runs on exp2), else natural units.
     Keys outside [k_lo, k_end) or in a block outside the cache are masked. ``MASKED``: also those a row
-    cannot see (causal / window), one compare per score; otherwise the caller guarantees every key
+    cannot see (causal unless not ``CAUSAL`` / window), one compare per score; otherwise the caller guarantees every key
     of the tile is in range and visible to every row, and the mask is per key."""
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -139,7 +140,10 @@ def _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride
         # One compare per score: a masked key gets a position no row reaches. Rows past the tile's
         # (not row_ok) are never stored, and their finite scores harm nothing.
         k_vis = tl.where(k_ok, k_pos, 2147483647)
-        visible = k_vis[None, :] <= q_pos[:, None]
+        if CAUSAL:
+            visible = k_vis[None, :] <= q_pos[:, None]
+        else:
+            visible = (k_vis[None, :] < 2147483647) & (q_pos[:, None] >= 0)
         if WINDOW > 0:
             visible = visible & ((q_pos[:, None] - k_pos[None, :]) < WINDOW)
         s = tl.where(visible, s, float("-inf"))
@@ -180,7 +184,7 @@ def unified_attention_kernel(
     HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
     SPLIT: tl.constexpr, PART_SIZE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
-    TABLE_READS: tl.constexpr, PREFILL: tl.constexpr, SINKS: tl.constexpr = False,
+    TABLE_READS: tl.constexpr, PREFILL: tl.constexpr, SINKS: tl.constexpr = False, CAUSAL: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -227,9 +231,12 @@ def unified_attention_kernel(
     if FP8 > 0:
         qk_scale = scale * tl.load(k_scale_ptr + kvh)
 
-    # Keys this program can need: causal end of its last row, window start of its first row.
+    # Keys this program can need: causal end of its last row (non-causal: all seq_len), window
+    # start of its first row.
     last_local = tl.minimum(q_len, (q_block + 1) * BLOCK_Q) - 1
     k_end = ctx_len + last_local + 1
+    if not CAUSAL:
+        k_end = seq_len
     k_lo = num_reqs * 0
     if WINDOW > 0:
         k_lo = tl.maximum(ctx_len + q_block * BLOCK_Q - WINDOW + 1, 0)
@@ -261,19 +268,22 @@ def unified_attention_kernel(
                 acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride_bn,
                                          head_off, num_blocks, qk_scale, q_ptr, STRIDE_CB, STRIDE_CT, WINDOW,
                                          SOFTCAP, BLOCK_SIZE, HEAD_SIZE, HEAD_SIZE_V, TILE_N, HEAD_PAD, HEAD_PAD_V,
-                                         DOT_F32, FP8, TABLE_READS, True, PREFILL)
-        full_hi = tl.maximum(full_lo, (tl.minimum(ctx_len + q_block * BLOCK_Q + 1, k_end) // TILE_N) * TILE_N)
+                                         DOT_F32, FP8, TABLE_READS, True, PREFILL, CAUSAL)
+        seen_by_all = k_end
+        if CAUSAL:
+            seen_by_all = tl.minimum(ctx_len + q_block * BLOCK_Q + 1, k_end)
+        full_hi = tl.maximum(full_lo, (seen_by_all // TILE_N) * TILE_N)
         for start in range(full_lo, full_hi, TILE_N):
             acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride_bn,
                                      head_off, num_blocks, qk_scale, q_ptr, STRIDE_CB, STRIDE_CT, WINDOW, SOFTCAP,
                                      BLOCK_SIZE, HEAD_SIZE, HEAD_SIZE_V, TILE_N, HEAD_PAD, HEAD_PAD_V, DOT_F32, FP8,
-                                     TABLE_READS, False, PREFILL)
+                                     TABLE_READS, False, PREFILL, CAUSAL)
         tile_start = full_hi
     for start in range(tile_start, k_end, TILE_N):
         acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride_bn, head_off,
                                  num_blocks, qk_scale, q_ptr, STRIDE_CB, STRIDE_CT, WINDOW, SOFTCAP, BLOCK_SIZE,
                                  HEAD_SIZE, HEAD_SIZE_V, TILE_N, HEAD_PAD, HEAD_PAD_V, DOT_F32, FP8, TABLE_READS,
-                                 True, PREFILL)
+                                 True, PREFILL, CAUSAL)
 
     if FP8 > 0:
         acc = acc * tl.load(v_scale_ptr + kvh)

@@ -22,7 +22,7 @@ import torch
 from ... import settings
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata
-from ..base import ALL_DTYPES, FP8_DTYPES, Backend, StepMetadata
+from ..base import ALL_DTYPES, FP8_DTYPES, AttentionConfig, Backend, StepMetadata
 
 
 def interpreting() -> bool:
@@ -73,6 +73,7 @@ class TritonBackend(Backend):
     dtypes = ALL_DTYPES + FP8_DTYPES    # fp8 caches: triton_kernels/fp8.py
     max_head_size = 256          # any head size up to 256 (padded to a power of two in the kernel)
     supports_sinks = True        # added where a row is normalised (triton_kernels/unified_attention.py)
+    supports_non_causal = True   # every row sees its request's seq_len keys (encoder-only attention)
 
     def __init__(self, partition_size: int | None = None):
         super().__init__(partition_size)
@@ -95,6 +96,13 @@ class TritonBackend(Backend):
                 return []
             return ["TRITON runs on CPU tensors only under the Triton interpreter (set TRITON_INTERPRET=1)"]
         return super().platform_reasons(platform)
+
+    def capability_reasons(self, config: AttentionConfig) -> list[str]:
+        reasons = super().capability_reasons(config)
+        if not config.causal and config.sliding_window:
+            reasons.append("TRITON has no sliding window for non-causal attention (vLLM's is symmetric, "
+                           "|query position - key position| < window)")
+        return reasons
 
     def describe(self) -> str:
         version = ""
@@ -149,4 +157,4 @@ class TritonBackend(Backend):
             num_reqs=common.num_reqs, num_tokens=common.num_actual_tokens,
             max_query_len=common.max_query_len, max_seq_len=common.max_seq_len, scale=scale,
             sliding_window=step.sliding_window, softcap=softcap, plan=step.plan, k_scale=k_scale, v_scale=v_scale,
-            sinks=sinks)
+            sinks=sinks, causal=common.causal)

@@ -181,7 +181,8 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
                        family: str | None = None,
                        plan: AttentionPlan | None = None, k_scale: torch.Tensor | None = None,
                        v_scale: torch.Tensor | None = None,
-                       sinks: torch.Tensor | None = None) -> tuple[AttentionPlan, list[Launch]]:
+                       sinks: torch.Tensor | None = None,
+                       causal: bool = True) -> tuple[AttentionPlan, list[Launch]]:
     """The plan (``plan`` when given: made once per step by the backend's per-step hook) and the
     launches (one, or two on the split path) for one attention call; the split path's fp32
     workspace is allocated here. ``family`` (default: the query's device's) picks the target's
@@ -194,7 +195,10 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
 
     An fp8 cache needs ``k_scale`` / ``v_scale`` (fp32 [num_kv_heads], kvmulti/fp8.py); the
     query (and ``out``) may then be fp32, fp16 or bf16. ``sinks``: fp32 [num_q_heads] attention-sink
-    logits on the query's device (checked here: the kernels read num_q_heads of them), or None."""
+    logits on the query's device (checked here: the kernels read num_q_heads of them), or None.
+    ``causal=False``: every row sees all ``seq_len`` keys of its request (no sliding window then)."""
+    if not causal and sliding_window:
+        raise ValueError("the Triton kernel has no sliding window for non-causal attention")
     if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()
                               or sinks.shape != (query.shape[1],) or sinks.device != query.device):
         raise ValueError(f"sinks must be a contiguous fp32 [{query.shape[1]}] tensor on {query.device}")
@@ -245,7 +249,7 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
         NUM_QPK=num_qpk, BLOCK_Q=plan.block_q, BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_SIZE_V=head_size_v,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, HEAD_PAD=plan.head_pad, HEAD_PAD_V=plan.head_pad_v,
         SPLIT=plan.split, PART_SIZE=plan.partition_size if plan.split else 16, DOT_F32=dot_f32, FP8=fp8,
-        TABLE_READS=plan.table_reads, PREFILL=plan.prefill, SINKS=sinks is not None,
+        TABLE_READS=plan.table_reads, PREFILL=plan.prefill, SINKS=sinks is not None, CAUSAL=bool(causal),
     )
     grid = (num_rows // plan.block_q + num_reqs, num_kv_heads, plan.num_parts)
     launches = [Launch("unified_attention", grid, args, plan.num_warps, plan.num_stages)]

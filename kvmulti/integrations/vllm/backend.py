@@ -32,6 +32,7 @@ from ...backends.registry import construct_for
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata
 from . import BACKEND_NAME
+from .encoder_only import scratch_step
 
 #: Every vLLM KV-cache layout, all served in place, most preferred first: per-layer before
 #: cross-layer, HND interiors (a head's tokens adjacent: the CPU kernel's fastest order) first.
@@ -44,6 +45,12 @@ SUPPORTED_VLLM_LAYOUTS: tuple[VllmKVCacheLayout, ...] = (
 #: on vLLM's CUDA and CPU platforms). vLLM allocates such caches as uint8: kvmulti views the bytes.
 FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                                                "fp8_e5m2": torch.float8_e5m2}
+
+
+#: vLLM attention types served: decoder layers over the paged cache, and encoder-only layers
+#: (non-causal over the step's own tokens, :mod:`.encoder_only`). ENCODER and ENCODER_DECODER
+#: (cross-attention to encoder outputs vLLM keeps outside the paged cache) are not.
+SERVED_ATTN_TYPES: tuple[str, ...] = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 
 
 class KvmultiAttentionBackend(AttentionBackend):
@@ -74,8 +81,12 @@ class KvmultiAttentionBackend(AttentionBackend):
         return True         # every layer's backend is chosen among those serving sinks (gpt-oss)
 
     @classmethod
+    def supports_non_causal(cls) -> bool:
+        return True
+
+    @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
+        return attn_type in SERVED_ATTN_TYPES
 
     @staticmethod
     def get_impl_cls() -> type["KvmultiAttentionImpl"]:
@@ -175,7 +186,11 @@ class KvmultiAttentionImpl(AttentionImpl):
         fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
         unsupported = [what for what, present in (("ALiBi", alibi_slopes is not None),
                                                   (f"kv_cache_dtype={kv_cache_dtype}", kv_cache_dtype != "auto" and not fp8),
-                                                  (f"attn_type={attn_type}", attn_type != AttentionType.DECODER))
+                                                  (f"attn_type {getattr(attn_type, 'name', attn_type)} (served: DECODER, ENCODER_ONLY)",
+                                                   attn_type not in SERVED_ATTN_TYPES),
+                                                  ("a sliding window on encoder-only layers",
+                                                   attn_type == AttentionType.ENCODER_ONLY
+                                                   and sliding_window is not None and sliding_window > 0))
                        if present]
         if unsupported:
             raise NotImplementedError(f"kvmulti's vLLM backend does not support {', '.join(unsupported)}")
@@ -212,8 +227,23 @@ class KvmultiAttentionImpl(AttentionImpl):
     def _kvmulti_backend(self, layout: KVCacheLayout, device: torch.device) -> Backend:
         if self._backend is None:
             self._backend = ops.resolve_backend(layout, device, sliding_window=self.sliding_window,
-                                                softcap=self.logits_soft_cap, sinks=self.sinks is not None)
+                                                softcap=self.logits_soft_cap, sinks=self.sinks is not None,
+                                                causal=self.attn_type != AttentionType.ENCODER_ONLY)
         return self._backend
+
+    def _forward_encoder_only(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attn_metadata: "KvmultiStepMetadata", output: torch.Tensor) -> torch.Tensor:
+        """An encoder-only layer: the step's keys and values into the step's scratch cache, then
+        non-causal attention of each request's tokens over its own (:mod:`.encoder_only`)."""
+        n = attn_metadata.num_actual_tokens
+        cache, step = scratch_step(attn_metadata.prepared, attn_metadata.common, self.num_kv_heads, self.head_size,
+                                   query.dtype, self.num_heads, self.logits_soft_cap, self._kvmulti_backend)
+        layout = step.layout
+        ops.write_kv(_rows(key, n), _rows(value, n), cache, layout, step.common.slot_mapping, step=step)
+        query = _rows(query, n).view(n, self.num_heads, self.head_size)
+        out = _rows(output, n).view(n, self.num_heads, layout.value_size)
+        ops.paged_attention(query, cache, layout, step, self.scale, None, self.logits_soft_cap, out=out)
+        return output
 
     def _scales(self, layer: torch.nn.Module) -> dict:
         """fp8 caches: the layer's per-tensor scales (vLLM's ``_k_scale_float``; 1.0 unless
@@ -234,6 +264,8 @@ class KvmultiAttentionImpl(AttentionImpl):
             raise NotImplementedError("kvmulti: fused output quantization is not supported")
         if attn_metadata is None:                    # vLLM's memory profiling run
             return output
+        if self.attn_type == AttentionType.ENCODER_ONLY:
+            return self._forward_encoder_only(query, key, value, attn_metadata, output)
         view, layout = self._view(kv_cache)
         sinks = None if self.sinks is None else self.sinks.to(torch.float32)   # no copy when fp32 already
         step = attn_metadata.step_for(layout, self.num_heads, self.sliding_window,
