@@ -17,6 +17,7 @@ models, one engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 * a gpt-oss-style model (attention sinks on every layer, sliding-window and full layers alternating:
   two KV-cache groups, a small mixture of experts; made by tests/vllm_gptoss_model.py) gives
   CPU_ATTN's ids;
+* a Bloom-style model (ALiBi on every layer; made by tests/vllm_bloom_model.py) gives CPU_ATTN's ids;
 * ``draft_model`` speculative decoding with target and draft on kvmulti equals target-only output;
 * without ``KVMULTI_VLLM`` the plugin leaves CPU_ATTN alone;
 * vLLM's default multiprocess engine with an empty kvmulti cache builds the kernel at start-up
@@ -170,6 +171,17 @@ def test_gptoss_style_sinks_model_equals_cpu_attn(gptoss_model, block_size):
     # attention sinks on every layer, sliding-window (8) and full layers alternating (two KV-cache
     # groups); prompts of 9-40 tokens cross the window
     assert_ids_equal_cpu_attn(gptoss_model, block_size)
+
+
+@pytest.fixture(scope="module")
+def bloom_model(tmp_path_factory) -> str:
+    return tiny_checkpoint(tmp_path_factory, "vllm_bloom_model.py")
+
+
+@pytest.mark.parametrize("block_size", ["32", "16"])
+def test_bloom_style_alibi_model_equals_cpu_attn(bloom_model, block_size):
+    # ALiBi on every layer (8 heads, slopes 2^-1 .. 2^-8); prompts of 9-40 tokens, 16 new tokens
+    assert_ids_equal_cpu_attn(bloom_model, block_size)
 
 
 def test_draft_model_speculative_equals_target_only(cpu_attn):
