@@ -298,6 +298,7 @@ struct ChunkCtx {
   float qk_scale;           // applied to raw scores (1 where Q is pre-scaled)
   int v_dtype;              // element type behind vp
   float* S;                 // [kRowBlock][kChunk] scores, then probabilities
+  const float* slope;       // [kRowBlock] each row's ALiBi slope, or nullptr
 };
 
 // Keys per QK group: two rows share every K load; their 2 x KG per-key accumulators reduce into
@@ -428,6 +429,7 @@ static inline void row_block(const float* Q, const uint16_t* Qb, int dp, float* 
       vf s = vload(srow + g * KV_W);
       if (c.qk_scale != 1.0f) s *= c.qk_scale;
       if (c.softcap > 0.0f) s = c.softcap * vtanh(s * (1.0f / c.softcap));
+      if (c.slope) s += c.slope[r] * __builtin_convertvector(lane + (g * KV_W + c.c0 - pos[r]), vf);
       if (c.need_mask) {
         vi idx = lane + g * KV_W;
         vi kpos = idx + c.c0;
@@ -682,6 +684,7 @@ struct DirectCtx {
   int pf_n, pf_lines;       // rows to prefetch (0: none), 64-byte lines per row
   const void* const* ag;    // rows one chunk ahead, prefetched again (KV_PREFETCH_AGAIN), all pf_lines
   int ag_n;                 // rows to prefetch again (0: none)
+  const float* slope = nullptr;   // [RR] each row's ALiBi slope, or nullptr
 };
 
 static KV_INLINE void prefetch_line(const char* p) {
@@ -863,10 +866,11 @@ static inline void pv_direct_dot(float* O, int Dv, int d0, const DirectCtx& c, c
 // ND / NV: head_size / head_size_v in kPair steps when known at compile time (full unrolling), else 0.
 // Scores of one key group (lane L: row L % RR, key g x KG + L / RR) after the scale / softcap / mask
 // steps that are on for this chunk; `plain` (none of them) is the common decode case.
-struct LaneRows { vi pos, key; };
+struct LaneRows { vi pos, key; vf slope; };
 static KV_INLINE vf finish_scores(vf s, int g, int KG, const LaneRows& lr, const DirectCtx& c) {
   if (c.qk_scale != 1.0f) s *= c.qk_scale;
   if (c.softcap > 0.0f) s = c.softcap * vtanh(s * (1.0f / c.softcap));
+  if (c.slope) s += lr.slope * __builtin_convertvector(lr.key + (g * KG + c.c0) - lr.pos, vf);
   if (c.need_mask) {
     const vi idx = lr.key + g * KG;
     const vi kpos = idx + c.c0;
@@ -903,16 +907,19 @@ static inline void row_block_direct(const float* Q, const uint16_t* Qb, int D, i
   (void)Qb;
   // Per-lane row constants: lane L is row L % RR, key L / RR of its group.
   float mt[KV_W];
+  float st[KV_W];
   int pt[KV_W], kt[KV_W];
   for (int L = 0; L < KV_W; ++L) {
     mt[L] = m[L % RR];
     pt[L] = pos[L % RR];
     kt[L] = L / RR;
+    st[L] = c.slope ? c.slope[L % RR] : 0.0f;
   }
   LaneRows lr;
   __builtin_memcpy(&lr.pos, pt, sizeof lr.pos);
   __builtin_memcpy(&lr.key, kt, sizeof lr.key);
-  const bool plain = c.qk_scale == 1.0f && !(c.softcap > 0.0f) && !c.need_mask;
+  __builtin_memcpy(&lr.slope, st, sizeof lr.slope);
+  const bool plain = c.qk_scale == 1.0f && !(c.softcap > 0.0f) && !c.need_mask && !c.slope;
   const bool pvdot = pv_on_dots(DT, LUT, Qb != nullptr);
   const int qk_lines = pvdot ? qk_prefetch_lines(c.pf_lines) : c.pf_lines;   // the rest: pv_direct_dot
   vf mx = vsplat(ninf);
@@ -1231,6 +1238,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
   const void* vp[kChunk];
   const uint16_t* kb[kChunk];
   int pos[kRowBlock];
+  float slope[kRowBlock];
 
   // When a KV head's token rows are further apart than a row (NHD: num_kv_heads x (D + Dv) elements),
   // its lines use only a fraction of the L1 sets: with 64 rows KV_HALF_CHUNK_STRIDE bytes apart or
@@ -1319,7 +1327,7 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
       }
 
       ChunkCtx c{kp, kb, vp, c0, n, ng, dp / KV_W, dvp / KV_W, dvp, false, P.causal, P.window, P.softcap,
-                 Qb ? P.scale : 1.0f, direct_v ? CT : int(kF32), S};
+                 Qb ? P.scale : 1.0f, direct_v ? CT : int(kF32), S, nullptr};
       DirectCtx dc{reinterpret_cast<const void* const*>(hrow), D, c0, n, false, P.causal, P.window, P.softcap,
                    (KV_DIRECT_DOT && Qb) ? q_scale(hh) : 1.0f, S, reinterpret_cast<const void* const*>(pf_rows),
                    KV_PREFETCH && pf_now ? nn : 0, hpf_lines, reinterpret_cast<const void* const*>(ag_rows),
@@ -1332,6 +1340,11 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
         c.need_mask = n % KV_W != 0 || (P.causal && c0 + n - 1 > p_lo) || (P.window > 0 && p_hi - c0 >= P.window);
         for (int r = 0; r < R; ++r) pos[r] = it.pos0 + (m0 + r) / G;
         for (int r = R; r < kRowBlock; ++r) pos[r] = pos[R - 1];
+        if (P.alibi) {
+          for (int r = 0; r < R; ++r) slope[r] = P.alibi[(it.kv_head + hh) * G + (m0 + r) % G];
+          for (int r = R; r < kRowBlock; ++r) slope[r] = slope[R - 1];
+        }
+        c.slope = dc.slope = P.alibi ? slope : nullptr;
         const int64_t row0 = int64_t(hh) * Mhp + m0;
         const float* Q = Qs + row0 * dp;
         float* O = Os + row0 * dvp;

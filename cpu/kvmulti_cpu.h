@@ -40,6 +40,7 @@ struct AttnParams {
   int window;          // <= 0: no sliding window
   float softcap;       // <= 0: off
   const float* sinks;  // [num_q_heads] attention-sink logits (in each row's final denominator), or nullptr
+  const float* alibi;  // [num_q_heads] ALiBi slopes (score += slope[h] * (k_pos - q_pos) after softcap), or nullptr
   bool causal;
   bool prefetch;       // software prefetch of K/V rows ahead (off for calls small enough to gain nothing)
 };

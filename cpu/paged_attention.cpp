@@ -188,7 +188,8 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
                      double scale, int64_t window, double softcap, bool causal, int64_t partition_len,
                      int64_t isa_req, const c10::optional<torch::Tensor>& k_scale,
                      const c10::optional<torch::Tensor>& v_scale,
-                     const c10::optional<torch::Tensor>& sinks) {
+                     const c10::optional<torch::Tensor>& sinks,
+                     const c10::optional<torch::Tensor>& alibi_slopes) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && block_table.dim() == 2 && kv_cache.dim() >= 1,
               "query/out [T, H, D], block_table [R, W]");
@@ -249,6 +250,14 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
                     s.size(0) >= query.size(1),
                 "sinks must be a contiguous fp32 CPU tensor of num_q_heads values");
     P.sinks = s.data_ptr<float>();
+  }
+  P.alibi = nullptr;
+  if (alibi_slopes.has_value()) {
+    const torch::Tensor& a = *alibi_slopes;
+    TORCH_CHECK(a.device().is_cpu() && a.scalar_type() == torch::kFloat32 && a.dim() == 1 && a.is_contiguous() &&
+                    a.size(0) >= query.size(1),
+                "alibi_slopes must be a contiguous fp32 CPU tensor of num_q_heads values");
+    P.alibi = a.data_ptr<float>();
   }
 
   const int G = P.num_q_heads / P.num_kv_heads;

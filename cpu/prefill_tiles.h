@@ -37,6 +37,7 @@ struct TileCtx {
   const vi* pos;           // [Mr / KV_W] each lane's row position
   float* St;               // [npad][Mr] scores, then (fp32 mode) probabilities
   uint32_t* Pp;            // dot mode: [npad / 2][Mr] probability pairs of keys (2k, 2k + 1)
+  const vf* slope;         // [Mr / KV_W] each lane's ALiBi slope, or nullptr
 };
 
 static inline uint32_t f32_bits(float f) {
@@ -103,6 +104,7 @@ static inline void tile_qk(const TileCtx& t, const void* Qt, int rv0, int j0, vf
       vf s = acc[j][b];
       if (t.qk_scale != 1.0f) s *= t.qk_scale;
       if (t.softcap > 0.0f) s = t.softcap * vtanh(s * (1.0f / t.softcap));
+      if (t.slope) s += t.slope[rv0 + b] * __builtin_convertvector(visplat(key) - t.pos[rv0 + b], vf);
       if (t.need_mask) {
         const vi pos = t.pos[rv0 + b];
         vi valid = visplat(j0 + j < t.n ? -1 : 0);
@@ -282,6 +284,14 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
   for (int hh = 0; hh < it.num_heads; ++hh) {
     const int kvh = it.kv_head + hh;
     const float q_scale = P.scale * (fp8 ? P.k_scale[kvh] * fp8_unit<CT>() : 1.0f);
+    vf slope[kTileRowVecs];
+    if (P.alibi) {
+      float lanes[KV_W];
+      for (int rv = 0; rv < RV; ++rv) {
+        for (int L = 0; L < KV_W; ++L) lanes[L] = P.alibi[kvh * G + std::min(rv * KV_W + L, Mh - 1) % G];
+        slope[rv] = vload(lanes);
+      }
+    }
     // Qt (fp32 mode: pre-scaled) and the running max / sum; padding lanes are zero rows.
     float* qrow = Kw;   // one widened query row (Kw is free until the first tile)
     for (int rr = 0; rr < Mr; ++rr) {
@@ -360,7 +370,7 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
       }
       TileCtx t{Mr, D, Dv, kp, vp, Vi, c0, n, npad,
                 npad > n || (P.causal && c0 + n - 1 > p_lo) || (P.window > 0 && p_hi - c0 >= P.window),
-                P.causal, P.window, P.softcap, DOT ? q_scale : 1.0f, pos, St, Pp};
+                P.causal, P.window, P.softcap, DOT ? q_scale : 1.0f, pos, St, Pp, P.alibi ? slope : nullptr};
       tile_step<DOT>(t, Qt, Ot, RV, m, l);
     }
 

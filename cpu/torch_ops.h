@@ -13,7 +13,8 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
                      double scale, int64_t window, double softcap, bool causal, int64_t partition_len,
                      int64_t isa_req, const c10::optional<torch::Tensor>& k_scale,
                      const c10::optional<torch::Tensor>& v_scale,
-                     const c10::optional<torch::Tensor>& sinks = c10::nullopt);
+                     const c10::optional<torch::Tensor>& sinks = c10::nullopt,
+                     const c10::optional<torch::Tensor>& alibi_slopes = c10::nullopt);
 
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
               const torch::Tensor& slot_mapping, int64_t s_block, int64_t s_token, int64_t s_head,

@@ -19,7 +19,7 @@ with ``(rule <id>)``). ``paths`` says who evaluates it:
   the Python way.
 
 Names a rule may use: the op's arguments (write: ``key, value, kv_cache, layout, slot_mapping``;
-attention: ``query, kv_cache, layout, out, scale, sliding_window, softcap, step, sinks``) and, after the
+attention: ``query, kv_cache, layout, out, scale, sliding_window, softcap, step, sinks, alibi_slopes``) and, after the
 cache rule, ``heads`` (num_kv_heads), ``size`` / ``vsize`` (head_size / head_size_v), ``dtypes``
 (the activation dtypes the cache takes), ``device`` (the cache's); step rules ``qheads`` / ``rows``
 (the step's num_query_heads / num_actual_tokens). tests/test_input_rules.py walks every rule
@@ -145,6 +145,23 @@ RULES: tuple[Rule | str, ...] = (
          ValueError, frozenset({FULL}), "sinks is not None"),
     Rule("sinks.device", A, "sinks.device == device", "sinks is on {sinks.device} but the kv_cache is on {device}",
          ValueError, frozenset({FULL}), "sinks is not None"),
+    # ALiBi: one fp32 slope per query head (full path only, as sinks)
+    Rule("alibi.type", A, "isinstance(alibi_slopes, torch.Tensor)",
+         "alibi_slopes must be a torch.Tensor, got {type(alibi_slopes).__name__}",
+         TypeError, frozenset({FULL}), "alibi_slopes is not None"),
+    Rule("alibi.dtype", A, "alibi_slopes.dtype == torch.float32",
+         "alibi_slopes has dtype {alibi_slopes.dtype}, must be torch.float32",
+         TypeError, frozenset({FULL}), "alibi_slopes is not None"),
+    Rule("alibi.shape", A, "alibi_slopes.shape == (query.shape[1],)",
+         "alibi_slopes has shape {tuple(alibi_slopes.shape)}, expected ({query.shape[1]},) (one slope per query head)",
+         ValueError, frozenset({FULL}), "alibi_slopes is not None"),
+    Rule("alibi.device", A, "alibi_slopes.device == device",
+         "alibi_slopes is on {alibi_slopes.device} but the kv_cache is on {device}",
+         ValueError, frozenset({FULL}), "alibi_slopes is not None"),
+    Rule("alibi.contiguous", A, "alibi_slopes.is_contiguous()", "alibi_slopes must be contiguous",
+         ValueError, frozenset({FULL}), "alibi_slopes is not None"),
+    Rule("alibi.finite", A, "bool(torch.isfinite(alibi_slopes).all())", "alibi_slopes must be finite",
+         ValueError, frozenset({FULL}), "alibi_slopes is not None"),
     Rule("scale.type", A, "not isinstance(scale, bool) and isinstance(scale, (int, float))",
          "scale must be a float or None, got {type(scale).__name__}", TypeError, CHECKED, "scale is not None"),
     Rule("scale.finite", A, "math.isfinite(scale)", "scale must be finite, got {scale}", ValueError, EVERYWHERE,
@@ -235,11 +252,12 @@ def _compile(source: str, name: str):
 
 
 _WRITE = "key, value, kv_cache, layout, slot_mapping"
-_ATTENTION = "query, kv_cache, layout, out, scale, sliding_window, softcap, step, sinks=None"
+_ATTENTION = "query, kv_cache, layout, out, scale, sliding_window, softcap, step, sinks=None, alibi_slopes=None"
 
 #: ``check_write(key, value, kv_cache, layout, slot_mapping)``: raises the first broken write rule
 check_write = _compile(_full_source("check_write", "write", _WRITE), "check_write")
-#: ``check_attention(query, kv_cache, layout, out, scale, sliding_window, softcap, step, sinks=None)``: raises
+#: ``check_attention(query, kv_cache, layout, out, scale, sliding_window, softcap, step, sinks=None,
+#: alibi_slopes=None)``: raises
 #: the first broken attention rule (step rules only with a step)
 check_attention = _compile(_full_source("check_attention", "attention", _ATTENTION), "check_attention")
 #: ``check_window(sliding_window)``

@@ -36,32 +36,34 @@ K = TypeVar("K", bound=Hashable)
 
 def resolve_backend(layout: KVCacheLayout, device: torch.device | str, *, sliding_window: int | None = None,
                     softcap: float | None = None, causal: bool = True, backend: str | Backend | None = None,
-                    role: str = "target", sinks: bool = False) -> Backend:
+                    role: str = "target", sinks: bool = False, alibi: bool = False) -> Backend:
     """The backend object serving caches of ``layout`` on ``device`` with these features: the
     backend ``backend`` names, else the env override for ``role``, else platform priority. Raises
     BackendSelectionError listing every reason when none can serve. A backend OBJECT is returned as
     it is: it was resolved for this cache already (by the model runner or :func:`prepare_step`).
-    ``sinks``: the layers pass attention sinks (only backends serving them qualify)."""
+    ``sinks`` / ``alibi``: the layers pass attention sinks / ALiBi slopes (only backends serving
+    them qualify)."""
     if isinstance(backend, Backend):
         return backend
-    return get_backend(_backend_name(layout, device, sliding_window, softcap, causal, backend, role, sinks))
+    return get_backend(_backend_name(layout, device, sliding_window, softcap, causal, backend, role, sinks, alibi))
 
 
 def _backend_name(layout: KVCacheLayout, device: torch.device | str, sliding_window: int | None,
                   softcap: float | None, causal: bool, backend: str | Backend | None, role: str,
-                  sinks: bool = False) -> str:
+                  sinks: bool = False, alibi: bool = False) -> str:
     """:func:`resolve_backend`'s choice as a name (a constant to torch.compile)."""
     if isinstance(backend, Backend):
         return backend.name
     return select_backend_for_layout(layout, torch.device(device), sliding_window is not None, bool(softcap),
-                                     causal, role, backend, bool(sinks))
+                                     causal, role, backend, bool(sinks), bool(alibi))
 
 
 def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int, *,
                  num_query_rows: int | None = None, sliding_window: int | None = None,
                  softcap: float | None = None, backend: str | Backend | None = None,
                  role: str = "target", device: torch.device | None = None,
-                 check_values: bool = True, sinks: torch.Tensor | bool | None = None) -> StepMetadata:
+                 check_values: bool = True, sinks: torch.Tensor | bool | None = None,
+                 alibi_slopes: torch.Tensor | bool | None = None) -> StepMetadata:
     """The per-step hook: validate ``metadata`` for one KV-cache group (query of ``num_query_rows``
     rows, default ``num_actual_tokens``; tensors on ``device``, default the metadata's), resolve its
     backend and let it prepare what every layer of the group reuses this step. Pass the result to
@@ -75,13 +77,14 @@ def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_q
     values (tests/test_fuzz_metadata.py).
 
     ``sinks``: the group's layers pass attention sinks to :func:`paged_attention` (a layer's sinks
-    tensor, or True; None / False: they do not). Only a backend serving sinks is chosen."""
+    tensor, or True; None / False: they do not). Only a backend serving sinks is chosen.
+    ``alibi_slopes`` likewise: the layers pass ALiBi slopes (only a backend serving ALiBi)."""
     device = _metadata_device(metadata, device)
     rows = metadata.num_actual_tokens if num_query_rows is None else num_query_rows
     _check_group_args(layout, num_query_heads, sliding_window)
     longest = check_lengths(metadata, rows, device)
     return _prepare_group(metadata, layout, num_query_heads, sliding_window, softcap, backend, role, device,
-                          check_values, longest, sinks)
+                          check_values, longest, sinks, alibi_slopes)
 
 
 def prepare_steps(metadata: Mapping[K, CommonAttentionMetadata], layouts: Mapping[K, KVCacheLayout],
@@ -89,17 +92,18 @@ def prepare_steps(metadata: Mapping[K, CommonAttentionMetadata], layouts: Mappin
                   sliding_windows: Mapping[K, int | None] | None = None, softcap: float | None = None,
                   backends: Mapping[K, str | Backend | None] | None = None, role: str = "target",
                   device: torch.device | None = None, check_values: bool = True,
-                  sinks: Mapping[K, torch.Tensor | bool | None] | None = None) -> dict[K, StepMetadata]:
+                  sinks: Mapping[K, torch.Tensor | bool | None] | None = None,
+                  alibi_slopes: Mapping[K, torch.Tensor | bool | None] | None = None) -> dict[K, StepMetadata]:
     """:func:`prepare_step` for every KV-cache group of one step: ``metadata[g]`` over a cache of
     ``layouts[g]`` with window ``sliding_windows[g]`` (default None), backend ``backends[g]``
-    (default: dispatch) and ``sinks[g]`` (default None), the other arguments as there. Returns
+    (default: dispatch), ``sinks[g]`` and ``alibi_slopes[g]`` (default None), the other arguments as there. Returns
     ``{g: StepMetadata}``.
 
     The length checks (query_start_loc, seq_lens, their host copies and the scalar fields) run once
     for all groups whose metadata hold the very same length tensors and scalars, as an engine's
     groups do; each group's block table, values and backend are checked on their own. Raises
     KeyError when ``layouts`` lacks a group of ``metadata``."""
-    windows, chosen, group_sinks = sliding_windows or {}, backends or {}, sinks or {}
+    windows, chosen, group_sinks, group_alibi = sliding_windows or {}, backends or {}, sinks or {}, alibi_slopes or {}
     steps: dict[K, StepMetadata] = {}
     checked: list[tuple[CommonAttentionMetadata, int]] = []        # (metadata checked, its longest seq_len)
     for group, md in metadata.items():
@@ -112,7 +116,7 @@ def prepare_steps(metadata: Mapping[K, CommonAttentionMetadata], layouts: Mappin
             longest = check_lengths(md, rows, dev)
             checked.append((md, longest))
         steps[group] = _prepare_group(md, layout, num_query_heads, window, softcap, chosen.get(group), role, dev,
-                                      check_values, longest, group_sinks.get(group))
+                                      check_values, longest, group_sinks.get(group), group_alibi.get(group))
     return steps
 
 
@@ -145,16 +149,21 @@ def _same_lengths(a: CommonAttentionMetadata, b: CommonAttentionMetadata) -> boo
 def _prepare_group(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int,
                    sliding_window: int | None, softcap: float | None, backend: str | Backend | None, role: str,
                    device: torch.device, check_values: bool, longest: int,
-                   sinks: torch.Tensor | bool | None = None) -> StepMetadata:
+                   sinks: torch.Tensor | bool | None = None,
+                   alibi_slopes: torch.Tensor | bool | None = None) -> StepMetadata:
     """One group's step after :func:`check_lengths` passed (``longest``: its longest seq_len)."""
     check_group_metadata(metadata, layout, sliding_window, device, longest, check_values)
     has_sinks = sinks is not None and sinks is not False
+    has_alibi = alibi_slopes is not None and alibi_slopes is not False
     chosen = resolve_backend(layout, device, sliding_window=sliding_window, softcap=softcap,
-                             causal=metadata.causal, backend=backend, role=role, sinks=has_sinks)
+                             causal=metadata.causal, backend=backend, role=role, sinks=has_sinks, alibi=has_alibi)
     if has_sinks and isinstance(backend, Backend) and not backend.supports_sinks:
         raise ValueError(f"backend {backend.name} does not serve attention sinks")
+    if has_alibi and isinstance(backend, Backend) and not backend.supports_alibi:
+        raise ValueError(f"backend {backend.name}: ALiBi not supported")
     step = chosen.build_metadata(metadata, layout, num_query_heads, sliding_window)
     step.sinks = has_sinks
+    step.alibi = has_alibi
     return step
 
 
@@ -213,7 +222,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
                     sliding_window: int | None = None, softcap: float | None = None,
                     backend: str | Backend | None = None, role: str = "target",
                     out: torch.Tensor | None = None, k_scale: float | torch.Tensor | None = None,
-                    v_scale: float | torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: float | torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                    alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention for a mixed batch (prefill, chunked prefill, decode, verification).
 
     query [T, Hq, head_size] (cache dtype; fp32/fp16/bf16 for an fp8 cache) -> out
@@ -225,9 +235,12 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
     window and backend are the ones it was prepared with (with ``sinks``, a step prepared with
     ``sinks``). ``sinks`` fp32 [Hq] on the cache's device: head h's logit joins the softmax
     denominator of each of its rows and contributes no value (gpt-oss); only backends serving
-    sinks take them.
+    sinks take them. ``alibi_slopes`` fp32 [Hq] on the cache's device: head h's score of the query at
+    position q against the key at position k gains ``alibi_slopes[h] * (k - q)`` after scale and
+    softcap (with a step, one prepared with ``alibi_slopes``); only backends serving ALiBi take them.
     """
     if type(metadata) is StepMetadata and k_scale is None and v_scale is None and sinks is None \
+            and alibi_slopes is None \
             and not torch.compiler.is_compiling() \
             and prepared_attention_is_plain(query, kv_cache, layout, metadata, out, scale, sliding_window, softcap,
                                             backend):
@@ -241,7 +254,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         if prepared_attention_tensors_fit(query, kv_cache, metadata, out, scale, softcap):
             return _attend(query, kv_cache, metadata, scale, softcap or None, out)
     check_attention_args(query, kv_cache, layout, scale, sliding_window, softcap, out,
-                         metadata if isinstance(metadata, StepMetadata) else None, sinks)
+                         metadata if isinstance(metadata, StepMetadata) else None, sinks, alibi_slopes)
     softcap = float(softcap) if softcap else None
     scale = float(layout.default_scale if scale is None else scale)
     k_scale, v_scale = _scales(k_scale, v_scale, layout, kv_cache.device)
@@ -251,23 +264,26 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         else:
             common = metadata
             name = _backend_name(layout, kv_cache.device, sliding_window, softcap, metadata.causal, backend, role,
-                                 sinks is not None)
+                                 sinks is not None, alibi_slopes is not None)
         result = torch.ops.kvmulti.paged_attention(
             query, kv_cache, common.query_start_loc, common.seq_lens, common.block_table,
             common.query_start_loc_cpu, common.seq_lens_cpu, common.num_actual_tokens, common.max_query_len,
             common.max_seq_len, common.causal, *_layout_args(layout), scale, sliding_window, softcap, name,
-            k_scale, v_scale, sinks)
+            k_scale, v_scale, sinks, alibi_slopes)
         return result if out is None else out.copy_(result)
     if isinstance(metadata, StepMetadata):
         step = _check_step(metadata, query, layout, sliding_window, backend)
         if sinks is not None and not step.sinks:
             raise ValueError("the call passes sinks but the metadata was prepared without them "
                              "(prepare_step(..., sinks=...))")
+        if alibi_slopes is not None and not step.alibi:
+            raise ValueError("the call passes alibi_slopes but the metadata was prepared without them "
+                             "(prepare_step(..., alibi_slopes=...))")
     else:
         step = prepare_step(metadata, layout, query.shape[1], num_query_rows=query.shape[0],
                             sliding_window=sliding_window, softcap=softcap, backend=backend, role=role,
-                            device=kv_cache.device, sinks=sinks)
-    return _attend(query, kv_cache, step, scale, softcap, out, k_scale, v_scale, sinks)
+                            device=kv_cache.device, sinks=sinks, alibi_slopes=alibi_slopes)
+    return _attend(query, kv_cache, step, scale, softcap, out, k_scale, v_scale, sinks, alibi_slopes)
 
 
 def _scales(k_scale: float | torch.Tensor | None, v_scale: float | torch.Tensor | None, layout: KVCacheLayout,
@@ -331,7 +347,8 @@ def _check_slots_once(step: StepMetadata, slot_mapping: torch.Tensor, layout: KV
 
 def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
             softcap: float | None, out: torch.Tensor | None, k_scale: torch.Tensor | None = None,
-            v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+            v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+            alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     n = step.common.num_actual_tokens
     if out is None:
         out = torch.zeros(query.shape[0], query.shape[1], step.layout.value_size, dtype=query.dtype,
@@ -341,6 +358,8 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, sca
     extra = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}   # fp8 caches only
     if sinks is not None:                                       # backends serving sinks only
         extra["sinks"] = sinks.contiguous()
+    if alibi_slopes is not None:                                # backends serving ALiBi only
+        extra["alibi_slopes"] = alibi_slopes
     step.backend.paged_attention(query, kv_cache, step, scale, softcap, out, **extra)
     return out
 
@@ -371,7 +390,8 @@ def _paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, query_sta
                           head_size: int, head_size_v: int, order: str, num_layers: int, scale: float,
                           sliding_window: int | None, softcap: float | None, backend: str,
                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                          sinks: torch.Tensor | None = None) -> torch.Tensor:
+                          sinks: torch.Tensor | None = None,
+                          alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, num_layers, kv_cache.dtype)
     metadata = CommonAttentionMetadata(
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
@@ -380,8 +400,8 @@ def _paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, query_sta
         causal=causal, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu)
     step = prepare_step(metadata, layout, query.shape[1], num_query_rows=query.shape[0],
                         sliding_window=sliding_window, softcap=softcap, backend=backend, device=kv_cache.device,
-                        sinks=sinks)
-    return _attend(query, kv_cache, step, scale, softcap, None, k_scale, v_scale, sinks)
+                        sinks=sinks, alibi_slopes=alibi_slopes)
+    return _attend(query, kv_cache, step, scale, softcap, None, k_scale, v_scale, sinks, alibi_slopes)
 
 
 _paged_attention_op = torch.library.custom_op("kvmulti::paged_attention", _paged_attention_impl, mutates_args=())
@@ -391,5 +411,5 @@ _paged_attention_op = torch.library.custom_op("kvmulti::paged_attention", _paged
 def _(query, kv_cache, query_start_loc, seq_lens, block_table, query_start_loc_cpu, seq_lens_cpu,
       num_actual_tokens, max_query_len, max_seq_len, causal, num_blocks, block_size, num_kv_heads, head_size,
       head_size_v, order, num_layers, scale, sliding_window, softcap, backend, k_scale=None,
-      v_scale=None, sinks=None) -> torch.Tensor:
+      v_scale=None, sinks=None, alibi_slopes=None) -> torch.Tensor:
     return query.new_empty(query.shape[0], query.shape[1], head_size_v)

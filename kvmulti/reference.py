@@ -37,13 +37,16 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
                     sliding_window: int | None = None, softcap: float | None = None,
                     k_scale: float | torch.Tensor | None = None,
                     v_scale: float | torch.Tensor | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None,
+                    alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each new token over its request's context read from the paged cache.
 
     query [num_tokens, num_q_heads, head_size] -> out [num_tokens, num_q_heads, head_size_v]
     (query dtype; rows past num_actual_tokens are zero). An fp8 cache reads as
     ``float(k) * k_scale``, ``float(v) * v_scale``. ``sinks`` [num_q_heads]: head h's logit joins
     the softmax of each of its rows as one more (always visible) key whose value is zero.
+    ``alibi_slopes`` [num_q_heads]: head h's score of the query at position q against the key at
+    position k gains ``alibi_slopes[h] * (k - q)`` after scale and softcap.
     """
     quantized = fp8.is_fp8(layout.dtype)
     k_scale = _scale(k_scale, layout, kv_cache.device) if quantized else None
@@ -73,6 +76,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
             scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
         k_pos = torch.arange(first, seq_len).unsqueeze(0)
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes.float().to(scores.device).view(-1, 1, 1) * (k_pos - q_pos).float()
         visible = torch.ones(query_len, seq_len - first, dtype=torch.bool)
         if metadata.causal:
             visible &= k_pos <= q_pos

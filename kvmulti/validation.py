@@ -104,10 +104,11 @@ def check_slot_values(slot_mapping: torch.Tensor, layout: KVCacheLayout) -> None
 def check_attention_args(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
                          scale: float | None, sliding_window: int | None, softcap: float | None,
                          out: torch.Tensor | None = None, step: "StepMetadata | None" = None,
-                         sinks: torch.Tensor | None = None) -> None:
+                         sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> None:
     """Static checks of an attention call's tensors and scalars (the metadata aside; with ``step``
     also the query against the step): the attention rules of :mod:`kvmulti.input_rules`."""
-    input_rules.check_attention(query, kv_cache, layout, out, scale, sliding_window, softcap, step, sinks)
+    input_rules.check_attention(query, kv_cache, layout, out, scale, sliding_window, softcap, step, sinks,
+                                alibi_slopes)
 
 
 check_window = input_rules.check_window

@@ -42,6 +42,7 @@ class CaseSpec:
     head_size_v: int | None = None
     seed: int = 0
     sinks: bool = False             # fp32 attention-sink logits per query head (some dominating their rows)
+    alibi: bool = False             # fp32 ALiBi slopes per query head (the geometric series of the ALiBi paper)
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
@@ -65,6 +66,14 @@ class Case:
             return None
         gen = torch.Generator().manual_seed(self.spec.seed + 7)
         return (torch.rand(self.query.shape[1], generator=gen) * 8 - 3).to(self.query.device)
+
+    @property
+    def alibi_slopes(self) -> torch.Tensor | None:
+        """fp32 [Hq] ALiBi slopes 2^(-8 (h + 1) / Hq) when the spec has ALiBi (bias up to tens of logits)."""
+        if not self.spec.alibi:
+            return None
+        hq = self.query.shape[1]
+        return torch.pow(2.0, -8.0 * torch.arange(1, hq + 1, dtype=torch.float32) / hq).to(self.query.device)
 
 
 @st.composite
@@ -135,12 +144,13 @@ def check_against_reference(spec: CaseSpec, backend: str, device: str | torch.de
     kvmulti.write_kv(case.key, case.value, case.cache, case.layout, case.metadata.slot_mapping, backend=backend)
     assert torch.equal(case.cache.cpu(), ref_cache.cpu()), f"{backend} write_kv differs from the oracle for {spec}"
     sinks = None if case.sinks is None else case.sinks.cpu()
+    alibi = None if case.alibi_slopes is None else case.alibi_slopes.cpu()
     expected = reference.paged_attention(case.query.cpu(), case.cache.cpu(), case.layout,
                                          _to_cpu(case.metadata), sliding_window=spec.sliding_window,
-                                         softcap=spec.softcap, sinks=sinks)
+                                         softcap=spec.softcap, sinks=sinks, alibi_slopes=alibi)
     actual = kvmulti.paged_attention(case.query, case.cache, case.layout, case.metadata,
                                      sliding_window=spec.sliding_window, softcap=spec.softcap, backend=backend,
-                                     sinks=case.sinks)
+                                     sinks=case.sinks, alibi_slopes=case.alibi_slopes)
     assert actual.dtype == spec.dtype and actual.shape == expected.shape
     assert_close_to_reference(actual, expected, spec.dtype, f"{backend} attention differs from the oracle for {spec}")
 
@@ -164,11 +174,13 @@ def check_fp8_against_reference(spec: CaseSpec, backend, cache_dtype: torch.dtyp
     assert torch.equal(cache.cpu().view(torch.uint8), ref_cache.view(torch.uint8)), \
         f"{backend} fp8 write_kv differs from the oracle for {spec}"
     sinks = None if case.sinks is None else case.sinks.cpu()
+    alibi = None if case.alibi_slopes is None else case.alibi_slopes.cpu()
     expected = reference.paged_attention(case.query.cpu(), ref_cache, layout, _to_cpu(case.metadata),
                                          sliding_window=spec.sliding_window, softcap=spec.softcap,
-                                         k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+                                         k_scale=k_scale, v_scale=v_scale, sinks=sinks, alibi_slopes=alibi)
     actual = kvmulti.paged_attention(case.query, cache, layout, case.metadata, sliding_window=spec.sliding_window,
-                                     softcap=spec.softcap, backend=backend, sinks=case.sinks, **scales)
+                                     softcap=spec.softcap, backend=backend, sinks=case.sinks,
+                                     alibi_slopes=case.alibi_slopes, **scales)
     assert actual.dtype == spec.dtype and actual.shape == expected.shape
     assert_close_to_reference(actual, expected, spec.dtype, f"{backend} fp8 attention differs from the oracle for {spec}")
 

@@ -30,7 +30,8 @@ def base_args() -> dict:
     t = md.num_actual_tokens
     return dict(layout=layout, kv_cache=cache, md=md, query=torch.randn(t, HQ, HEAD, generator=gen),
                 key=torch.randn(t, HKV, HEAD, generator=gen), value=torch.randn(t, HKV, HEAD, generator=gen),
-                slot_mapping=md.slot_mapping, out=None, scale=None, sliding_window=None, softcap=None, sinks=None)
+                slot_mapping=md.slot_mapping, out=None, scale=None, sliding_window=None, softcap=None, sinks=None,
+                alibi_slopes=None)
 
 
 def strided(x: torch.Tensor) -> torch.Tensor:
@@ -75,6 +76,12 @@ VIOLATIONS = {
     "sinks.dtype": _set(sinks=lambda a: torch.zeros(HQ, dtype=torch.bfloat16)),
     "sinks.shape": _set(sinks=lambda a: torch.zeros(HQ - 1)),
     "sinks.device": _set(sinks=lambda a: torch.zeros(HQ, device="meta")),
+    "alibi.type": _set(alibi_slopes=lambda a: [0.5] * HQ),
+    "alibi.dtype": _set(alibi_slopes=lambda a: torch.ones(HQ, dtype=torch.float64)),
+    "alibi.shape": _set(alibi_slopes=lambda a: torch.ones(HQ + 1)),
+    "alibi.device": _set(alibi_slopes=lambda a: torch.ones(HQ, device="meta")),
+    "alibi.contiguous": _set(alibi_slopes=lambda a: torch.ones(2 * HQ)[::2]),
+    "alibi.finite": _set(alibi_slopes=lambda a: torch.tensor([float("nan")] + [0.5] * (HQ - 1))),
 }
 for _name in ("key", "value", "query"):
     VIOLATIONS |= {
@@ -110,7 +117,7 @@ def write(args: dict, step=None, backend=None) -> None:
 def attend(args: dict, metadata, backend=None) -> None:
     kvmulti.paged_attention(args["query"], args["kv_cache"], args["layout"], metadata, scale=args["scale"],
                             sliding_window=args["sliding_window"], softcap=args["softcap"], out=args["out"],
-                            backend=backend, sinks=args["sinks"])
+                            backend=backend, sinks=args["sinks"], alibi_slopes=args["alibi_slopes"])
 
 
 def op_of(rule) -> str:

@@ -17,6 +17,7 @@ models, one engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 * a gpt-oss-style model (attention sinks on every layer, sliding-window and full layers alternating:
   two KV-cache groups, a small mixture of experts; made by tests/vllm_gptoss_model.py) gives
   CPU_ATTN's ids;
+* a Bloom-style model (ALiBi on every layer; made by tests/vllm_bloom_model.py) gives CPU_ATTN's ids;
 * a BERT-style embedding model (encoder-only, non-causal layers without a KV cache; made by
   tests/vllm_bert_model.py, embedded by tests/vllm_embed_run.py) gives CPU_ATTN's embeddings, and
   ENCODER / ENCODER_DECODER layers are refused with the reason;
@@ -175,6 +176,17 @@ def test_gptoss_style_sinks_model_equals_cpu_attn(gptoss_model, block_size):
     assert_ids_equal_cpu_attn(gptoss_model, block_size)
 
 
+@pytest.fixture(scope="module")
+def bloom_model(tmp_path_factory) -> str:
+    return tiny_checkpoint(tmp_path_factory, "vllm_bloom_model.py")
+
+
+@pytest.mark.parametrize("block_size", ["32", "16"])
+def test_bloom_style_alibi_model_equals_cpu_attn(bloom_model, block_size):
+    # ALiBi on every layer (8 heads, slopes 2^-1 .. 2^-8); prompts of 9-40 tokens, 16 new tokens
+    assert_ids_equal_cpu_attn(bloom_model, block_size)
+
+
 def test_draft_model_speculative_equals_target_only(cpu_attn):
     result = kvmulti_run("--block-size", "32", "--draft", str(MODELS / "draft"), "--num-spec-tokens", "3")
     assert result["token_ids"] == cpu_attn["token_ids"]
@@ -268,6 +280,12 @@ for attn_type, window, what in ((AttentionType.ENCODER, None, "attn_type ENCODER
         assert what in str(exc), exc
     else:
         raise AssertionError(f"{attn_type} window={window} accepted")
+try:
+    Impl(4, 32, 0.1, 2, alibi_slopes=[0.5] * 4, attn_type=AttentionType.ENCODER_ONLY)
+except NotImplementedError as exc:
+    assert "ALiBi on encoder-only layers" in str(exc), exc
+else:
+    raise AssertionError("ALiBi on an encoder-only layer accepted")
 md = CommonAttentionMetadata.from_lens([3, 20], [3, 20], torch.zeros(2, 1, dtype=torch.int32), 32)
 scratch = scratch_metadata(md)
 assert not scratch.causal and scratch.block_table.tolist() == [[0, 1], [1, 2]]

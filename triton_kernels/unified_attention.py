@@ -44,6 +44,9 @@ Two kernels serve every batch:
   denominator once, where the row is normalised (the single pass's store, or the partition
   reduction: never per partition), as ``exp(sink - m)`` in the running max's units; it adds no value.
 
+* ALiBi (``ALIBI``): query head h's fp32 slope times (key position - query position) joins every
+  score after scale and softcap, in the scores' units; partitions merge as without it.
+
 * fp8 caches (``FP8`` != 0; kvmulti/fp8.py): the cache arrives as its uint8 bytes; each K/V tile
   is decoded in registers (``fp8_decode``, exact) to the query's dtype (every fp8 value is exact
   in fp16 and bf16), so the dots are those of a query-dtype cache holding the unscaled values. The
@@ -86,12 +89,14 @@ def _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride
              STRIDE_CB: tl.constexpr, STRIDE_CT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
              BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr, TILE_N: tl.constexpr,
              HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
-             TABLE_READS: tl.constexpr, MASKED: tl.constexpr, LOG2: tl.constexpr, CAUSAL: tl.constexpr = True):
+             TABLE_READS: tl.constexpr, MASKED: tl.constexpr, LOG2: tl.constexpr, CAUSAL: tl.constexpr = True,
+             slope=None, ALIBI: tl.constexpr = False):
     """One key tile [start, start + TILE_N) folded into the online softmax; ``LOG2``: scores and
     ``m_i`` in log2 units (the scale folds log2(e), the softmax runs on exp2), else natural units.
     Keys outside [k_lo, k_end) or in a block outside the cache are masked. ``MASKED``: also those a row
     cannot see (causal unless not ``CAUSAL`` / window), one compare per score; otherwise the caller guarantees every key
-    of the tile is in range and visible to every row, and the mask is per key."""
+    of the tile is in range and visible to every row, and the mask is per key. ``ALIBI``: each row's
+    scores gain ``slope * (k_pos - q_pos)`` (``slope`` [BLOCK_M], natural units) after softcap."""
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
@@ -136,6 +141,8 @@ def _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride
         s = s * (qk_scale * units)
     else:
         s = s * qk_scale
+    if ALIBI:
+        s = s + (slope * units)[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
     if MASKED:
         # One compare per score: a masked key gets a position no row reaches. Rows past the tile's
         # (not row_ok) are never stored, and their finite scores harm nothing.
@@ -171,7 +178,7 @@ def _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride
 def unified_attention_kernel(
     q_ptr, kv_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
-    part_acc_ptr, part_ml_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
+    part_acc_ptr, part_ml_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, alibi_ptr,
     scale,
     num_reqs, num_q_heads, num_parts,
     num_rows, num_blocks, table_rows, table_cols,
@@ -185,6 +192,7 @@ def unified_attention_kernel(
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
     SPLIT: tl.constexpr, PART_SIZE: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
     TABLE_READS: tl.constexpr, PREFILL: tl.constexpr, SINKS: tl.constexpr = False, CAUSAL: tl.constexpr = True,
+    ALIBI: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -230,6 +238,9 @@ def unified_attention_kernel(
     qk_scale = scale
     if FP8 > 0:
         qk_scale = scale * tl.load(k_scale_ptr + kvh)
+    slope = tl.full([BLOCK_M], 0.0, tl.float32)
+    if ALIBI:
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0)
 
     # Keys this program can need: causal end of its last row (non-causal: all seq_len), window
     # start of its first row.
@@ -268,7 +279,7 @@ def unified_attention_kernel(
                 acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride_bn,
                                          head_off, num_blocks, qk_scale, q_ptr, STRIDE_CB, STRIDE_CT, WINDOW,
                                          SOFTCAP, BLOCK_SIZE, HEAD_SIZE, HEAD_SIZE_V, TILE_N, HEAD_PAD, HEAD_PAD_V,
-                                         DOT_F32, FP8, TABLE_READS, True, PREFILL, CAUSAL)
+                                         DOT_F32, FP8, TABLE_READS, True, PREFILL, CAUSAL, slope, ALIBI)
         seen_by_all = k_end
         if CAUSAL:
             seen_by_all = tl.minimum(ctx_len + q_block * BLOCK_Q + 1, k_end)
@@ -277,13 +288,13 @@ def unified_attention_kernel(
             acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride_bn,
                                      head_off, num_blocks, qk_scale, q_ptr, STRIDE_CB, STRIDE_CT, WINDOW, SOFTCAP,
                                      BLOCK_SIZE, HEAD_SIZE, HEAD_SIZE_V, TILE_N, HEAD_PAD, HEAD_PAD_V, DOT_F32, FP8,
-                                     TABLE_READS, False, PREFILL, CAUSAL)
+                                     TABLE_READS, False, PREFILL, CAUSAL, slope, ALIBI)
         tile_start = full_hi
     for start in range(tile_start, k_end, TILE_N):
         acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride_bn, head_off,
                                  num_blocks, qk_scale, q_ptr, STRIDE_CB, STRIDE_CT, WINDOW, SOFTCAP, BLOCK_SIZE,
                                  HEAD_SIZE, HEAD_SIZE_V, TILE_N, HEAD_PAD, HEAD_PAD_V, DOT_F32, FP8, TABLE_READS,
-                                 True, PREFILL, CAUSAL)
+                                 True, PREFILL, CAUSAL, slope, ALIBI)
 
     if FP8 > 0:
         acc = acc * tl.load(v_scale_ptr + kvh)

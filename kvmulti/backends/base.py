@@ -33,16 +33,18 @@ class AttentionConfig:
     causal: bool = True
     #: the layers pass attention sinks (one fp32 logit per query head in the softmax denominator)
     sinks: bool = False
+    #: the layers pass ALiBi slopes (fp32 [num_q_heads]; score += slope * (key pos - query pos))
+    alibi: bool = False
 
     @classmethod
     def from_layout(cls, layout: KVCacheLayout, device: torch.device | str,
                     sliding_window: int | None = None, softcap: float | None = None,
-                    causal: bool = True, sinks: bool = False) -> "AttentionConfig":
+                    causal: bool = True, sinks: bool = False, alibi: bool = False) -> "AttentionConfig":
         return cls(platform=platform_of(device), dtype=layout.dtype, head_size=layout.head_size,
                    head_size_v=layout.value_size, num_kv_heads=layout.num_kv_heads,
                    block_size=layout.block_size, order=layout.order,
                    sliding_window=sliding_window is not None, softcap=bool(softcap), causal=bool(causal),
-                   sinks=bool(sinks))
+                   sinks=bool(sinks), alibi=bool(alibi))
 
 
 @dataclass
@@ -67,6 +69,8 @@ class StepMetadata:
     calls: Any = None
     #: the step was prepared for layers that pass attention sinks (its backend serves them)
     sinks: bool = False
+    #: the step was prepared for layers that pass ALiBi slopes (its backend serves them)
+    alibi: bool = False
 
     @cached_property
     def call_signature(self) -> tuple:
@@ -110,6 +114,9 @@ class Backend(abc.ABC):
     #: attention sinks: ``paged_attention(..., sinks=)`` fp32 [num_q_heads] logits joining each
     #: softmax denominator (no value); a backend without them reports "does not serve attention sinks"
     supports_sinks: ClassVar[bool] = False
+    #: ALiBi: ``paged_attention(..., alibi_slopes=)`` fp32 [num_q_heads], score += slope[h] * (k_pos - q_pos)
+    #: after scale and softcap; a backend without it reports "ALiBi not supported"
+    supports_alibi: ClassVar[bool] = False
 
     def __init__(self, partition_size: int | None = None):
         """``partition_size``: split-KV (see the class doc); None reads ``KVMULTI_PARTITION_SIZE``."""
@@ -164,6 +171,8 @@ class Backend(abc.ABC):
             reasons.append("non-causal attention not supported (metadata.causal is False)")
         if config.sinks and not self.supports_sinks:
             reasons.append(f"{self.name} does not serve attention sinks")
+        if config.alibi and not self.supports_alibi:
+            reasons.append("ALiBi not supported")
         return reasons
 
     def not_supported_reasons(self, config: AttentionConfig) -> list[str]:
@@ -211,4 +220,6 @@ class Backend(abc.ABC):
         ``k_scale`` / ``v_scale``: fp32 [Hkv] for an fp8 cache (keys read as float(k) * k_scale),
         else None. A backend with ``supports_sinks`` also takes ``sinks=``: fp32 [Hq] contiguous on
         the cache's device, passed only when the layer has sinks (the logit joins each row's softmax
-        denominator once, after any split-KV merge, and contributes no value)."""
+        denominator once, after any split-KV merge, and contributes no value). A backend with
+        ``supports_alibi`` also takes ``alibi_slopes=``: fp32 [Hq] contiguous on the cache's device,
+        passed only when the layer has them (score += slope[h] * (k_pos - q_pos) after scale and softcap)."""

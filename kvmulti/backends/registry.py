@@ -221,19 +221,21 @@ def select_backend(config: AttentionConfig, role: str = "target", requested: str
 
 @torch.compiler.assume_constant_result
 def select_backend_for_layout(layout: KVCacheLayout, device: torch.device, sliding_window: bool, softcap: bool,
-                              causal: bool, role: str, requested: str | None, sinks: bool = False) -> str:
+                              causal: bool, role: str, requested: str | None, sinks: bool = False,
+                              alibi: bool = False) -> str:
     """:func:`select_backend` for a cache of ``layout`` on ``device`` (the public ops' path when no
     step was prepared); torch.compile treats the result as a constant. Memoised per call signature
     and the override variables' current values."""
     env = (settings.raw(ENV_BACKEND), settings.raw(ENV_DRAFT_BACKEND) if role == "draft" else None)
-    return _select_for_layout(layout, device, sliding_window, softcap, causal, role, requested, env, sinks)
+    return _select_for_layout(layout, device, sliding_window, softcap, causal, role, requested, env, sinks, alibi)
 
 
 @functools.lru_cache(maxsize=1024)
 def _select_for_layout(layout: KVCacheLayout, device: torch.device, sliding_window: bool, softcap: bool,
-                       causal: bool, role: str, requested: str | None, env: tuple, sinks: bool = False) -> str:
+                       causal: bool, role: str, requested: str | None, env: tuple, sinks: bool = False,
+                       alibi: bool = False) -> str:
     config = AttentionConfig.from_layout(layout, device, 1 if sliding_window else None, 1.0 if softcap else None,
-                                         causal, sinks)
+                                         causal, sinks, alibi)
     return select_backend(config, role, requested)
 
 
@@ -256,7 +258,8 @@ def _select_cached(config: AttentionConfig, requested: str | None, source: str) 
 
 def describe_config(config: AttentionConfig) -> str:
     features = [f for f, on in (("sliding window", config.sliding_window), ("softcap", config.softcap),
-                                ("non-causal attention", not config.causal), ("attention sinks", config.sinks))
+                                ("non-causal attention", not config.causal), ("attention sinks", config.sinks),
+                                ("ALiBi", config.alibi))
                 if on]
     return (f"{config.platform} {str(config.dtype).removeprefix('torch.')} head_size={config.head_size}"
             f"/{config.head_size_v} kv_heads={config.num_kv_heads} block_size={config.block_size} "

@@ -51,6 +51,7 @@ class CPUBackend(Backend):
     supports_latent = True
     supports_non_causal = True
     supports_sinks = True
+    supports_alibi = True
 
     def __init__(self, partition_size: int | None = None, native_kernel: bool | None = None,
                  isa: str | None = None):
@@ -131,19 +132,19 @@ class CPUBackend(Backend):
     def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
                         softcap: float | None, out: torch.Tensor,
                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                        sinks: torch.Tensor | None = None) -> None:
+                        sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> None:
         layout, common, plan = step.layout, step.common, step.plan
         if layout.is_latent or common.num_actual_tokens == 0:
             return
         module = plan.module
         if module is None:
             paged_attention_torch(query, kv_cache, layout, common, scale, step.sliding_window, softcap, out,
-                                  k_scale, v_scale, sinks)
+                                  k_scale, v_scale, sinks, alibi_slopes)
             return
         cache_args, window, causal = plan.cache_args
         target = out if out.stride()[-1] == 1 else torch.zeros_like(out, memory_format=torch.contiguous_format)
         module.paged_attention(_last_dim_contiguous(query), kv_cache, target, plan.block_table, plan.query_start_loc,
                                plan.seq_lens, *cache_args, float(scale), window, float(softcap or 0.0), causal,
-                               plan.partition_len, plan.isa, k_scale, v_scale, sinks)
+                               plan.partition_len, plan.isa, k_scale, v_scale, sinks, alibi_slopes)
         if target is not out:
             out.copy_(target)

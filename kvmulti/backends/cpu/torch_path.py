@@ -38,7 +38,8 @@ def write_kv_torch(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torc
 def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
                           metadata: CommonAttentionMetadata, scale: float, sliding_window: int | None,
                           softcap: float | None, out: torch.Tensor, k_scale: torch.Tensor | None = None,
-                          v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> None:
+                          v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                          alibi_slopes: torch.Tensor | None = None) -> None:
     """Padded-batch attention over chunks of requests, each chunk one set of batched matmuls.
 
     For a chunk the context of each request (only the part some query can see) is gathered from
@@ -46,6 +47,7 @@ def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, layout: K
     causal / window mask is built from positions. Memory per chunk is bounded by SCORE_BUDGET_BYTES.
     An fp8 cache is read as ``float(k) * k_scale``, ``float(v) * v_scale`` (fp32 [Hkv] each).
     ``sinks`` fp32 [Hq]: one more logit per query head in each row's softmax, with no value.
+    ``alibi_slopes`` fp32 [Hq]: head h's scores gain ``slope[h] * (k_pos - q_pos)`` after softcap.
     """
     if layout.is_latent or metadata.num_actual_tokens == 0:
         return
@@ -65,12 +67,14 @@ def paged_attention_torch(query: torch.Tensor, kv_cache: torch.Tensor, layout: K
                 break
             end += 1
         _attend_chunk(query, kv_cache, layout, metadata, scale, sliding_window, softcap, out,
-                      torch.arange(start, end), qsl, seq_lens, query_lens, first, k_scale, v_scale, sinks)
+                      torch.arange(start, end), qsl, seq_lens, query_lens, first, k_scale, v_scale, sinks,
+                      alibi_slopes)
         start = end
 
 
 def _attend_chunk(query, kv_cache, layout, metadata, scale, sliding_window, softcap, out,
-                  reqs, qsl, seq_lens, query_lens, first, k_scale=None, v_scale=None, sinks=None) -> None:
+                  reqs, qsl, seq_lens, query_lens, first, k_scale=None, v_scale=None, sinks=None,
+                  alibi_slopes=None) -> None:
     qlen, seq, lo = query_lens[reqs], seq_lens[reqs], first[reqs]
     max_q, span = int(qlen.max()), int((seq - lo).max())
     if max_q == 0:
@@ -111,7 +115,11 @@ def _attend_chunk(query, kv_cache, layout, metadata, scale, sliding_window, soft
         visible &= (q_pos[:, :, None] - k_pos[:, None, :]) < sliding_window
     visible &= q_valid[:, :, None]
     visible = visible.to(device)[:, None, None]                               # [R, 1, 1, max_q, span]
-    scores = scores.view(len(reqs), hkv, group, max_q, span).masked_fill_(~visible, float("-inf"))
+    scores = scores.view(len(reqs), hkv, group, max_q, span)
+    if alibi_slopes is not None:                                              # slope x (k_pos - q_pos)
+        distance = (k_pos[:, None, :] - q_pos[:, :, None]).to(device=device, dtype=scores.dtype)
+        scores += alibi_slopes.view(1, hkv, group, 1, 1) * distance[:, None, None]
+    scores.masked_fill_(~visible, float("-inf"))
     if sinks is None:
         probs = torch.softmax(scores, dim=-1)                                 # a NaN query row stays NaN
     else:                                                                     # the sink: a last column, dropped

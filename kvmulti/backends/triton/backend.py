@@ -74,6 +74,7 @@ class TritonBackend(Backend):
     max_head_size = 256          # any head size up to 256 (padded to a power of two in the kernel)
     supports_sinks = True        # added where a row is normalised (triton_kernels/unified_attention.py)
     supports_non_causal = True   # every row sees its request's seq_len keys (encoder-only attention)
+    supports_alibi = True        # added where scores are formed (triton_kernels/unified_attention.py)
 
     def __init__(self, partition_size: int | None = None):
         super().__init__(partition_size)
@@ -147,7 +148,7 @@ class TritonBackend(Backend):
     def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
                         softcap: float | None, out: torch.Tensor,
                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                        sinks: torch.Tensor | None = None) -> None:
+                        sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> None:
         layout, common = step.layout, step.common
         s = layout.strides(kv_cache)
         _kernels().unified_attention(
@@ -157,4 +158,4 @@ class TritonBackend(Backend):
             num_reqs=common.num_reqs, num_tokens=common.num_actual_tokens,
             max_query_len=common.max_query_len, max_seq_len=common.max_seq_len, scale=scale,
             sliding_window=step.sliding_window, softcap=softcap, plan=step.plan, k_scale=k_scale, v_scale=v_scale,
-            sinks=sinks, causal=common.causal)
+            sinks=sinks, alibi_slopes=alibi_slopes, causal=common.causal)

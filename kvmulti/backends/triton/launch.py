@@ -182,6 +182,7 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
                        plan: AttentionPlan | None = None, k_scale: torch.Tensor | None = None,
                        v_scale: torch.Tensor | None = None,
                        sinks: torch.Tensor | None = None,
+                       alibi_slopes: torch.Tensor | None = None,
                        causal: bool = True) -> tuple[AttentionPlan, list[Launch]]:
     """The plan (``plan`` when given: made once per step by the backend's per-step hook) and the
     launches (one, or two on the split path) for one attention call; the split path's fp32
@@ -195,13 +196,18 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
 
     An fp8 cache needs ``k_scale`` / ``v_scale`` (fp32 [num_kv_heads], kvmulti/fp8.py); the
     query (and ``out``) may then be fp32, fp16 or bf16. ``sinks``: fp32 [num_q_heads] attention-sink
-    logits on the query's device (checked here: the kernels read num_q_heads of them), or None.
-    ``causal=False``: every row sees all ``seq_len`` keys of its request (no sliding window then)."""
+    logits on the query's device (checked here: the kernels read num_q_heads of them), or None;
+    ``alibi_slopes`` likewise fp32 [num_q_heads] ALiBi slopes, or None. ``causal=False``: every row
+    sees all ``seq_len`` keys of its request (no sliding window then)."""
     if not causal and sliding_window:
         raise ValueError("the Triton kernel has no sliding window for non-causal attention")
     if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()
                               or sinks.shape != (query.shape[1],) or sinks.device != query.device):
         raise ValueError(f"sinks must be a contiguous fp32 [{query.shape[1]}] tensor on {query.device}")
+    if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32 or not alibi_slopes.is_contiguous()
+                                     or alibi_slopes.shape != (query.shape[1],)
+                                     or alibi_slopes.device != query.device):
+        raise ValueError(f"alibi_slopes must be a contiguous fp32 [{query.shape[1]}] tensor on {query.device}")
     num_qpk = query.shape[1] // num_kv_heads
     family = device_family(query.device) if family is None else family
     max_seq_len = max(0, min(max_seq_len, block_table.shape[1] * block_size))   # keys past the table: never read
@@ -239,6 +245,7 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
         q_ptr=query, kv_ptr=raw_cache(kv_cache), out_ptr=out, qsl_ptr=query_start_loc, seq_lens_ptr=seq_lens,
         block_table_ptr=block_table, part_acc_ptr=part_acc, part_ml_ptr=part_ml, k_scale_ptr=k_scale,
         v_scale_ptr=v_scale, sinks_ptr=out if sinks is None else sinks,
+        alibi_ptr=out if alibi_slopes is None else alibi_slopes,
         scale=float(scale), num_reqs=num_reqs, num_q_heads=num_q_heads, num_parts=plan.num_parts,
         num_rows=num_rows, num_blocks=kv_cache.shape[0], table_rows=block_table.shape[0],
         table_cols=block_table.shape[1],
@@ -250,6 +257,7 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, HEAD_PAD=plan.head_pad, HEAD_PAD_V=plan.head_pad_v,
         SPLIT=plan.split, PART_SIZE=plan.partition_size if plan.split else 16, DOT_F32=dot_f32, FP8=fp8,
         TABLE_READS=plan.table_reads, PREFILL=plan.prefill, SINKS=sinks is not None, CAUSAL=bool(causal),
+        ALIBI=alibi_slopes is not None,
     )
     grid = (num_rows // plan.block_q + num_reqs, num_kv_heads, plan.num_parts)
     launches = [Launch("unified_attention", grid, args, plan.num_warps, plan.num_stages)]

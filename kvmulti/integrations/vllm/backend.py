@@ -115,15 +115,15 @@ class KvmultiStepMetadata:
         return self.common.num_actual_tokens
 
     def step_for(self, layout: KVCacheLayout, num_query_heads: int, sliding_window: int | None,
-                 backend: Backend, sinks: bool = False) -> StepMetadata:
+                 backend: Backend, sinks: bool = False, alibi: bool = False) -> StepMetadata:
         """The prepared step for a layer: built by the group's first such layer, then reused.
-        ``sinks``: the layer passes attention sinks."""
-        key = (layout, num_query_heads, sliding_window, backend.name, sinks)
+        ``sinks`` / ``alibi``: the layer passes attention sinks / ALiBi slopes."""
+        key = (layout, num_query_heads, sliding_window, backend.name, sinks, alibi)
         step = self.prepared.get(key)
         if step is None:
             step = ops.prepare_step(self.common, layout, num_query_heads, sliding_window=sliding_window,
                                     backend=backend, check_values=False,     # vLLM's scheduler made the ids
-                                    sinks=sinks)
+                                    sinks=sinks, alibi_slopes=alibi)
             self.prepared[key] = step
         return step
 
@@ -184,13 +184,14 @@ class KvmultiAttentionImpl(AttentionImpl):
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None) -> None:
         fp8 = kv_cache_dtype in FP8_KV_CACHE_DTYPES
-        unsupported = [what for what, present in (("ALiBi", alibi_slopes is not None),
-                                                  (f"kv_cache_dtype={kv_cache_dtype}", kv_cache_dtype != "auto" and not fp8),
+        unsupported = [what for what, present in ((f"kv_cache_dtype={kv_cache_dtype}", kv_cache_dtype != "auto" and not fp8),
                                                   (f"attn_type {getattr(attn_type, 'name', attn_type)} (served: DECODER, ENCODER_ONLY)",
                                                    attn_type not in SERVED_ATTN_TYPES),
                                                   ("a sliding window on encoder-only layers",
                                                    attn_type == AttentionType.ENCODER_ONLY
-                                                   and sliding_window is not None and sliding_window > 0))
+                                                   and sliding_window is not None and sliding_window > 0),
+                                                  ("ALiBi on encoder-only layers",
+                                                   attn_type == AttentionType.ENCODER_ONLY and alibi_slopes is not None))
                        if present]
         if unsupported:
             raise NotImplementedError(f"kvmulti's vLLM backend does not support {', '.join(unsupported)}")
@@ -206,6 +207,8 @@ class KvmultiAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         #: the layer's attention-sink logits [num_heads] (gpt-oss; loaded in place after construction)
         self.sinks = sinks
+        #: the layer's ALiBi slopes fp32 [num_heads] (this rank's heads), moved to the cache's device once
+        self.alibi_slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
         self._backend: Backend | None = None
         # the backends this layer may dispatch to are constructed now, at model construction (engine
         # start-up): a native build happens here, with its message, never in the first forward
@@ -228,7 +231,8 @@ class KvmultiAttentionImpl(AttentionImpl):
         if self._backend is None:
             self._backend = ops.resolve_backend(layout, device, sliding_window=self.sliding_window,
                                                 softcap=self.logits_soft_cap, sinks=self.sinks is not None,
-                                                causal=self.attn_type != AttentionType.ENCODER_ONLY)
+                                                causal=self.attn_type != AttentionType.ENCODER_ONLY,
+                                                alibi=self.alibi_slopes is not None)
         return self._backend
 
     def _forward_encoder_only(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -268,8 +272,12 @@ class KvmultiAttentionImpl(AttentionImpl):
             return self._forward_encoder_only(query, key, value, attn_metadata, output)
         view, layout = self._view(kv_cache)
         sinks = None if self.sinks is None else self.sinks.to(torch.float32)   # no copy when fp32 already
+        alibi = self.alibi_slopes
+        if alibi is not None and alibi.device != kv_cache.device:
+            alibi = self.alibi_slopes = alibi.to(kv_cache.device)
         step = attn_metadata.step_for(layout, self.num_heads, self.sliding_window,
-                                      self._kvmulti_backend(layout, kv_cache.device), sinks is not None)
+                                      self._kvmulti_backend(layout, kv_cache.device), sinks is not None,
+                                      alibi is not None)
         n = attn_metadata.num_actual_tokens
         scales = self._scales(layer)
         if key is not None and value is not None and self.kv_sharing_target_layer_name is None:
@@ -278,5 +286,5 @@ class KvmultiAttentionImpl(AttentionImpl):
         query = _rows(query, n).view(n, self.num_heads, self.head_size)
         out = _rows(output, n).view(n, self.num_heads, layout.value_size)
         ops.paged_attention(query, view, layout, step, self.scale, self.sliding_window, self.logits_soft_cap,
-                            out=out, sinks=sinks, **scales)
+                            out=out, sinks=sinks, alibi_slopes=alibi, **scales)
         return output
