@@ -27,6 +27,7 @@ from .backends.registry import get_backend, select_backend_for_layout
 from .fp8 import is_fp8, scale_tensor
 from .layout import CROSS_LAYER_ORDERS, KVCacheLayout, token_order
 from .metadata import CommonAttentionMetadata
+from .custom_ops import register_custom_ops
 from .validation import (check_attention_args, check_group_metadata, check_lengths, check_slot_values,
                          check_window, check_write, prepared_attention_is_plain, prepared_attention_tensors_fit,
                          prepared_write_is_plain, prepared_write_tensors_fit)
@@ -372,17 +373,6 @@ def _write_kv_impl(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     _write(key, value, kv_cache, layout, slot_mapping, get_backend(backend), k_scale, v_scale)
 
 
-# Eager calls go straight to _write / _attend (no dispatcher overhead); torch.compile traces the
-# custom ops, whose fake implementations give it shapes.
-_write_kv_op = torch.library.custom_op("kvmulti::write_kv", _write_kv_impl, mutates_args=("kv_cache",))
-
-
-@_write_kv_op.register_fake
-def _(key, value, kv_cache, slot_mapping, num_blocks, block_size, num_kv_heads, head_size, head_size_v,
-      order, num_layers, backend, k_scale=None, v_scale=None) -> None:
-    return None
-
-
 def _paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                           seq_lens: torch.Tensor, block_table: torch.Tensor, query_start_loc_cpu: torch.Tensor,
                           seq_lens_cpu: torch.Tensor, num_actual_tokens: int, max_query_len: int,
@@ -404,12 +394,5 @@ def _paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, query_sta
     return _attend(query, kv_cache, step, scale, softcap, None, k_scale, v_scale, sinks, alibi_slopes)
 
 
-_paged_attention_op = torch.library.custom_op("kvmulti::paged_attention", _paged_attention_impl, mutates_args=())
-
-
-@_paged_attention_op.register_fake
-def _(query, kv_cache, query_start_loc, seq_lens, block_table, query_start_loc_cpu, seq_lens_cpu,
-      num_actual_tokens, max_query_len, max_seq_len, causal, num_blocks, block_size, num_kv_heads, head_size,
-      head_size_v, order, num_layers, scale, sliding_window, softcap, backend, k_scale=None,
-      v_scale=None, sinks=None, alibi_slopes=None) -> torch.Tensor:
-    return query.new_empty(query.shape[0], query.shape[1], head_size_v)
+# eager calls go straight to _write / _attend; torch.compile traces the custom ops
+register_custom_ops(_write_kv_impl, _paged_attention_impl)
