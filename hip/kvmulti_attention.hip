@@ -919,8 +919,10 @@ __device__ void mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
   // Block size a multiple of 16 and an aligned cache (the serving case): a 16-key sub-tile lies in one block,
   // its block id a wave-uniform scalar. Anything else takes the shuffles and the unaligned loads: a third
   // instantiation (aligned, shuffled) spilled 2 - 6 SGPRs of the kernel on gfx90a.
-  if (p.kv_aligned16 && p.block_size % 16 == 0) mfma_stream<T, C, HS, true, true>(p, b, sh, rlo, rhi, slope, qpos, m, l, acc, qf);
-  else mfma_stream<T, C, HS, false, false>(p, b, sh, rlo, rhi, slope, qpos, m, l, acc, qf);
+  if (p.kv_aligned16 && p.block_size % 16 == 0)
+    mfma_stream<T, C, HS, true, true>(p, b, sh, rlo, rhi, slope, qpos, m, l, acc, qf);
+  else
+    mfma_stream<T, C, HS, false, false>(p, b, sh, rlo, rhi, slope, qpos, m, l, acc, qf);
 
   l = wave_sum_from<WAVE, 16>(l);
   if (g == 0) {

@@ -489,14 +489,17 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
 }
 
 // One LDS tile for both address paths (16-byte vector loads or element loads of a misaligned cache); ALiBi
-// takes its own instantiations (softcap decided at run time there).
+// takes its own instantiations (softcap decided at run time there) over 16-bit caches only: with fp8 codes
+// they spilled 1 - 2 SGPRs on gfx90a, so the launcher runs ALiBi over fp8 caches in the decode kernel.
 template <typename T, typename C, int HS>
 __device__ void prefill_mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
   __shared__ PrefillShared<PrefillElem<T, C>, HS> sh;
   const bool softcap = p.softcap > 0.f;
-  if (p.alibi_slopes) {
-    if (p.kv_aligned16) prefill_mfma_run<T, C, HS, true, -1, true>(p, b, sh);
-    else prefill_mfma_run<T, C, HS, false, -1, true>(p, b, sh);
+  if (!is_fp8<C>() && p.alibi_slopes) {
+    if constexpr (!is_fp8<C>()) {
+      if (p.kv_aligned16) prefill_mfma_run<T, C, HS, true, -1, true>(p, b, sh);
+      else prefill_mfma_run<T, C, HS, false, -1, true>(p, b, sh);
+    }
   } else if (p.kv_aligned16) {
     if (softcap) prefill_mfma_run<T, C, HS, true, 1, false>(p, b, sh);
     else prefill_mfma_run<T, C, HS, true, 0, false>(p, b, sh);

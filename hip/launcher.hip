@@ -255,7 +255,8 @@ __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
   hipStream_t s = (hipStream_t)stream;
   const int w = device_wave_size(wave);
   const int threshold = prefill_min_query < 0 ? kDefaultPrefillMinQuery : prefill_min_query;
-  const bool pf = threshold > 0 && max_query_len >= threshold;
+  // ALiBi over an fp8 cache: the decode kernel (the prefill kernel's MFMA path has no ALiBi instantiation there)
+  const bool pf = threshold > 0 && max_query_len >= threshold && !(alibi_slopes && cache_dtype >= kCacheE4M3);
   switch (dtype) {
     case 0: return dispatch_cache<float>(dtype, cache_dtype, w, head_size, p, pf, s);
     case 1: return dispatch_cache<__half>(dtype, cache_dtype, w, head_size, p, pf, s);
