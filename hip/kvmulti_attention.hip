@@ -79,6 +79,9 @@ struct PagedAttentionParams {
   float inv_softcap;             // 1 / softcap (0 when none)
   const float* k_scale;          // fp8 caches: [num_kv_heads] (keys read as float(k) * k_scale); else unused
   const float* v_scale;          // fp8 caches: [num_kv_heads]
+  const float* sinks;            // [num_q_heads] attention-sink logits (join each row's denominator once), or null
+  const float* alibi_slopes;     // [num_q_heads]: score += slope * (key pos - query pos), or null
+  int causal;                    // 0: every row sees all seq_len keys of its request
 };
 
 struct WriteKVParams {
@@ -117,6 +120,7 @@ struct BlockTask {
   int all_lo, all_hi; // keys visible to every row that sees any (empty: all_lo >= all_hi)
   int kmax;           // keys addressable through the block table: bt_cols * block_size (clamped)
   long long pos0;     // position of `token` in its sequence (any value for invalid metadata)
+  int seq_len;        // the request's seq_lens entry (the end of a non-causal row's keys)
   const int* bt;      // this request's block-table row
 };
 
@@ -125,7 +129,7 @@ __device__ __forceinline__ void key_range(const PagedAttentionParams& p, const B
                                           int& y) {
   const long long pos = b.pos0 + tq;
   long long lo = p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0;
-  long long hi = pos + 1;
+  long long hi = p.causal ? pos + 1 : (long long)b.seq_len;
   if (lo < 0) lo = 0;
   if (p.num_partitions > 1) {
     lo += (long long)b.part * p.partition_size;
@@ -168,7 +172,8 @@ __device__ __forceinline__ void fill_task(const PagedAttentionParams& p, BlockTa
                                           int q_begin, int q_end) {
   b.ntok = min(tokens_per_block, min(q_end, p.num_tokens) - b.token);
   b.rows = b.nheads * b.ntok;
-  b.pos0 = (long long)p.seq_lens[b.req] - ((long long)q_end - q_begin) + (b.token - q_begin);
+  b.seq_len = p.seq_lens[b.req];
+  b.pos0 = (long long)b.seq_len - ((long long)q_end - q_begin) + (b.token - q_begin);
   const long long kmax = (long long)p.bt_cols * p.block_size;
   b.kmax = (int)(kmax < 0 ? 0 : (kmax > 0x3fffffff ? 0x3fffffff : kmax));
   b.bt = p.block_table + (int64_t)b.req * p.bt_stride;
@@ -230,18 +235,46 @@ __device__ void write_empty_rows(const PagedAttentionParams& p, const BlockTask&
   }
 }
 
-// Per-row key ranges of the block in shared memory (rows >= b.rows: empty). Ends with a barrier.
+// What a block's row needs besides its query: its visible keys [lo, hi) and its ALiBi bias slope * (t - qpos)
+// for key t (slope 0 without ALiBi).
+template <int R>
+struct RowInfo {
+  int lo[R], hi[R], qpos[R];
+  float slope[R];
+};
+
+// Position of the query token tq of the block, clamped to int (any value for invalid metadata).
+__device__ __forceinline__ int query_pos(const BlockTask& b, int tq) {
+  const long long pos = b.pos0 + tq;
+  return (int)(pos < -0x3fffffff ? -0x3fffffff : pos > 0x3fffffff ? 0x3fffffff : pos);
+}
+
+// Per-row key ranges and ALiBi terms of the block in shared memory (rows >= b.rows: empty). Ends with a barrier.
 template <int R>
 __device__ __forceinline__ void publish_row_ranges(const PagedAttentionParams& p, const BlockTask& b,
-                                                   int (&rlo)[R], int (&rhi)[R]) {
+                                                   RowInfo<R>& ri) {
   const int r = (int)threadIdx.x;
   if (r < R) {
-    int x = 0, y = 0;
-    if (r < b.rows) key_range(p, b, (b.row0 + r) / b.nheads, x, y);
-    rlo[r] = x;
-    rhi[r] = y;
+    int x = 0, y = 0, qpos = 0;
+    float slope = 0.f;
+    if (r < b.rows) {
+      key_range(p, b, (b.row0 + r) / b.nheads, x, y);
+      qpos = query_pos(b, (b.row0 + r) / b.nheads);
+      if (p.alibi_slopes) slope = p.alibi_slopes[b.head0 + (b.row0 + r) % b.nheads];
+    }
+    ri.lo[r] = x;
+    ri.hi[r] = y;
+    ri.qpos[r] = qpos;
+    ri.slope[r] = slope;
   }
   __syncthreads();
+}
+
+// The attention-sink logit row r of the block adds to its softmax denominator: -inf (nothing) without
+// sinks, past the block's rows, or on the split-KV path (the reduce kernel adds it once, after the merge).
+__device__ __forceinline__ float row_sink(const PagedAttentionParams& p, const BlockTask& b, int r) {
+  if (!p.sinks || p.num_partitions > 1 || r >= b.rows) return -INFINITY;
+  return p.sinks[b.head0 + (b.row0 + r) % b.nheads];
 }
 
 // Tiles of KT keys, aligned to multiples of KT, covering [kv_lo, kv_hi); wave `warp` takes the
@@ -313,21 +346,24 @@ __device__ __forceinline__ const C* key_row(const PagedAttentionParams& p, const
 }
 
 // Cross-wave combine: every wave has per-row (m, l) and unnormalised accumulators; the block's result
-// is sum_w acc_w * exp(m_w - M) / L with M = max_w m_w, L = sum_w l_w exp(m_w - M). Waves publish m, l
-// (lanes holding them call with publish = true), then add their scaled accumulators into o_s in turn.
+// is sum_w acc_w * exp(m_w - M) / (L + exp(sink - M)) with M = max_w m_w, L = sum_w l_w exp(m_w - M) and
+// sink the row's attention-sink logit (-inf: none). Waves publish m, l (lanes holding them call with
+// publish = true), then add their scaled accumulators into o_s in turn.
 template <int R>
 struct Combine {
   float m[kNumWarps][R], l[kNumWarps][R];
 };
 template <int R>
-__device__ __forceinline__ float combine_factor(const Combine<R>& c, int warp, int r, float& M, float& L) {
+__device__ __forceinline__ float combine_factor(const Combine<R>& c, int warp, int r, float& M, float& L,
+                                                float sink = -INFINITY) {
   M = -FLT_MAX;
 #pragma unroll
   for (int w = 0; w < kNumWarps; ++w) M = fmaxf(M, c.m[w][r]);
   L = 0.f;
 #pragma unroll
   for (int w = 0; w < kNumWarps; ++w) L += c.l[w][r] * __expf(c.m[w][r] - M);
-  return L > 0.f ? __expf(c.m[warp][r] - M) / L : 0.f;
+  const float denom = L + __expf(sink - M);
+  return L > 0.f ? __expf(c.m[warp][r] - M) / denom : 0.f;
 }
 
 // Writes the block's normalised rows from o_s ([R][HS] floats) to the output or the split-KV workspace.
@@ -354,11 +390,12 @@ __device__ void write_rows(const PagedAttentionParams& p, const BlockTask& b, co
 }
 
 // Score post-processing shared by both engines: scale (p.scale, times k_scale where the MFMA engine
-// leaves it out of the dot product), softcap, mask (-inf: p = 0 below).
+// leaves it out of the dot product), softcap, the ALiBi bias (0 without), mask (-inf: p = 0 below).
 __device__ __forceinline__ float finish_score(const PagedAttentionParams& p, float s, float score_scale,
-                                              bool visible) {
+                                              float bias, bool visible) {
   s *= score_scale;
   if (p.softcap > 0.f) s = p.softcap * tanhf(s * p.inv_softcap);
+  s += bias;
   return visible ? s : -INFINITY;
 }
 
@@ -382,7 +419,7 @@ struct FmaShared {
   alignas(16) T kv[kNumWarps][2][KT * HS];  // per wave: K tile, V tile
   float s[kNumWarps][R][KT];         // per wave: the tile's scores
   int key_ok[kNumWarps][KT];         // per wave: the tile's keys have a valid block id
-  int rlo[R], rhi[R];
+  RowInfo<R> ri;
   Combine<R> comb;
 };
 
@@ -449,8 +486,8 @@ __device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const 
         const T* krow = ks + kk * HS;
 #pragma unroll 4
         for (int d = 0; d < HS; ++d) s += sh.qo.q[r][d] * scaled<T>(Cvt<T>::to(krow[d]), k_scale);
-        const bool vis = sh.key_ok[warp][kk] && t >= sh.rlo[r] && t < sh.rhi[r];
-        sh.s[warp][r][kk] = finish_score(p, s, p.scale, vis);
+        const bool vis = sh.key_ok[warp][kk] && t >= sh.ri.lo[r] && t < sh.ri.hi[r];
+        sh.s[warp][r][kk] = finish_score(p, s, p.scale, sh.ri.slope[r] * (float)(t - sh.ri.qpos[r]), vis);
       }
       wave_sync();
       // Online softmax, every lane for every row (uniform per wave), then PV from LDS.
@@ -505,7 +542,7 @@ __device__ void fma_body(const PagedAttentionParams& p, const BlockTask& b) {
     }
     sh.qo.q[r][d] = q;
   }
-  publish_row_ranges<R>(p, b, sh.rlo, sh.rhi);  // + barrier: q visible
+  publish_row_ranges<R>(p, b, sh.ri);  // + barrier: q visible
 
   float m[R], l[R], acc[R][DPL];
 #pragma unroll
@@ -530,7 +567,7 @@ __device__ void fma_body(const PagedAttentionParams& p, const BlockTask& b) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     float M, L;
-    const float f = combine_factor<R>(sh.comb, warp, r, M, L);
+    const float f = combine_factor<R>(sh.comb, warp, r, M, L, row_sink(p, b, r));
     for (int i = 0; i < DPL; ++i) acc[r][i] *= f;
   }
   for (int w = 0; w < kNumWarps; ++w) {
@@ -574,7 +611,7 @@ struct MfmaShared {
     float o[16][HS];                 // after the loop: the block's combined output rows
     uint8_t v[kNumWarps][16][HS];    // fp8 caches, in the loop: each wave's V sub-tile (codes, [key][dim])
   } ov;                              // the same size: fp8 staging adds no LDS to the 16-bit engine's
-  int rlo[16], rhi[16];
+  RowInfo<16> ri;
   Combine<16> comb;
 };
 
@@ -751,7 +788,8 @@ __device__ __forceinline__ void mfma_load_tile(const PagedAttentionParams& p, co
 // The MFMAs and the online softmax of the tile at key t0 whose loads x holds (lane roles above).
 template <typename T, typename C, int HS>
 __device__ __forceinline__ void mfma_tile(const PagedAttentionParams& p, const MfmaTile<C, HS>& x, int t0, int rlo,
-                                          int rhi, float score_scale, uint8_t* vs, float& m, float& l,
+                                          int rhi, float slope, int qpos, float score_scale, uint8_t* vs,
+                                          float& m, float& l,
                                           mfma_f32x4 (&acc)[MfmaGeom<C, HS>::PVC][8],
                                           const Frag (&qf)[MfmaGeom<C, HS>::QKC][MfmaGeom<C, HS>::FPC]) {
   using G = MfmaGeom<C, HS>;
@@ -770,7 +808,7 @@ __device__ __forceinline__ void mfma_tile(const PagedAttentionParams& p, const M
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int t = t0 + 16 * sub + 4 * g + e;
-      s[sub][e] = finish_score(p, d[e], score_scale, x.ok[sub][e] && t >= rlo && t < rhi);
+      s[sub][e] = finish_score(p, d[e], score_scale, slope * (float)(t - qpos), x.ok[sub][e] && t >= rlo && t < rhi);
       tmax = fmaxf(tmax, s[sub][e]);
     }
   }
@@ -812,7 +850,7 @@ __device__ __forceinline__ void mfma_tile(const PagedAttentionParams& p, const M
 // is a multiple of 16 (SubTileRows: the block ids are wave-uniform scalars, no shuffles).
 template <typename T, typename C, int HS, bool ALIGNED, bool WHOLE>
 __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const BlockTask& b, MfmaShared<HS>& sh,
-                                            int rlo, int rhi, float& m, float& l,
+                                            int rlo, int rhi, float slope, int qpos, float& m, float& l,
                                             mfma_f32x4 (&acc)[MfmaGeom<C, HS>::PVC][8],
                                             const Frag (&qf)[MfmaGeom<C, HS>::QKC][MfmaGeom<C, HS>::FPC]) {
   using G = MfmaGeom<C, HS>;
@@ -836,7 +874,7 @@ __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const
       const int t0 = tiles.base + tile * KT;
       MfmaTile<C, HS> x;
       mfma_load_tile<C, HS, ALIGNED, WHOLE>(p, b, cache, bt_win, ws, inv_bs, t0, x);
-      mfma_tile<T, C, HS>(p, x, t0, rlo, rhi, score_scale, vs, m, l, acc, qf);
+      mfma_tile<T, C, HS>(p, x, t0, rlo, rhi, slope, qpos, score_scale, vs, m, l, acc, qf);
     }
   }
 }
@@ -849,8 +887,9 @@ __device__ void mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
   __shared__ MfmaShared<HS> sh;
   const int tid = (int)threadIdx.x, lane = tid % WAVE, warp = tid / WAVE;
   const int n = lane % 16, g = lane / 16;
-  publish_row_ranges<16>(p, b, sh.rlo, sh.rhi);
-  const int rlo = sh.rlo[n], rhi = sh.rhi[n];
+  publish_row_ranges<16>(p, b, sh.ri);
+  const int rlo = sh.ri.lo[n], rhi = sh.ri.hi[n], qpos = sh.ri.qpos[n];
+  const float slope = sh.ri.slope[n];
   // Q fragments (B operand of S^T = K Q^T) of row n, unscaled; rows past b.rows are zero.
   Frag qf[QKC][FPC];
   const T* q = nullptr;
@@ -880,8 +919,10 @@ __device__ void mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
   // Block size a multiple of 16 and an aligned cache (the serving case): a 16-key sub-tile lies in one block,
   // its block id a wave-uniform scalar. Anything else takes the shuffles and the unaligned loads: a third
   // instantiation (aligned, shuffled) spilled 2 - 6 SGPRs of the kernel on gfx90a.
-  if (p.kv_aligned16 && p.block_size % 16 == 0) mfma_stream<T, C, HS, true, true>(p, b, sh, rlo, rhi, m, l, acc, qf);
-  else mfma_stream<T, C, HS, false, false>(p, b, sh, rlo, rhi, m, l, acc, qf);
+  if (p.kv_aligned16 && p.block_size % 16 == 0)
+    mfma_stream<T, C, HS, true, true>(p, b, sh, rlo, rhi, slope, qpos, m, l, acc, qf);
+  else
+    mfma_stream<T, C, HS, false, false>(p, b, sh, rlo, rhi, slope, qpos, m, l, acc, qf);
 
   l = wave_sum_from<WAVE, 16>(l);
   if (g == 0) {
@@ -895,7 +936,7 @@ __device__ void mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     float M, L;
-    f[r] = combine_factor<16>(sh.comb, warp, 4 * g + r, M, L) * v_scale;
+    f[r] = combine_factor<16>(sh.comb, warp, 4 * g + r, M, L, row_sink(p, b, 4 * g + r)) * v_scale;
   }
   for (int w = 0; w < kNumWarps; ++w) {
     if (warp == w) {
@@ -962,6 +1003,7 @@ __global__ void __launch_bounds__(256) paged_attention_reduce_kernel(const Paged
   __syncthreads();
   float total = 0.f;
   for (int i = 0; i < P; ++i) total += w_s[i];
+  if (p.sinks) total += __expf(p.sinks[head] - gmax);  // the sink joins the merged denominator once
   const float inv = total > 0.f ? 1.f / total : 0.f;
   T* op = static_cast<T*>(p.out) + (int64_t)token * p.o_stride_token + (int64_t)head * p.o_stride_head;
   for (int d = tid; d < head_size; d += nt) {

@@ -238,12 +238,15 @@ struct PrefillRows {
   float cap_scale;       // softcap: the tanh argument per raw dot product (score scale / softcap)
   float exp_scale;       // log2(e) per unit of the scores the softmax runs on (raw dot products, or capped)
   float score_unit;      // those scores -> the softmax's natural units (split-KV partials' max)
+  float alibi_unit;      // ALiBi: this lane's row's slope in those score units (0 without ALiBi)
+  int qpos;              // this lane's row's query position (the ALiBi distance's origin)
 };
 
 // One tile of the wave: S^T, masks (MASKED only), online softmax, P V. Lane roles as in mfma_stream; L, VL:
 // the 16-bit element types of the K and V tiles in LDS (P V runs on VL's MFMA). SOFTCAP: 1 = on, 0 = off,
-// -1 = p.softcap decides at run time.
-template <typename T, typename L, typename VL, int HS, bool MASKED, int SOFTCAP>
+// -1 = p.softcap decides at run time. ALIBI: add the rows' ALiBi bias (a separate instantiation: the plain
+// loop keeps its instruction count).
+template <typename T, typename L, typename VL, int HS, bool MASKED, int SOFTCAP, bool ALIBI>
 __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, const PrefillShared<L, HS>& sh,
                                              const PrefillRows& w, int t0, float& m, float& l,
                                              mfma_f32x4 (&acc)[MfmaGeom<L, HS>::PVC][8],
@@ -270,8 +273,9 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
     for (int e = 0; e < 4; ++e) {
       float x = d[e];  // raw (without softcap: the scale is applied in the exponent)
       if (SOFTCAP > 0 || (SOFTCAP < 0 && softcap)) x = p.softcap * tanhf(x * w.cap_scale);
+      const int t = t0 + 16 * sub + 4 * g + e;
+      if constexpr (ALIBI) x = fmaf(w.alibi_unit, (float)(t - w.qpos), x);  // after softcap, before the mask
       if constexpr (MASKED) {  // keys outside this lane's row range
-        const int t = t0 + 16 * sub + 4 * g + e;
         bool vis = t >= w.rlo && t < w.rhi;
         x = vis ? x : -INFINITY;
       }
@@ -340,9 +344,10 @@ struct TileOrder {
 };
 
 // Tiles ord(from) .. ord(to - 1) of the task: store the loaded tile, barrier, issue the next tile's K/V
-// loads and the block-table entries of the one after it, compute, barrier. MASKED / SOFTCAP as in
+// loads and the block-table entries of the one after it, compute, barrier. MASKED / SOFTCAP / ALIBI as in
 // prefill_tile.
-template <typename T, typename C, int HS, bool ALIGNED, bool MASKED, int SOFTCAP, typename L = PrefillElem<T, C>>
+template <typename T, typename C, int HS, bool ALIGNED, bool MASKED, int SOFTCAP, bool ALIBI,
+          typename L = PrefillElem<T, C>>
 __device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, const BlockTask& b, PrefillShared<L, HS>& sh,
                                               PrefillPipe<C, HS, L>& pipe, const PrefillRows& w, int from, int to,
                                               int base, const TileOrder& ord, float inv_bs,
@@ -357,20 +362,20 @@ __device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, con
     prefill_store<C, HS, L, PrefillVElem<T, C>>(sh, pipe.kr, pipe.vr);
     __syncthreads();
 #if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
-    if constexpr (!MASKED && SOFTCAP == 0) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
+    if constexpr (!MASKED && SOFTCAP == 0 && !ALIBI) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
 #endif
     if (k + 1 < ntiles) {  // in flight while this tile computes
       prefill_load<C, HS, L, ALIGNED>(p, b, cache, pipe.next, inv_bs, base + ord(k + 1) * KT, pipe.kr, pipe.vr);
       if (k + 2 < ntiles) pipe.next = tile_table(p, bt_lane, base + ord(k + 2) * KT, inv_bs, lane);
     }
     if (t0 < w.hi_max && t1 > w.lo_min)  // some row of this wave sees a key of the tile
-      prefill_tile<T, L, PrefillVElem<T, C>, HS, MASKED, SOFTCAP>(p, sh, w, t0, m, l, acc, qf);
+      prefill_tile<T, L, PrefillVElem<T, C>, HS, MASKED, SOFTCAP, ALIBI>(p, sh, w, t0, m, l, acc, qf);
     __syncthreads();  // the next store rewrites the tile
   }
 }
 
 // T: the query's and output's type (fp16 / bf16); C: the cache's (T, or an fp8 type); L: the LDS tiles'.
-template <typename T, typename C, int HS, bool ALIGNED, int SOFTCAP, typename L = PrefillElem<T, C>>
+template <typename T, typename C, int HS, bool ALIGNED, int SOFTCAP, bool ALIBI, typename L = PrefillElem<T, C>>
 __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, const BlockTask& b,
                                                  PrefillShared<L, HS>& sh) {
   using G = MfmaGeom<L, HS>;
@@ -389,8 +394,10 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
   const float score_scale = is_fp8<C>() ? p.scale * p.k_scale[b.kv_head] : p.scale;
   constexpr float kLog2e = 1.4426950408889634f;
   w.cap_scale = score_scale * p.inv_softcap;
-  w.score_unit = SOFTCAP ? 1.f : score_scale;
+  w.score_unit = SOFTCAP > 0 || (SOFTCAP < 0 && p.softcap > 0.f) ? 1.f : score_scale;
   w.exp_scale = kLog2e * w.score_unit;
+  w.qpos = has_row ? query_pos(b, row / b.nheads) : 0;
+  w.alibi_unit = ALIBI && has_row ? p.alibi_slopes[b.head0 + row % b.nheads] / w.score_unit : 0.f;
   // Q fragments (B operand of S^T = K Q^T) of the lane's row, unscaled; rows past b.rows are zero.
   Frag qf[QKC][FPC];
   const T* q = nullptr;
@@ -434,10 +441,10 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
   const TileTable first = tile_table(p, bt_lane, base + ord(0) * KT, inv_bs, lane);
   prefill_load<C, HS, L, ALIGNED>(p, b, cache, first, inv_bs, base + ord(0) * KT, pipe.kr, pipe.vr);
   pipe.next = ntiles > 1 ? tile_table(p, bt_lane, base + ord(1) * KT, inv_bs, lane) : first;
-  prefill_tiles<T, C, HS, ALIGNED, true, SOFTCAP>(p, b, sh, pipe, w, 0, ord.masked(), base, ord,
-                                                  inv_bs, m, l, acc, qf);
-  prefill_tiles<T, C, HS, ALIGNED, false, SOFTCAP>(p, b, sh, pipe, w, ord.masked(), ntiles, base, ord,
-                                                   inv_bs, m, l, acc, qf);
+  prefill_tiles<T, C, HS, ALIGNED, true, SOFTCAP, ALIBI>(p, b, sh, pipe, w, 0, ord.masked(), base, ord,
+                                                         inv_bs, m, l, acc, qf);
+  prefill_tiles<T, C, HS, ALIGNED, false, SOFTCAP, ALIBI>(p, b, sh, pipe, w, ord.masked(), ntiles, base, ord,
+                                                          inv_bs, m, l, acc, qf);
 
   l = wave_sum_from<WAVE, 16>(l);
   if (!live) {  // a row with no visible key (e.g. outside this partition) may have taken unmasked tiles
@@ -452,7 +459,9 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
     const int rr = 16 * warp + 4 * g + r;
     if (rr >= b.rows) continue;
     const int tok = b.token + rr / b.nheads, head = b.head0 + rr % b.nheads;
-    const float f = rl > 0.f ? v_scale / rl : 0.f;
+    // the attention sink joins the denominator here unless the reduce kernel adds it after the merge
+    const float sink = p.sinks && p.num_partitions == 1 ? __expf(p.sinks[head] - rm * w.score_unit) : 0.f;
+    const float f = rl > 0.f ? v_scale / (rl + sink) : 0.f;
     if (p.num_partitions > 1) {
       const int64_t idx = ((int64_t)tok * p.num_q_heads + head) * p.num_partitions + b.part;
       if (n == 0) {
@@ -479,17 +488,24 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
   }
 }
 
-// One LDS tile for both address paths (16-byte vector loads or element loads of a misaligned cache).
+// One LDS tile for both address paths (16-byte vector loads or element loads of a misaligned cache); ALiBi
+// takes its own instantiations (softcap decided at run time there) over 16-bit caches only: with fp8 codes
+// they spilled 1 - 2 SGPRs on gfx90a, so the launcher runs ALiBi over fp8 caches in the decode kernel.
 template <typename T, typename C, int HS>
 __device__ void prefill_mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
   __shared__ PrefillShared<PrefillElem<T, C>, HS> sh;
   const bool softcap = p.softcap > 0.f;
-  if (p.kv_aligned16) {
-    if (softcap) prefill_mfma_run<T, C, HS, true, 1>(p, b, sh);
-    else prefill_mfma_run<T, C, HS, true, 0>(p, b, sh);
+  if (!is_fp8<C>() && p.alibi_slopes) {
+    if constexpr (!is_fp8<C>()) {
+      if (p.kv_aligned16) prefill_mfma_run<T, C, HS, true, -1, true>(p, b, sh);
+      else prefill_mfma_run<T, C, HS, false, -1, true>(p, b, sh);
+    }
+  } else if (p.kv_aligned16) {
+    if (softcap) prefill_mfma_run<T, C, HS, true, 1, false>(p, b, sh);
+    else prefill_mfma_run<T, C, HS, true, 0, false>(p, b, sh);
   } else {
-    if (softcap) prefill_mfma_run<T, C, HS, false, 1>(p, b, sh);
-    else prefill_mfma_run<T, C, HS, false, 0>(p, b, sh);
+    if (softcap) prefill_mfma_run<T, C, HS, false, 1, false>(p, b, sh);
+    else prefill_mfma_run<T, C, HS, false, 0, false>(p, b, sh);
   }
 }
 #endif  // KVMULTI_HAS_MFMA

@@ -135,7 +135,7 @@ hipError_t launch_write(int dtype, int cache_dtype, const WriteKVParams& p, hipS
 extern "C" {
 
 // Bumped whenever an entry point's signature changes (checked by the Python side).
-__attribute__((visibility("default"))) int kvmulti_hip_abi_version() { return 5; }
+__attribute__((visibility("default"))) int kvmulti_hip_abi_version() { return 6; }
 
 // Head sizes with compiled instantiations (K and V head sizes must be equal for attention).
 __attribute__((visibility("default"))) int kvmulti_hip_head_sizes(int* out, int cap) {
@@ -189,7 +189,10 @@ __attribute__((visibility("default"))) long long kvmulti_hip_workspace_floats(in
 // past it are neither read nor written), block table [bt_rows, >= bt_cols] with row stride bt_stride,
 // num_blocks = blocks of kv_cache. query_start_loc must hold num_reqs + 1 and seq_lens num_reqs ints.
 // max_query_len: the step's longest query (an upper bound is fine); prefill_min_query: the prefill kernel
-// runs when max_query_len >= it (< 0: the default threshold, 0: never).
+// runs when max_query_len >= it (< 0: the default threshold, 0: never). sinks / alibi_slopes: fp32
+// [num_q_heads] on the device or null (attention-sink logits joining each row's softmax denominator once;
+// ALiBi slopes, score += slope * (key position - query position) after scale and softcap). causal 0: every
+// query row sees all seq_lens[r] keys of its request (a sliding window still cuts keys before pos - W + 1).
 __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
     int dtype, int cache_dtype, const float* k_scale, const float* v_scale, int head_size, int wave, void* out,
     const void* query, const void* kv_cache,
@@ -198,7 +201,8 @@ __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
     long long kv_stride_token, long long kv_stride_head, long long bt_stride, int num_reqs, int num_tokens,
     int num_q_heads, int num_kv_heads, int block_size, int sliding_window, float scale, float softcap,
     int partition_size, int num_partitions, float* workspace, int num_query_rows, int bt_rows, int bt_cols,
-    int num_blocks, int max_query_len, int prefill_min_query, void* stream) {
+    int num_blocks, int max_query_len, int prefill_min_query, const float* sinks, const float* alibi_slopes,
+    int causal, void* stream) {
   if (num_tokens > num_query_rows) num_tokens = num_query_rows;  // never touch rows past query / out
   if (num_tokens <= 0) return hipSuccess;
   if (num_reqs <= 0 || num_q_heads <= 0 || num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 ||
@@ -245,10 +249,14 @@ __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
   p.inv_softcap = softcap > 0.f ? 1.f / softcap : 0.f;
   p.k_scale = k_scale;
   p.v_scale = v_scale;
+  p.sinks = sinks;
+  p.alibi_slopes = alibi_slopes;
+  p.causal = causal ? 1 : 0;
   hipStream_t s = (hipStream_t)stream;
   const int w = device_wave_size(wave);
   const int threshold = prefill_min_query < 0 ? kDefaultPrefillMinQuery : prefill_min_query;
-  const bool pf = threshold > 0 && max_query_len >= threshold;
+  // ALiBi over an fp8 cache: the decode kernel (the prefill kernel's MFMA path has no ALiBi instantiation there)
+  const bool pf = threshold > 0 && max_query_len >= threshold && !(alibi_slopes && cache_dtype >= kCacheE4M3);
   switch (dtype) {
     case 0: return dispatch_cache<float>(dtype, cache_dtype, w, head_size, p, pf, s);
     case 1: return dispatch_cache<__half>(dtype, cache_dtype, w, head_size, p, pf, s);

@@ -2,8 +2,8 @@
 
 The oracle against a dense softmax written here, the CPU backend (native kernel and torch path)
 and the TRITON backend (Triton's interpreter on CPU tensors, as tests/test_triton_backend.py:
-single pass, both prefill-loop families and split-KV) against the oracle; the backends without
-it (HIP, SYCL, IPEX) name it as a capability reason, and TRITON refuses a window with it."""
+single pass, both prefill-loop families and split-KV) against the oracle (HIP: tests/test_hip_features.py);
+the backends without it (SYCL, IPEX) name it as a capability reason, and TRITON refuses a window with it."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def test_triton_serves_non_causal_but_not_with_a_window():
     assert "no sliding window for non-causal" in reason
 
 
-@pytest.mark.parametrize("name", ["HIP", "SYCL", "IPEX"])
+@pytest.mark.parametrize("name", ["SYCL", "IPEX"])
 def test_other_backends_name_non_causal_as_the_reason(name):
     from kvmulti.backends.registry import get_backend
     reasons = get_backend(name).capability_reasons(_config())

@@ -50,6 +50,9 @@ class HipBackend(Backend):
     platforms = ("rocm",)
     dtypes = ALL_DTYPES + FP8_DTYPES     # fp8 caches: the FMA engine, hip/kvmulti_common.h's fp8 codecs
     head_sizes = HEAD_SIZES
+    supports_sinks = True        # joined where a row is normalised, or by the split-KV reduce kernel
+    supports_alibi = True        # added where scores are formed (both engines, both kernels)
+    supports_non_causal = True   # every row sees its request's seq_len keys (a window: one-sided, as CPU's)
 
     def __init__(self, partition_size: int | None = None, cpu_wave: int | None = None,
                  prefill_min_query: int = -1):
@@ -138,8 +141,10 @@ class HipBackend(Backend):
         if num_tokens == 0:
             return HipPlan(qsl, seq_lens, table, 0, 1, None)
         lib, _, _ = self._library(device)
-        # keys past the table's width are never read (the kernels stop there)
-        max_span = min(max_visible_span(common.max_seq_len, sliding_window), table.shape[1] * layout.block_size)
+        # keys past the table's width are never read (the kernels stop there); a non-causal row with a
+        # window sees its keys from pos - W + 1 to seq_len, more than W of them
+        span = max_visible_span(common.max_seq_len, sliding_window) if common.causal else common.max_seq_len
+        max_span = min(span, table.shape[1] * layout.block_size)
         ps, npart = ctypes.c_int(0), ctypes.c_int(1)
         check(lib, lib.kvmulti_hip_plan(num_tokens, num_query_heads, layout.num_kv_heads,
                                         max_span, self.partition_size,
@@ -171,7 +176,8 @@ class HipBackend(Backend):
 
     def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
                         softcap: float | None, out: torch.Tensor,
-                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                        sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> None:
         layout, common, plan = step.layout, step.common, step.plan
         num_tokens = common.num_actual_tokens
         if num_tokens == 0:
@@ -193,7 +199,8 @@ class HipBackend(Backend):
                 float(softcap or 0.0), plan.partition_size, plan.num_partitions,
                 plan.workspace.data_ptr() if plan.workspace is not None else None,
                 min(query.shape[0], dst.shape[0]), plan.block_table.shape[0], plan.block_table.shape[1],
-                min(layout.num_blocks, kv_cache.shape[0]), int(common.max_query_len), self.prefill_min_query, stream)
+                min(layout.num_blocks, kv_cache.shape[0]), int(common.max_query_len), self.prefill_min_query,
+                _ptr(sinks), _ptr(alibi_slopes), int(bool(common.causal)), stream)
         check(lib, err, "paged_attention", kv_cache.device.type == "cpu")
         if dst is not out:
             out.copy_(dst)
@@ -223,9 +230,10 @@ def _rocm_reasons() -> list[str]:
     return reasons
 
 
-def _ptr(scale: torch.Tensor | None) -> int | None:
-    """The data pointer of an fp8 cache's fp32 [num_kv_heads] scale (None for other caches)."""
-    return None if scale is None else scale.data_ptr()
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    """The data pointer of an optional fp32 tensor: an fp8 cache's [num_kv_heads] scale, the [num_q_heads]
+    sinks or ALiBi slopes (contiguous, on the cache's device); None when absent."""
+    return None if tensor is None else tensor.data_ptr()
 
 
 def _device_guard(device: torch.device):

@@ -10,7 +10,7 @@ import torch
 
 from .build import HipBuildError, build_cpu_library, build_rocm_library, prebuilt_rocm_library
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 #: cache_dtype codes: a query-dtype cache as DTYPE_CODES, fp8 caches 3 (e4m3fn) and 4 (e5m2)
 CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
@@ -31,7 +31,7 @@ def _bind(lib: ctypes.CDLL, harness: bool) -> ctypes.CDLL:
     lib.kvmulti_hip_head_sizes.argtypes = [ctypes.POINTER(_I), _I]
     lib.kvmulti_hip_head_sizes.restype = _I
     lib.kvmulti_hip_paged_attention.argtypes = ([_I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P] + [_LL] * 8 + [_I] * 6
-                                                + [_F, _F, _I, _I, _P, _I, _I, _I, _I, _I, _I, _P])
+                                                + [_F, _F, _I, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _I, _P])
     lib.kvmulti_hip_paged_attention.restype = _I
     lib.kvmulti_hip_write_kv.argtypes = [_I, _I, _P, _P, _P, _P, _P, _P] + [_LL] * 9 + [_I] * 6 + [_P]
     lib.kvmulti_hip_write_kv.restype = _I
