@@ -92,6 +92,30 @@ def _rows(name: str, ops: tuple[str, ...], heads_id: str, heads_check: str, head
     ]
 
 
+def _per_head(rule: str, name: str, meaning: str, finite: bool = False) -> list[Rule]:
+    """The rules of an optional fp32 [num_query_heads] attention argument on the cache's device."""
+    when = f"{name} is not None"
+    found = [
+        Rule(f"{rule}.type", A, f"isinstance({name}, torch.Tensor)",
+             f"{name} must be a torch.Tensor, got {{type({name}).__name__}}", TypeError, frozenset({FULL}), when),
+        Rule(f"{rule}.dtype", A, f"{name}.dtype == torch.float32",
+             f"{name} has dtype {{{name}.dtype}}, must be torch.float32", TypeError, frozenset({FULL}), when),
+        Rule(f"{rule}.shape", A, f"{name}.shape == (query.shape[1],)",
+             f"{name} has shape {{tuple({name}.shape)}}, expected ({{query.shape[1]}},) ({meaning})",
+             ValueError, frozenset({FULL}), when),
+        Rule(f"{rule}.device", A, f"{name}.device == device",
+             f"{name} is on {{{name}.device}} but the kv_cache is on {{device}}", ValueError, frozenset({FULL}), when),
+    ]
+    if finite:
+        found += [
+            Rule(f"{rule}.contiguous", A, f"{name}.is_contiguous()", f"{name} must be contiguous",
+                 ValueError, frozenset({FULL}), when),
+            Rule(f"{rule}.finite", A, f"bool(torch.isfinite({name}).all())", f"{name} must be finite",
+                 ValueError, frozenset({FULL}), when),
+        ]
+    return found
+
+
 RULES: tuple[Rule | str, ...] = (
     Rule("layout.type", WA, "isinstance(layout, KVCacheLayout)",
          "layout must be a kvmulti.KVCacheLayout, got {type(layout).__name__}", TypeError, frozenset({FULL})),
@@ -135,33 +159,9 @@ RULES: tuple[Rule | str, ...] = (
     Rule("step.query_rows", A, "query.shape[0] >= rows",
          "query has {query.shape[0]} tokens, metadata.num_actual_tokens is {rows}", ValueError, EVERYWHERE,
          "step is not None"),
-    # attention sinks: one fp32 logit per query head (full path only: a call with sinks skips the fast paths)
-    Rule("sinks.type", A, "isinstance(sinks, torch.Tensor)", "sinks must be a torch.Tensor, got {type(sinks).__name__}",
-         TypeError, frozenset({FULL}), "sinks is not None"),
-    Rule("sinks.dtype", A, "sinks.dtype == torch.float32", "sinks has dtype {sinks.dtype}, must be torch.float32",
-         TypeError, frozenset({FULL}), "sinks is not None"),
-    Rule("sinks.shape", A, "sinks.shape == (query.shape[1],)",
-         "sinks has shape {tuple(sinks.shape)}, expected ({query.shape[1]},) (one logit per query head)",
-         ValueError, frozenset({FULL}), "sinks is not None"),
-    Rule("sinks.device", A, "sinks.device == device", "sinks is on {sinks.device} but the kv_cache is on {device}",
-         ValueError, frozenset({FULL}), "sinks is not None"),
-    # ALiBi: one fp32 slope per query head (full path only, as sinks)
-    Rule("alibi.type", A, "isinstance(alibi_slopes, torch.Tensor)",
-         "alibi_slopes must be a torch.Tensor, got {type(alibi_slopes).__name__}",
-         TypeError, frozenset({FULL}), "alibi_slopes is not None"),
-    Rule("alibi.dtype", A, "alibi_slopes.dtype == torch.float32",
-         "alibi_slopes has dtype {alibi_slopes.dtype}, must be torch.float32",
-         TypeError, frozenset({FULL}), "alibi_slopes is not None"),
-    Rule("alibi.shape", A, "alibi_slopes.shape == (query.shape[1],)",
-         "alibi_slopes has shape {tuple(alibi_slopes.shape)}, expected ({query.shape[1]},) (one slope per query head)",
-         ValueError, frozenset({FULL}), "alibi_slopes is not None"),
-    Rule("alibi.device", A, "alibi_slopes.device == device",
-         "alibi_slopes is on {alibi_slopes.device} but the kv_cache is on {device}",
-         ValueError, frozenset({FULL}), "alibi_slopes is not None"),
-    Rule("alibi.contiguous", A, "alibi_slopes.is_contiguous()", "alibi_slopes must be contiguous",
-         ValueError, frozenset({FULL}), "alibi_slopes is not None"),
-    Rule("alibi.finite", A, "bool(torch.isfinite(alibi_slopes).all())", "alibi_slopes must be finite",
-         ValueError, frozenset({FULL}), "alibi_slopes is not None"),
+    # per query head fp32 tensors (full path only: a call with either skips the fast paths)
+    *_per_head("sinks", "sinks", "one logit per query head"),
+    *_per_head("alibi", "alibi_slopes", "one slope per query head", finite=True),
     Rule("scale.type", A, "not isinstance(scale, bool) and isinstance(scale, (int, float))",
          "scale must be a float or None, got {type(scale).__name__}", TypeError, CHECKED, "scale is not None"),
     Rule("scale.finite", A, "math.isfinite(scale)", "scale must be finite, got {scale}", ValueError, EVERYWHERE,
