@@ -21,7 +21,8 @@ models, one engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 * a BERT-style embedding model (encoder-only, non-causal layers without a KV cache; made by
   tests/vllm_bert_model.py, embedded by tests/vllm_embed_run.py) gives CPU_ATTN's embeddings, and
   ENCODER / ENCODER_DECODER layers are refused with the reason;
-* ``draft_model`` speculative decoding with target and draft on kvmulti equals target-only output;
+* ``draft_model`` speculative decoding with target and draft on kvmulti equals target-only output,
+  also with a Bloom-style (ALiBi) target and draft;
 * without ``KVMULTI_VLLM`` the plugin leaves CPU_ATTN alone;
 * vLLM's default multiprocess engine with an empty kvmulti cache builds the kernel at start-up
   and gives CPU_ATTN's ids;
@@ -135,11 +136,11 @@ def test_fp8_kv_cache_runs_on_kvmulti(cpu_attn, kv_cache_dtype):
     assert same >= 0.6 * sum(len(t) for t in want), f"{same} of {sum(len(t) for t in want)} tokens equal"
 
 
-def tiny_checkpoint(tmp_path_factory, script: str) -> str:
-    """A tiny random checkpoint written by ``tests/<script>`` in vLLM's venv (its transformers)."""
+def tiny_checkpoint(tmp_path_factory, script: str, *args: str) -> str:
+    """A tiny random checkpoint written by ``tests/<script> DIR *args`` in vLLM's venv (its transformers)."""
     require_vllm()
     path = tmp_path_factory.mktemp(script.removesuffix(".py"))
-    run = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / script), str(path)],
+    run = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / script), str(path), *args],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     return str(path)
@@ -185,6 +186,15 @@ def bloom_model(tmp_path_factory) -> str:
 def test_bloom_style_alibi_model_equals_cpu_attn(bloom_model, block_size):
     # ALiBi on every layer (8 heads, slopes 2^-1 .. 2^-8); prompts of 9-40 tokens, 16 new tokens
     assert_ids_equal_cpu_attn(bloom_model, block_size)
+
+
+def test_alibi_model_with_draft_model_speculative_equals_cpu_attn(bloom_model, tmp_path_factory):
+    # target and a one-layer draft both Bloom-style (ALiBi); the verification step runs ALiBi over
+    # several query rows per request
+    draft = tiny_checkpoint(tmp_path_factory, "vllm_bloom_model.py", "--draft")
+    want = generate(False, "--block-size", "32", "--model", bloom_model)
+    got = kvmulti_run("--block-size", "32", "--model", bloom_model, "--draft", draft, "--num-spec-tokens", "3")
+    assert got["token_ids"] == want["token_ids"]
 
 
 def test_draft_model_speculative_equals_target_only(cpu_attn):
