@@ -39,8 +39,7 @@
 // Split-KV (long contexts, few work-groups): the same kernel over one partition of the key range
 // writes an unnormalised partial output + (max, sum) per row; kvm_split_reduce combines them.
 //
-// Optional terms (the oracle's, kvmulti/reference.py), each behind a work-group-uniform test so a
-// launch without them runs the same instructions as before:
+// Optional terms (the oracle's, kvmulti/reference.py):
 //   * causal == 0 (non-causal, encoder-only): every row sees all seq_len keys of its request (the
 //     host refuses a sliding window with it);
 //   * alibi != nullptr: fp32 [Hq] slopes; score += slope[qh] * (key pos - query pos) after scale and
@@ -48,6 +47,9 @@
 //   * sinks != nullptr: fp32 [Hq] logits; sinks[qh] joins the row's softmax max and denominator
 //     once, where the row is normalised (the end-of-pass merge, or kvm_split_reduce: never per
 //     partition), and adds no value.
+// The first two change the key loop, so they live in a second instantiation of the body,
+// kvm_paged_attention_terms; kvm_paged_attention compiles them away (its key loop is the plain
+// causal one) and serves sinks, which touch only the merge after the loop.
 //
 // Memory safety: every index that comes from metadata is guarded. A tile whose request has
 // query_start_loc entries outside [0, num_tokens] (or decreasing) is skipped; key positions stop
@@ -309,6 +311,7 @@ static inline Tile locate_tile(const int32_t *query_start_loc, const int32_t *se
 // ---------------------------------------------------------------------------------------------
 // The attention body. part_acc != nullptr (split-KV): write the partial results of partition
 // `part` of the key range instead of out (one body for both, so the device compiles it once).
+template <bool TERMS>
 static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens,
                                   const cache_t *cache, int64_t s_block, int64_t s_token, int64_t s_head,
                                   int64_t num_blocks, const int32_t *block_table, int64_t bt_stride, int64_t bt_rows,
@@ -334,7 +337,7 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
   const int num_q_heads = num_kv_heads * group;
 
   Tile t = locate_tile(query_start_loc, seq_lens, tiles, tile_id, num_tokens, bt_rows, bt_cols, group, block_size,
-                       window, causal != 0);
+                       window, !TERMS || causal != 0);
   if (!t.valid) return;  // uniform over the work-group
   if (split) {
     const int64_t lo = static_cast<int64_t>(t.k_lo) + static_cast<int64_t>(part) * part_size;
@@ -347,7 +350,8 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
   const float ks = FP8 ? k_scale[h] : 1.f, vs = FP8 ? v_scale[h] : 1.f;   // fp8 caches only
   const int my_key = key_of_lane(lane);
   const int step_keys = NSG * KB;
-  const bool is_causal = causal != 0, use_alibi = alibi != nullptr;   // uniform over the work-group
+  // uniform over the work-group; constants (causal, no ALiBi) in the plain instantiation
+  const bool is_causal = !TERMS || causal != 0, use_alibi = TERMS && alibi != nullptr;
 
   for (int rb0 = 0; rb0 < t.nrows; rb0 += RB) {
     const int nr = sycl::min(RB, t.nrows - rb0);
@@ -540,22 +544,31 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
 // float [num_tokens][Hq][num_parts][DV] (unnormalised) and part_ml float [..][2] = (max, sum); an
 // empty partition writes (-inf, 0) and a zero accumulator.
 // sinks / alibi: fp32 [Hq] or nullptr (the split launch leaves sinks to kvm_split_reduce); causal:
-// 0 = every row sees its request's seq_len keys.
+// 0 = every row sees its request's seq_len keys. This kernel ignores alibi and causal (always
+// causal); kvm_paged_attention_terms, the same arguments, applies them.
+// One parameter list for both attention kernels (the host passes the same arguments to either).
+#define KVM_ATTENTION_PARAMS                                                                                    \
+  const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens, const cache_t *cache, int64_t s_block,  \
+      int64_t s_token, int64_t s_head, int64_t num_blocks, const int32_t *block_table, int64_t bt_stride,      \
+      int64_t bt_rows, int64_t bt_cols, const int32_t *seq_lens, const int32_t *query_start_loc,               \
+      const int32_t *tiles, elem_t *out, int64_t o_st, int64_t o_sh, float *part_acc, float *part_ml,          \
+      int32_t num_parts, int32_t part_size, int32_t num_kv_heads, int32_t group, int32_t block_size,           \
+      float scale, int32_t window, float softcap, const float *k_scale, const float *v_scale,                  \
+      const float *sinks, const float *alibi, int32_t causal, sycl::local_accessor<float, 1> lm
+#define KVM_ATTENTION_ARGS                                                                                      \
+  query, q_st, q_sh, num_tokens, cache, s_block, s_token, s_head, num_blocks, block_table, bt_stride, bt_rows,  \
+      bt_cols, seq_lens, query_start_loc, tiles, out, o_st, o_sh, part_acc, part_ml, num_parts, part_size,     \
+      num_kv_heads, group, block_size, scale, window, softcap, k_scale, v_scale, sinks, alibi, causal,         \
+      lm.get_multi_ptr<sycl::access::decorated::yes>()
+
 extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<SG>))
-void kvm_paged_attention(const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens, const cache_t *cache,
-                         int64_t s_block, int64_t s_token, int64_t s_head, int64_t num_blocks,
-                         const int32_t *block_table, int64_t bt_stride, int64_t bt_rows, int64_t bt_cols,
-                         const int32_t *seq_lens, const int32_t *query_start_loc, const int32_t *tiles, elem_t *out,
-                         int64_t o_st, int64_t o_sh, float *part_acc, float *part_ml, int32_t num_parts,
-                         int32_t part_size, int32_t num_kv_heads, int32_t group, int32_t block_size, float scale,
-                         int32_t window, float softcap, const float *k_scale, const float *v_scale,
-                         const float *sinks, const float *alibi, int32_t causal, sycl::local_accessor<float, 1> lm) {
-  attention_body(query, q_st, q_sh, num_tokens, cache, s_block, s_token, s_head, num_blocks, block_table, bt_stride,
-                 bt_rows, bt_cols, seq_lens, query_start_loc, tiles, out, o_st, o_sh, part_acc, part_ml, num_parts,
-                 part_size, num_kv_heads, group, block_size, scale, window, softcap, k_scale, v_scale, sinks,
-                 alibi, causal, lm.get_multi_ptr<sycl::access::decorated::yes>());
-}
+void kvm_paged_attention(KVM_ATTENTION_PARAMS) { attention_body<false>(KVM_ATTENTION_ARGS); }
+
+// The same with ALiBi and / or without the causal mask (see the top of this file).
+extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<SG>))
+void kvm_paged_attention_terms(KVM_ATTENTION_PARAMS) { attention_body<true>(KVM_ATTENTION_ARGS); }
 
 // Combine the partitions of one (token, query head) per work-group:
 // out = sum_p acc_p * exp(m_p - M) / (sum_p l_p * exp(m_p - M) [+ exp(sinks[qh] - M)]),

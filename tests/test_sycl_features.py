@@ -22,6 +22,7 @@ from kvmulti.backends.registry import BackendSelectionError, get_backend
 from test_alibi import MIXED as ALIBI_MIXED
 from test_non_causal import check_backend as check_non_causal, non_causal_case, spec as nc_spec
 from test_sinks import MIXED as SINKS_MIXED, require
+from test_sycl_backend import launches  # noqa: F401 (the fixture naming the kernels a test launches)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -42,6 +43,29 @@ def split_plan(case, **prepare) -> object:
     """The SYCL launch plan of the case's step (to assert that a split really happens)."""
     step = kvmulti.prepare_step(case.metadata, case.layout, case.query.shape[1], backend="SYCL", **prepare)
     return step.plan.plan
+
+
+# ------------------------------------------------------------------------------------ which kernel
+def test_plain_kernel_unless_alibi_or_non_causal(sycl, launches):
+    """Sinks touch only the merge after the key loop: the plain kernel serves them (and the split
+    reduction adds them). ALiBi or non-causal take kvm_paged_attention_terms."""
+    case = build_case(SINKS_MIXED)
+    reference.write_kv(case.key, case.value, case.cache, case.layout, case.metadata.slot_mapping)
+
+    def attend(**kw):
+        kvmulti.paged_attention(case.query, case.cache, case.layout, case.metadata, backend="SYCL", **kw)
+
+    attend(sinks=case.sinks)
+    attend(alibi_slopes=torch.full((case.query.shape[1],), 0.25))
+    case.metadata.causal = False
+    attend(sinks=case.sinks)
+    sycl.partition_size = 16
+    attend()
+    case.metadata.causal = True
+    attend(sinks=case.sinks)
+    assert launches == ["kvm_paged_attention", "kvm_paged_attention_terms", "kvm_paged_attention_terms",
+                        "kvm_paged_attention_terms[split]", "kvm_split_reduce",
+                        "kvm_paged_attention[split]", "kvm_split_reduce"]
 
 
 # ------------------------------------------------------------------------------------ random batches

@@ -17,7 +17,9 @@ work-groups per compute unit, in partitions of ``settings.DEFAULT_PARTITION_SIZE
 
 Attention sinks, ALiBi and non-causal attention (``metadata.causal`` False: every row sees its
 request's ``seq_len`` keys) are kernel arguments; sinks join once, where a row is normalised (the
-single pass, or the split-KV reduction). A sliding window with non-causal attention is refused.
+single pass, or the split-KV reduction). Calls with ALiBi or non-causal metadata launch
+``kvm_paged_attention_terms`` (those terms compiled into the key loop); the others the plain kernel.
+A sliding window with non-causal attention is refused.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata, first_visible_position
 from ..base import ALL_DTYPES, FP8_DTYPES, AttentionConfig, Backend, StepMetadata
 from .runtime import (ARG_F32, ARG_I32, ARG_I64, ARG_LOCAL_F32, ARG_PTR, DTYPE_CODES, K_ATTN,
-                      K_REDUCE, K_SPLIT, K_WRITE, Session, SyclError, default_session, find_runtime,
+                      K_ATTN_TERMS, K_REDUCE, K_SPLIT, K_WRITE, Session, SyclError, default_session, find_runtime,
                       get_runtime, kernel_source, runtime_reasons, runtime_version, xpu_session)
 from .usm import Staging, usm_allocator, usm_empty
 
@@ -354,17 +356,21 @@ class SyclBackend(Backend):
             sinks_arg = (ARG_PTR, 0 if sinks is None else ptr(sinks))
             terms = [(ARG_PTR, 0 if alibi_slopes is None else ptr(alibi_slopes)),
                      (ARG_I32, int(bool(step.common.causal)))] + local
+            # ALiBi or non-causal: the kernel with those terms in its key loop (the plain one has none)
+            with_terms = alibi_slopes is not None or not step.common.causal
             out_args = [(ARG_PTR, ptr(target, True)), (ARG_I64, target.stride(0)), (ARG_I64, target.stride(1))]
             groups = plan.num_tiles * hkv
             if not plan.part_size:
                 unsplit = [(ARG_PTR, 0), (ARG_PTR, 0), (ARG_I32, 1), (ARG_I32, 0)]
                 single = common + out_args + unsplit + head + [sinks_arg] + terms
-                session.launch(bundle, K_ATTN, groups * wg, wg, single, wait=not on_xpu)
+                session.launch(bundle, K_ATTN_TERMS if with_terms else K_ATTN, groups * wg, wg, single,
+                               wait=not on_xpu)
             else:
                 workspace = [(ARG_PTR, sstep.part_acc.data_ptr()), (ARG_PTR, sstep.part_ml.data_ptr())]
                 split = common + [(ARG_PTR, 0), (ARG_I64, 0), (ARG_I64, 0)] + workspace + \
                     [(ARG_I32, plan.num_parts), (ARG_I32, plan.part_size)] + head + [(ARG_PTR, 0)] + terms
-                session.launch(bundle, K_SPLIT, groups * plan.num_parts * wg, wg, split, wait=False)
+                session.launch(bundle, K_ATTN_TERMS if with_terms else K_SPLIT, groups * plan.num_parts * wg, wg,
+                               split, wait=False)
                 # the sinks join once, in the reduction
                 reduce = workspace + out_args + [(ARG_I32, query.shape[1]), (ARG_I32, plan.num_parts), sinks_arg]
                 # only the batch's own rows: padded rows have no partials and stay as they are

@@ -30,8 +30,9 @@ from .build import (SHIM_ABI, SHIM_FLAGS, SyclBuildError, SyclError, build_shim,
                     runtime_version, shim_command, shim_path, source_dir)
 
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-KERNEL_NAMES = ("kvm_paged_attention", "kvm_split_reduce", "kvm_write_kv")
-K_ATTN, K_REDUCE, K_WRITE = range(3)
+#: kvm_paged_attention_terms: the attention kernel with ALiBi / non-causal compiled in (kernels.cpp)
+KERNEL_NAMES = ("kvm_paged_attention", "kvm_split_reduce", "kvm_write_kv", "kvm_paged_attention_terms")
+K_ATTN, K_REDUCE, K_WRITE, K_ATTN_TERMS = range(4)
 K_SPLIT = K_ATTN       # one attention kernel: split-KV when given partial buffers
 
 ARG_PTR, ARG_I32, ARG_I64, ARG_F32, ARG_LOCAL_F32, ARG_LOCAL_I32, ARG_LOCAL_I64 = range(7)
