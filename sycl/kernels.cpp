@@ -13,6 +13,7 @@
 //   -DKVM_SG=SG             sub-group size the attention kernels require (default 16)
 //   -DKVM_RB=RB             tile rows held in registers per pass over the keys (default 4)
 //   -DKVM_KB=KB             keys per sub-group step, a power of two <= SG (default 4)
+//   -DKVM_TERMS=1           also build kvm_paged_attention_terms (ALiBi / non-causal; default 0)
 //
 // Cache addressing (named strides, in elements): element d of K of (block, token, kv head) is at
 // cache[block * s_block + token * s_token + head * s_head + d]; V follows at + D. Both physical
@@ -48,8 +49,9 @@
 //     once, where the row is normalised (the end-of-pass merge, or kvm_split_reduce: never per
 //     partition), and adds no value.
 // The first two change the key loop, so they live in a second instantiation of the body,
-// kvm_paged_attention_terms; kvm_paged_attention compiles them away (its key loop is the plain
-// causal one) and serves sinks, which touch only the merge after the loop.
+// kvm_paged_attention_terms (built only with KVM_TERMS: a bundle of its own, compiled on the first
+// call that needs it); kvm_paged_attention compiles them away (its key loop is the plain causal
+// one) and serves sinks, which touch only the merge after the loop.
 //
 // Memory safety: every index that comes from metadata is guarded. A tile whose request has
 // query_start_loc entries outside [0, num_tokens] (or decreasing) is skipped; key positions stop
@@ -565,10 +567,12 @@ extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<SG>))
 void kvm_paged_attention(KVM_ATTENTION_PARAMS) { attention_body<false>(KVM_ATTENTION_ARGS); }
 
+#if defined(KVM_TERMS) && KVM_TERMS
 // The same with ALiBi and / or without the causal mask (see the top of this file).
 extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<SG>))
 void kvm_paged_attention_terms(KVM_ATTENTION_PARAMS) { attention_body<true>(KVM_ATTENTION_ARGS); }
+#endif
 
 // Combine the partitions of one (token, query head) per work-group:
 // out = sum_p acc_p * exp(m_p - M) / (sum_p l_p * exp(m_p - M) [+ exp(sinks[qh] - M)]),

@@ -18,7 +18,8 @@ work-groups per compute unit, in partitions of ``settings.DEFAULT_PARTITION_SIZE
 Attention sinks, ALiBi and non-causal attention (``metadata.causal`` False: every row sees its
 request's ``seq_len`` keys) are kernel arguments; sinks join once, where a row is normalised (the
 single pass, or the split-KV reduction). Calls with ALiBi or non-causal metadata launch
-``kvm_paged_attention_terms`` (those terms compiled into the key loop); the others the plain kernel.
+``kvm_paged_attention_terms`` (those terms compiled into the key loop; a bundle of its own, built on
+the first such call); the others the plain kernel.
 A sliding window with non-causal attention is refused.
 """
 
@@ -34,7 +35,8 @@ from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata, first_visible_position
 from ..base import ALL_DTYPES, FP8_DTYPES, AttentionConfig, Backend, StepMetadata
 from .runtime import (ARG_F32, ARG_I32, ARG_I64, ARG_LOCAL_F32, ARG_PTR, DTYPE_CODES, K_ATTN,
-                      K_ATTN_TERMS, K_REDUCE, K_SPLIT, K_WRITE, Session, SyclError, default_session, find_runtime,
+                      K_ATTN_TERMS, K_REDUCE, K_SPLIT, K_WRITE, KERNEL_NAMES, PLAIN_KERNEL_NAMES,
+                      Session, SyclError, default_session, find_runtime,
                       get_runtime, kernel_source, runtime_reasons, runtime_version, xpu_session)
 from .usm import Staging, usm_allocator, usm_empty
 
@@ -82,10 +84,12 @@ def vector_bytes(dtype: torch.dtype, head_size: int, head_size_v: int, cache_dty
 
 
 def kernel_options(dtype: torch.dtype, head_size: int, head_size_v: int, wg: int = WG,
-                   cache_dtype: torch.dtype | None = None) -> list[str]:
+                   cache_dtype: torch.dtype | None = None, terms: bool = False) -> list[str]:
     """Build options of kernels.cpp for activations (query, key, value, out) of ``dtype`` and a
-    cache of ``dtype`` (``cache_dtype`` None) or of the fp8 ``cache_dtype``."""
+    cache of ``dtype`` (``cache_dtype`` None) or of the fp8 ``cache_dtype``; ``terms``: the bundle
+    also holds kvm_paged_attention_terms (ALiBi / non-causal)."""
     cache = [f"-DKVM_CACHE={FP8_CACHE_CODES[cache_dtype]}"] if cache_dtype in FP8_CACHE_CODES else []
+    cache += ["-DKVM_TERMS=1"] if terms else []
     return [f"-DKVM_DTYPE={DTYPE_CODES[dtype]}", f"-DKVM_HEAD_SIZE={head_size}", f"-DKVM_HEAD_SIZE_V={head_size_v}",
             f"-DKVM_ROWS={ROWS}", f"-DKVM_WG={wg}", f"-DKVM_SG={SG}", f"-DKVM_RB={RB}"] + cache
 
@@ -228,19 +232,23 @@ class SyclBackend(Backend):
     def session_for(self, device: torch.device) -> Session:
         return xpu_session(device) if device.type == "xpu" else default_session()
 
-    def bundle(self, session: Session, layout: KVCacheLayout, activation_dtype: torch.dtype | None = None) -> int:
+    def bundle(self, session: Session, layout: KVCacheLayout, activation_dtype: torch.dtype | None = None,
+               terms: bool = False) -> int:
         """The kernels for ``layout``'s dtype and head sizes on ``session``'s device (built on first use);
-        an fp8 cache needs the ``activation_dtype`` of its queries / keys / values (one bundle each)."""
+        an fp8 cache needs the ``activation_dtype`` of its queries / keys / values (one bundle each).
+        ``terms``: the bundle that also holds kvm_paged_attention_terms (built on the first call with
+        ALiBi or non-causal metadata)."""
         fp8 = layout.dtype in FP8_CACHE_CODES
         if fp8 and activation_dtype is None:
             raise SyclError("an fp8 cache's kernels need the activation dtype (query / key / value)")
         act = activation_dtype if fp8 else layout.dtype
-        key = (session.key, act, layout.dtype, layout.head_size, layout.value_size)
+        key = (session.key, act, layout.dtype, layout.head_size, layout.value_size, terms)
         handle = self._bundles.get(key)
         if handle is None:
             wg = choose_wg(layout.value_size, session.device.local_mem)
-            opts = kernel_options(act, layout.head_size, layout.value_size, wg, layout.dtype if fp8 else None)
-            handle = self._bundles[key] = session.build(kernel_source(), opts)
+            opts = kernel_options(act, layout.head_size, layout.value_size, wg, layout.dtype if fp8 else None, terms)
+            names = KERNEL_NAMES if terms else PLAIN_KERNEL_NAMES
+            handle = self._bundles[key] = session.build(kernel_source(), opts, names)
         return handle
 
     def _staging(self, session: Session, kv_cache: torch.Tensor) -> Staging:
@@ -326,7 +334,9 @@ class SyclBackend(Backend):
         device = kv_cache.device
         on_xpu = device.type == "xpu"
         session = self.session_for(device)
-        bundle = self.bundle(session, layout, query.dtype)
+        # ALiBi or non-causal: the kernel with those terms in its key loop (the plain one has none)
+        with_terms = alibi_slopes is not None or not step.common.causal
+        bundle = self.bundle(session, layout, query.dtype, with_terms)
         hkv = layout.num_kv_heads
         group = query.shape[1] // hkv
         query = query if query.stride(-1) == 1 else query.contiguous()
@@ -356,8 +366,6 @@ class SyclBackend(Backend):
             sinks_arg = (ARG_PTR, 0 if sinks is None else ptr(sinks))
             terms = [(ARG_PTR, 0 if alibi_slopes is None else ptr(alibi_slopes)),
                      (ARG_I32, int(bool(step.common.causal)))] + local
-            # ALiBi or non-causal: the kernel with those terms in its key loop (the plain one has none)
-            with_terms = alibi_slopes is not None or not step.common.causal
             out_args = [(ARG_PTR, ptr(target, True)), (ARG_I64, target.stride(0)), (ARG_I64, target.stride(1))]
             groups = plan.num_tiles * hkv
             if not plan.part_size:
