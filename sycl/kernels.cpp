@@ -13,6 +13,7 @@
 //   -DKVM_SG=SG             sub-group size the attention kernels require (default 16)
 //   -DKVM_RB=RB             tile rows held in registers per pass over the keys (default 4)
 //   -DKVM_KB=KB             keys per sub-group step, a power of two <= SG (default 4)
+//   -DKVM_TERMS=1           also build kvm_paged_attention_terms (ALiBi / non-causal; default 0)
 //
 // Cache addressing (named strides, in elements): element d of K of (block, token, kv head) is at
 // cache[block * s_block + token * s_token + head * s_head + d]; V follows at + D. Both physical
@@ -38,6 +39,19 @@
 //
 // Split-KV (long contexts, few work-groups): the same kernel over one partition of the key range
 // writes an unnormalised partial output + (max, sum) per row; kvm_split_reduce combines them.
+//
+// Optional terms (the oracle's, kvmulti/reference.py):
+//   * causal == 0 (non-causal, encoder-only): every row sees all seq_len keys of its request (the
+//     host refuses a sliding window with it);
+//   * alibi != nullptr: fp32 [Hq] slopes; score += slope[qh] * (key pos - query pos) after scale and
+//     softcap, before the mask;
+//   * sinks != nullptr: fp32 [Hq] logits; sinks[qh] joins the row's softmax max and denominator
+//     once, where the row is normalised (the end-of-pass merge, or kvm_split_reduce: never per
+//     partition), and adds no value.
+// The first two change the key loop, so they live in a second instantiation of the body,
+// kvm_paged_attention_terms (built only with KVM_TERMS: a bundle of its own, compiled on the first
+// call that needs it); kvm_paged_attention compiles them away (its key loop is the plain causal
+// one) and serves sinks, which touch only the merge after the loop.
 //
 // Memory safety: every index that comes from metadata is guarded. A tile whose request has
 // query_start_loc entries outside [0, num_tokens] (or decreasing) is skipped; key positions stop
@@ -273,7 +287,7 @@ struct Tile {
 
 static inline Tile locate_tile(const int32_t *query_start_loc, const int32_t *seq_lens, const int32_t *tiles,
                                int64_t tile, int64_t num_tokens, int64_t bt_rows, int64_t bt_cols, int group,
-                               int block_size, int window) {
+                               int block_size, int window, bool causal) {
   Tile t{false, 0, 0, 0, 0, 0, 0, 0};
   t.req = tiles[2 * tile];
   t.f0 = tiles[2 * tile + 1];
@@ -291,7 +305,7 @@ static inline Tile locate_tile(const int32_t *query_start_loc, const int32_t *se
   const int64_t k_max = bt_cols * block_size;  // the block table holds no key past this
   const int64_t lo = window > 0 ? p_first - window + 1 : 0;
   t.k_lo = static_cast<int>(clamp64(lo, 0, k_max));
-  t.k_hi = static_cast<int>(clamp64(p_last + 1, 0, k_max));
+  t.k_hi = static_cast<int>(clamp64(causal ? p_last + 1 : t.ctx + qlen, 0, k_max));
   t.valid = true;
   return t;
 }
@@ -299,6 +313,7 @@ static inline Tile locate_tile(const int32_t *query_start_loc, const int32_t *se
 // ---------------------------------------------------------------------------------------------
 // The attention body. part_acc != nullptr (split-KV): write the partial results of partition
 // `part` of the key range instead of out (one body for both, so the device compiles it once).
+template <bool TERMS>
 static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens,
                                   const cache_t *cache, int64_t s_block, int64_t s_token, int64_t s_head,
                                   int64_t num_blocks, const int32_t *block_table, int64_t bt_stride, int64_t bt_rows,
@@ -306,7 +321,8 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
                                   const int32_t *tiles, elem_t *out, int64_t o_st, int64_t o_sh, float *part_acc,
                                   float *part_ml, int32_t num_parts, int32_t part_size, int32_t num_kv_heads,
                                   int32_t group, int32_t block_size, float scale, int32_t window, float softcap,
-                                  const float *k_scale, const float *v_scale, sycl::decorated_local_ptr<float> lm) {
+                                  const float *k_scale, const float *v_scale, const float *sinks,
+                                  const float *alibi, int32_t causal, sycl::decorated_local_ptr<float> lm) {
   auto it = syclext::this_work_item::get_nd_item<1>();
   auto wg = it.get_group();
   auto sg = it.get_sub_group();
@@ -323,7 +339,7 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
   const int num_q_heads = num_kv_heads * group;
 
   Tile t = locate_tile(query_start_loc, seq_lens, tiles, tile_id, num_tokens, bt_rows, bt_cols, group, block_size,
-                       window);
+                       window, !TERMS || causal != 0);
   if (!t.valid) return;  // uniform over the work-group
   if (split) {
     const int64_t lo = static_cast<int64_t>(t.k_lo) + static_cast<int64_t>(part) * part_size;
@@ -336,18 +352,22 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
   const float ks = FP8 ? k_scale[h] : 1.f, vs = FP8 ? v_scale[h] : 1.f;   // fp8 caches only
   const int my_key = key_of_lane(lane);
   const int step_keys = NSG * KB;
+  // uniform over the work-group; constants (causal, no ALiBi) in the plain instantiation
+  const bool is_causal = !TERMS || causal != 0, use_alibi = TERMS && alibi != nullptr;
 
   for (int rb0 = 0; rb0 < t.nrows; rb0 += RB) {
     const int nr = sycl::min(RB, t.nrows - rb0);
     // Queries of this pass's rows: lane chunks in the cache dtype (read once per pass).
     vec_t q[RB][NJ];
     int64_t qpos[RB];
+    float slope[RB];
 #pragma unroll
     for (int r = 0; r < RB; ++r) {
       const int flat = t.f0 + rb0 + r;
       const int64_t token = t.q0 + flat / group;
       const int qh = h * group + flat % group;
       qpos[r] = r < nr ? t.ctx + flat / group : std::numeric_limits<int64_t>::min();
+      slope[r] = (use_alibi && r < nr) ? alibi[qh] : 0.f;
 #pragma unroll
       for (int c = 0; c < NJ; ++c) {
         const int e = c * SG * VW + lane * VW;
@@ -421,7 +441,8 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
           }
           float s = reduce_scatter(sg, lane, part_dot) * scale;
           if (softcap > 0.f) s = softcap * sycl::tanh(s / softcap);
-          const bool visible = key_ok && kpos <= qpos[r] && (window <= 0 || qpos[r] - kpos < window);
+          if (use_alibi) s += slope[r] * static_cast<float>(kpos - qpos[r]);
+          const bool visible = key_ok && (!is_causal || kpos <= qpos[r]) && (window <= 0 || qpos[r] - kpos < window);
           s = visible ? s : NEG_INF;
           const float m_old = m[r];
           const float m_new = sycl::fmax(m_old, step_max(sg, s));
@@ -478,8 +499,13 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
     sycl::group_barrier(wg);
     for (int idx = lid; idx < nr * DV; idx += WG) {
       const int r = idx / DV, d = idx - r * DV, flat = t.f0 + rb0 + r;
+      const int64_t token = t.q0 + flat / group;
+      const int qh = h * group + flat % group;
       float mx = NEG_INF;
       for (int g = 0; g < NSG; ++g) mx = sycl::fmax(mx, lm[(g * RB + r) * MERGE_STRIDE + DV]);
+      // The sink joins where the row is normalised: here unsplit, in kvm_split_reduce when split.
+      const float sink = (sinks != nullptr && !split) ? sinks[qh] : NEG_INF;
+      mx = sycl::fmax(mx, sink);
       float sum = 0.f, a = 0.f;
       bool row_nan = false;
       for (int g = 0; g < NSG; ++g) row_nan |= is_nan(lm[(g * RB + r) * MERGE_STRIDE + DV + 1]);
@@ -493,9 +519,8 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
           sum += row[DV + 1] * w;
           a += row[d] * w;
         }
+        if (sink != NEG_INF) sum += sycl::exp(sink - mx);
       }
-      const int64_t token = t.q0 + flat / group;
-      const int qh = h * group + flat % group;
       if (split) {
         const int64_t prow = (token * num_q_heads + qh) * num_parts + part;
         part_acc[prow * DV + d] = a;
@@ -520,28 +545,42 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
 // [k_lo + p * part_size, k_lo + (p + 1) * part_size) of the tile's visible range. Writes part_acc
 // float [num_tokens][Hq][num_parts][DV] (unnormalised) and part_ml float [..][2] = (max, sum); an
 // empty partition writes (-inf, 0) and a zero accumulator.
+// sinks / alibi: fp32 [Hq] or nullptr (the split launch leaves sinks to kvm_split_reduce); causal:
+// 0 = every row sees its request's seq_len keys. This kernel ignores alibi and causal (always
+// causal); kvm_paged_attention_terms, the same arguments, applies them.
+// One parameter list for both attention kernels (the host passes the same arguments to either).
+#define KVM_ATTENTION_PARAMS                                                                                    \
+  const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens, const cache_t *cache, int64_t s_block,  \
+      int64_t s_token, int64_t s_head, int64_t num_blocks, const int32_t *block_table, int64_t bt_stride,      \
+      int64_t bt_rows, int64_t bt_cols, const int32_t *seq_lens, const int32_t *query_start_loc,               \
+      const int32_t *tiles, elem_t *out, int64_t o_st, int64_t o_sh, float *part_acc, float *part_ml,          \
+      int32_t num_parts, int32_t part_size, int32_t num_kv_heads, int32_t group, int32_t block_size,           \
+      float scale, int32_t window, float softcap, const float *k_scale, const float *v_scale,                  \
+      const float *sinks, const float *alibi, int32_t causal, sycl::local_accessor<float, 1> lm
+#define KVM_ATTENTION_ARGS                                                                                      \
+  query, q_st, q_sh, num_tokens, cache, s_block, s_token, s_head, num_blocks, block_table, bt_stride, bt_rows,  \
+      bt_cols, seq_lens, query_start_loc, tiles, out, o_st, o_sh, part_acc, part_ml, num_parts, part_size,     \
+      num_kv_heads, group, block_size, scale, window, softcap, k_scale, v_scale, sinks, alibi, causal,         \
+      lm.get_multi_ptr<sycl::access::decorated::yes>()
+
 extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<SG>))
-void kvm_paged_attention(const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens, const cache_t *cache,
-                         int64_t s_block, int64_t s_token, int64_t s_head, int64_t num_blocks,
-                         const int32_t *block_table, int64_t bt_stride, int64_t bt_rows, int64_t bt_cols,
-                         const int32_t *seq_lens, const int32_t *query_start_loc, const int32_t *tiles, elem_t *out,
-                         int64_t o_st, int64_t o_sh, float *part_acc, float *part_ml, int32_t num_parts,
-                         int32_t part_size, int32_t num_kv_heads, int32_t group, int32_t block_size, float scale,
-                         int32_t window, float softcap, const float *k_scale, const float *v_scale,
-                         sycl::local_accessor<float, 1> lm) {
-  attention_body(query, q_st, q_sh, num_tokens, cache, s_block, s_token, s_head, num_blocks, block_table, bt_stride,
-                 bt_rows, bt_cols, seq_lens, query_start_loc, tiles, out, o_st, o_sh, part_acc, part_ml, num_parts,
-                 part_size, num_kv_heads, group, block_size, scale, window, softcap, k_scale, v_scale,
-                 lm.get_multi_ptr<sycl::access::decorated::yes>());
-}
+void kvm_paged_attention(KVM_ATTENTION_PARAMS) { attention_body<false>(KVM_ATTENTION_ARGS); }
+
+#if defined(KVM_TERMS) && KVM_TERMS
+// The same with ALiBi and / or without the causal mask (see the top of this file).
+extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<SG>))
+void kvm_paged_attention_terms(KVM_ATTENTION_PARAMS) { attention_body<true>(KVM_ATTENTION_ARGS); }
+#endif
 
 // Combine the partitions of one (token, query head) per work-group:
-// out = sum_p acc_p * exp(m_p - M) / sum_p l_p * exp(m_p - M), M = max_p m_p.
+// out = sum_p acc_p * exp(m_p - M) / (sum_p l_p * exp(m_p - M) [+ exp(sinks[qh] - M)]),
+// M = max(max_p m_p [, sinks[qh]]); sinks: fp32 [num_q_heads] or nullptr.
 // Grid: nd_range<1>(num_tokens * num_q_heads * wg, wg).
 extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 void kvm_split_reduce(const float *part_acc, const float *part_ml, elem_t *out, int64_t o_st, int64_t o_sh,
-                      int32_t num_q_heads, int32_t num_parts) {
+                      int32_t num_q_heads, int32_t num_parts, const float *sinks) {
   auto it = syclext::this_work_item::get_nd_item<1>();
   const int64_t row = static_cast<int64_t>(it.get_group(0));
   const int64_t token = row / num_q_heads;
@@ -549,9 +588,10 @@ void kvm_split_reduce(const float *part_acc, const float *part_ml, elem_t *out, 
   const int lid = static_cast<int>(it.get_local_id(0));
   const int n = static_cast<int>(it.get_local_range(0));
   const float *ml = part_ml + row * num_parts * 2;
-  float M = NEG_INF;
+  const float sink = sinks != nullptr ? sinks[qh] : NEG_INF;
+  float M = sink;
   for (int p = 0; p < num_parts; ++p) M = sycl::fmax(M, ml[2 * p]);
-  float L = 0.f;
+  float L = sink != NEG_INF ? sycl::exp(sink - M) : 0.f;
   bool row_nan = false;
   for (int p = 0; p < num_parts; ++p) row_nan |= is_nan(ml[2 * p + 1]);
   for (int p = 0; p < num_parts; ++p)

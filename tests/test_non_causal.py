@@ -2,8 +2,9 @@
 
 The oracle against a dense softmax written here, the CPU backend (native kernel and torch path)
 and the TRITON backend (Triton's interpreter on CPU tensors, as tests/test_triton_backend.py:
-single pass, both prefill-loop families and split-KV) against the oracle (HIP: tests/test_hip_features.py);
-the backends without it (SYCL, IPEX) name it as a capability reason, and TRITON refuses a window with it."""
+single pass, both prefill-loop families and split-KV) against the oracle (HIP: tests/test_hip_features.py;
+SYCL: tests/test_sycl_features.py); the backend without it (IPEX) names it as a capability reason, and
+TRITON refuses a window with it."""
 
 from __future__ import annotations
 
@@ -80,12 +81,12 @@ def test_cpu_matches_oracle(native, case_spec):
 
 
 def check_backend(case_spec: CaseSpec, backend) -> None:
-    """``backend`` against the oracle on the spec's batch made non-causal."""
+    """``backend`` against the oracle on the spec's batch made non-causal (with the spec's sinks / ALiBi)."""
     case = non_causal_case(case_spec)
     expected = reference.paged_attention(case.query, case.cache, case.layout, case.metadata,
-                                         softcap=case_spec.softcap)
+                                         softcap=case_spec.softcap, sinks=case.sinks, alibi_slopes=case.alibi_slopes)
     actual = kvmulti.paged_attention(case.query, case.cache, case.layout, case.metadata, softcap=case_spec.softcap,
-                                     backend=backend)
+                                     backend=backend, sinks=case.sinks, alibi_slopes=case.alibi_slopes)
     assert_close_to_reference(actual, expected, case_spec.dtype, f"{backend} non-causal {case_spec}")
 
 
@@ -136,7 +137,7 @@ def test_triton_serves_non_causal_but_not_with_a_window():
     assert "no sliding window for non-causal" in reason
 
 
-@pytest.mark.parametrize("name", ["SYCL", "IPEX"])
+@pytest.mark.parametrize("name", ["IPEX"])
 def test_other_backends_name_non_causal_as_the_reason(name):
     from kvmulti.backends.registry import get_backend
     reasons = get_backend(name).capability_reasons(_config())

@@ -64,6 +64,18 @@ def test_xpu_split_kv_forced(monkeypatch, part):
     check_against_reference(spec, "SYCL", device="xpu")
 
 
+@pytest.mark.parametrize("part", [0, 16])
+@pytest.mark.parametrize("window", [None, 40])
+def test_xpu_sinks_and_alibi(monkeypatch, part, window):
+    """Sinks alone (the plain kernel) and with ALiBi (kvm_paged_attention_terms), split-KV off and on."""
+    monkeypatch.setattr(get_backend("SYCL"), "partition_size", part)
+    for alibi in (False, True):
+        spec = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=4, head_size=128, dtype=torch.bfloat16,
+                        query_lens=(1, 1, 4, 9), context_lens=(700, 7, 300, 0), sliding_window=window,
+                        softcap=15.0, sinks=True, alibi=alibi)
+        check_against_reference(spec, "SYCL", device="xpu")
+
+
 def test_xpu_cache_cross_read_with_cpu():
     spec = CaseSpec(order="NHD", block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=torch.float16,
                     query_lens=(7, 1, 3), context_lens=(0, 33, 12), sliding_window=25)

@@ -14,6 +14,13 @@ runtime and a device that can compile SYCL source are present, but runs only whe
 Split-KV (the shared ``partition_size`` contract): with -1 a step splits when the longest visible
 key span of a tile exceeds ``SPLIT_MIN_SPAN`` and there are fewer than ``SPLIT_WG_PER_CU``
 work-groups per compute unit, in partitions of ``settings.DEFAULT_PARTITION_SIZE`` keys.
+
+Attention sinks, ALiBi and non-causal attention (``metadata.causal`` False: every row sees its
+request's ``seq_len`` keys) are kernel arguments; sinks join once, where a row is normalised (the
+single pass, or the split-KV reduction). Calls with ALiBi or non-causal metadata launch
+``kvm_paged_attention_terms`` (those terms compiled into the key loop; a bundle of its own, built on
+the first such call); the others the plain kernel.
+A sliding window with non-causal attention is refused.
 """
 
 from __future__ import annotations
@@ -26,9 +33,10 @@ import torch
 from ... import settings
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata, first_visible_position
-from ..base import ALL_DTYPES, FP8_DTYPES, Backend, StepMetadata
+from ..base import ALL_DTYPES, FP8_DTYPES, AttentionConfig, Backend, StepMetadata
 from .runtime import (ARG_F32, ARG_I32, ARG_I64, ARG_LOCAL_F32, ARG_PTR, DTYPE_CODES, K_ATTN,
-                      K_REDUCE, K_SPLIT, K_WRITE, Session, SyclError, default_session, find_runtime,
+                      K_ATTN_TERMS, K_REDUCE, K_SPLIT, K_WRITE, KERNEL_NAMES, PLAIN_KERNEL_NAMES,
+                      Session, SyclError, default_session, find_runtime,
                       get_runtime, kernel_source, runtime_reasons, runtime_version, xpu_session)
 from .usm import Staging, usm_allocator, usm_empty
 
@@ -76,10 +84,12 @@ def vector_bytes(dtype: torch.dtype, head_size: int, head_size_v: int, cache_dty
 
 
 def kernel_options(dtype: torch.dtype, head_size: int, head_size_v: int, wg: int = WG,
-                   cache_dtype: torch.dtype | None = None) -> list[str]:
+                   cache_dtype: torch.dtype | None = None, terms: bool = False) -> list[str]:
     """Build options of kernels.cpp for activations (query, key, value, out) of ``dtype`` and a
-    cache of ``dtype`` (``cache_dtype`` None) or of the fp8 ``cache_dtype``."""
+    cache of ``dtype`` (``cache_dtype`` None) or of the fp8 ``cache_dtype``; ``terms``: the bundle
+    also holds kvm_paged_attention_terms (ALiBi / non-causal)."""
     cache = [f"-DKVM_CACHE={FP8_CACHE_CODES[cache_dtype]}"] if cache_dtype in FP8_CACHE_CODES else []
+    cache += ["-DKVM_TERMS=1"] if terms else []
     return [f"-DKVM_DTYPE={DTYPE_CODES[dtype]}", f"-DKVM_HEAD_SIZE={head_size}", f"-DKVM_HEAD_SIZE_V={head_size_v}",
             f"-DKVM_ROWS={ROWS}", f"-DKVM_WG={wg}", f"-DKVM_SG={SG}", f"-DKVM_RB={RB}"] + cache
 
@@ -128,10 +138,11 @@ def plan_attention(metadata: CommonAttentionMetadata, group: int, num_kv_heads: 
     ctx = (seq - qlen)[req]
     nrows = torch.clamp(rows[req] - f0, max=ROWS)
     p_first = ctx + f0 // group
-    p_last = ctx + (f0 + nrows - 1) // group
+    # the tile's keys end after its last row's position, or at seq_len without the causal mask
+    k_end = ctx + (f0 + nrows - 1) // group + 1 if metadata.causal else seq[req]
     lo = first_visible_position(p_first, sliding_window)
     k_max = metadata.block_table.shape[1] * block_size    # the kernels stop at the table's width
-    max_span = int(((p_last + 1).clamp(max=k_max) - lo.clamp(max=k_max)).clamp(min=0).max())
+    max_span = int((k_end.clamp(max=k_max) - lo.clamp(max=k_max)).clamp(min=0).max())
     if partition_size > 0:
         part = partition_size
     elif partition_size < 0 and max_span > SPLIT_MIN_SPAN and num_tiles * num_kv_heads < SPLIT_WG_PER_CU * compute_units:
@@ -160,6 +171,9 @@ class SyclBackend(Backend):
     name = "SYCL"
     platforms = ("xpu",)
     dtypes = ALL_DTYPES + FP8_DTYPES    # fp8 caches: kernels.cpp built with KVM_CACHE
+    supports_sinks = True         # joined where a row is normalised (kernels.cpp: merge / kvm_split_reduce)
+    supports_alibi = True         # added where scores are formed, after scale and softcap
+    supports_non_causal = True    # every row sees its request's seq_len keys (encoder-only attention)
 
     def __init__(self, partition_size: int | None = None, stage_cpu_tensors: bool | None = None):
         super().__init__(partition_size)
@@ -191,6 +205,13 @@ class SyclBackend(Backend):
             return []
         return [f"SYCL runs on xpu (and, for verification, cpu through a SYCL CPU device), not {platform}"]
 
+    def capability_reasons(self, config: AttentionConfig) -> list[str]:
+        reasons = super().capability_reasons(config)
+        if not config.causal and config.sliding_window:
+            reasons.append("SYCL has no sliding window for non-causal attention (vLLM's is symmetric, "
+                           "|query position - key position| < window)")
+        return reasons
+
     def describe(self) -> str:
         root, reasons = find_runtime()
         if root is None:
@@ -211,19 +232,23 @@ class SyclBackend(Backend):
     def session_for(self, device: torch.device) -> Session:
         return xpu_session(device) if device.type == "xpu" else default_session()
 
-    def bundle(self, session: Session, layout: KVCacheLayout, activation_dtype: torch.dtype | None = None) -> int:
+    def bundle(self, session: Session, layout: KVCacheLayout, activation_dtype: torch.dtype | None = None,
+               terms: bool = False) -> int:
         """The kernels for ``layout``'s dtype and head sizes on ``session``'s device (built on first use);
-        an fp8 cache needs the ``activation_dtype`` of its queries / keys / values (one bundle each)."""
+        an fp8 cache needs the ``activation_dtype`` of its queries / keys / values (one bundle each).
+        ``terms``: the bundle that also holds kvm_paged_attention_terms (built on the first call with
+        ALiBi or non-causal metadata)."""
         fp8 = layout.dtype in FP8_CACHE_CODES
         if fp8 and activation_dtype is None:
             raise SyclError("an fp8 cache's kernels need the activation dtype (query / key / value)")
         act = activation_dtype if fp8 else layout.dtype
-        key = (session.key, act, layout.dtype, layout.head_size, layout.value_size)
+        key = (session.key, act, layout.dtype, layout.head_size, layout.value_size, terms)
         handle = self._bundles.get(key)
         if handle is None:
             wg = choose_wg(layout.value_size, session.device.local_mem)
-            opts = kernel_options(act, layout.head_size, layout.value_size, wg, layout.dtype if fp8 else None)
-            handle = self._bundles[key] = session.build(kernel_source(), opts)
+            opts = kernel_options(act, layout.head_size, layout.value_size, wg, layout.dtype if fp8 else None, terms)
+            names = KERNEL_NAMES if terms else PLAIN_KERNEL_NAMES
+            handle = self._bundles[key] = session.build(kernel_source(), opts, names)
         return handle
 
     def _staging(self, session: Session, kv_cache: torch.Tensor) -> Staging:
@@ -296,7 +321,10 @@ class SyclBackend(Backend):
 
     def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
                         softcap: float | None, out: torch.Tensor,
-                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                        sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> None:
+        """See :meth:`Backend.paged_attention`; ``sinks`` / ``alibi_slopes``: fp32 [Hq] contiguous on
+        the cache's device, or None. ``step.common.causal`` False: non-causal (no window)."""
         layout, sstep = step.layout, step.plan
         plan = sstep.plan
         if layout.is_latent:
@@ -306,7 +334,9 @@ class SyclBackend(Backend):
         device = kv_cache.device
         on_xpu = device.type == "xpu"
         session = self.session_for(device)
-        bundle = self.bundle(session, layout, query.dtype)
+        # ALiBi or non-causal: the kernel with those terms in its key loop (the plain one has none)
+        with_terms = alibi_slopes is not None or not step.common.causal
+        bundle = self.bundle(session, layout, query.dtype, with_terms)
         hkv = layout.num_kv_heads
         group = query.shape[1] // hkv
         query = query if query.stride(-1) == 1 else query.contiguous()
@@ -331,20 +361,26 @@ class SyclBackend(Backend):
                       (ARG_I64, block_table.shape[0]), (ARG_I64, block_table.shape[1]),
                       (ARG_PTR, ptr(sstep.seq_lens)), (ARG_PTR, ptr(sstep.query_start_loc)),
                       (ARG_PTR, ptr(sstep.tiles))]
-            tail = [(ARG_I32, hkv), (ARG_I32, group), (ARG_I32, layout.block_size), (ARG_F32, scale),
-                    (ARG_I32, step.sliding_window or 0), (ARG_F32, softcap or 0.0)] + \
-                _scale_args(ptr, k_scale, v_scale) + local
+            head = [(ARG_I32, hkv), (ARG_I32, group), (ARG_I32, layout.block_size), (ARG_F32, scale),
+                    (ARG_I32, step.sliding_window or 0), (ARG_F32, softcap or 0.0)] + _scale_args(ptr, k_scale, v_scale)
+            sinks_arg = (ARG_PTR, 0 if sinks is None else ptr(sinks))
+            terms = [(ARG_PTR, 0 if alibi_slopes is None else ptr(alibi_slopes)),
+                     (ARG_I32, int(bool(step.common.causal)))] + local
             out_args = [(ARG_PTR, ptr(target, True)), (ARG_I64, target.stride(0)), (ARG_I64, target.stride(1))]
             groups = plan.num_tiles * hkv
             if not plan.part_size:
                 unsplit = [(ARG_PTR, 0), (ARG_PTR, 0), (ARG_I32, 1), (ARG_I32, 0)]
-                session.launch(bundle, K_ATTN, groups * wg, wg, common + out_args + unsplit + tail, wait=not on_xpu)
+                single = common + out_args + unsplit + head + [sinks_arg] + terms
+                session.launch(bundle, K_ATTN_TERMS if with_terms else K_ATTN, groups * wg, wg, single,
+                               wait=not on_xpu)
             else:
                 workspace = [(ARG_PTR, sstep.part_acc.data_ptr()), (ARG_PTR, sstep.part_ml.data_ptr())]
                 split = common + [(ARG_PTR, 0), (ARG_I64, 0), (ARG_I64, 0)] + workspace + \
-                    [(ARG_I32, plan.num_parts), (ARG_I32, plan.part_size)] + tail
-                session.launch(bundle, K_SPLIT, groups * plan.num_parts * wg, wg, split, wait=False)
-                reduce = workspace + out_args + [(ARG_I32, query.shape[1]), (ARG_I32, plan.num_parts)]
+                    [(ARG_I32, plan.num_parts), (ARG_I32, plan.part_size)] + head + [(ARG_PTR, 0)] + terms
+                session.launch(bundle, K_ATTN_TERMS if with_terms else K_SPLIT, groups * plan.num_parts * wg, wg,
+                               split, wait=False)
+                # the sinks join once, in the reduction
+                reduce = workspace + out_args + [(ARG_I32, query.shape[1]), (ARG_I32, plan.num_parts), sinks_arg]
                 # only the batch's own rows: padded rows have no partials and stay as they are
                 reduce_rows = num_tokens * query.shape[1]
                 if reduce_rows:
