@@ -35,28 +35,17 @@ def _spec(base: CaseSpec, engine: str, dtype: torch.dtype, **kw) -> CaseSpec:
     return dataclasses.replace(base, dtype=dtype, **kw)
 
 
+@pytest.mark.parametrize("feature, window, softcap", [("sinks", 24, 20.0), ("alibi", 33, 8.0)], ids=["sinks", "alibi"])
 @pytest.mark.parametrize("partition", [0, 16])
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
-def test_sinks_match_the_oracle(hip_backend, engine, dtype, partition):
+def test_feature_matches_the_oracle(hip_backend, engine, dtype, partition, feature, window, softcap):
+    """Sinks or ALiBi alone, then with a window and softcap."""
     wave, pmq = ENGINES[engine]
     base = PREFILL if engine == "prefill-w64" else DECODE
-    _run_case(hip_backend, _spec(base, engine, dtype, sinks=True), wave=wave, partition_size=partition,
-              prefill_min_query=pmq)
-    _run_case(hip_backend, _spec(base, engine, dtype, sinks=True, sliding_window=24, softcap=20.0), wave=wave,
-              partition_size=partition, prefill_min_query=pmq)
-
-
-@pytest.mark.parametrize("partition", [0, 16])
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
-def test_alibi_matches_the_oracle(hip_backend, engine, dtype, partition):
-    wave, pmq = ENGINES[engine]
-    base = PREFILL if engine == "prefill-w64" else DECODE
-    _run_case(hip_backend, _spec(base, engine, dtype, alibi=True), wave=wave, partition_size=partition,
-              prefill_min_query=pmq)
-    _run_case(hip_backend, _spec(base, engine, dtype, alibi=True, sliding_window=33, softcap=8.0), wave=wave,
-              partition_size=partition, prefill_min_query=pmq)
+    for extra in ({}, dict(sliding_window=window, softcap=softcap)):
+        _run_case(hip_backend, _spec(base, engine, dtype, **{feature: True}, **extra), wave=wave,
+                  partition_size=partition, prefill_min_query=pmq)
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
