@@ -105,14 +105,21 @@ int cache_dtype_code(const torch::Tensor& t) {
   return dtype_code(t);
 }
 
-// An fp8 cache's per-head scale: fp32, contiguous, at least num_kv_heads values; its data pointer.
+// A contiguous fp32 CPU tensor of at least `count` values (one per head), or nullptr when absent.
+const float* per_head_floats(const c10::optional<torch::Tensor>& values, int64_t count, const char* name,
+                             const char* heads) {
+  if (!values.has_value()) return nullptr;
+  const torch::Tensor& t = *values;
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 1 && t.is_contiguous() &&
+                  t.size(0) >= count,
+              name, " must be a contiguous fp32 CPU tensor of ", heads, " values");
+  return t.data_ptr<float>();
+}
+
+// An fp8 cache's per-head scale: required, at least num_kv_heads values; its data pointer.
 const float* fp8_scale(const c10::optional<torch::Tensor>& scale, int64_t num_kv_heads, const char* name) {
   TORCH_CHECK(scale.has_value(), name, " is required for an fp8 cache");
-  const torch::Tensor& t = *scale;
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 1 && t.is_contiguous() &&
-                  t.size(0) >= num_kv_heads,
-              name, " must be a contiguous fp32 CPU tensor of num_kv_heads values");
-  return t.data_ptr<float>();
+  return per_head_floats(scale, num_kv_heads, name, "num_kv_heads");
 }
 
 }  // namespace
@@ -243,22 +250,8 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
   P.window = window > 0 ? int(std::min<int64_t>(window, INT32_MAX / 4)) : 0;
   P.softcap = softcap > 0 ? float(softcap) : 0.0f;
   P.causal = causal;
-  P.sinks = nullptr;
-  if (sinks.has_value()) {
-    const torch::Tensor& s = *sinks;
-    TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == torch::kFloat32 && s.dim() == 1 && s.is_contiguous() &&
-                    s.size(0) >= query.size(1),
-                "sinks must be a contiguous fp32 CPU tensor of num_q_heads values");
-    P.sinks = s.data_ptr<float>();
-  }
-  P.alibi = nullptr;
-  if (alibi_slopes.has_value()) {
-    const torch::Tensor& a = *alibi_slopes;
-    TORCH_CHECK(a.device().is_cpu() && a.scalar_type() == torch::kFloat32 && a.dim() == 1 && a.is_contiguous() &&
-                    a.size(0) >= query.size(1),
-                "alibi_slopes must be a contiguous fp32 CPU tensor of num_q_heads values");
-    P.alibi = a.data_ptr<float>();
-  }
+  P.sinks = per_head_floats(sinks, query.size(1), "sinks", "num_q_heads");
+  P.alibi = per_head_floats(alibi_slopes, query.size(1), "alibi_slopes", "num_q_heads");
 
   const int G = P.num_q_heads / P.num_kv_heads;
   const int tile_tokens = std::max(1, 64 / G);

@@ -129,7 +129,11 @@ def build_jit(src: Path, files: list[Path], cflags: list[str], ldflags: list[str
         return None, f"no C++ compiler ({cxx!r} not found; set CXX or install g++)", None
     if not cpp_extension.is_ninja_available():
         return None, "ninja not found (pip install ninja)", None
-    key = native_build.build_key(files, [*cflags, *ldflags, cxx_path, native_build.compiler_version(cxx_path)])
+    # ninja as torch will run it (first on PATH): two ninja versions sharing a build folder rewrite
+    # each other's log format, and each switch rebuilds every object
+    ninja = native_build.find_compiler("ninja") or "ninja"
+    key = native_build.build_key(files, [*cflags, *ldflags, cxx_path, native_build.compiler_version(cxx_path),
+                                         ninja, native_build.compiler_version(ninja)])
     name = f"kvmulti_cpu_{key}"
     build_dir = (native_build.cache_root() if cache is None else cache) / "cpu" / name
     verbose = bool(settings.get("KVMULTI_CPU_VERBOSE"))
