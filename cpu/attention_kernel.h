@@ -436,6 +436,7 @@ static inline void row_block(const float* Q, const uint16_t* Qb, int dp, float* 
         vi valid = idx < c.n;
         if (c.causal) valid &= kpos <= pos[r];
         if (c.window > 0) valid &= (pos[r] - kpos) < c.window;
+        if (c.window > 0 && !c.causal) valid &= (kpos - pos[r]) < c.window;   // both sides
         s = valid ? s : vsplat(ninf);
       }
       vstore(srow + g * KV_W, s);
@@ -877,6 +878,7 @@ static KV_INLINE vf finish_scores(vf s, int g, int KG, const LaneRows& lr, const
     vi valid = idx < c.n;
     if (c.causal) valid &= kpos <= lr.pos;
     if (c.window > 0) valid &= (lr.pos - kpos) < c.window;
+    if (c.window > 0 && !c.causal) valid &= (kpos - lr.pos) < c.window;   // both sides
     s = valid ? s : vsplat(-std::numeric_limits<float>::infinity());
   }
   return s;
@@ -1337,7 +1339,9 @@ static void run_item_t(const AttnParams& P, const WorkItem& it, float* ws) {
         const int p_lo = it.pos0 + m0 / G, p_hi = it.pos0 + (m0 + R - 1) / G;
         if (P.causal && c0 > p_hi) continue;                                // chunk after every row
         if (P.window > 0 && p_lo - (c0 + n - 1) >= P.window) continue;      // chunk left every window
-        c.need_mask = n % KV_W != 0 || (P.causal && c0 + n - 1 > p_lo) || (P.window > 0 && p_hi - c0 >= P.window);
+        if (!P.causal && P.window > 0 && c0 - p_hi >= P.window) continue;   // chunk right of every window
+        c.need_mask = n % KV_W != 0 || (P.causal && c0 + n - 1 > p_lo) || (P.window > 0 && p_hi - c0 >= P.window) ||
+                      (!P.causal && P.window > 0 && c0 + n - 1 - p_lo >= P.window);
         for (int r = 0; r < R; ++r) pos[r] = it.pos0 + (m0 + r) / G;
         for (int r = R; r < kRowBlock; ++r) pos[r] = pos[R - 1];
         if (P.alibi) {

@@ -174,7 +174,9 @@ std::vector<Tile> plan_tiles(const int32_t* qsl, const int32_t* seq, int num_req
       const int64_t p0 = first + t0, p1 = p0 + nt - 1;
       const int64_t lo = std::max<int64_t>(0, window > 0 ? p0 - window + 1 : 0);
       // A negative seq_len (corrupt metadata) gives no keys: [0, 0), never a negative table column.
-      const int64_t hi = std::max<int64_t>(0, std::min<int64_t>(max_keys, causal ? p1 + 1 : seq[r]));
+      // Non-causal rows see the window on both sides, so a windowed tile ends window - 1 keys after p1.
+      const int64_t right = causal ? p1 + 1 : window > 0 ? std::min<int64_t>(seq[r], p1 + window) : seq[r];
+      const int64_t hi = std::max<int64_t>(0, std::min<int64_t>(max_keys, right));
       if (p0 < INT32_MIN / 2 || p1 > INT32_MAX / 2) continue;   // positions the kernel's int math cannot hold
       tiles.push_back({r, int(q0 + t0), int(nt), int(p0), int(std::min(lo, hi)), int(hi)});
     }
@@ -339,7 +341,8 @@ void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, 
     for (int t = 0; t < w.num_tokens; ++t) {
       const int64_t p = int64_t(w.pos0) + t;
       const int64_t lo = P.window > 0 ? std::max<int64_t>(w.k_lo, p - P.window + 1) : w.k_lo;
-      const int64_t hi = causal ? std::min<int64_t>(w.k_hi, p + 1) : w.k_hi;
+      const int64_t hi = causal ? std::min<int64_t>(w.k_hi, p + 1)
+                         : P.window > 0 ? std::min<int64_t>(w.k_hi, p + P.window) : w.k_hi;
       pairs += std::max<int64_t>(0, hi - lo);
     }
     size[i] = pairs;

@@ -110,6 +110,7 @@ static inline void tile_qk(const TileCtx& t, const void* Qt, int rv0, int j0, vf
         vi valid = visplat(j0 + j < t.n ? -1 : 0);
         if (t.causal) valid &= visplat(key) <= pos;
         if (t.window > 0) valid &= (pos - key) < t.window;
+        if (t.window > 0 && !t.causal) valid &= (visplat(key) - pos) < t.window;   // both sides
         s = valid ? s : ninf;
       }
       vstore(t.St + (j0 + j) * Mr + (rv0 + b) * KV_W, s);
@@ -337,6 +338,7 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
       }
       if (P.causal && c0 > p_hi) continue;                         // after every row
       if (P.window > 0 && p_lo - (c0 + n - 1) >= P.window) continue;  // left every row's window
+      if (!P.causal && P.window > 0 && c0 - p_hi >= P.window) continue;  // right of every row's window
       const int npad = int(round_up(n, kTileAcc));
       const T* const* raw = rows[cur];
       for (int j = 0; j < n; ++j) {
@@ -369,7 +371,8 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
         for (int j = 0; j < npad; j += 2) interleave_rows(vrow(j), vrow(j + 1), Dv, Vi + (j / 2) * Dv);
       }
       TileCtx t{Mr, D, Dv, kp, vp, Vi, c0, n, npad,
-                npad > n || (P.causal && c0 + n - 1 > p_lo) || (P.window > 0 && p_hi - c0 >= P.window),
+                npad > n || (P.causal && c0 + n - 1 > p_lo) || (P.window > 0 && p_hi - c0 >= P.window) ||
+                    (!P.causal && P.window > 0 && c0 + n - 1 - p_lo >= P.window),
                 P.causal, P.window, P.softcap, DOT ? q_scale : 1.0f, pos, St, Pp, P.alibi ? slope : nullptr};
       tile_step<DOT>(t, Qt, Ot, RV, m, l);
     }

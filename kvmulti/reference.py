@@ -47,6 +47,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
     the softmax of each of its rows as one more (always visible) key whose value is zero.
     ``alibi_slopes`` [num_q_heads]: head h's score of the query at position q against the key at
     position k gains ``alibi_slopes[h] * (k - q)`` after scale and softcap.
+    ``sliding_window`` w: a causal row at position q sees keys q - w < k <= q; a non-causal row
+    (``metadata.causal`` False) sees |q - k| < w.
     """
     quantized = fp8.is_fp8(layout.dtype)
     k_scale = _scale(k_scale, layout, kv_cache.device) if quantized else None
@@ -82,7 +84,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         if metadata.causal:
             visible &= k_pos <= q_pos
         if sliding_window is not None:
-            visible &= (q_pos - k_pos) < sliding_window
+            # Causal rows look back only; non-causal rows see the window on both sides (vLLM's rule).
+            distance = q_pos - k_pos if metadata.causal else (q_pos - k_pos).abs()
+            visible &= distance < sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         if sinks is not None:
             sink = sinks.float().to(scores.device).view(-1, 1, 1).expand(-1, query_len, 1)

@@ -128,14 +128,16 @@ def test_non_causal_matches_the_oracle(hip_backend, engine, dtype, partition):
     _non_causal(hip_backend, _spec(base, engine, dtype, softcap=20.0, sinks=True, alibi=True), wave, partition, pmq)
 
 
-@pytest.mark.parametrize("partition", [0, 16])
-@pytest.mark.parametrize("engine", ENGINES)
-def test_non_causal_with_a_window_is_one_sided(hip_backend, engine, partition):
-    """A window with non-causal attention: keys from pos - W + 1 up to the request's last (the oracle's and
-    the CPU backend's one-sided rule); the split plan covers more than W keys then."""
-    wave, pmq = ENGINES[engine]
-    base = PREFILL if engine == "prefill-w64" else DECODE
-    _non_causal(hip_backend, _spec(base, engine, BF16, sliding_window=20), wave, partition, pmq)
+def test_non_causal_with_a_window_is_refused(hip_backend):
+    """The contract's non-causal window is two-sided (|p - k| < W); HIP's kernels mask one side, so HIP
+    names it as a capability reason and a call naming HIP is refused rather than served one-sided."""
+    config = kvmulti.AttentionConfig("cpu", BF16, 128, 128, 2, 16, "HND", causal=False, sliding_window=True)
+    (reason,) = hip_backend.capability_reasons(config)
+    assert "no sliding window for non-causal" in reason
+    case = build_case(dataclasses.replace(DECODE, dtype=BF16, sliding_window=20))
+    case.metadata.causal = False
+    with pytest.raises((ValueError, RuntimeError), match="no sliding window for non-causal"):
+        kvmulti.paged_attention(case.query, case.cache, case.layout, case.metadata, sliding_window=20, backend="HIP")
 
 
 @pytest.mark.parametrize("fmt", FP8_FORMATS)
@@ -150,9 +152,10 @@ def test_non_causal_over_fp8_caches(hip_backend, fmt, pmq):
 
 
 def test_hip_declares_the_features_and_a_prepared_step_takes_them_per_layer(hip_backend):
-    config = kvmulti.AttentionConfig("cpu", BF16, 128, 128, 2, 16, "HND", causal=False, sliding_window=True,
-                                     sinks=True, alibi=True)
-    assert hip_backend.capability_reasons(config) == []
+    for causal, window in ((False, False), (True, True)):
+        config = kvmulti.AttentionConfig("cpu", BF16, 128, 128, 2, 16, "HND", causal=causal, sliding_window=window,
+                                         sinks=True, alibi=True)
+        assert hip_backend.capability_reasons(config) == []
     case = build_case(dataclasses.replace(PREFILL, sliding_window=48))
     hq = case.query.shape[1]
     with _knobs(hip_backend, 64, 16, 1):

@@ -1,10 +1,11 @@
-"""Non-causal (encoder-only) attention: every new token sees all ``seq_len`` keys of its request.
+"""Non-causal (encoder-only) attention: every new token sees all ``seq_len`` keys of its request; with a
+sliding window W only those with |query position - key position| < W (vLLM CPU_ATTN's rule).
 
 The oracle against a dense softmax written here, the CPU backend (native kernel and torch path)
 and the TRITON backend (Triton's interpreter on CPU tensors, as tests/test_triton_backend.py:
-single pass, both prefill-loop families and split-KV) against the oracle (HIP: tests/test_hip_features.py;
-SYCL: tests/test_sycl_features.py); the backend without it (IPEX) names it as a capability reason, and
-TRITON refuses a window with it."""
+single pass, both prefill-loop families and split-KV) against the oracle, with and without windows
+(HIP: tests/test_hip_features.py; SYCL: tests/test_sycl_features.py; both refuse a window with it);
+the backend without it (IPEX) names it as a capability reason."""
 
 from __future__ import annotations
 
@@ -43,20 +44,28 @@ def non_causal_case(case_spec: CaseSpec):
     return case
 
 
-def dense(case) -> torch.Tensor:
-    """Each request's rows attend to every one of its seq_len cached keys: one unmasked softmax."""
+def dense(case, visible=None) -> torch.Tensor:
+    """Each request's rows attend to every one of its seq_len cached keys: one unmasked softmax
+    (``visible(q_pos - k_pos)`` -> bool: masked to the positions it allows)."""
     layout, md = case.layout, case.metadata
     keys, values = layout.keys(case.cache), layout.values(case.cache)
     group = case.query.shape[1] // layout.num_kv_heads
     out = torch.zeros(case.query.shape[0], case.query.shape[1], layout.value_size)
     qsl = md.query_start_loc_cpu.tolist()
     for i, seq_len in enumerate(md.seq_lens_cpu.tolist()):
-        blocks = md.block_table[i].tolist()
-        slots = [(blocks[p // layout.block_size], p % layout.block_size) for p in range(seq_len)]
-        k = torch.stack([keys[b, o] for b, o in slots]).float().repeat_interleave(group, dim=1)
-        v = torch.stack([values[b, o] for b, o in slots]).float().repeat_interleave(group, dim=1)
         q = case.query[qsl[i]:qsl[i + 1]].float()
-        probs = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * layout.head_size ** -0.5, dim=-1)
+        q_pos = torch.arange(seq_len - q.shape[0], seq_len)[:, None]
+        mask = torch.ones(q.shape[0], seq_len, dtype=torch.bool)
+        if visible is not None:
+            mask = visible(q_pos - torch.arange(seq_len)[None, :])
+        # a key no row sees is read as zeros (its table entry may be out of range)
+        blocks = md.block_table[i].tolist()
+        slots = [(blocks[p // layout.block_size], p % layout.block_size) if mask[:, p].any() else None
+                 for p in range(seq_len)]
+        k, v = (torch.stack([kv[s] if s else torch.zeros_like(kv[0, 0]) for s in slots]).float()
+                .repeat_interleave(group, dim=1) for kv in (keys, values))
+        scores = torch.einsum("qhd,khd->hqk", q, k) * layout.head_size ** -0.5
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
         out[qsl[i]:qsl[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v)
     return out
 
@@ -70,6 +79,21 @@ def test_oracle_is_the_unmasked_softmax_and_differs_from_causal():
     assert (causal - got).abs().max() > 0.1      # the cases would not tell the two apart otherwise
 
 
+# Encoder-only batches (no context: every key is one of the request's own tokens) and mixed ones.
+ENCODER = dict(query_lens=(130, 9, 33, 1), context_lens=(0, 0, 0, 0))
+WINDOWS = [1, 5, 16, 40, 300]   # 300: wider than every request
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("lens", [{}, ENCODER], ids=["mixed", "encoder"])
+def test_oracle_window_is_symmetric(window, lens):
+    case = non_causal_case(spec(sliding_window=window, **lens))
+    got = reference.paged_attention(case.query, case.cache, case.layout, case.metadata, sliding_window=window)
+    torch.testing.assert_close(got, dense(case, lambda d: d.abs() < window), atol=2e-5, rtol=2e-5)
+    if window <= 16:   # the keys after a row's window tell the symmetric rule from a one-sided one
+        assert (got - dense(case, lambda d: d < window)).abs().max() > 0.1
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch_path"])
 @pytest.mark.parametrize("case_spec", [spec(), spec(dtype=BF16, order="HND", block_size=1, softcap=20.0)],
                          ids=["fp32", "bf16_hnd_bs1_softcap"])
@@ -81,13 +105,33 @@ def test_cpu_matches_oracle(native, case_spec):
 
 
 def check_backend(case_spec: CaseSpec, backend) -> None:
-    """``backend`` against the oracle on the spec's batch made non-causal (with the spec's sinks / ALiBi)."""
+    """``backend`` against the oracle on the spec's batch made non-causal (its window, sinks and ALiBi, if any)."""
     case = non_causal_case(case_spec)
-    expected = reference.paged_attention(case.query, case.cache, case.layout, case.metadata,
-                                         softcap=case_spec.softcap, sinks=case.sinks, alibi_slopes=case.alibi_slopes)
-    actual = kvmulti.paged_attention(case.query, case.cache, case.layout, case.metadata, softcap=case_spec.softcap,
-                                     backend=backend, sinks=case.sinks, alibi_slopes=case.alibi_slopes)
+    kw = dict(softcap=case_spec.softcap, sliding_window=case_spec.sliding_window, sinks=case.sinks,
+              alibi_slopes=case.alibi_slopes)
+    expected = reference.paged_attention(case.query, case.cache, case.layout, case.metadata, **kw)
+    actual = kvmulti.paged_attention(case.query, case.cache, case.layout, case.metadata, backend=backend, **kw)
     assert_close_to_reference(actual, expected, case_spec.dtype, f"{backend} non-causal {case_spec}")
+
+
+WINDOWED = [
+    spec(sliding_window=5),
+    spec(sliding_window=16, group=4, num_kv_heads=1, **ENCODER),
+    spec(sliding_window=1, **ENCODER),
+    spec(sliding_window=40, dtype=BF16, order="HND", block_size=1, softcap=20.0, **ENCODER),
+    spec(sliding_window=300, **ENCODER),
+]
+WINDOWED_IDS = ["mixed_w5", "encoder_gqa4_w16", "encoder_w1", "encoder_bf16_hnd_bs1_softcap_w40", "encoder_w300"]
+
+
+@pytest.mark.parametrize("partition", [None, 32], ids=["default", "split32"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch_path"])
+@pytest.mark.parametrize("case_spec", WINDOWED, ids=WINDOWED_IDS)
+def test_cpu_window_matches_oracle(native, case_spec, partition):
+    backend = CPUBackend(partition_size=partition, native_kernel=native)
+    if native and backend.module is None:
+        pytest.skip("the native CPU kernel is not built on this host")
+    check_backend(case_spec, backend)
 
 
 triton_only = pytest.mark.skipif(not triton_backend.interpreting(),
@@ -105,6 +149,12 @@ def test_triton_single_pass_matches_oracle(case_spec):
 
 
 @triton_only
+@pytest.mark.parametrize("case_spec", WINDOWED[:3], ids=WINDOWED_IDS[:3])
+def test_triton_single_pass_window_matches_oracle(case_spec):
+    check_backend(case_spec, TritonBackend(partition_size=0))
+
+
+@triton_only
 @pytest.mark.parametrize("family", ["nvidia", "amd"])
 def test_triton_prefill_loop_matches_oracle(family, monkeypatch):
     from kvmulti.backends.triton import launch
@@ -112,8 +162,11 @@ def test_triton_prefill_loop_matches_oracle(family, monkeypatch):
     launches, run = [], launch.run
     monkeypatch.setattr(launch, "run", lambda ls: (launches.extend(ls), run(ls))[1])
     check_backend(spec(dtype=BF16, query_lens=(70, 1, 9), context_lens=(0, 30, 20)), "TRITON")
-    (attention,) = [ln for ln in launches if ln.kernel == "unified_attention"]
-    assert attention.args["PREFILL"] and attention.args["CAUSAL"] is False
+    for window in (3, 20, 100):   # windows shorter than a key tile, longer, wider than the requests
+        check_backend(spec(dtype=BF16, sliding_window=window, query_lens=(150, 1, 9), context_lens=(0, 30, 20)),
+                      "TRITON")
+    for attention in [ln for ln in launches if ln.kernel == "unified_attention"]:
+        assert attention.args["PREFILL"] and attention.args["CAUSAL"] is False
 
 
 @triton_only
@@ -125,16 +178,26 @@ def test_triton_split_kv_matches_oracle():
     out = kvmulti.paged_attention(case.query, case.cache, case.layout, step)
     expected = reference.paged_attention(case.query, case.cache, case.layout, case.metadata)
     assert_close_to_reference(out, expected, F32, "TRITON split-KV non-causal")
+    for window in (2, 50):
+        case = non_causal_case(spec(sliding_window=window, query_lens=(1, 3, 6), context_lens=(70, 120, 40)))
+        step = kvmulti.prepare_step(case.metadata, case.layout, case.query.shape[1], backend=backend,
+                                    sliding_window=window)
+        assert step.plan.split and step.plan.num_parts > 1
+        out = kvmulti.paged_attention(case.query, case.cache, case.layout, step, sliding_window=window)
+        expected = reference.paged_attention(case.query, case.cache, case.layout, case.metadata,
+                                             sliding_window=window)
+        assert_close_to_reference(out, expected, F32, f"TRITON split-KV non-causal window {window}")
 
 
 def _config(**kw) -> kvmulti.AttentionConfig:
     return kvmulti.AttentionConfig("cpu", F32, 64, 64, 2, 16, "NHD", causal=False, **kw)
 
 
-def test_triton_serves_non_causal_but_not_with_a_window():
-    assert not TritonBackend().capability_reasons(_config())
-    (reason,) = TritonBackend().capability_reasons(_config(sliding_window=True))
-    assert "no sliding window for non-causal" in reason
+@pytest.mark.parametrize("name", ["CPU", "TRITON"])
+def test_backends_serve_non_causal_with_a_window(name):
+    from kvmulti.backends.registry import get_backend
+    assert not get_backend(name).capability_reasons(_config())
+    assert not get_backend(name).capability_reasons(_config(sliding_window=True))
 
 
 @pytest.mark.parametrize("name", ["IPEX"])

@@ -123,6 +123,24 @@ def test_layer_impl_matches_the_oracle_on_every_layout_and_fp8():
     assert len(result["checked"]) == 18 and result["failures"] == []
 
 
+def test_encoder_only_layer_with_a_window_equals_cpu_attn():
+    # kvmulti's encoder-only layer with sliding windows (ModernBERT-style local attention) against
+    # CPU_ATTN's kernel on the same inputs (vllm_window_check.py: fp32 and bf16, windows 1 to wider
+    # than every request, and none); kvmulti and its kernel sources from this checkout
+    require_vllm()
+    run = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_window_check.py")], capture_output=True,
+                         text=True, timeout=900, cwd=ROOT / "tests")
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert all(str(p).startswith(str(ROOT)) for p in result["sources"]["cpu_src"]), result["sources"]
+    assert len(result["errors"]) == 12
+    for case, error in result["errors"].items():
+        assert error < (1e-5 if case.startswith("float32") else 3e-2), (case, error)
+    for case, effect in result["window_effect"].items():   # the windows narrower than a request change rows
+        window = case.split("w=")[1]
+        assert (effect > 0.1) == (window in ("1", "5", "16", "40")), (case, effect)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
 def test_fp8_kv_cache_runs_on_kvmulti(cpu_attn, kv_cache_dtype):
     # CPU_ATTN refuses fp8 caches at block 16 (its AVX-512 vec16 kernel has none; on AVX2 hosts it has
@@ -256,6 +274,7 @@ def embed(model: str, kvmulti: bool, block_size: str) -> dict:
     assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stderr[-4000:]}"
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert Path(result["kvmulti_file"]).resolve().is_relative_to(ROOT.resolve())
+    assert all(Path(p).resolve().is_relative_to(ROOT.resolve()) for p in result["sources"]["cpu_src"])
     return result
 
 
@@ -263,6 +282,19 @@ def test_bert_style_encoder_only_embeddings_equal_cpu_attn(tmp_path_factory):
     """A BERT-style embedding model (encoder-only, non-causal attention; vLLM gives its layers no
     KV cache): kvmulti's embeddings (block 16) within fp32 tolerance of CPU_ATTN's (block 32)."""
     model = tiny_checkpoint(tmp_path_factory, "vllm_bert_model.py")
+    want = embed(model, False, "32")
+    assert want["kvmulti_forward_calls"] == 0
+    got = embed(model, True, "16")
+    assert got["kvmulti_forward_calls"] > 0, "KVMULTI_VLLM=1 but kvmulti served no attention call"
+    import torch
+    torch.testing.assert_close(torch.tensor(got["embeddings"]), torch.tensor(want["embeddings"]), atol=2e-5, rtol=2e-5)
+
+
+def test_modernbert_style_local_attention_embeddings_equal_cpu_attn(tmp_path_factory):
+    """A ModernBERT-style embedding model (encoder-only layers, two of three local: vLLM hands the
+    backend W = 5, |q - k| < 5, on prompts far longer): kvmulti's embeddings (block 16) within fp32
+    tolerance of CPU_ATTN's (block 32)."""
+    model = tiny_checkpoint(tmp_path_factory, "vllm_modernbert_model.py")
     want = embed(model, False, "32")
     assert want["kvmulti_forward_calls"] == 0
     got = embed(model, True, "16")
@@ -280,16 +312,16 @@ from kvmulti.metadata import CommonAttentionMetadata
 assert B.supports_attn_type(AttentionType.DECODER) and B.supports_attn_type(AttentionType.ENCODER_ONLY)
 assert B.supports_non_causal()
 Impl(4, 32, 0.1, 2, attn_type=AttentionType.ENCODER_ONLY)
-for attn_type, window, what in ((AttentionType.ENCODER, None, "attn_type ENCODER (served: DECODER, ENCODER_ONLY)"),
-                                (AttentionType.ENCODER_DECODER, None, "attn_type ENCODER_DECODER (served"),
-                                (AttentionType.ENCODER_ONLY, 8, "a sliding window on encoder-only layers")):
-    assert not B.supports_attn_type(attn_type) or window
+assert Impl(4, 32, 0.1, 2, sliding_window=8, attn_type=AttentionType.ENCODER_ONLY).sliding_window == 8
+for attn_type, what in ((AttentionType.ENCODER, "attn_type ENCODER (served: DECODER, ENCODER_ONLY)"),
+                        (AttentionType.ENCODER_DECODER, "attn_type ENCODER_DECODER (served")):
+    assert not B.supports_attn_type(attn_type)
     try:
-        Impl(4, 32, 0.1, 2, sliding_window=window, attn_type=attn_type)
+        Impl(4, 32, 0.1, 2, attn_type=attn_type)
     except NotImplementedError as exc:
         assert what in str(exc), exc
     else:
-        raise AssertionError(f"{attn_type} window={window} accepted")
+        raise AssertionError(f"{attn_type} accepted")
 try:
     Impl(4, 32, 0.1, 2, alibi_slopes=[0.5] * 4, attn_type=AttentionType.ENCODER_ONLY)
 except NotImplementedError as exc:
@@ -311,9 +343,9 @@ print("ok")
 
 
 def test_attention_types_served_and_refused():
-    """ENCODER_ONLY is served (the scratch metadata lays each request's tokens out in blocks of its
-    own); ENCODER and ENCODER_DECODER, and encoder-only layers with a sliding window, are refused
-    with the reason; so is an encoder-only step over a cached prefix."""
+    """ENCODER_ONLY is served, with or without a sliding window (the scratch metadata lays each
+    request's tokens out in blocks of its own); ENCODER and ENCODER_DECODER are refused with the
+    reason; so is an encoder-only step over a cached prefix."""
     require_vllm()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([str(VLLM_PYTHON), "-c", ATTN_TYPE_CHECK], capture_output=True, text=True, timeout=600,

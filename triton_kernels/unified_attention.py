@@ -16,8 +16,9 @@ Two kernels serve every batch:
   through the cache's named strides (block, token, head; content stride 1), so both NHD and HND
   caches are read in place. Causal masking uses positions (a request's new tokens are its last
   ``query_len`` positions; ``CAUSAL=False``: every row sees all ``seq_len`` keys of its request,
-  encoder-only attention); with a sliding window whole tiles before the window are skipped and
-  positions before it are never loaded (their block-table entries may be garbage). Softcap is
+  encoder-only attention; with a window ``w`` only keys with ``|q_pos - k_pos| < w``); with a
+  sliding window whole tiles before the window are skipped and positions before it are never
+  loaded (their block-table entries may be garbage). Softcap is
   ``c * tanh(s / c)``; accumulation is fp32 (online softmax), fp32 inputs use exact ("ieee") dots.
   Head sizes are padded to powers of two inside the kernel and masked.
 * Memory safety: metadata values are not trusted. ``num_rows`` (query/output rows the kernel may
@@ -33,8 +34,8 @@ Two kernels serve every batch:
   on the matrix units): the key range is walked in three loops, each a whole number of tiles: the
   tiles before the window start of the q-block's last row (masked), the tiles every row sees whole
   (no per-score mask: only keys in blocks outside the cache are masked, per key), and the tiles from
-  the causal end of the q-block's first row on (the diagonal, masked). Tiles past the causal end of
-  the last row or wholly before the window start of the first row are never loaded. Scores are kept
+  the causal (non-causal with a window: window) end of the q-block's first row on (masked). Tiles
+  past that end of the last row or wholly before the window start of the first row are never loaded. Scores are kept
   in log2 units (log2(e) folded into the scale) and the softmax runs on ``exp2``.
 * Split-KV (``SPLIT=True``): the same kernel with the context cut in partitions of
   ``PART_SIZE`` positions (grid dim 2); each program writes its unnormalised partial output,
@@ -153,6 +154,8 @@ def _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride
             visible = (k_vis[None, :] < 2147483647) & (q_pos[:, None] >= 0)
         if WINDOW > 0:
             visible = visible & ((q_pos[:, None] - k_pos[None, :]) < WINDOW)
+            if not CAUSAL:   # non-causal rows see the window on both sides
+                visible = visible & ((k_pos[None, :] - q_pos[:, None]) < WINDOW)
         s = tl.where(visible, s, float("-inf"))
     else:
         s = tl.where(k_ok[None, :], s, float("-inf"))        # a block id outside the cache: a masked key
@@ -242,12 +245,14 @@ def unified_attention_kernel(
     if ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0)
 
-    # Keys this program can need: causal end of its last row (non-causal: all seq_len), window
-    # start of its first row.
+    # Keys this program can need: causal end of its last row (non-causal: all seq_len, or the window
+    # end of its last row), window start of its first row.
     last_local = tl.minimum(q_len, (q_block + 1) * BLOCK_Q) - 1
     k_end = ctx_len + last_local + 1
     if not CAUSAL:
         k_end = seq_len
+        if WINDOW > 0:
+            k_end = tl.minimum(seq_len, ctx_len + last_local + WINDOW)
     k_lo = num_reqs * 0
     if WINDOW > 0:
         k_lo = tl.maximum(ctx_len + q_block * BLOCK_Q - WINDOW + 1, 0)
@@ -283,6 +288,8 @@ def unified_attention_kernel(
         seen_by_all = k_end
         if CAUSAL:
             seen_by_all = tl.minimum(ctx_len + q_block * BLOCK_Q + 1, k_end)
+        elif WINDOW > 0:   # the window end of the first row
+            seen_by_all = tl.minimum(ctx_len + q_block * BLOCK_Q + WINDOW, k_end)
         full_hi = tl.maximum(full_lo, (seen_by_all // TILE_N) * TILE_N)
         for start in range(full_lo, full_hi, TILE_N):
             acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, q_pos, start, k_lo, k_end, kv_ptr, bt_row, stride_bn,

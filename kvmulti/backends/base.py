@@ -111,6 +111,8 @@ class Backend(abc.ABC):
     supports_softcap: ClassVar[bool] = True
     supports_latent: ClassVar[bool] = False
     supports_non_causal: ClassVar[bool] = False
+    #: non-causal rows with a sliding window see keys with |query position - key position| < window
+    supports_non_causal_window: ClassVar[bool] = True
     #: attention sinks: ``paged_attention(..., sinks=)`` fp32 [num_q_heads] logits joining each
     #: softmax denominator (no value); a backend without them reports "does not serve attention sinks"
     supports_sinks: ClassVar[bool] = False
@@ -169,6 +171,9 @@ class Backend(abc.ABC):
             reasons.append("softcap not supported")
         if not config.causal and not self.supports_non_causal:
             reasons.append("non-causal attention not supported (metadata.causal is False)")
+        elif not config.causal and config.sliding_window and not self.supports_non_causal_window:
+            reasons.append(f"{self.name} has no sliding window for non-causal attention (the contract's window "
+                           "is |query position - key position| < window)")
         if config.sinks and not self.supports_sinks:
             reasons.append(f"{self.name} does not serve attention sinks")
         if config.alibi and not self.supports_alibi:

@@ -111,8 +111,9 @@ def _attend_chunk(query, kv_cache, layout, metadata, scale, sliding_window, soft
     visible = visible.expand(-1, max_q, -1).clone()
     if metadata.causal:
         visible &= k_pos[:, None, :] <= q_pos[:, :, None]
-    if sliding_window is not None:
-        visible &= (q_pos[:, :, None] - k_pos[:, None, :]) < sliding_window
+    if sliding_window is not None:   # non-causal rows: the window on both sides
+        distance = q_pos[:, :, None] - k_pos[:, None, :]
+        visible &= (distance if metadata.causal else distance.abs()) < sliding_window
     visible &= q_valid[:, :, None]
     visible = visible.to(device)[:, None, None]                               # [R, 1, 1, max_q, span]
     scores = scores.view(len(reqs), hkv, group, max_q, span)

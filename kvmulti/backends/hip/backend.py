@@ -52,7 +52,8 @@ class HipBackend(Backend):
     head_sizes = HEAD_SIZES
     supports_sinks = True        # joined where a row is normalised, or by the split-KV reduce kernel
     supports_alibi = True        # added where scores are formed (both engines, both kernels)
-    supports_non_causal = True   # every row sees its request's seq_len keys (a window: one-sided, as CPU's)
+    supports_non_causal = True   # every row sees its request's seq_len keys
+    supports_non_causal_window = False   # its kernels mask one side only
 
     def __init__(self, partition_size: int | None = None, cpu_wave: int | None = None,
                  prefill_min_query: int = -1):
@@ -141,8 +142,8 @@ class HipBackend(Backend):
         if num_tokens == 0:
             return HipPlan(qsl, seq_lens, table, 0, 1, None)
         lib, _, _ = self._library(device)
-        # keys past the table's width are never read (the kernels stop there); a non-causal row with a
-        # window sees its keys from pos - W + 1 to seq_len, more than W of them
+        # keys past the table's width are never read (the kernels stop there); a non-causal row sees
+        # all seq_len keys
         span = max_visible_span(common.max_seq_len, sliding_window) if common.causal else common.max_seq_len
         max_span = min(span, table.shape[1] * layout.block_size)
         ps, npart = ctypes.c_int(0), ctypes.c_int(1)

@@ -33,7 +33,7 @@ import torch
 from ... import settings
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata, first_visible_position
-from ..base import ALL_DTYPES, FP8_DTYPES, AttentionConfig, Backend, StepMetadata
+from ..base import ALL_DTYPES, FP8_DTYPES, Backend, StepMetadata
 from .runtime import (ARG_F32, ARG_I32, ARG_I64, ARG_LOCAL_F32, ARG_PTR, DTYPE_CODES, K_ATTN,
                       K_ATTN_TERMS, K_REDUCE, K_SPLIT, K_WRITE, KERNEL_NAMES, PLAIN_KERNEL_NAMES,
                       Session, SyclError, default_session, find_runtime,
@@ -174,6 +174,7 @@ class SyclBackend(Backend):
     supports_sinks = True         # joined where a row is normalised (kernels.cpp: merge / kvm_split_reduce)
     supports_alibi = True         # added where scores are formed, after scale and softcap
     supports_non_causal = True    # every row sees its request's seq_len keys (encoder-only attention)
+    supports_non_causal_window = False
 
     def __init__(self, partition_size: int | None = None, stage_cpu_tensors: bool | None = None):
         super().__init__(partition_size)
@@ -204,13 +205,6 @@ class SyclBackend(Backend):
                 return [f"no SYCL device for CPU tensors: {e}"]
             return []
         return [f"SYCL runs on xpu (and, for verification, cpu through a SYCL CPU device), not {platform}"]
-
-    def capability_reasons(self, config: AttentionConfig) -> list[str]:
-        reasons = super().capability_reasons(config)
-        if not config.causal and config.sliding_window:
-            reasons.append("SYCL has no sliding window for non-causal attention (vLLM's is symmetric, "
-                           "|query position - key position| < window)")
-        return reasons
 
     def describe(self) -> str:
         root, reasons = find_runtime()

@@ -22,7 +22,7 @@ import torch
 from ... import settings
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata
-from ..base import ALL_DTYPES, FP8_DTYPES, AttentionConfig, Backend, StepMetadata
+from ..base import ALL_DTYPES, FP8_DTYPES, Backend, StepMetadata
 
 
 def interpreting() -> bool:
@@ -97,13 +97,6 @@ class TritonBackend(Backend):
                 return []
             return ["TRITON runs on CPU tensors only under the Triton interpreter (set TRITON_INTERPRET=1)"]
         return super().platform_reasons(platform)
-
-    def capability_reasons(self, config: AttentionConfig) -> list[str]:
-        reasons = super().capability_reasons(config)
-        if not config.causal and config.sliding_window:
-            reasons.append("TRITON has no sliding window for non-causal attention (vLLM's is symmetric, "
-                           "|query position - key position| < window)")
-        return reasons
 
     def describe(self) -> str:
         version = ""

@@ -198,9 +198,7 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
     query (and ``out``) may then be fp32, fp16 or bf16. ``sinks``: fp32 [num_q_heads] attention-sink
     logits on the query's device (checked here: the kernels read num_q_heads of them), or None;
     ``alibi_slopes`` likewise fp32 [num_q_heads] ALiBi slopes, or None. ``causal=False``: every row
-    sees all ``seq_len`` keys of its request (no sliding window then)."""
-    if not causal and sliding_window:
-        raise ValueError("the Triton kernel has no sliding window for non-causal attention")
+    sees all ``seq_len`` keys of its request, with a window only those with |q_pos - k_pos| < window."""
     if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()
                               or sinks.shape != (query.shape[1],) or sinks.device != query.device):
         raise ValueError(f"sinks must be a contiguous fp32 [{query.shape[1]}] tensor on {query.device}")

@@ -187,9 +187,6 @@ class KvmultiAttentionImpl(AttentionImpl):
         unsupported = [what for what, present in ((f"kv_cache_dtype={kv_cache_dtype}", kv_cache_dtype != "auto" and not fp8),
                                                   (f"attn_type {getattr(attn_type, 'name', attn_type)} (served: DECODER, ENCODER_ONLY)",
                                                    attn_type not in SERVED_ATTN_TYPES),
-                                                  ("a sliding window on encoder-only layers",
-                                                   attn_type == AttentionType.ENCODER_ONLY
-                                                   and sliding_window is not None and sliding_window > 0),
                                                   ("ALiBi on encoder-only layers",
                                                    attn_type == AttentionType.ENCODER_ONLY and alibi_slopes is not None))
                        if present]
@@ -238,15 +235,18 @@ class KvmultiAttentionImpl(AttentionImpl):
     def _forward_encoder_only(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               attn_metadata: "KvmultiStepMetadata", output: torch.Tensor) -> torch.Tensor:
         """An encoder-only layer: the step's keys and values into the step's scratch cache, then
-        non-causal attention of each request's tokens over its own (:mod:`.encoder_only`)."""
+        non-causal attention of each request's tokens over its own (:mod:`.encoder_only`); a sliding
+        window W keeps |query position - key position| < W (CPU_ATTN's rule)."""
         n = attn_metadata.num_actual_tokens
         cache, step = scratch_step(attn_metadata.prepared, attn_metadata.common, self.num_kv_heads, self.head_size,
-                                   query.dtype, self.num_heads, self.logits_soft_cap, self._kvmulti_backend)
+                                   query.dtype, self.num_heads, self.logits_soft_cap, self._kvmulti_backend,
+                                   self.sliding_window)
         layout = step.layout
         ops.write_kv(_rows(key, n), _rows(value, n), cache, layout, step.common.slot_mapping, step=step)
         query = _rows(query, n).view(n, self.num_heads, self.head_size)
         out = _rows(output, n).view(n, self.num_heads, layout.value_size)
-        ops.paged_attention(query, cache, layout, step, self.scale, None, self.logits_soft_cap, out=out)
+        ops.paged_attention(query, cache, layout, step, self.scale, self.sliding_window, self.logits_soft_cap,
+                            out=out)
         return output
 
     def _scales(self, layer: torch.nn.Module) -> dict:

@@ -7,7 +7,9 @@ arrive in one step (``query_len == seq_len``) and attend to each other only. kvm
 through a paged cache, so :func:`scratch_step` lays the step's tokens out in a scratch cache of its
 own (request after request, consecutive blocks), made once per step for each (layout, backend)
 and shared by the step's layers: each layer writes its keys and values there, then attends
-non-causally over them.
+non-causally over them. A layer's sliding window W keeps the keys with |query position - key
+position| < W, as vLLM's CPU_ATTN does for these layers (vLLM's model code hands the backend that W:
+ModernBERT's local attention of half-width h arrives as W = h + 1).
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ def scratch_metadata(common: CommonAttentionMetadata) -> CommonAttentionMetadata
 
 def scratch_step(prepared: dict, common: CommonAttentionMetadata, num_kv_heads: int, head_size: int,
                  dtype: torch.dtype, num_query_heads: int, softcap: float | None,
-                 backend_for: "callable") -> tuple[torch.Tensor, StepMetadata]:
-    """(scratch cache, prepared step) of this step for a layer of these shapes, made by the first
-    such layer and cached in ``prepared``; ``backend_for(layout, device)`` resolves the kvmulti backend."""
-    key = ("encoder-only", num_kv_heads, head_size, dtype, num_query_heads)
+                 backend_for: "callable", sliding_window: int | None = None) -> tuple[torch.Tensor, StepMetadata]:
+    """(scratch cache, prepared step) of this step for a layer of these shapes and ``sliding_window``,
+    made by the first such layer and cached in ``prepared``; ``backend_for(layout, device)`` resolves
+    the kvmulti backend."""
+    key = ("encoder-only", num_kv_heads, head_size, dtype, num_query_heads, sliding_window)
     found = prepared.get(key)
     if found is None:
         metadata = prepared.get("encoder-only metadata")
@@ -57,7 +60,7 @@ def scratch_step(prepared: dict, common: CommonAttentionMetadata, num_kv_heads: 
                                head_size=head_size, dtype=dtype, order="NHD")
         device = common.query_start_loc.device
         backend: Backend = backend_for(layout, device)
-        step = ops.prepare_step(metadata, layout, num_query_heads, softcap=softcap, backend=backend,
-                                check_values=False)
+        step = ops.prepare_step(metadata, layout, num_query_heads, sliding_window=sliding_window, softcap=softcap,
+                                backend=backend, check_values=False)
         found = prepared[key] = (layout.allocate(device, zero=False), step)
     return found
