@@ -81,9 +81,14 @@ def test_bad_values_are_errors(monkeypatch):
 
 
 def test_kvmulti_info_lists_set_variables(monkeypatch):
+    from kvmulti.backends import registry
     from kvmulti.cli import collect_info
     monkeypatch.setenv("KVMULTI_PARTITION_SIZE", "64")
-    assert collect_info()["env"]["KVMULTI_PARTITION_SIZE"] == "64"
+    try:
+        assert collect_info()["env"]["KVMULTI_PARTITION_SIZE"] == "64"
+    finally:   # backends constructed here read the variable: later tests get ones built without it
+        for cached in (registry._instance, registry._select_cached, registry._select_for_layout):
+            cached.cache_clear()
 
 
 def _four_layer_runner(backend: str):
