@@ -39,7 +39,6 @@ import functools
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -104,6 +103,15 @@ def test_nhd_layout_equals_cpu_attn(cpu_attn):
     assert result["token_ids"] == cpu_attn["token_ids"]
 
 
+def vllm_check(script: str, timeout: int) -> dict:
+    """The JSON last line of ``tests/<script>`` run in vLLM's venv (from tests/)."""
+    require_vllm()
+    run = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / script)], capture_output=True, text=True,
+                         timeout=timeout, cwd=ROOT / "tests")
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("layout", ["BLHNC", "BLNHC", "BHLNC", "LHBNC"])
 def test_cross_layer_layouts_equal_cpu_attn(cpu_attn, layout):
     # one allocation for all layers; each layer's view spans the others (CPU_ATTN reads LBHNC only)
@@ -115,11 +123,7 @@ def test_cross_layer_layouts_equal_cpu_attn(cpu_attn, layout):
 def test_layer_impl_matches_the_oracle_on_every_layout_and_fp8():
     # kvmulti's AttentionImpl on caches built as vLLM builds them (uint8 bytes for fp8, one allocation
     # for the cross-layer layouts), against kvmulti's oracle: cache bytes exact, other layers untouched
-    require_vllm()
-    run = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_impl_check.py")], capture_output=True,
-                         text=True, timeout=600, cwd=ROOT / "tests")
-    assert run.returncode == 0, run.stderr[-4000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = vllm_check("vllm_impl_check.py", timeout=600)
     assert len(result["checked"]) == 18 and result["failures"] == []
 
 
@@ -127,11 +131,7 @@ def test_encoder_only_layer_with_a_window_equals_cpu_attn():
     # kvmulti's encoder-only layer with sliding windows (ModernBERT-style local attention) against
     # CPU_ATTN's kernel on the same inputs (vllm_window_check.py: fp32 and bf16, windows 1 to wider
     # than every request, and none); kvmulti and its kernel sources from this checkout
-    require_vllm()
-    run = subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_window_check.py")], capture_output=True,
-                         text=True, timeout=900, cwd=ROOT / "tests")
-    assert run.returncode == 0, run.stderr[-4000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = vllm_check("vllm_window_check.py", timeout=900)
     assert all(str(p).startswith(str(ROOT)) for p in result["sources"]["cpu_src"]), result["sources"]
     assert len(result["errors"]) == 12
     for case, error in result["errors"].items():

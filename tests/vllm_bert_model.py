@@ -8,10 +8,11 @@ the embeddings."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 import transformers
+
+from vllm_tiny_encoder import save_perturbed
 
 
 def main(path: str) -> None:
@@ -21,16 +22,7 @@ def main(path: str) -> None:
         layer_norm_eps=1e-12, hidden_act="gelu")
     torch.manual_seed(0)
     model = transformers.BertModel(config, add_pooling_layer=False).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name or name.endswith("bias"):     # no inert term
-                p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(path)
-    # vLLM's pooling entry points need a tokenizer, even for token-id prompts: a word-piece one over
-    # the model's 320 ids, written from a vocabulary file (no download)
-    vocab = Path(path) / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"t{i}" for i in range(5, 320)]) + "\n")
-    transformers.BertTokenizer(str(vocab)).save_pretrained(path)
+    save_perturbed(model, path, "LayerNorm", config.vocab_size)
 
 
 if __name__ == "__main__":

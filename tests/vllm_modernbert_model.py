@@ -9,10 +9,11 @@ tests/vllm_bert_model.py, so attention rows are far from uniform."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 import transformers
+
+from vllm_tiny_encoder import save_perturbed
 
 
 def main(path: str) -> None:
@@ -23,14 +24,7 @@ def main(path: str) -> None:
         cls_token_id=2, sep_token_id=3)
     torch.manual_seed(0)
     model = transformers.ModernBertModel(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):     # no inert term
-                p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(path)
-    vocab = Path(path) / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"t{i}" for i in range(5, 320)]) + "\n")
-    transformers.BertTokenizer(str(vocab)).save_pretrained(path)
+    save_perturbed(model, path, "norm", config.vocab_size)
 
 
 if __name__ == "__main__":
