@@ -278,23 +278,14 @@ def embed(model: str, kvmulti: bool, block_size: str) -> dict:
     return result
 
 
-def test_bert_style_encoder_only_embeddings_equal_cpu_attn(tmp_path_factory):
-    """A BERT-style embedding model (encoder-only, non-causal attention; vLLM gives its layers no
-    KV cache): kvmulti's embeddings (block 16) within fp32 tolerance of CPU_ATTN's (block 32)."""
-    model = tiny_checkpoint(tmp_path_factory, "vllm_bert_model.py")
-    want = embed(model, False, "32")
-    assert want["kvmulti_forward_calls"] == 0
-    got = embed(model, True, "16")
-    assert got["kvmulti_forward_calls"] > 0, "KVMULTI_VLLM=1 but kvmulti served no attention call"
-    import torch
-    torch.testing.assert_close(torch.tensor(got["embeddings"]), torch.tensor(want["embeddings"]), atol=2e-5, rtol=2e-5)
-
-
-def test_modernbert_style_local_attention_embeddings_equal_cpu_attn(tmp_path_factory):
-    """A ModernBERT-style embedding model (encoder-only layers, two of three local: vLLM hands the
-    backend W = 5, |q - k| < 5, on prompts far longer): kvmulti's embeddings (block 16) within fp32
-    tolerance of CPU_ATTN's (block 32)."""
-    model = tiny_checkpoint(tmp_path_factory, "vllm_modernbert_model.py")
+@pytest.mark.parametrize("script", ["vllm_bert_model.py", "vllm_modernbert_model.py"],
+                         ids=["bert_style", "modernbert_style_local_attention"])
+def test_encoder_only_embeddings_equal_cpu_attn(tmp_path_factory, script):
+    """An embedding model of encoder-only, non-causal layers (vLLM gives them no KV cache):
+    BERT-style, or ModernBERT-style with two of three layers local (vLLM hands the backend W = 5,
+    |q - k| < 5, on prompts far longer). kvmulti's embeddings (block 16) within fp32 tolerance of
+    CPU_ATTN's (block 32)."""
+    model = tiny_checkpoint(tmp_path_factory, script)
     want = embed(model, False, "32")
     assert want["kvmulti_forward_calls"] == 0
     got = embed(model, True, "16")
