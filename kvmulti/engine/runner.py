@@ -22,7 +22,7 @@ from typing import Hashable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .. import (FP8_DTYPES, ROLES, Backend, CommonAttentionMetadata, KVCacheLayout, StepMetadata, prepare_steps,
+from .. import (FP8_DTYPES, ROLES, Backend, CommonAttentionMetadata, KVCacheLayout, prepare_steps,
                resolve_backend)
 from ..kv_cache import AttentionSpec, BlockPool, BlockTables, KVCacheConfig, OutOfBlocksError
 from ..models.decoder import AttentionContext, CausalLM
