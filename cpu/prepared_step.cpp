@@ -36,21 +36,32 @@ class PreparedStep {
     num_slots_ = cache_sizes_[0] * block_size_;
   }
 
-  // out[:num_rows] = attention of query[:num_rows]; out's later rows are zeroed.
+  // out[:num_rows] = attention of query[:num_rows] (with the optional per-query-head sinks and ALiBi
+  // slopes, fp32 [num_query_heads]; the caller has checked the step was prepared with them); out's
+  // later rows are zeroed.
   bool attend(const torch::Tensor& query, const torch::Tensor& kv_cache, torch::Tensor& out, double scale,
-              double softcap) {
+              double softcap, const c10::optional<torch::Tensor>& sinks,
+              const c10::optional<torch::Tensor>& alibi_slopes) {
     if (!std::isfinite(scale)) return refuse("scale.finite");
     if (!(softcap >= 0.0) || !std::isfinite(softcap)) return refuse("softcap");
     if (const char* rule = cache_refusal(kv_cache)) return refuse(rule);
     if (const char* rule = rows_refusal(query, kQuery, num_query_heads_, head_size_)) return refuse(rule);
     if (query.size(0) < num_rows_) return refuse("step.query_rows");
+    if (const char* rule = per_head_refusal(sinks, kSinks)) return refuse(rule);
+    if (const char* rule = per_head_refusal(alibi_slopes, kAlibi)) return refuse(rule);
+    if (alibi_slopes.has_value()) {
+      const float* slope = alibi_slopes->data_ptr<float>();
+      for (int64_t h = 0; h < num_query_heads_; ++h)
+        if (!std::isfinite(slope[h])) return refuse("alibi.finite");
+    }
     if (const char* rule = rows_refusal(out, kOut, num_query_heads_, head_size_v_)) return refuse(rule);
     if (out.size(0) != query.size(0)) return refuse("out.shape");
     if (out.size(0) > num_rows_) out.narrow(0, num_rows_, out.size(0) - num_rows_).zero_();
     if (num_rows_ == 0) return true;
     paged_attention(query, kv_cache, out, block_table_, query_start_loc_, seq_lens_, cache_strides_[0],
                     cache_strides_[1], cache_strides_[2], head_size_, head_size_v_, num_kv_heads_, block_size_,
-                    scale, window_, softcap, causal_, partition_len_, isa_, c10::nullopt, c10::nullopt);
+                    scale, window_, softcap, causal_, partition_len_, isa_, c10::nullopt, c10::nullopt, sinks,
+                    alibi_slopes);
     return true;
   }
 
@@ -89,6 +100,9 @@ class PreparedStep {
     for (const RowRules* rules : {&kQuery, &kOut, &kKey, &kValue})
       for (const char* id : {rules->dtype, rules->dim, rules->heads, rules->size, rules->device, rules->contiguous})
         ids.emplace_back(id);
+    for (const HeadRules* rules : {&kSinks, &kAlibi})
+      for (const char* id : {rules->dtype, rules->shape, rules->device, rules->contiguous}) ids.emplace_back(id);
+    ids.emplace_back("alibi.finite");
     std::sort(ids.begin(), ids.end());
     ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
     return ids;
@@ -107,6 +121,22 @@ class PreparedStep {
                                     "key.contiguous"};
   static constexpr RowRules kValue = {"value.dtype", "value.dim", "value.heads", "value.head_size",
                                       "value.device", "value.contiguous"};
+
+  // The rule ids of an optional fp32 [num_query_heads] argument's checks, in the order they are applied.
+  struct HeadRules {
+    const char *dtype, *shape, *device, *contiguous;
+  };
+  static constexpr HeadRules kSinks = {"sinks.dtype", "sinks.shape", "sinks.device", "sinks.contiguous"};
+  static constexpr HeadRules kAlibi = {"alibi.dtype", "alibi.shape", "alibi.device", "alibi.contiguous"};
+
+  const char* per_head_refusal(const c10::optional<torch::Tensor>& t, const HeadRules& rules) const {
+    if (!t.has_value()) return nullptr;
+    if (!t->defined() || t->scalar_type() != torch::kFloat32) return rules.dtype;
+    if (t->dim() != 1 || t->size(0) != num_query_heads_) return rules.shape;
+    if (!t->device().is_cpu()) return rules.device;
+    if (!t->is_contiguous()) return rules.contiguous;
+    return nullptr;
+  }
 
   bool refuse(const char* rule) {
     last_refusal_ = rule;
@@ -163,7 +193,10 @@ void bind_prepared_step(pybind11::module& m) {
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, at::ScalarType, std::vector<int64_t>,
                           std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                           bool, int64_t, int64_t>())
-      .def("attend", &PreparedStep::attend, "query, kv_cache, out, scale, softcap -> ran (False: not this step's form)")
+      .def("attend", &PreparedStep::attend, pybind11::arg("query"), pybind11::arg("kv_cache"), pybind11::arg("out"),
+           pybind11::arg("scale"), pybind11::arg("softcap"), pybind11::arg("sinks") = pybind11::none(),
+           pybind11::arg("alibi_slopes") = pybind11::none(),
+           "query, kv_cache, out, scale, softcap[, sinks, alibi_slopes] -> ran (False: not this step's form)")
       .def("write", &PreparedStep::write, "key, value, kv_cache, slot_mapping -> ran (False: not this step's form)")
       .def_property_readonly("last_refusal", &PreparedStep::last_refusal,
                              "the input rule id (kvmulti/input_rules.py) of the last refused call")

@@ -92,28 +92,25 @@ def _rows(name: str, ops: tuple[str, ...], heads_id: str, heads_check: str, head
     ]
 
 
-def _per_head(rule: str, name: str, meaning: str, finite: bool = False) -> list[Rule]:
-    """The rules of an optional fp32 [num_query_heads] attention argument on the cache's device."""
+def _per_head(rule: str, name: str, meaning: str, flag: str) -> list[Rule]:
+    """The rules of an optional fp32 [num_query_heads] attention argument on the cache's device, which
+    a call with a step passes only when the step was prepared with it (``step.<flag>``)."""
     when = f"{name} is not None"
-    found = [
+    return [
         Rule(f"{rule}.type", A, f"isinstance({name}, torch.Tensor)",
              f"{name} must be a torch.Tensor, got {{type({name}).__name__}}", TypeError, frozenset({FULL}), when),
         Rule(f"{rule}.dtype", A, f"{name}.dtype == torch.float32",
-             f"{name} has dtype {{{name}.dtype}}, must be torch.float32", TypeError, frozenset({FULL}), when),
+             f"{name} has dtype {{{name}.dtype}}, must be torch.float32", TypeError, EVERYWHERE, when),
         Rule(f"{rule}.shape", A, f"{name}.shape == (query.shape[1],)",
              f"{name} has shape {{tuple({name}.shape)}}, expected ({{query.shape[1]}},) ({meaning})",
-             ValueError, frozenset({FULL}), when),
+             ValueError, EVERYWHERE, when),
         Rule(f"{rule}.device", A, f"{name}.device == device",
-             f"{name} is on {{{name}.device}} but the kv_cache is on {{device}}", ValueError, frozenset({FULL}), when),
+             f"{name} is on {{{name}.device}} but the kv_cache is on {{device}}", ValueError, EVERYWHERE, when),
+        Rule(f"{rule}.contiguous", A, f"{name}.is_contiguous()", f"{name} is strided", None, NATIVE_ONLY, when),
+        Rule(f"step.{flag}", A, f"{name} is None or step.{flag}",
+             f"the call passes {name} but the metadata was prepared without them (prepare_step(..., {name}=...))",
+             ValueError, CHECKED, "step is not None"),
     ]
-    if finite:
-        found += [
-            Rule(f"{rule}.contiguous", A, f"{name}.is_contiguous()", f"{name} must be contiguous",
-                 ValueError, frozenset({FULL}), when),
-            Rule(f"{rule}.finite", A, f"bool(torch.isfinite({name}).all())", f"{name} must be finite",
-                 ValueError, frozenset({FULL}), when),
-        ]
-    return found
 
 
 RULES: tuple[Rule | str, ...] = (
@@ -159,9 +156,9 @@ RULES: tuple[Rule | str, ...] = (
     Rule("step.query_rows", A, "query.shape[0] >= rows",
          "query has {query.shape[0]} tokens, metadata.num_actual_tokens is {rows}", ValueError, EVERYWHERE,
          "step is not None"),
-    # per query head fp32 tensors (full path only: a call with either skips the fast paths)
-    *_per_head("sinks", "sinks", "one logit per query head"),
-    *_per_head("alibi", "alibi_slopes", "one slope per query head", finite=True),
+    # per query head fp32 tensors
+    *_per_head("sinks", "sinks", "one logit per query head", "sinks"),
+    *_per_head("alibi", "alibi_slopes", "one slope per query head", "alibi"),
     Rule("scale.type", A, "not isinstance(scale, bool) and isinstance(scale, (int, float))",
          "scale must be a float or None, got {type(scale).__name__}", TypeError, CHECKED, "scale is not None"),
     Rule("scale.finite", A, "math.isfinite(scale)", "scale must be finite, got {scale}", ValueError, EVERYWHERE,
@@ -188,6 +185,9 @@ RULES: tuple[Rule | str, ...] = (
          "slot_mapping holds slot {low if low < -1 else high}, outside -1 (skip) .. {layout.num_slots - 1} "
          "(num_blocks {layout.num_blocks} x block_size {layout.block_size})", ValueError, EVERYWHERE,
          binds="low, high = map(int, torch.aminmax(slot_mapping))"),
+    # ALiBi slope values (CPU tensors, or KVMULTI_VALIDATE=1), once per slopes tensor and step when prepared
+    Rule("alibi.finite", ("alibi",), "bool(torch.isfinite(alibi_slopes).all())", "alibi_slopes must be finite",
+         ValueError, EVERYWHERE),
 )
 
 #: every rule by id
@@ -264,10 +264,13 @@ check_attention = _compile(_full_source("check_attention", "attention", _ATTENTI
 check_window = _compile(_full_source("check_window", "step", "sliding_window"), "check_window")
 #: ``check_slot_range(slot_mapping, layout)``: a non-empty slot tensor's values
 check_slot_range = _compile(_full_source("check_slot_range", "slots", "slot_mapping, layout"), "check_slot_range")
+#: ``check_alibi_values(alibi_slopes)``: the slopes' values
+check_alibi_values = _compile(_full_source("check_alibi_values", "alibi", "alibi_slopes"), "check_alibi_values")
 #: ``prepared_write_fits(key, value, kv_cache, slot_mapping, step) -> bool``
 prepared_write_fits = _compile(_prepared_source("prepared_write_fits", "write",
                                                 "key, value, kv_cache, slot_mapping, step"), "prepared_write_fits")
-#: ``prepared_attention_fits(query, kv_cache, out, scale, softcap, step) -> bool``
+#: ``prepared_attention_fits(query, kv_cache, out, scale, softcap, step, sinks=None, alibi_slopes=None) -> bool``
 prepared_attention_fits = _compile(_prepared_source("prepared_attention_fits", "attention",
-                                                    "query, kv_cache, out, scale, softcap, step"),
+                                                    "query, kv_cache, out, scale, softcap, step, sinks=None, "
+                                                    "alibi_slopes=None"),
                                    "prepared_attention_fits")

@@ -28,9 +28,10 @@ from .fp8 import is_fp8, scale_tensor
 from .layout import CROSS_LAYER_ORDERS, KVCacheLayout, token_order
 from .metadata import CommonAttentionMetadata
 from .custom_ops import register_custom_ops
-from .validation import (check_attention_args, check_group_metadata, check_lengths, check_slot_values,
-                         check_window, check_write, prepared_attention_is_plain, prepared_attention_tensors_fit,
-                         prepared_write_is_plain, prepared_write_tensors_fit)
+from .validation import (check_alibi_values, check_attention_args, check_group_metadata, check_lengths,
+                         check_slot_values, check_window, check_write, prepared_attention_is_plain,
+                         prepared_attention_tensors_fit, prepared_write_is_plain, prepared_write_tensors_fit,
+                         value_checks_enabled)
 
 K = TypeVar("K", bound=Hashable)
 
@@ -240,20 +241,22 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
     position q against the key at position k gains ``alibi_slopes[h] * (k - q)`` after scale and
     softcap (with a step, one prepared with ``alibi_slopes``); only backends serving ALiBi take them.
     """
-    if type(metadata) is StepMetadata and k_scale is None and v_scale is None and sinks is None \
-            and alibi_slopes is None \
+    if type(metadata) is StepMetadata and k_scale is None and v_scale is None \
             and not torch.compiler.is_compiling() \
             and prepared_attention_is_plain(query, kv_cache, layout, metadata, out, scale, sliding_window, softcap,
-                                            backend):
+                                            backend, sinks, alibi_slopes):
         # a prepared layer's call: only its own tensors checked, by the backend's step calls or here
         calls, scale = metadata.calls, layout.default_scale if scale is None else scale
-        if calls is not None:
+        if calls is not None and (sinks is None or metadata.sinks) and (alibi_slopes is None or metadata.alibi):
             target = out if out is not None or query.dim() != 3 else \
                 query.new_zeros(query.shape[0], metadata.num_query_heads, layout.value_size)
-            if target is not None and calls.attend(query, kv_cache, target, scale, softcap or 0.0):
+            if target is not None and calls.attend(query, kv_cache, target, scale, softcap or 0.0, sinks,
+                                                   alibi_slopes):
                 return target
-        if prepared_attention_tensors_fit(query, kv_cache, metadata, out, scale, softcap):
-            return _attend(query, kv_cache, metadata, scale, softcap or None, out)
+        if prepared_attention_tensors_fit(query, kv_cache, metadata, out, scale, softcap, sinks, alibi_slopes):
+            _check_alibi_once(metadata, alibi_slopes)
+            return _attend(query, kv_cache, metadata, scale, softcap or None, out, sinks=sinks,
+                           alibi_slopes=alibi_slopes)
     check_attention_args(query, kv_cache, layout, scale, sliding_window, softcap, out,
                          metadata if isinstance(metadata, StepMetadata) else None, sinks, alibi_slopes)
     softcap = float(softcap) if softcap else None
@@ -274,16 +277,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         return result if out is None else out.copy_(result)
     if isinstance(metadata, StepMetadata):
         step = _check_step(metadata, query, layout, sliding_window, backend)
-        if sinks is not None and not step.sinks:
-            raise ValueError("the call passes sinks but the metadata was prepared without them "
-                             "(prepare_step(..., sinks=...))")
-        if alibi_slopes is not None and not step.alibi:
-            raise ValueError("the call passes alibi_slopes but the metadata was prepared without them "
-                             "(prepare_step(..., alibi_slopes=...))")
     else:
         step = prepare_step(metadata, layout, query.shape[1], num_query_rows=query.shape[0],
                             sliding_window=sliding_window, softcap=softcap, backend=backend, role=role,
                             device=kv_cache.device, sinks=sinks, alibi_slopes=alibi_slopes)
+    _check_alibi_once(step, alibi_slopes)
     return _attend(query, kv_cache, step, scale, softcap, out, k_scale, v_scale, sinks, alibi_slopes)
 
 
@@ -346,6 +344,17 @@ def _check_slots_once(step: StepMetadata, slot_mapping: torch.Tensor, layout: KV
         checked[id(slot_mapping)] = slot_mapping
 
 
+def _check_alibi_once(step: StepMetadata, alibi_slopes: torch.Tensor | None) -> None:
+    """The slope values (rule ``alibi.finite``; CPU tensors, or ``KVMULTI_VALIDATE=1``), once per
+    step per slopes tensor (kept, so its id is not reused this step)."""
+    if alibi_slopes is None or not value_checks_enabled(alibi_slopes.device):
+        return
+    checked = step.extras.setdefault("checked_alibi_slopes", {})
+    if checked.get(id(alibi_slopes)) is not alibi_slopes:
+        check_alibi_values(alibi_slopes)
+        checked[id(alibi_slopes)] = alibi_slopes
+
+
 def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,
             softcap: float | None, out: torch.Tensor | None, k_scale: torch.Tensor | None = None,
             v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
@@ -360,7 +369,7 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, sca
     if sinks is not None:                                       # backends serving sinks only
         extra["sinks"] = sinks.contiguous()
     if alibi_slopes is not None:                                # backends serving ALiBi only
-        extra["alibi_slopes"] = alibi_slopes
+        extra["alibi_slopes"] = alibi_slopes.contiguous()
     step.backend.paged_attention(query, kv_cache, step, scale, softcap, out, **extra)
     return out
 

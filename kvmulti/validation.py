@@ -62,22 +62,26 @@ def check_write(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.T
 
 
 def prepared_attention_is_plain(query, kv_cache, layout, step, out, scale, sliding_window, softcap,
-                                backend) -> bool:
+                                backend, sinks=None, alibi_slopes=None) -> bool:
     """The gate of a prepared attention call's fast paths (not input rules: what lets the call skip
     the rules these imply): ``layout`` is the step's own object, no backend named, the step's
-    window, plain tensors (``out`` None or one), a float (or None) scale and softcap. The rules
-    follow: the step's own calls (``step.calls``) or :func:`prepared_attention_tensors_fit`."""
+    window, plain tensors (``out``, ``sinks``, ``alibi_slopes`` None or one), a float (or None)
+    scale and softcap. The rules follow: the step's own calls (``step.calls``) or
+    :func:`prepared_attention_tensors_fit`."""
     return not (layout is not step.layout or backend is not None or sliding_window != step.sliding_window
                 or type(query) is not torch.Tensor or type(kv_cache) is not torch.Tensor
                 or out is not None and type(out) is not torch.Tensor
+                or sinks is not None and type(sinks) is not torch.Tensor
+                or alibi_slopes is not None and type(alibi_slopes) is not torch.Tensor
                 or not (scale is None or type(scale) is float) or not (softcap is None or type(softcap) is float))
 
 
-def prepared_attention_tensors_fit(query, kv_cache, step, out, scale=None, softcap=None) -> bool:
+def prepared_attention_tensors_fit(query, kv_cache, step, out, scale=None, softcap=None, sinks=None,
+                                   alibi_slopes=None) -> bool:
     """Every ``prepared`` attention rule of :mod:`kvmulti.input_rules` holds, after
     :func:`prepared_attention_is_plain` (and the layout takes the fast paths: not fp8, not latent).
     False sends the call through the full checks."""
-    return input_rules.prepared_attention_fits(query, kv_cache, out, scale, softcap, step)
+    return input_rules.prepared_attention_fits(query, kv_cache, out, scale, softcap, step, sinks, alibi_slopes)
 
 
 def prepared_write_is_plain(key, value, kv_cache, layout, slot_mapping, step) -> bool:
@@ -99,6 +103,11 @@ def check_slot_values(slot_mapping: torch.Tensor, layout: KVCacheLayout) -> None
     ``KVMULTI_VALIDATE=1``)."""
     if value_checks_enabled(slot_mapping.device) and slot_mapping.numel():
         input_rules.check_slot_range(slot_mapping, layout)
+
+
+def check_alibi_values(alibi_slopes: torch.Tensor) -> None:
+    """Every slope is finite (rule ``alibi.finite``)."""
+    input_rules.check_alibi_values(alibi_slopes)
 
 
 def check_attention_args(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,

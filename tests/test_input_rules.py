@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kvmulti
-from kvmulti import input_rules
+from kvmulti import input_rules, reference
 from kvmulti.input_rules import BY_ID, FULL, NATIVE, NATIVE_ONLY, PREPARED
 
 HQ, HKV, HEAD = 4, 2, 16
@@ -76,12 +76,15 @@ VIOLATIONS = {
     "sinks.dtype": _set(sinks=lambda a: torch.zeros(HQ, dtype=torch.bfloat16)),
     "sinks.shape": _set(sinks=lambda a: torch.zeros(HQ - 1)),
     "sinks.device": _set(sinks=lambda a: torch.zeros(HQ, device="meta")),
+    "sinks.contiguous": _set(sinks=lambda a: torch.zeros(2 * HQ)[::2]),
+    "step.sinks": _set(sinks=lambda a: torch.zeros(HQ)),
     "alibi.type": _set(alibi_slopes=lambda a: [0.5] * HQ),
     "alibi.dtype": _set(alibi_slopes=lambda a: torch.ones(HQ, dtype=torch.float64)),
     "alibi.shape": _set(alibi_slopes=lambda a: torch.ones(HQ + 1)),
     "alibi.device": _set(alibi_slopes=lambda a: torch.ones(HQ, device="meta")),
     "alibi.contiguous": _set(alibi_slopes=lambda a: torch.ones(2 * HQ)[::2]),
     "alibi.finite": _set(alibi_slopes=lambda a: torch.tensor([float("nan")] + [0.5] * (HQ - 1))),
+    "step.alibi": _set(alibi_slopes=lambda a: torch.ones(HQ)),
 }
 for _name in ("key", "value", "query"):
     VIOLATIONS |= {
@@ -103,10 +106,18 @@ def broken(rule_id: str) -> tuple[dict, dict]:
     return base, args
 
 
-def steps(base: dict):
-    """(the step with its native calls, the same step without them) for the unbroken input."""
-    step = kvmulti.prepare_step(base["md"], base["layout"], HQ, backend="CPU")
+def steps(base: dict, sinks: bool = False, alibi: bool = False):
+    """(the step with its native calls, the same step without them) for the unbroken input, prepared
+    for layers with sinks / ALiBi slopes as asked."""
+    step = kvmulti.prepare_step(base["md"], base["layout"], HQ, backend="CPU", sinks=sinks, alibi_slopes=alibi)
     return step, dataclasses.replace(step, calls=None)
+
+
+def steps_for(rule_id: str, base: dict, args: dict):
+    """:func:`steps` prepared with the per-head arguments ``args`` passes, unless ``rule_id`` is the
+    rule that a step prepared without them is broken by."""
+    return steps(base, sinks=args["sinks"] is not None and rule_id != "step.sinks",
+                 alibi=args["alibi_slopes"] is not None and rule_id != "step.alibi")
 
 
 def write(args: dict, step=None, backend=None) -> None:
@@ -121,7 +132,20 @@ def attend(args: dict, metadata, backend=None) -> None:
 
 
 def op_of(rule) -> str:
+    """The op a rule's input goes to (the value rules: slots to a write, ALiBi slopes to attention)."""
     return "write" if "write" in rule.ops or rule.ops == ("slots",) else "attention"
+
+
+def value_rule(rule) -> bool:
+    """A rule on tensor values, checked once per step and tensor, not by ``prepared_*_fits``."""
+    return rule.ops in (("slots",), ("alibi",))
+
+
+def native_attend(step, args: dict) -> bool:
+    out = args["out"] if args["out"] is not None else torch.zeros(args["query"].shape[0], HQ, HEAD)
+    scale = args["scale"] if args["scale"] is not None else 0.25
+    return step.calls.attend(args["query"], args["kv_cache"], out, scale, args["softcap"] or 0.0, args["sinks"],
+                             args["alibi_slopes"])
 
 
 def rejects(rule, call) -> None:
@@ -147,11 +171,37 @@ def test_the_unbroken_input_passes_every_path():
         assert step.calls.last_refusal == ""
 
 
+@pytest.mark.parametrize("per_head", ["sinks", "alibi_slopes", "both"])
+def test_sinks_and_alibi_take_every_path_with_one_result(per_head):
+    """A layer call with sinks and / or ALiBi slopes runs the native step calls, the prepared Python
+    path and the full path, all with the oracle's output."""
+    args = base_args()
+    gen = torch.Generator().manual_seed(1)
+    args["kv_cache"].copy_(torch.randn(args["kv_cache"].shape, generator=gen))
+    if per_head in ("sinks", "both"):
+        args["sinks"] = torch.randn(HQ, generator=gen)
+    if per_head in ("alibi_slopes", "both"):
+        args["alibi_slopes"] = torch.rand(HQ, generator=gen)
+    step, py = steps(args, sinks=args["sinks"] is not None, alibi=args["alibi_slopes"] is not None)
+    expected = reference.paged_attention(
+        args["query"], args["kv_cache"], args["layout"], args["md"], sinks=args["sinks"],
+        alibi_slopes=args["alibi_slopes"])
+    results = {}
+    for name, metadata in (("full", args["md"]), ("prepared", py), ("native", step)):
+        args["out"] = torch.full((args["query"].shape[0], HQ, HEAD), float("nan"))
+        attend(args, metadata)
+        results[name] = args["out"]
+    for name, got in results.items():
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5, msg=name)
+    require_native_calls(step)
+    assert native_attend(step, args) and step.calls.last_refusal == ""
+
+
 @pytest.mark.parametrize("rule_id", sorted(BY_ID))
 def test_rule_is_enforced_by_every_path_that_evaluates_it(rule_id):
     rule, (base, args) = BY_ID[rule_id], broken(rule_id)
     op = op_of(rule)
-    step, py = steps(base)
+    step, py = steps_for(rule_id, base, args)
     before = args["kv_cache"].clone() if args["kv_cache"].device.type == "cpu" else None
     if rule.paths == NATIVE_ONLY:              # a legal input: the Python rules accept it
         if op == "write":
@@ -160,8 +210,9 @@ def test_rule_is_enforced_by_every_path_that_evaluates_it(rule_id):
                                                    args["slot_mapping"], py)
         else:
             input_rules.check_attention(args["query"], args["kv_cache"], args["layout"], args["out"], None, None,
-                                        None, py)
-            assert input_rules.prepared_attention_fits(args["query"], args["kv_cache"], args["out"], None, None, py)
+                                        None, py, args["sinks"], args["alibi_slopes"])
+            assert input_rules.prepared_attention_fits(args["query"], args["kv_cache"], args["out"], None, None, py,
+                                                       args["sinks"], args["alibi_slopes"])
     if FULL in rule.paths:
         if rule.ops == ("attention", "step"):
             rejects(rule, lambda: kvmulti.prepare_step(args["md"], args["layout"], HQ, sliding_window=0))
@@ -174,12 +225,13 @@ def test_rule_is_enforced_by_every_path_that_evaluates_it(rule_id):
             rejects(rule, lambda: attend(args, args["md"]))
             rejects(rule, lambda: attend(args, step, backend="CPU"))
     if PREPARED in rule.paths:
-        if op == "write" and rule.id != "slots.range":
+        if op == "write" and not value_rule(rule):
             assert not input_rules.prepared_write_fits(args["key"], args["value"], args["kv_cache"],
                                                        args["slot_mapping"], py)
-        elif op == "attention":
+        elif op == "attention" and not value_rule(rule):
             assert not input_rules.prepared_attention_fits(args["query"], args["kv_cache"], args["out"],
-                                                           args["scale"], args["softcap"], py)
+                                                           args["scale"], args["softcap"], py, args["sinks"],
+                                                           args["alibi_slopes"])
         for prepared in (py, step):               # the fast path refuses, the full checks name the rule
             rejects(rule, lambda: write(args, prepared) if op == "write" else attend(args, prepared))
     if before is not None:
@@ -189,9 +241,7 @@ def test_rule_is_enforced_by_every_path_that_evaluates_it(rule_id):
         if op == "write":
             assert step.calls.write(args["key"], args["value"], args["kv_cache"], args["slot_mapping"]) is False
         else:
-            out = args["out"] if args["out"] is not None else torch.zeros(args["query"].shape[0], HQ, HEAD)
-            scale = args["scale"] if args["scale"] is not None else 0.25
-            assert step.calls.attend(args["query"], args["kv_cache"], out, scale, args["softcap"] or 0.0) is False
+            assert native_attend(step, args) is False
         assert step.calls.last_refusal == rule.id
 
 

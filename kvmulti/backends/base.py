@@ -202,10 +202,12 @@ class Backend(abc.ABC):
     def prepared_calls(self, step: StepMetadata) -> Any:
         """What :func:`kvmulti.paged_attention` / :func:`kvmulti.write_kv` hand a layer call of
         ``step`` to first, or None (the default): an object whose ``attend(query, kv_cache, out,
-        scale: float, softcap: float) -> bool`` and ``write(key, value, kv_cache, slot_mapping) ->
-        bool`` check the call against the step (every ``native`` rule of :mod:`kvmulti.input_rules`,
-        including the slot values once per slot tensor) and run it, or return False having
-        done nothing. ``softcap`` is 0.0 for off; ``out`` rows past ``num_actual_tokens`` are zeroed."""
+        scale: float, softcap: float, sinks, alibi_slopes) -> bool`` and ``write(key, value, kv_cache,
+        slot_mapping) -> bool`` check the call against the step (every ``native`` rule of
+        :mod:`kvmulti.input_rules`, including the slot values once per slot tensor) and run it, or
+        return False having done nothing. ``softcap`` is 0.0 for off; ``sinks`` / ``alibi_slopes``
+        are None or the layer's tensors (passed only for a step prepared with them); ``out`` rows
+        past ``num_actual_tokens`` are zeroed."""
         return None
 
     @abc.abstractmethod

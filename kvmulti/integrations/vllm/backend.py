@@ -271,7 +271,8 @@ class KvmultiAttentionImpl(AttentionImpl):
         if self.attn_type == AttentionType.ENCODER_ONLY:
             return self._forward_encoder_only(query, key, value, attn_metadata, output)
         view, layout = self._view(kv_cache)
-        sinks = None if self.sinks is None else self.sinks.to(torch.float32)   # no copy when fp32 already
+        # a plain tensor (a Parameter would miss the prepared calls' gate); no copy when fp32 already
+        sinks = None if self.sinks is None else self.sinks.detach().to(torch.float32)
         alibi = self.alibi_slopes
         if alibi is not None and alibi.device != kv_cache.device:
             alibi = self.alibi_slopes = alibi.to(kv_cache.device)
