@@ -14,14 +14,21 @@
 //   -DKVM_RB=RB             tile rows held in registers per pass over the keys (default 4)
 //   -DKVM_KB=KB             keys per sub-group step, a power of two <= SG (default 4)
 //   -DKVM_TERMS=1           also build kvm_paged_attention_terms (ALiBi / non-causal; default 0)
+//   -DKVM_MMA=0|1|2         attention body: 0 the vector body (v2, below); fp16 / bf16 only: 1 the
+//                           matrix body with the matrix built-in emulated by sub-group broadcasts
+//                           (non-GPU devices: the OpenCL CPU device), 2 the matrix body on the
+//                           built-in (Intel GPUs with it at sub-group size 16: dpas on PVC)
+//   -DKVM_LARGE_GRF=1       the attention kernels carry grf_size<256> (IGC's 256-register mode);
+//                           GPU-only (the OpenCL CPU device rejects the option it becomes)
 //
 // Cache addressing (named strides, in elements): element d of K of (block, token, kv head) is at
 // cache[block * s_block + token * s_token + head * s_head + d]; V follows at + D. Both physical
 // orders (NHD, HND) differ only in s_token / s_head.
 //
-// Attention (v2): one work-group per (tile, KV head[, KV partition]); a tile is up to R consecutive
-// rows of a request's flattened (query token, query head-in-group) space, so all GQA rows of a KV
-// head (up to RB per pass) use every K/V row the sub-group loads. The NSG = WG / SG sub-groups of
+// Attention, vector body (v2; fp32, and fp16 / bf16 on GPUs without the matrix built-in): one
+// work-group per (tile, KV head[, KV partition]); a tile is up to R consecutive rows of a request's
+// flattened (query token, query head-in-group) space, so all GQA rows of a KV head (up to RB per
+// pass) use every K/V row the sub-group loads. The NSG = WG / SG sub-groups of
 // the work-group split the visible key range: sub-group s takes key steps s, s + NSG, ... of KB keys
 // each and runs its own online softmax. Per step:
 //   * lane j < KB reads the block-table entry of key j (one coalesced int load per step);
@@ -36,6 +43,9 @@
 // merge their (max, sum, accumulator) through local memory: one group_barrier per pass (and one more
 // before a second pass reuses the scratch). Keys outside the causal / sliding-window range of a tile
 // are never visited, so block-table entries for blocks wholly outside the window are never read.
+//
+// Attention, matrix body (KVM_MMA 1 / 2): see attention_body_mma. Both bodies share the tiles, the
+// end-of-pass merge through local memory, split-KV and the optional terms below.
 //
 // Split-KV (long contexts, few work-groups): the same kernel over one partition of the key range
 // writes an unnormalised partial output + (max, sum) per row; kvm_split_reduce combines them.
@@ -636,7 +646,7 @@ static inline uint32_t cache_bits(cache_t x) {
 static inline cvec_t load_chunk_masked(const cache_t *row, int64_t off, int e, int n) {
   if (e >= n) return cvec_t(cache_t(0));
   const raw_t bits = *reinterpret_cast<const raw_t *>(row + (off >= 0 ? off : 0) + e);
-  return sycl::bit_cast<cvec_t>(bits & raw_t(off >= 0 ? ~0u : 0u));
+  return sycl::bit_cast<cvec_t>(static_cast<raw_t>(bits & raw_t(off >= 0 ? ~0u : 0u)));
 }
 
 template <bool TERMS>

@@ -60,15 +60,16 @@ SPLIT_WG_PER_CU = 4
 
 
 
-def lm_floats(head_size_v: int, wg: int) -> int:
-    """Floats of the merge scratch of the attention kernels (LM_FLOATS in kernels.cpp)."""
-    return (wg // SG) * max(min(RB, ROWS), MR) * (head_size_v + 2)
+def lm_floats(head_size_v: int, wg: int, matrix: bool) -> int:
+    """Floats of the merge scratch of the attention kernels: the matrix body's (``matrix``;
+    MMA_LM_FLOATS in kernels.cpp) or the vector body's (LM_FLOATS)."""
+    return (wg // SG) * (MR if matrix else min(RB, ROWS)) * (head_size_v + 2)
 
 
-def choose_wg(head_size_v: int, local_mem: int) -> int:
+def choose_wg(head_size_v: int, local_mem: int, matrix: bool) -> int:
     """The largest attention work-group size whose merge scratch fits the device's local memory."""
     for wg in WG_CHOICES:
-        if 4 * lm_floats(head_size_v, wg) <= local_mem - 1024:
+        if 4 * lm_floats(head_size_v, wg, matrix) <= local_mem - 1024:
             return wg
     raise SyclError(f"head size {head_size_v} needs more local memory than the device has ({local_mem} B)")
 
@@ -251,6 +252,11 @@ class SyclBackend(Backend):
     def session_for(self, device: torch.device) -> Session:
         return xpu_session(device) if device.type == "xpu" else default_session()
 
+    @staticmethod
+    def _matrix(session: Session, act: torch.dtype) -> bool:
+        """Whether ``session``'s device runs the matrix body for activations of ``act``."""
+        return matrix_mode(act, session.device.matrix_sg16, session.device.type == "gpu") != MMA_OFF
+
     def bundle(self, session: Session, layout: KVCacheLayout, activation_dtype: torch.dtype | None = None,
                terms: bool = False) -> int:
         """The kernels for ``layout``'s dtype and head sizes on ``session``'s device (built on first use);
@@ -264,7 +270,7 @@ class SyclBackend(Backend):
         key = (session.key, act, layout.dtype, layout.head_size, layout.value_size, terms)
         handle = self._bundles.get(key)
         if handle is None:
-            wg = choose_wg(layout.value_size, session.device.local_mem)
+            wg = choose_wg(layout.value_size, session.device.local_mem, self._matrix(session, act))
             opts = kernel_options(act, layout.head_size, layout.value_size, wg, layout.dtype if fp8 else None, terms,
                                   session.device.matrix_sg16, session.device.type == "gpu")
             names = KERNEL_NAMES if terms else PLAIN_KERNEL_NAMES
@@ -372,8 +378,9 @@ class SyclBackend(Backend):
         ok = False
         try:
             ptr = (lambda t, written=False: t.data_ptr() if t.numel() else 0) if on_xpu else staging.ptr
-            wg = choose_wg(layout.value_size, session.device.local_mem)
-            local = [(ARG_LOCAL_F32, lm_floats(layout.value_size, wg))]
+            matrix = self._matrix(session, query.dtype)
+            wg = choose_wg(layout.value_size, session.device.local_mem, matrix)
+            local = [(ARG_LOCAL_F32, lm_floats(layout.value_size, wg, matrix))]
             common = [(ARG_PTR, ptr(query)), (ARG_I64, query.stride(0)), (ARG_I64, query.stride(1)),
                       (ARG_I64, num_tokens), (ARG_PTR, ptr(kv_cache)), (ARG_I64, s.block), (ARG_I64, s.token),
                       (ARG_I64, s.head), (ARG_I64, layout.num_blocks),
