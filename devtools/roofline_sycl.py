@@ -1,14 +1,19 @@
 """SYCL adapter of the roofline model: ``sycl_gpu_evidence.report_rows()`` rows -> :class:`KernelLaunch`.
 
-The launch (``kvmulti/backends/sycl/backend.py``, ``sycl/kernels.cpp``): one work-group of WG = 128
-work-items (8 sub-groups of 16, each one hardware thread at SIMD16) per (tile of <= 16 flattened
-(token, query head) rows, KV head[, partition]); the tile's visible keys go in steps of KB = 4 keys,
-sub-group ``s`` taking steps ``s, s + 8, ...``, once per pass of RB = 4 rows (a 16-row tile makes 4
-passes over its keys). One hot-loop trip of a thread = one step (``hot_loop_instructions``, read from
-IGC's assembly in SIMD16-instruction equivalents). Split-KV (partitions of 512 keys, a reduce
-launch) when the longest span exceeds 1024 keys and there are fewer than 4 work-groups per compute
-unit (the device's compute units = its XVEs). Resident work-groups per Xe-core: its hardware threads
-(8 per XVE at 128 GRF, 4 at 256 GRF) over 8 threads, and its SLM over the work-group's.
+The launch (``kvmulti/backends/sycl/backend.py``, ``sycl/kernels.cpp``; fp16 / bf16 take the matrix
+path): one work-group of WG = 128 work-items (8 sub-groups of 16, each one hardware thread at SIMD16)
+per (tile of <= 64 flattened (token, query head) rows, KV head[, partition]). A tile's rows form row
+groups of MR = 8 (the matrix built-in's M); a pass takes RGP = min(row groups, 8) of them, and the
+8 / RGP sub-groups of a row group split that row group's own visible keys in steps of KS = 16 keys
+(decode: one row group, all 8 sub-groups on its keys; prefill: one row group per sub-group). One
+hot-loop trip of a thread = one 16-key step of one row group (``hot_loop_instructions``, read from
+IGC's assembly in SIMD16-instruction equivalents); a pass lasts as long as its slowest sub-group.
+Rows of the vector body (DG2's ``acm-g10``): the tile's keys in steps of KB = 4 keys, sub-group ``s``
+taking steps ``s, s + 8, ...``, once per pass of RB = 4 rows; one trip = one 4-key step.
+Split-KV (partitions of 512 keys, a reduce launch) when the longest span exceeds 1024 keys and there
+are fewer than 4 work-groups per compute unit (the device's compute units = its XVEs). Resident
+work-groups per Xe-core: its hardware threads (8 per XVE at 128 GRF, 4 at 256 GRF) over 8 threads,
+and its SLM over the work-group's.
 """
 
 from __future__ import annotations
@@ -17,17 +22,23 @@ import math
 
 from devtools.roofline import DECODE, PREFILL, Case, KernelLaunch, LoopMix, TARGETS
 
-ROW_TO_TARGET = {"pvc": "pvc", "pvc-large-grf": "pvc", "acm-g10": "acm-g10"}
+#: evidence rows modelled: the shipped configurations (pvc, acm-g10) and the other PVC modes
+ROW_TO_TARGET = {"pvc": "pvc", "pvc-128grf": "pvc", "acm-g10": "acm-g10"}
+#: rows built with the matrix body (the others: the vector body)
+MATRIX_ROWS = {"pvc", "pvc-128grf"}
+RB, KB = 4, 4
 KERNEL = "kvm_paged_attention"
-WG, SG, ROWS, RB, KB = 128, 16, 16, 4, 4
+WG, SG, ROWS, MR, KS = 128, 16, 64, 8, 16
+NSG = WG // SG
 PARTITION, SPLIT_MIN_SPAN, SPLIT_WG_PER_CU = 512, 1024, 4
 #: SLM per Xe-core (bytes) and hardware threads per XVE at 128 GRF (256 GRF: half)
 SLM_PER_CORE = {"pvc": 128 * 1024, "acm-g10": 64 * 1024}
 THREADS_PER_XVE = 8
 
 
-def _tiles(case: Case) -> list[tuple[int, int]]:
-    """(rows, keys the tile's last row sees) per tile of one KV head."""
+def _tiles(case: Case) -> list[tuple[int, list[int]]]:
+    """Per tile of one KV head: (its rows, the keys each of its row groups of MR rows sees: its last
+    row's causal range)."""
     group = case.q_heads // case.kv_heads
     first = case.context - case.query_len
     out = []
@@ -35,25 +46,40 @@ def _tiles(case: Case) -> list[tuple[int, int]]:
         rows = case.query_len * group
         for f0 in range(0, rows, ROWS):
             nrows = min(ROWS, rows - f0)
-            out.append((nrows, first + (f0 + nrows - 1) // group + 1))
+            out.append((nrows, [first + (f0 + min(r0 + MR, nrows) - 1) // group + 1 for r0 in range(0, nrows, MR)]))
     return out
+
+
+def _trips(nrows: int, row_groups: list[int], lo: int, hi: int | None, matrix: bool) -> int:
+    """Key steps of the slowest sub-group of one work-group over keys [lo, hi) (hi None: each row
+    group's own end), summed over its passes (``matrix``: the matrix body, else the vector body)."""
+    if not matrix:       # every pass of RB rows walks the tile's whole range
+        span = max(0, (max(row_groups) if hi is None else min(max(row_groups), hi)) - lo)
+        return math.ceil(nrows / RB) * math.ceil(math.ceil(span / KB) / NSG)
+    rgp = min(len(row_groups), NSG)
+    kspl = NSG // rgp
+    total = 0
+    for p0 in range(0, len(row_groups), rgp):
+        spans = [max(0, (keys if hi is None else min(keys, hi)) - lo) for keys in row_groups[p0:p0 + rgp]]
+        total += max(math.ceil(span / (KS * kspl)) for span in spans)
+    return total
 
 
 def launch(row: dict, case: Case) -> KernelLaunch:
     """The attention launch of ``case`` on ``row``'s target, from the row's figures."""
     target = TARGETS[ROW_TO_TARGET[row["target"]]]
     tiles = _tiles(case)
-    span = max(keys for _, keys in tiles)
+    span = max(max(keys) for _, keys in tiles)
     compute_units = target.units * target.ports_per_unit
     split = span > SPLIT_MIN_SPAN and len(tiles) * case.kv_heads < SPLIT_WG_PER_CU * compute_units
     parts = math.ceil(span / PARTITION) if split else 1
-    waves = WG // SG
+    waves = NSG
     trips = []
-    for nrows, keys in tiles:
+    for nrows, row_groups in tiles:
         for part in range(parts):
-            lo, hi = (part * PARTITION, min(keys, (part + 1) * PARTITION)) if split else (0, keys)
-            if hi > lo:
-                trips.append(math.ceil(nrows / RB) * math.ceil(math.ceil((hi - lo) / KB) / waves))
+            lo, hi = (part * PARTITION, (part + 1) * PARTITION) if split else (0, None)
+            if max(row_groups) > lo:
+                trips.append(_trips(nrows, row_groups, lo, hi, row["target"] in MATRIX_ROWS))
     grf = int(row["regs_or_grf_mode"].split()[0])
     threads = target.ports_per_unit * THREADS_PER_XVE * 128 // max(128, grf)
     resident = max(1, min(threads // waves, SLM_PER_CORE[target.arch] // max(1, row["slm_bytes"])))
@@ -78,7 +104,7 @@ def launch(row: dict, case: Case) -> KernelLaunch:
 
 
 def launches(rows: list[dict], case: Case) -> list[KernelLaunch]:
-    """One launch per attention row of a modelled target (pvc, pvc-large-grf, acm-g10) for ``case``."""
+    """One launch per attention row of a modelled target (:data:`ROW_TO_TARGET`) for ``case``."""
     return [launch(r, case) for r in rows
             if r["kernel"] == KERNEL and r["target"] in ROW_TO_TARGET and r.get("hot_loop_instructions")]
 

@@ -36,13 +36,26 @@ import tempfile
 from pathlib import Path
 
 TARGETS = ("acm-g10", "pvc")
-#: Extra compiles reported as their own "target" rows: (row name, ocloc device, ocloc -options).
-VARIANTS = (("pvc-large-grf", "pvc", "-ze-opt-large-register-file"),)
+#: Kernel builds (SPIR-V flavours) by name: kernel_options(matrix_sg16=, gpu=) and whether
+#: -DKVM_LARGE_GRF=1 stays in. "mma": KVM_MMA=2 with the kernel property grf_size<256> (what a PVC
+#: gets; the property travels in the SPIR-V, so IGC compiles it at 256 GRF with no ocloc option);
+#: "mma-128": the same without the property; "vector": KVM_MMA=0 (what a GPU without the built-ins
+#: such as DG2 gets); "emulated": KVM_MMA=1 (what the OpenCL CPU device runs).
+FLAVOURS = {"mma": (True, True, True), "mma-128": (True, True, False), "vector": (False, True, False),
+            "emulated": (False, False, False)}
+#: How each target row is built, as the backend ships it on that device: (flavour, ocloc -options).
+#: DG2 has the matrix unit at sub-group size 8 only (no matrix_sg16): the vector path at 128 GRF.
+SHIPPED = {"acm-g10": ("vector", ""), "pvc": ("mma", "")}
+#: Other modes, reported as rows of their own: (row name, ocloc device, flavour, ocloc -options).
+VARIANTS = (("pvc-128grf", "pvc", "mma-128", ""),
+            ("pvc-vector-large-grf", "pvc", "vector", "-ze-opt-large-register-file"),
+            ("pvc-emulated", "pvc", "emulated", "-ze-opt-large-register-file"))
 #: The decode case of sycl/README.md's paper model: bf16, head size 128.
 DEFAULT_CONFIG = {"dtype": "bfloat16", "head_size": 128, "head_size_v": 128}
 #: The same case over an fp8 e4m3fn cache (kernels.cpp built with KVM_CACHE=3; bf16 activations).
 FP8_CONFIG = dict(DEFAULT_CONFIG, cache_dtype="float8_e4m3fn")
-KERNELS = ("kvm_paged_attention", "kvm_split_reduce", "kvm_write_kv")
+#: kvm_paged_attention_terms (ALiBi / non-causal) is built with -DKVM_TERMS=1, as the backend builds it
+KERNELS = ("kvm_paged_attention", "kvm_paged_attention_terms", "kvm_split_reduce", "kvm_write_kv")
 KEYS = ("kernel", "target", "regs_or_grf_mode", "spills", "slm_bytes", "simd_width", "matrix_instructions",
         "load_widths_bytes", "notes", "hot_loop_instructions", "hot_loop_load_bytes", "hot_loop_bytes_in_flight",
         "hot_loop_dpas_flops")
@@ -60,35 +73,46 @@ def ocloc() -> str:
     return path
 
 
-def _options(config: dict) -> list[str]:
+def _options(config: dict, flavour: str = "emulated") -> list[str]:
     import torch
 
     from kvmulti.backends import sycl as S
     dtype = getattr(torch, config["dtype"])
     cache = getattr(torch, config["cache_dtype"]) if config.get("cache_dtype") else None
-    return S.kernel_options(dtype, config["head_size"], config["head_size_v"], S.WG, cache_dtype=cache)
+    matrix_sg16, gpu, large_grf = FLAVOURS[flavour]
+    opts = S.kernel_options(dtype, config["head_size"], config["head_size_v"], S.WG, cache_dtype=cache, terms=True,
+                            matrix_sg16=matrix_sg16, gpu=gpu)
+    return [o for o in opts if large_grf or o != "-DKVM_LARGE_GRF=1"]
 
 
-def dump_spirv(config: dict, out_dir: Path, timeout: int = 900) -> list[Path]:
-    """Build the kernels for ``config`` in a child process with SYCL_DUMP_IMAGES=1; the SPIR-V images
-    holding our kernels (the runtime splits them over several images), copied to ``out_dir``."""
+def dump_spirv(config: dict, out_dir: Path, flavour: str = "emulated", timeout: int = 900) -> list[Path]:
+    """Build the kernels for ``config`` as :data:`FLAVOURS` ``flavour`` in a child
+    process with SYCL_DUMP_IMAGES=1; the SPIR-V images holding our kernels (the runtime splits them
+    over several images), copied to ``out_dir``. The images are written before the device build,
+    which is not needed: SYCL_PROGRAM_COMPILE_OPTIONS gives it a GPU-only option that the OpenCL CPU
+    device rejects at once (it also could not finish a matrix_sg16 flavour: the built-ins exist on
+    Intel GPUs only), so a failed build with the images present is the expected outcome."""
     work = Path(tempfile.mkdtemp(prefix="kvm-spv-"))
-    code = ("import sys, json; from kvmulti.backends import sycl as S\n"
-            "S.default_session().build(S.kernel_source(), json.loads(sys.argv[1]))\n")
-    env = {**os.environ, "SYCL_DUMP_IMAGES": "1", "SYCL_CACHE_PERSISTENT": "0"}
+    code = ("import sys, json; from kvmulti.backends import sycl as S; from kvmulti.backends.sycl import runtime\n"
+            "S.default_session().build(S.kernel_source(), json.loads(sys.argv[1]), runtime.KERNEL_NAMES)\n")
+    import kvmulti
+    here = str(Path(kvmulti.__file__).resolve().parents[1])   # the child imports the parent's kvmulti
+    env = {**os.environ, "SYCL_DUMP_IMAGES": "1", "SYCL_CACHE_PERSISTENT": "0",
+           "SYCL_PROGRAM_COMPILE_OPTIONS": "-ze-opt-large-register-file",
+           "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
     try:
-        res = subprocess.run([sys.executable, "-c", code, json.dumps(_options(config))], cwd=work, env=env,
-                             capture_output=True, text=True, timeout=timeout)
-        if res.returncode != 0:
-            raise EvidenceUnavailable(f"building the kernels with SYCL_DUMP_IMAGES=1 failed:\n{res.stderr[-3000:]}")
+        res = subprocess.run([sys.executable, "-c", code, json.dumps(_options(config, flavour))], cwd=work,
+                             env=env, capture_output=True, text=True, timeout=timeout)
         images = sorted(p for p in work.glob("*.spv") if b"__sycl_kernel_kvm_" in p.read_bytes())
+        if res.returncode != 0 and not images:
+            raise EvidenceUnavailable(f"building the kernels with SYCL_DUMP_IMAGES=1 failed:\n{res.stderr[-3000:]}")
         if not any(b"__sycl_kernel_kvm_paged_attention" in p.read_bytes() for p in images):
             raise EvidenceUnavailable(f"SYCL_DUMP_IMAGES=1 wrote no image with our kernels in {work} "
                                       f"(files: {sorted(p.name for p in work.iterdir())})")
         out_dir.mkdir(parents=True, exist_ok=True)
         copies = []
         for i, image in enumerate(images):
-            copies.append(out_dir / f"kernels-{i}.spv")
+            copies.append(out_dir / f"kernels-{flavour}-{i}.spv")
             shutil.copyfile(image, copies[-1])
         return copies
     finally:
@@ -264,16 +288,19 @@ def rows_for_target(asm: dict[str, str], target: str, slm_bytes: dict[str, int])
     return rows
 
 
-def _slm_bytes(config: dict) -> dict[str, int]:
+def _slm_bytes(config: dict, matrix: bool) -> dict[str, int]:
+    """Local memory the host gives the attention kernels of a matrix-body or vector-body build."""
     from kvmulti.backends import sycl as S
-    return {"kvm_paged_attention": 4 * S.lm_floats(config["head_size_v"], S.WG)}
+    slm = 4 * S.lm_floats(config["head_size_v"], S.WG, matrix)
+    return {"kvm_paged_attention": slm, "kvm_paged_attention_terms": slm}
 
 
 def _cache_file(config: dict) -> Path:
     from kvmulti import native_build
     from kvmulti.backends import sycl as S
     h = hashlib.sha256(S.kernel_source().encode())
-    h.update(json.dumps([config, _options(config), TARGETS]).encode())
+    h.update(json.dumps([config, [_options(config, f) for f in FLAVOURS], SHIPPED, VARIANTS,
+                         [_slm_bytes(config, m) for m in (False, True)]]).encode())
     h.update(Path(ocloc()).read_bytes()[:1 << 20])
     h.update(repr(KEYS).encode())           # rows of an older evidence format are recomputed
     return native_build.cache_root() / "sycl" / "gpu_evidence" / f"{h.hexdigest()[:16]}.json"
@@ -290,13 +317,14 @@ def report_rows(config: dict | None = None) -> list[dict]:
         return json.loads(cached.read_text())
     with tempfile.TemporaryDirectory(prefix="kvm-gpu-evidence-") as tmp:
         out = Path(tmp)
-        images = dump_spirv(config, out)
+        flavours = sorted({f for f, _ in SHIPPED.values()} | {v[2] for v in VARIANTS})
+        images = {f: dump_spirv(config, out, f) for f in flavours}
         rows = []
-        for name, device, options in [(t, t, "") for t in TARGETS] + list(VARIANTS):
+        for name, device, flavour, options in [(t, t, *SHIPPED[t]) for t in TARGETS] + list(VARIANTS):
             asm: dict[str, str] = {}
-            for spv in images:
+            for spv in images[flavour]:
                 asm.update({f"{spv.stem}/{k}": v for k, v in compile_spirv(spv, device, out, options)[1].items()})
-            rows += rows_for_target(asm, name, _slm_bytes(config))
+            rows += rows_for_target(asm, name, _slm_bytes(config, flavour != "vector"))
     cached.parent.mkdir(parents=True, exist_ok=True)
     cached.write_text(json.dumps(rows, indent=1))
     return rows

@@ -14,14 +14,21 @@
 //   -DKVM_RB=RB             tile rows held in registers per pass over the keys (default 4)
 //   -DKVM_KB=KB             keys per sub-group step, a power of two <= SG (default 4)
 //   -DKVM_TERMS=1           also build kvm_paged_attention_terms (ALiBi / non-causal; default 0)
+//   -DKVM_MMA=0|1|2         attention body: 0 the vector body (v2, below); fp16 / bf16 only: 1 the
+//                           matrix body with the matrix built-in emulated by sub-group broadcasts
+//                           (non-GPU devices: the OpenCL CPU device), 2 the matrix body on the
+//                           built-in (Intel GPUs with it at sub-group size 16: dpas on PVC)
+//   -DKVM_LARGE_GRF=1       the attention kernels carry grf_size<256> (IGC's 256-register mode);
+//                           GPU-only (the OpenCL CPU device rejects the option it becomes)
 //
 // Cache addressing (named strides, in elements): element d of K of (block, token, kv head) is at
 // cache[block * s_block + token * s_token + head * s_head + d]; V follows at + D. Both physical
 // orders (NHD, HND) differ only in s_token / s_head.
 //
-// Attention (v2): one work-group per (tile, KV head[, KV partition]); a tile is up to R consecutive
-// rows of a request's flattened (query token, query head-in-group) space, so all GQA rows of a KV
-// head (up to RB per pass) use every K/V row the sub-group loads. The NSG = WG / SG sub-groups of
+// Attention, vector body (v2; fp32, and fp16 / bf16 on GPUs without the matrix built-in): one
+// work-group per (tile, KV head[, KV partition]); a tile is up to R consecutive rows of a request's
+// flattened (query token, query head-in-group) space, so all GQA rows of a KV head (up to RB per
+// pass) use every K/V row the sub-group loads. The NSG = WG / SG sub-groups of
 // the work-group split the visible key range: sub-group s takes key steps s, s + NSG, ... of KB keys
 // each and runs its own online softmax. Per step:
 //   * lane j < KB reads the block-table entry of key j (one coalesced int load per step);
@@ -36,6 +43,9 @@
 // merge their (max, sum, accumulator) through local memory: one group_barrier per pass (and one more
 // before a second pass reuses the scratch). Keys outside the causal / sliding-window range of a tile
 // are never visited, so block-table entries for blocks wholly outside the window are never read.
+//
+// Attention, matrix body (KVM_MMA 1 / 2): see attention_body_mma. Both bodies share the tiles, the
+// end-of-pass merge through local memory, split-KV and the optional terms below.
 //
 // Split-KV (long contexts, few work-groups): the same kernel over one partition of the key range
 // writes an unnormalised partial output + (max, sum) per row; kvm_split_reduce combines them.
@@ -272,6 +282,68 @@ static_assert(sizeof(raw_t) == sizeof(cvec_t), "raw_t must have the size of a ch
 static inline cvec_t load_chunk(const cache_t *row, int64_t off, int e, int n) {
   if (off < 0 || e >= n) return cvec_t(cache_t(0));
   return sycl::bit_cast<cvec_t>(*reinterpret_cast<const raw_t *>(row + off + e));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sub-group matrix multiply-accumulate (cl_intel_subgroup_matrix_multiply_accumulate, sub-group 16):
+// C[8][16] = A[8][16] x B[16][16] + C, 16-bit float sources (bf16 or fp16), fp32 accumulator.
+// Fragment layout (the extension's specification), for lane n of the sub-group:
+//   a (8 x 16-bit): component m is A[m][n];
+//   b (8 x 32-bit): component i packs B[2i][n] (low 16 bits) and B[2i + 1][n] (high 16 bits);
+//   c and the result (8 x fp32): component m is C[m][n].
+// KVM_MMA == 2: the built-in itself (Intel GPUs whose sub-group size 16 has it: dpas on PVC);
+// KVM_MMA == 1: the same layout computed with sub-group broadcasts (devices without the extension,
+// e.g. the OpenCL CPU device); KVM_MMA == 0: no matrix path (the vector body below).
+#ifndef KVM_MMA
+#define KVM_MMA 0
+#endif
+using mma_a_t = short __attribute__((ext_vector_type(8)));
+using mma_b_t = int __attribute__((ext_vector_type(8)));
+using mma_c_t = float __attribute__((ext_vector_type(8)));
+
+#if KVM_MMA == 2
+SYCL_EXTERNAL mma_c_t intel_sub_group_bf16_bf16_matrix_mad_k16(mma_a_t a, mma_b_t b, mma_c_t acc);
+SYCL_EXTERNAL mma_c_t intel_sub_group_f16_f16_matrix_mad_k16(mma_a_t a, mma_b_t b, mma_c_t acc);
+#endif
+
+// A 16-bit matrix element (bf16 when BF16, else fp16) as fp32.
+template <bool BF16>
+static inline float mma_elem(uint32_t bits16) {
+  if constexpr (BF16) return sycl::bit_cast<float>(bits16 << 16);
+  else return static_cast<float>(sycl::bit_cast<sycl::half>(static_cast<uint16_t>(bits16)));
+}
+
+template <bool BF16>
+static inline mma_c_t mma(sycl::sub_group sg, mma_a_t a, mma_b_t b, mma_c_t acc) {
+#if KVM_MMA == 2
+  (void)sg;
+  if constexpr (BF16) return intel_sub_group_bf16_bf16_matrix_mad_k16(a, b, acc);
+  else return intel_sub_group_f16_f16_matrix_mad_k16(a, b, acc);
+#else
+  // Rows (2r, 2r + 1) of lane k's a travel as one 32-bit word; lane n's b holds column n.
+  uint32_t a_pairs[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+    a_pairs[r] = static_cast<uint16_t>(a[2 * r]) | (static_cast<uint32_t>(static_cast<uint16_t>(a[2 * r + 1])) << 16);
+  float c[8];
+#pragma unroll
+  for (int m = 0; m < 8; ++m) c[m] = acc[m];
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    const uint32_t word = static_cast<uint32_t>(b[k / 2]);
+    const float bk = mma_elem<BF16>(k % 2 ? word >> 16 : word & 0xffffu);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const uint32_t pair = sycl::select_from_group(sg, a_pairs[r], k);
+      c[2 * r] += mma_elem<BF16>(pair & 0xffffu) * bk;
+      c[2 * r + 1] += mma_elem<BF16>(pair >> 16) * bk;
+    }
+  }
+  mma_c_t out;
+#pragma unroll
+  for (int m = 0; m < 8; ++m) out[m] = c[m];
+  return out;
+#endif
 }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -535,6 +607,292 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
   }
 }
 
+#if KVM_MMA
+// ---------------------------------------------------------------------------------------------
+// The attention body on the matrix built-in (KVM_MMA 1 or 2; fp16 / bf16 activations). A tile's
+// rows form row groups of MR = 8 (the built-in's M): QK^T is S[8][16 keys] = Q[8][D] x K^T[D][16],
+// P.V is O[8][DV] += P[8][16 keys] x V[16 keys][DV], both in 16-wide chunks of the head dimension.
+// The S fragment (lane n holds key n of every row) is exactly the A fragment of P.V, so P never
+// leaves the registers. Per 16-key step lane n reads the block-table entry of key n and then its
+// key's K row (B of QK^T: lane n is column n); V rows are read by the whole sub-group, lane n taking
+// column n of each chunk (B of P.V).
+// Sub-groups: RGP = min(row groups, NSG) row groups per pass; the NSG / RGP sub-groups of a row group
+// split its visible keys in 16-key steps (decode: one row group, all sub-groups on its keys;
+// prefill: one row group per sub-group, each reading the keys of its own causal range only). Each
+// keeps its own online softmax; one group_barrier per pass merges them through local memory.
+constexpr bool MMA_BF16 = KVM_DTYPE == 2;
+static_assert(KVM_DTYPE == 1 || KVM_DTYPE == 2, "the matrix path takes fp16 / bf16 activations");
+static_assert(SG == 16, "the matrix built-ins are used at sub-group size 16");
+constexpr int MR = 8;                   // rows per row group (M of the built-in)
+constexpr int KS = 16;                  // keys per step (N of QK^T, K of P.V)
+constexpr int NC = (D + 15) / 16;       // 16-wide chunks of a Q / K row
+constexpr int NCV = (DV + 15) / 16;     // 16-wide chunks of a V / output row
+static_assert(16 % VW == 0, "a 16-element chunk is whole vector loads");
+constexpr int MMA_LM_FLOATS = NSG * MR * MERGE_STRIDE;
+
+// 16-bit matrix bits of an activation / of a cache element (fp8 codes convert exactly).
+static inline uint32_t mm_bits(elem_t x) {
+  if constexpr (KVM_DTYPE == 2) return x;
+  else return sycl::bit_cast<uint16_t>(x);
+}
+static inline uint32_t mm_bits_of(float x) { return mm_bits(from_f(x)); }
+static inline uint32_t cache_bits(cache_t x) {
+  if constexpr (FP8) return mm_bits_of(cache_to_f(x));
+  else return mm_bits(x);
+}
+
+// load_chunk without a divergent branch: a masked row (off < 0) reads the cache's first row and is
+// zeroed by a select (the caller guarantees the cache holds a row). e is the same in every lane.
+static inline cvec_t load_chunk_masked(const cache_t *row, int64_t off, int e, int n) {
+  if (e >= n) return cvec_t(cache_t(0));
+  const raw_t bits = *reinterpret_cast<const raw_t *>(row + (off >= 0 ? off : 0) + e);
+  return sycl::bit_cast<cvec_t>(static_cast<raw_t>(bits & raw_t(off >= 0 ? ~0u : 0u)));
+}
+
+template <bool TERMS>
+static inline void attention_body_mma(const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens,
+                                      const cache_t *cache, int64_t s_block, int64_t s_token, int64_t s_head,
+                                      int64_t num_blocks, const int32_t *block_table, int64_t bt_stride,
+                                      int64_t bt_rows, int64_t bt_cols, const int32_t *seq_lens,
+                                      const int32_t *query_start_loc, const int32_t *tiles, elem_t *out, int64_t o_st,
+                                      int64_t o_sh, float *part_acc, float *part_ml, int32_t num_parts,
+                                      int32_t part_size, int32_t num_kv_heads, int32_t group, int32_t block_size,
+                                      float scale, int32_t window, float softcap, const float *k_scale,
+                                      const float *v_scale, const float *sinks, const float *alibi, int32_t causal,
+                                      sycl::decorated_local_ptr<float> lm) {
+  auto it = syclext::this_work_item::get_nd_item<1>();
+  auto wg = it.get_group();
+  auto sg = it.get_sub_group();
+  const int lid = static_cast<int>(it.get_local_id(0));
+  const int sg_id = static_cast<int>(sg.get_group_linear_id());
+  const int lane = static_cast<int>(sg.get_local_linear_id());
+
+  const bool split = part_acc != nullptr;
+  int64_t gid = static_cast<int64_t>(it.get_group(0));
+  const int part = split ? static_cast<int>(gid % num_parts) : 0;
+  if (split) gid /= num_parts;
+  const int h = static_cast<int>(gid % num_kv_heads);
+  const int64_t tile_id = gid / num_kv_heads;
+  const int num_q_heads = num_kv_heads * group;
+
+  Tile t = locate_tile(query_start_loc, seq_lens, tiles, tile_id, num_tokens, bt_rows, bt_cols, group, block_size,
+                       window, !TERMS || causal != 0);
+  if (!t.valid) return;  // uniform over the work-group
+  if (split) {
+    const int64_t lo = static_cast<int64_t>(t.k_lo) + static_cast<int64_t>(part) * part_size;
+    t.k_hi = static_cast<int>(min64(t.k_hi, lo + part_size));
+    t.k_lo = static_cast<int>(min64(lo, t.k_hi));
+  }
+
+  const int32_t *bt = block_table + static_cast<int64_t>(t.req) * bt_stride;
+  const int64_t head_off = static_cast<int64_t>(h) * s_head;
+  const float ks = FP8 ? k_scale[h] : 1.f, vs = FP8 ? v_scale[h] : 1.f;   // fp8 caches only
+  const int nrg = (t.nrows + MR - 1) / MR;          // row groups of the tile
+  const int rgp = sycl::min(nrg, NSG);              // row groups per pass
+  const int kspl = NSG / rgp;                       // sub-groups splitting one row group's keys
+  const int npass = (nrg + rgp - 1) / rgp;
+  const int my_split = sg_id / rgp;
+  const bool has_rows = num_blocks > 0;             // masked rows read row 0 (load_chunk_masked)
+  // uniform over the work-group; constants (causal, no ALiBi) in the plain instantiation
+  const bool is_causal = !TERMS || causal != 0, use_alibi = TERMS && alibi != nullptr;
+
+  for (int pass = 0; pass < npass; ++pass) {
+    const int rg = pass * rgp + sg_id % rgp;
+    const bool active = my_split < kspl && rg < nrg;   // uniform over the sub-group
+    const int r0 = rg * MR;                            // first row of the row group in the tile
+    const int nr = active ? sycl::min(MR, t.nrows - r0) : 0;
+
+    // Query fragments (A of QK^T): component m of chunk c is Q[row m][16 c + lane].
+    mma_a_t qa[NC];
+    int64_t qpos[MR];
+    float slope[MR];
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+      const int flat = t.f0 + r0 + m;
+      const int64_t token = t.q0 + flat / group;
+      const int qh = h * group + flat % group;
+      qpos[m] = m < nr ? t.ctx + flat / group : t.ctx;   // rows m >= nr see no key (the mask below)
+      slope[m] = (use_alibi && m < nr) ? alibi[qh] : 0.f;
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        const int e = c * 16 + lane;
+        const elem_t x = (m < nr && e < D) ? query[token * q_st + qh * q_sh + e] : from_f(0.f);
+        qa[c][m] = static_cast<short>(mm_bits(x));
+      }
+    }
+    // NaN query rows: the row's output is NaN (marked through the merge, as in the vector body).
+    uint32_t nan_rows = 0;
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+      bool row_nan = false;
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        const int e = c * 16 + lane;
+        row_nan |= m < nr && e < D && is_nan(mma_elem<MMA_BF16>(static_cast<uint16_t>(qa[c][m])));
+      }
+      if (sycl::any_of_group(sg, row_nan)) nan_rows |= 1u << m;
+    }
+
+    // This row group's visible keys: the tile's range narrowed to its own first / last position.
+    int k_lo = t.k_lo, k_hi = t.k_lo;
+    if (nr > 0) {
+      const int64_t p_first = qpos[0], p_last = t.ctx + (t.f0 + r0 + nr - 1) / group;
+      const int64_t lo = window > 0 ? p_first - window + 1 : 0;
+      k_lo = static_cast<int>(clamp64(lo, t.k_lo, t.k_hi));
+      k_hi = is_causal ? static_cast<int>(clamp64(p_last + 1, k_lo, t.k_hi)) : t.k_hi;
+      if (!has_rows) k_hi = k_lo;
+    }
+
+    float mrow[MR], lsum[MR];
+    mma_c_t acc[NCV];
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+      mrow[m] = NEG_INF;
+      lsum[m] = 0.f;
+    }
+#pragma unroll
+    for (int c = 0; c < NCV; ++c) acc[c] = mma_c_t(0.f);
+
+    auto key_offset = [&](int k) -> int64_t {
+      if (k < k_lo || k >= k_hi) return -1;
+      const int32_t bid = bt[k / block_size];
+      if (bid < 0 || bid >= num_blocks) return -1;
+      return static_cast<int64_t>(bid) * s_block + static_cast<int64_t>(k % block_size) * s_token + head_off;
+    };
+
+    const int step = kspl * KS;
+    int k0 = k_lo + my_split * KS;
+    int64_t off = key_offset(k0 + lane);
+    for (; k0 < k_hi; k0 += step) {
+      const int64_t next_off = key_offset(k0 + step + lane);
+      if (next_off >= 0) syclexp::prefetch(const_cast<cache_t *>(cache + next_off), E);
+
+      // S = Q K^T over the step's 16 keys: lane n loads its key's K chunk (B: column n).
+      mma_c_t s = mma_c_t(0.f);
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        mma_b_t kb;
+#pragma unroll
+        for (int v = 0; v < 16 / VW; ++v) {
+          const cvec_t x = load_chunk_masked(cache, off, c * 16 + v * VW, D);
+#pragma unroll
+          for (int i = 0; i < VW; i += 2)
+            kb[(v * VW + i) / 2] = static_cast<int>(cache_bits(x[i]) | (cache_bits(x[i + 1]) << 16));
+        }
+        s = mma<MMA_BF16>(sg, qa[c], kb, s);
+      }
+
+      // Online softmax per row (lane n: key k0 + n).
+      const int64_t kpos = k0 + lane;
+      const bool key_ok = off >= 0;
+      mma_a_t pa;
+#pragma unroll
+      for (int m = 0; m < MR; ++m) {
+        float x = s[m] * ks * scale;
+        if (softcap > 0.f) x = softcap * sycl::tanh(x / softcap);
+        if (use_alibi) x += slope[m] * static_cast<float>(kpos - qpos[m]);
+        const bool visible = key_ok && m < nr && (!is_causal || kpos <= qpos[m]) &&
+                             (window <= 0 || qpos[m] - kpos < window);
+        x = visible ? x : NEG_INF;
+        const float m_old = mrow[m];
+        const float m_new = sycl::fmax(m_old, sycl::reduce_over_group(sg, x, sycl::maximum<float>()));
+        const float p = (m_new == NEG_INF || x == NEG_INF) ? 0.f : sycl::exp(x - m_new);
+        const float alpha = m_new == NEG_INF ? 1.f : (m_old == NEG_INF ? 0.f : sycl::exp(m_old - m_new));
+        lsum[m] = lsum[m] * alpha + p;
+        mrow[m] = m_new;
+#pragma unroll
+        for (int c = 0; c < NCV; ++c) acc[c][m] *= alpha;
+        pa[m] = static_cast<short>(mm_bits_of(p));
+      }
+
+      // O += P V: chunk c of V is B with lane n holding column 16 c + n of every key's row.
+#pragma unroll
+      for (int c = 0; c < NCV; ++c) {
+        mma_b_t vb;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          uint32_t pair = 0;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int64_t o = sycl::select_from_group(sg, off, 2 * i + half);
+            const int e = c * 16 + lane;
+            const bool ok = o >= 0 && (DV % 16 == 0 || e < DV);
+            const uint32_t bits = cache_bits(cache[(o >= 0 ? o : 0) + D + (ok ? e : 0)]);
+            pair |= (ok ? bits : 0u) << (16 * half);
+          }
+          vb[i] = static_cast<int>(pair);
+        }
+        acc[c] = mma<MMA_BF16>(sg, pa, vb, acc[c]);
+      }
+      off = next_off;
+    }
+
+    // Merge the key splits of each row group through local memory.
+    if (pass > 0) sycl::group_barrier(wg);
+    if (active) {
+#pragma unroll
+      for (int m = 0; m < MR; ++m) {
+        if (m < nr) {
+          auto row = lm + (sg_id * MR + m) * MERGE_STRIDE;
+#pragma unroll
+          for (int c = 0; c < NCV; ++c) {
+            const int e = c * 16 + lane;
+            if (e < DV) row[e] = acc[c][m] * vs;
+          }
+          const float l = sycl::reduce_over_group(sg, lsum[m], sycl::plus<float>());
+          if (lane == 0) {
+            row[DV] = mrow[m];
+            row[DV + 1] = (nan_rows >> m) & 1u ? QNAN : l;
+          }
+        }
+      }
+    }
+    sycl::group_barrier(wg);
+    const int pass_rows = sycl::min(rgp * MR, t.nrows - pass * rgp * MR);
+    for (int idx = lid; idx < pass_rows * DV; idx += WG) {
+      const int pr = idx / DV, d = idx - pr * DV;
+      const int rgl = pr / MR, m = pr % MR;
+      const int flat = t.f0 + (pass * rgp + rgl) * MR + m;
+      const int qh = h * group + flat % group;
+      // The sink joins where the row is normalised: here unsplit, in kvm_split_reduce when split.
+      const float sink = (sinks != nullptr && !split) ? sinks[qh] : NEG_INF;
+      float mx = sink;
+      bool row_nan = false;
+      for (int g = 0; g < kspl; ++g) {
+        const auto row = lm + ((rgl + g * rgp) * MR + m) * MERGE_STRIDE;
+        mx = sycl::fmax(mx, row[DV]);
+        row_nan |= is_nan(row[DV + 1]);
+      }
+      float sum = 0.f, a = 0.f;
+      if (row_nan) {
+        sum = QNAN;
+        a = QNAN;
+      } else if (mx != NEG_INF) {
+        for (int g = 0; g < kspl; ++g) {
+          const auto row = lm + ((rgl + g * rgp) * MR + m) * MERGE_STRIDE;
+          const float w = row[DV] == NEG_INF ? 0.f : sycl::exp(row[DV] - mx);
+          sum += row[DV + 1] * w;
+          a += row[d] * w;
+        }
+        if (sink != NEG_INF) sum += sycl::exp(sink - mx);
+      }
+      const int64_t token = t.q0 + flat / group;
+      if (split) {
+        const int64_t prow = (token * num_q_heads + qh) * num_parts + part;
+        part_acc[prow * DV + d] = a;
+        if (d == 0) {
+          part_ml[prow * 2 + 0] = mx;
+          part_ml[prow * 2 + 1] = sum;
+        }
+      } else {
+        out[token * o_st + qh * o_sh + d] = from_f(row_nan ? QNAN : sum > 0.f ? a / sum : 0.f);
+      }
+    }
+  }
+}
+#endif  // KVM_MMA
+
+#ifndef KVM_MMA_PROBE
 // ---------------------------------------------------------------------------------------------
 // Kernel. Grid: nd_range<1>(num_tiles * num_kv_heads * num_parts * WG, WG), sub-groups of SG.
 // tiles: int32 [num_tiles][2] = (request, first flattened row), built by the host.
@@ -562,16 +920,28 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
       bt_cols, seq_lens, query_start_loc, tiles, out, o_st, o_sh, part_acc, part_ml, num_parts, part_size,     \
       num_kv_heads, group, block_size, scale, window, softcap, k_scale, v_scale, sinks, alibi, causal,         \
       lm.get_multi_ptr<sycl::access::decorated::yes>()
+// The body both attention kernels instantiate: the matrix path for fp16 / bf16 (KVM_MMA), else the vector one.
+#if KVM_MMA
+#define KVM_ATTENTION_BODY attention_body_mma
+#else
+#define KVM_ATTENTION_BODY attention_body
+#endif
 
 extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<SG>))
-void kvm_paged_attention(KVM_ATTENTION_PARAMS) { attention_body<false>(KVM_ATTENTION_ARGS); }
+#if KVM_LARGE_GRF
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((sycl::ext::intel::experimental::grf_size<256>))
+#endif
+void kvm_paged_attention(KVM_ATTENTION_PARAMS) { KVM_ATTENTION_BODY<false>(KVM_ATTENTION_ARGS); }
 
 #if defined(KVM_TERMS) && KVM_TERMS
 // The same with ALiBi and / or without the causal mask (see the top of this file).
 extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
 SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<SG>))
-void kvm_paged_attention_terms(KVM_ATTENTION_PARAMS) { attention_body<true>(KVM_ATTENTION_ARGS); }
+#if KVM_LARGE_GRF
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((sycl::ext::intel::experimental::grf_size<256>))
+#endif
+void kvm_paged_attention_terms(KVM_ATTENTION_PARAMS) { KVM_ATTENTION_BODY<true>(KVM_ATTENTION_ARGS); }
 #endif
 
 // Combine the partitions of one (token, query head) per work-group:
@@ -628,3 +998,27 @@ void kvm_write_kv(const elem_t *key, int64_t k_st, int64_t k_sh, const elem_t *v
   cache[dst] = e < D ? cache_from(key[t * k_st + h * k_sh + e], FP8 ? k_scale[h] : 1.f)
                      : cache_from(value[t * v_st + h * v_sh + (e - D)], FP8 ? v_scale[h] : 1.f);
 }
+
+#else  // KVM_MMA_PROBE: only the probe kernel below
+// The matrix built-in on raw fragments (tests/test_sycl_backend.py checks its layout): sub-group g
+// reads lane n's a / b / c registers at [(g * 16 + n) * 8 + component] and writes the result there.
+extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
+SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<16>))
+void kvm_mma_probe(const int16_t *a, const int32_t *b, const float *c, float *d, int32_t bf16) {
+  auto it = syclext::this_work_item::get_nd_item<1>();
+  auto sg = it.get_sub_group();
+  const int64_t base = static_cast<int64_t>(it.get_global_id(0)) * 8;
+  mma_a_t fa;
+  mma_b_t fb;
+  mma_c_t fc;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    fa[i] = a[base + i];
+    fb[i] = b[base + i];
+    fc[i] = c[base + i];
+  }
+  const mma_c_t r = bf16 ? mma<true>(sg, fa, fb, fc) : mma<false>(sg, fa, fb, fc);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) d[base + i] = r[i];
+}
+#endif

@@ -82,6 +82,20 @@ bool can_compile_sycl(sycl::device d) {  // by value: ext_oneapi_can_compile is 
   }
 }
 
+// The device runs cl_intel_subgroup_matrix_multiply_accumulate at sub-group size 16 (its smallest
+// sub-group size is 16, e.g. PVC). DG2 has the matrix unit at sub-group size 8 only: not counted.
+bool has_matrix_sg16(const sycl::device &d) {
+  try {
+    if (!d.is_gpu() || !d.has(sycl::aspect::ext_intel_matrix)) return false;
+    const auto sizes = d.get_info<sycl::info::device::sub_group_sizes>();
+    size_t smallest = 0;
+    for (size_t s : sizes) smallest = smallest == 0 || s < smallest ? s : smallest;
+    return smallest == 16;
+  } catch (...) {
+    return false;
+  }
+}
+
 std::string describe(const sycl::device &d) {
   std::ostringstream os;
   os << backend_name(d.get_backend()) << '\t' << type_name(d) << '\t'
@@ -90,7 +104,7 @@ std::string describe(const sycl::device &d) {
      << d.get_info<sycl::info::device::max_work_group_size>() << '\t'
      << d.get_info<sycl::info::device::local_mem_size>() << '\t' << (can_compile_sycl(d) ? 1 : 0) << '\t'
      << (d.has(sycl::aspect::fp16) ? 1 : 0) << '\t' << (d.has(sycl::aspect::usm_shared_allocations) ? 1 : 0) << '\t'
-     << (d.has(sycl::aspect::usm_system_allocations) ? 1 : 0);
+     << (d.has(sycl::aspect::usm_system_allocations) ? 1 : 0) << '\t' << (has_matrix_sg16(d) ? 1 : 0);
   return os.str();
 }
 
@@ -110,7 +124,8 @@ const char *kvm_last_error() { return g_error.c_str(); }
 
 // One line per SYCL device: backend, type, name, driver, compute units, max work-group size,
 // local memory bytes, can compile SYCL source (0/1), fp16 (0/1), USM shared (0/1), system allocations
-// usable by kernels (0/1: plain malloc'd host memory, e.g. torch CPU tensors); tab separated.
+// usable by kernels (0/1: plain malloc'd host memory, e.g. torch CPU tensors), the sub-group-16 matrix
+// built-ins (0/1, has_matrix_sg16); tab separated.
 // Returns the full length (call again with a larger buffer if it did not fit), -1 on error.
 int kvm_list_devices(char *buf, size_t n) {
   std::string out;

@@ -294,13 +294,15 @@ def test_triton_adapter_launch_shapes():
 
 def test_sycl_adapter_launch_shapes():
     from devtools import roofline_sycl as S
-    row = dict(kernel="kvm_paged_attention", target="pvc-large-grf", regs_or_grf_mode="256 GRF", spills=0,
-               slm_bytes=16640, simd_width=16, matrix_instructions=0, hot_loop_load_bytes=2880,
-               hot_loop_bytes_in_flight=256, hot_loop_instructions={"alu": 1581, "send": 38, "math": 48, "branch": 242})
+    row = dict(kernel="kvm_paged_attention", target="pvc", regs_or_grf_mode="256 GRF", spills=0,
+               slm_bytes=33280, simd_width=16, matrix_instructions=16, hot_loop_load_bytes=12352,
+               hot_loop_bytes_in_flight=256, hot_loop_dpas_flops=65536,
+               hot_loop_instructions={"alu": 2754, "send": 145, "math": 96, "branch": 196, "dpas": 16})
     decode = S.launch(row, R.DECODE)
-    # 32 tiles x 8 KV heads x 8 partitions; 128 steps of 4 keys over 8 sub-groups
-    assert (decode.programs, decode.iterations, decode.resident_per_unit) == (2048, 16, 4)
+    # 32 tiles x 8 KV heads x 8 partitions; one row group: 8 sub-groups split 512 keys in 16-key steps
+    assert (decode.programs, decode.iterations, decode.resident_per_unit) == (2048, 4, 3)
+    assert decode.loop.matrix_flops == {"dpas": 8 * 65536}
     prefill = S.launch(row, R.PREFILL)
-    # 16-row tiles (4 tokens x 4 heads) make 4 passes of 4 rows over their keys
-    assert prefill.programs == 8 * 512 * 8 and prefill.second_launch_bytes == 0
-    assert prefill.iterations == pytest.approx(sum(4 * -(-(-(-(4 * t + 4) // 4)) // 8) for t in range(512)) / 512)
+    # 64-row tiles (16 tokens x 4 heads) = 8 row groups, one per sub-group; the last one sees 16 t + 16 keys
+    assert prefill.programs == 8 * 128 * 8 and prefill.second_launch_bytes == 0
+    assert prefill.iterations == pytest.approx(sum(t + 1 for t in range(128)) / 128)

@@ -18,22 +18,33 @@ if S.runtime_reasons() and os.environ.get("CI") != "true":
 
 
 def test_ocloc_compiles_the_runtime_spirv_for_dg2_and_pvc():
+    """Each target row is the build that ships on it: PVC the matrix built-ins (dpas) with the
+    256-register kernel property, DG2 (matrix unit at sub-group size 8 only) the vector path."""
     from devtools import sycl_gpu_evidence as G
     rows = G.report_rows()
     assert all(set(r) == set(G.KEYS) for r in rows)
     by = {(r["kernel"], r["target"]): r for r in rows}
-    for target in G.TARGETS:
-        attn = by[("kvm_paged_attention", target)]
-        assert attn["simd_width"] == S.SG                         # the required sub-group size held
-        assert attn["regs_or_grf_mode"].endswith("GRF") and isinstance(attn["spills"], int)
-        assert attn["matrix_instructions"] == 0                   # no XMX path (see the joint_matrix probe)
-        # bf16, head 128: a K or V row chunk is 16 lanes x 8 bf16 = one 256-byte message
-        assert 256 in attn["load_widths_bytes"], attn
-        assert attn["slm_bytes"] == 4 * S.lm_floats(128, S.WG)
+    flavours = {**{t: G.SHIPPED[t][0] for t in G.TARGETS}, **{v[0]: v[2] for v in G.VARIANTS}}
+    for target in (*G.TARGETS, *(v[0] for v in G.VARIANTS)):
+        for kernel in ("kvm_paged_attention", "kvm_paged_attention_terms"):
+            attn = by[(kernel, target)]
+            assert attn["simd_width"] == S.SG                     # the required sub-group size held
+            assert attn["regs_or_grf_mode"].endswith("GRF") and isinstance(attn["spills"], int)
+            # bf16, head 128: 16 lanes x 8 bf16 of a K (matrix path) or K/V (vector path) row, one message
+            assert 256 in attn["load_widths_bytes"], attn
+            assert attn["slm_bytes"] == 4 * S.lm_floats(128, S.WG, flavours[target] != "vector")
+            assert attn["hot_loop_instructions"], attn
         assert ("kvm_write_kv", target) in by and ("kvm_split_reduce", target) in by
-    # PVC's 256-register mode (ocloc -ze-opt-large-register-file) holds the attention kernel without spills
-    large = by[("kvm_paged_attention", "pvc-large-grf")]
-    assert large["regs_or_grf_mode"] == "256 GRF" and large["spills"] == 0, large
+    for kernel in ("kvm_paged_attention", "kvm_paged_attention_terms"):
+        shipped = by[(kernel, "pvc")]
+        assert shipped["regs_or_grf_mode"] == "256 GRF", shipped    # the grf_size<256> property, no ocloc option
+        assert shipped["matrix_instructions"] > 0 and shipped["hot_loop_dpas_flops"] > 0, shipped
+        assert shipped["hot_loop_instructions"].get("dpas", 0) > 0, shipped
+        assert by[(kernel, "pvc-128grf")]["regs_or_grf_mode"] == "128 GRF"
+        assert by[(kernel, "pvc-128grf")]["matrix_instructions"] > 0
+        # DG2 and the other PVC modes run without the built-ins: no dpas
+        for target in ("acm-g10", "pvc-vector-large-grf", "pvc-emulated"):
+            assert by[(kernel, target)]["matrix_instructions"] == 0, target
 
 
 def test_load_message_parser():

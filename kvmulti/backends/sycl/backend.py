@@ -41,11 +41,16 @@ from .runtime import (ARG_F32, ARG_I32, ARG_I64, ARG_LOCAL_F32, ARG_PTR, DTYPE_C
 from .usm import Staging, usm_allocator, usm_empty
 
 #: Tile shape of the attention kernels (build options of kernels.cpp).
-ROWS = 16          # (query token, query head) rows per work-group
+ROWS = 64          # (query token, query head) rows per work-group (the matrix path: 8 row groups of 8)
 WG = 128           # work-items per attention work-group (the largest of WG_CHOICES that fits)
 WG_CHOICES = (128, 64, 32, 16)   # the merge scratch grows with the sub-groups per work-group
 SG = 16            # sub-group size the attention kernels require (KVM_SG)
-RB = 4             # tile rows held in registers per pass over the keys (KVM_RB)
+RB = 4             # tile rows held in registers per pass over the keys (KVM_RB; the vector path)
+MR = 8             # rows of one matrix built-in call (the matrix path's row group)
+#: KVM_MMA: 0 the vector path (fp32; fp16 / bf16 on GPUs without the built-ins, e.g. DG2), 1 the matrix
+#: path with the built-ins emulated by sub-group broadcasts (non-GPU devices: the OpenCL CPU device),
+#: 2 the matrix path on the built-ins (devices with matrix_sg16, e.g. PVC)
+MMA_OFF, MMA_EMULATED, MMA_HARDWARE = range(3)
 REDUCE_WG = 64
 WRITE_WG = 256
 #: Split-KV heuristic (partition_size=-1): split when the longest visible key span of a tile exceeds
@@ -55,15 +60,16 @@ SPLIT_WG_PER_CU = 4
 
 
 
-def lm_floats(head_size_v: int, wg: int) -> int:
-    """Floats of the merge scratch of the attention kernels (LM_FLOATS in kernels.cpp)."""
-    return (wg // SG) * min(RB, ROWS) * (head_size_v + 2)
+def lm_floats(head_size_v: int, wg: int, matrix: bool) -> int:
+    """Floats of the merge scratch of the attention kernels: the matrix body's (``matrix``;
+    MMA_LM_FLOATS in kernels.cpp) or the vector body's (LM_FLOATS)."""
+    return (wg // SG) * (MR if matrix else min(RB, ROWS)) * (head_size_v + 2)
 
 
-def choose_wg(head_size_v: int, local_mem: int) -> int:
+def choose_wg(head_size_v: int, local_mem: int, matrix: bool) -> int:
     """The largest attention work-group size whose merge scratch fits the device's local memory."""
     for wg in WG_CHOICES:
-        if 4 * lm_floats(head_size_v, wg) <= local_mem - 1024:
+        if 4 * lm_floats(head_size_v, wg, matrix) <= local_mem - 1024:
             return wg
     raise SyclError(f"head size {head_size_v} needs more local memory than the device has ({local_mem} B)")
 
@@ -83,15 +89,35 @@ def vector_bytes(dtype: torch.dtype, head_size: int, head_size_v: int, cache_dty
     return v * (cache_dtype or dtype).itemsize
 
 
+def matrix_mode(dtype: torch.dtype, matrix_sg16: bool, gpu: bool = False) -> int:
+    """KVM_MMA for activations of ``dtype`` on a device with (``matrix_sg16``) or without the
+    sub-group-16 matrix built-ins, a GPU (``gpu``) or not: fp16 / bf16 take the matrix path, emulated
+    on non-GPU devices that lack the built-ins (so the CPU device runs the matrix path's layout); a
+    GPU without them (DG2) takes the vector path, which needs fewer registers than the emulation;
+    fp32 takes the vector path."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return MMA_OFF
+    if matrix_sg16:
+        return MMA_HARDWARE
+    return MMA_OFF if gpu else MMA_EMULATED
+
+
 def kernel_options(dtype: torch.dtype, head_size: int, head_size_v: int, wg: int = WG,
-                   cache_dtype: torch.dtype | None = None, terms: bool = False) -> list[str]:
+                   cache_dtype: torch.dtype | None = None, terms: bool = False,
+                   matrix_sg16: bool = False, gpu: bool = False) -> list[str]:
     """Build options of kernels.cpp for activations (query, key, value, out) of ``dtype`` and a
-    cache of ``dtype`` (``cache_dtype`` None) or of the fp8 ``cache_dtype``; ``terms``: the bundle
-    also holds kvm_paged_attention_terms (ALiBi / non-causal)."""
+    cache of ``dtype`` (``cache_dtype`` None) or of the fp8 ``cache_dtype``, on a device with
+    (``matrix_sg16``) or without the sub-group-16 matrix built-ins, a GPU (``gpu``) or not (see
+    :func:`matrix_mode`); ``terms``: the bundle also holds
+    kvm_paged_attention_terms (ALiBi / non-causal). The hardware matrix path also asks for the
+    256-register mode (KVM_LARGE_GRF: a GPU-only kernel property)."""
     cache = [f"-DKVM_CACHE={FP8_CACHE_CODES[cache_dtype]}"] if cache_dtype in FP8_CACHE_CODES else []
     cache += ["-DKVM_TERMS=1"] if terms else []
+    mma = matrix_mode(dtype, matrix_sg16, gpu)
+    grf = ["-DKVM_LARGE_GRF=1"] if mma == MMA_HARDWARE else []
     return [f"-DKVM_DTYPE={DTYPE_CODES[dtype]}", f"-DKVM_HEAD_SIZE={head_size}", f"-DKVM_HEAD_SIZE_V={head_size_v}",
-            f"-DKVM_ROWS={ROWS}", f"-DKVM_WG={wg}", f"-DKVM_SG={SG}", f"-DKVM_RB={RB}"] + cache
+            f"-DKVM_ROWS={ROWS}", f"-DKVM_WG={wg}", f"-DKVM_SG={SG}", f"-DKVM_RB={RB}", f"-DKVM_MMA={mma}"] + \
+        grf + cache
 
 
 @dataclass
@@ -226,6 +252,11 @@ class SyclBackend(Backend):
     def session_for(self, device: torch.device) -> Session:
         return xpu_session(device) if device.type == "xpu" else default_session()
 
+    @staticmethod
+    def _matrix(session: Session, act: torch.dtype) -> bool:
+        """Whether ``session``'s device runs the matrix body for activations of ``act``."""
+        return matrix_mode(act, session.device.matrix_sg16, session.device.type == "gpu") != MMA_OFF
+
     def bundle(self, session: Session, layout: KVCacheLayout, activation_dtype: torch.dtype | None = None,
                terms: bool = False) -> int:
         """The kernels for ``layout``'s dtype and head sizes on ``session``'s device (built on first use);
@@ -239,8 +270,9 @@ class SyclBackend(Backend):
         key = (session.key, act, layout.dtype, layout.head_size, layout.value_size, terms)
         handle = self._bundles.get(key)
         if handle is None:
-            wg = choose_wg(layout.value_size, session.device.local_mem)
-            opts = kernel_options(act, layout.head_size, layout.value_size, wg, layout.dtype if fp8 else None, terms)
+            wg = choose_wg(layout.value_size, session.device.local_mem, self._matrix(session, act))
+            opts = kernel_options(act, layout.head_size, layout.value_size, wg, layout.dtype if fp8 else None, terms,
+                                  session.device.matrix_sg16, session.device.type == "gpu")
             names = KERNEL_NAMES if terms else PLAIN_KERNEL_NAMES
             handle = self._bundles[key] = session.build(kernel_source(), opts, names)
         return handle
@@ -346,8 +378,9 @@ class SyclBackend(Backend):
         ok = False
         try:
             ptr = (lambda t, written=False: t.data_ptr() if t.numel() else 0) if on_xpu else staging.ptr
-            wg = choose_wg(layout.value_size, session.device.local_mem)
-            local = [(ARG_LOCAL_F32, lm_floats(layout.value_size, wg))]
+            matrix = self._matrix(session, query.dtype)
+            wg = choose_wg(layout.value_size, session.device.local_mem, matrix)
+            local = [(ARG_LOCAL_F32, lm_floats(layout.value_size, wg, matrix))]
             common = [(ARG_PTR, ptr(query)), (ARG_I64, query.stride(0)), (ARG_I64, query.stride(1)),
                       (ARG_I64, num_tokens), (ARG_PTR, ptr(kv_cache)), (ARG_I64, s.block), (ARG_I64, s.token),
                       (ARG_I64, s.head), (ARG_I64, layout.num_blocks),

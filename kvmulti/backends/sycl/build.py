@@ -12,7 +12,7 @@ from pathlib import Path
 from ... import native_build, settings
 
 #: Bumped when the C ABI of shim.cpp changes (part of the shim's cache key).
-SHIM_ABI = 3
+SHIM_ABI = 4
 SHIM_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-DSYCL_DISABLE_FSYCL_SYCLHPP_WARNING", "-w")
 
 

@@ -56,6 +56,7 @@ class DeviceInfo:
     fp16: bool
     usm_shared: bool
     usm_system: bool    # kernels may use plain host memory (torch CPU tensors) directly
+    matrix_sg16: bool = False  # runs the sub-group-16 matrix built-ins (dpas; e.g. PVC, not DG2)
 
     def line(self) -> str:
         ok = "kernel compiler ok" if self.can_compile else "cannot compile SYCL source"
@@ -65,7 +66,7 @@ class DeviceInfo:
 
 def _device_info(index: int, f: list[str]) -> DeviceInfo:
     return DeviceInfo(index, f[0], f[1], f[2], f[3], int(f[4]), int(f[5]), int(f[6]), f[7] == "1", f[8] == "1",
-                      f[9] == "1", f[10] == "1")
+                      f[9] == "1", f[10] == "1", len(f) > 11 and f[11] == "1")
 
 
 def _parse_devices(text: str) -> list[DeviceInfo]:
