@@ -226,3 +226,21 @@ def test_serves_non_causal_but_not_with_a_window():
     case = non_causal_case(nc_spec())
     with pytest.raises(BackendSelectionError, match="no sliding window for non-causal"):
         kvmulti.prepare_step(case.metadata, case.layout, case.query.shape[1], sliding_window=8, backend="SYCL")
+
+
+# ------------------------------------------------------------------------------------ vector body
+@pytest.mark.parametrize("partition", [0, 16])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_vector_body_over_16_bit_activations(monkeypatch, dtype, partition):
+    """fp16 / bf16 on the vector body, which a GPU without the sub-group-16 matrix built-ins (DG2)
+    runs: the CPU device otherwise takes the (emulated) matrix body for them. A fresh backend built
+    with the matrix path off, against the oracle: sinks with a window and softcap, ALiBi, GQA,
+    chunked prefill and decode, split-KV on and off."""
+    from kvmulti.backends.sycl import backend as sycl_backend
+    monkeypatch.setattr(sycl_backend, "matrix_mode", lambda *args, **kwargs: sycl_backend.MMA_OFF)
+    vector = sycl_backend.SyclBackend()
+    vector.partition_size = partition
+    options = sycl_backend.kernel_options(dtype, 64, 64)
+    assert "-DKVM_MMA=0" in options
+    check_against_reference(dataclasses.replace(SINKS_MIXED, dtype=dtype, sliding_window=48, softcap=30.0), vector)
+    check_against_reference(dataclasses.replace(ALIBI_MIXED, dtype=dtype, order="HND"), vector)
