@@ -20,7 +20,7 @@ AMD (HIP_PLATFORM=amd, Debian packages ``hipcc libamdhip64-dev rocm-device-libs`
      decode kernel (fp16 / bf16 query, gfx90a / gfx940) whose hot loop shuffles more than the softmax's
      DECODE_SOFTMAX_SHUFFLES values with ds_bpermute (its block ids are scalars). The rows also carry the
      loads the hot loop keeps in flight at its head (``head_in_flight``); ``decode_pipeline_problems``
-     judges them (a tile in flight there, no vmcnt(0)), not yet a threshold.
+     judges them (an MFMA decode kernel: a tile in flight there, no vmcnt(0)), one of the thresholds.
   ``report_rows()`` returns these figures as dicts (benchmarks/gpu_report.py); ``--report`` prints them.
 NVIDIA: ``nvcc -x cu -I hip/compat`` (kvmulti's HIP->CUDA compat headers) for sm_80 and sm_90 with
   ``-Werror all-warnings`` and ptxas ``-warn-spills -warn-lmem-usage -Werror``.
@@ -280,7 +280,7 @@ def loop_load_profile(body: list[str]) -> dict:
             v = _VMCNT_RE.search(m.group(1))
             if v:
                 n = int(v.group(1))
-                outstanding = outstanding[len(outstanding) - n:] if n else []
+                outstanding = outstanding[max(0, len(outstanding) - n):] if n else []
                 if n == 0 and seen_load:
                     drained = True
     return {"peak_bytes_per_lane": peak, "bytes_before_vmcnt0_per_lane": before_drain,
@@ -306,7 +306,8 @@ def serial_share(body: list[str]) -> float:
                 v = _VMCNT_RE.search(m.group(1)) if m else None
                 if v:
                     n = int(v.group(1))
-                    retired, pending = (pending[:len(pending) - n], pending[len(pending) - n:]) if n else (pending, [])
+                    keep = max(0, len(pending) - n)
+                    retired, pending = (pending[:keep], pending[keep:]) if n else (pending, [])
                     waiting = waiting or (trip == 1 and any(retired))
                     continue
                 if not sum(instruction_mix([line]).values()):
@@ -338,7 +339,7 @@ def head_in_flight(body: list[str]) -> dict:
             v = _VMCNT_RE.search(m.group(1)) if m else None
             if v:
                 n = int(v.group(1))
-                pending = pending[len(pending) - n:] if n else []
+                pending = pending[max(0, len(pending) - n):] if n else []
                 if trip == 0:
                     waits.append(n)
     return {"head_bytes_per_lane": head, "min_vmcnt": min(waits) if waits else None}
@@ -348,9 +349,9 @@ def decode_tile_load_bytes(head: int, elem: int) -> int:
     """Global-load bytes per lane of one tile of the decode kernel's MFMA engine (MfmaGeom in
     hip/kvmulti_attention.hip; 16-byte loads, aligned cache): per 16-key sub-tile ceil(NCH / 4) K chunks,
     and 4 x ceil(NCH / 16) V pieces (16-bit cache) or ceil(16 NCH / 64) V chunks (fp8), NCH = head x elem /
-    16; sub-tiles per tile: 1 above head 128, 4 for rows of <= 64 bytes, else 2."""
+    16; sub-tiles per tile: 1 above head 128, else 2."""
     nch = head * elem // 16
-    nsub = 1 if head > 128 else 4 if head * elem <= 64 else 2
+    nsub = 1 if head > 128 else 2
     vin = -(-16 * nch // 64) if elem == 1 else 4 * -(-head // 8 // 16)
     return 16 * nsub * (-(-nch // 4) + vin)
 
@@ -561,7 +562,7 @@ def _mfma_decode(row: dict) -> bool:
 
 
 def decode_pipeline_problems(row: dict) -> list[str]:
-    """The decode pipelining criterion (not met yet, so not among :func:`row_problems`): an MFMA decode
+    """The decode pipelining criterion (one of :func:`row_problems`): an MFMA decode
     kernel's hot loop has no ``s_waitcnt vmcnt(0)`` and keeps at least one tile's loads
     (:func:`decode_tile_load_bytes`) in flight at its head (:func:`head_in_flight`)."""
     if not _mfma_decode(row):
@@ -610,6 +611,7 @@ def row_problems(row: dict) -> list[str]:
         if _mfma_decode(row) and row.get("hot_loop_ds_bpermute", 0) > DECODE_SOFTMAX_SHUFFLES:
             problems.append(f"{k}: decode hot loop issues {row['hot_loop_ds_bpermute']} ds_bpermute (> the softmax's "
                             f"{DECODE_SOFTMAX_SHUFFLES}: block ids shuffled?)")
+        problems += decode_pipeline_problems(row)
         if row["bytes_in_flight_per_lane"] < MIN_BYTES_IN_FLIGHT_PER_LANE:
             problems.append(f"{k}: {row['bytes_in_flight_per_lane']} bytes in flight per lane in the hot loop "
                             f"(< {MIN_BYTES_IN_FLIGHT_PER_LANE} = 4 x 16-byte loads)")

@@ -596,9 +596,9 @@ struct MfmaGeom {
   static constexpr int QKC = (NCH + 3) / 4;         // K / Q chunks per lane: lane group g holds chunks 4u + g
   static constexpr int FPC = EPC / 4;               // QK fragments (4 head dims each) per chunk
   static constexpr int PVC = (HS / 8 + 15) / 16;    // V pieces (8 head dims) per lane and key: lane n, n + 16u
-  // 16-key sub-tiles per iteration: each iteration issues 8 to 16 16-byte loads per lane (fp8 rows of 64
-  // codes: 4 sub-tiles to reach 8; head 256: one sub-tile, more would spill)
-  static constexpr int NSUB = HS > 128 ? 1 : HS * (int)sizeof(C) <= 64 ? 4 : 2;
+  // 16-key sub-tiles per iteration: each iteration issues 4 to 16 16-byte loads per lane (head 256: one
+  // sub-tile, more would spill)
+  static constexpr int NSUB = HS > 128 ? 1 : 2;
   static constexpr int KT = 16 * NSUB;
   // 16-byte V loads per lane and sub-tile: 16-bit caches load each lane's pieces of its 4 keys; fp8 caches
   // load the sub-tile's 16 rows (consecutive lanes: consecutive 16 bytes of consecutive rows) for LDS.
@@ -667,6 +667,9 @@ struct SubTileRows {
       : p(p_), b(b_), cache(cache_), bt_win(bt_win_), ws(ws_), t(t_), blk(0), r0(0), inv_bs(inv_bs_) {
     if constexpr (WHOLE) blk = wave_read_lane(bt_win, window_entry(p, ws, inv_bs, t, r0));
   }
+  // WHOLE: the sub-tile's block id and first key's offset in it, as another SubTileRows found them
+  __device__ SubTileRows(const PagedAttentionParams& p_, const BlockTask& b_, const C* cache_, int blk_, int r0_, int t_)
+      : p(p_), b(b_), cache(cache_), bt_win(0), ws(0), t(t_), blk(blk_), r0(r0_), inv_bs(0.f) {}
   __device__ __forceinline__ const C* operator()(int j, bool& valid) const {
     if constexpr (WHOLE) return key_row_at(p, b, cache, blk, r0 + j, t + j, valid);
     else return key_row<64>(p, b, cache, bt_win, ws, inv_bs, t + j, valid);
@@ -683,7 +686,6 @@ __device__ __forceinline__ void load_v_subtile(const SubTileRows<C, WHOLE>& rows
   using G = MfmaGeom<C, HS>;
   constexpr int WAVE = 64, NCH = G::NCH, PVC = G::PVC, EPC = G::EPC;
   const int lane = (int)threadIdx.x % WAVE, n = lane % 16, g = lane / 16;
-  const Chunk16 zero = {{0u, 0u, 0u, 0u}};
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const C* row = rows(4 * g + e, ok[e]);
@@ -691,7 +693,9 @@ __device__ __forceinline__ void load_v_subtile(const SubTileRows<C, WHOLE>& rows
 #pragma unroll
       for (int u = 0; u < PVC; ++u) {
         const int ch = n + 16 * u;
-        vin[e * PVC + u] = ch < NCH ? load_chunk<C, ALIGNED>(row + HS + ch * EPC) : zero;
+        // a padding piece (ch >= NCH: output dims past HS, never written) loads the row's last piece: no
+        // divergent branch around the load
+        vin[e * PVC + u] = load_chunk<C, ALIGNED>(row + HS + (ch < NCH ? ch : NCH - 1) * EPC);
       }
     }
   }
@@ -702,7 +706,7 @@ __device__ __forceinline__ void load_v_subtile(const SubTileRows<C, WHOLE>& rows
       const int kk = (c < 16 * NCH ? c : 0) / NCH, ch = c % NCH;
       bool unused;
       const C* row = rows(kk, unused);
-      vin[j] = c < 16 * NCH ? load_chunk<C, ALIGNED>(row + HS + ch * EPC) : zero;
+      vin[j] = load_chunk<C, ALIGNED>(row + HS + ch * EPC);  // c >= 16 NCH: a chunk of key 0, not staged
     }
   }
 }
@@ -750,24 +754,73 @@ struct MfmaTile {
   using G = MfmaGeom<C, HS>;
   Chunk16 kc[G::NSUB][G::QKC], vin[G::NSUB][G::VIN];
   bool ok[G::NSUB][4];
+  int blk[G::NSUB], r0[G::NSUB];  // per sub-tile: block id, offset of its first key (SubTileRows, WHOLE)
 };
 
-// Issues every K and V load of the tile at key t0 (no wait: the registers fill while other work runs).
+// Waits for the prologue's loads of a rotated loop (once per window): otherwise LLVM folds the two loads
+// feeding each loop-carried register (prologue's, previous trip's) into one load at the loop head, which
+// undoes the rotation.
+template <typename C, int HS>
+__device__ __forceinline__ void pin_tile(MfmaTile<C, HS>& x) {
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+  using G = MfmaGeom<C, HS>;
+#pragma unroll
+  for (int sub = 0; sub < G::NSUB; ++sub) {
+#pragma unroll
+    for (int u = 0; u < G::QKC; ++u)
+#pragma unroll
+      for (int w = 0; w < 4; ++w) asm volatile("" : "+v"(x.kc[sub][u].w[w]));
+#pragma unroll
+    for (int j = 0; j < G::VIN; ++j)
+#pragma unroll
+      for (int w = 0; w < 4; ++w) asm volatile("" : "+v"(x.vin[sub][j].w[w]));
+  }
+#else
+  (void)x;
+#endif
+}
+
+// A scheduling fence on AMD GPUs: the machine scheduler moves no instruction across it (decode: the next
+// tile's K loads stay ahead of the softmax; prefill: each sub-tile's LDS reads stay next to its MFMAs
+// instead of all of a tile's being hoisted, fewer registers live); nothing elsewhere.
+__device__ __forceinline__ void sched_fence() {
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+  __builtin_amdgcn_sched_barrier(0);
+#endif
+}
+
+// Issues the K loads (mfma_load_k) / the V loads and key validity (mfma_load_v) of the tile at key t0 into
+// x (no wait: the registers fill while other work runs); mfma_load_v after mfma_load_k of the same tile.
 template <typename C, int HS, bool ALIGNED, bool WHOLE>
-__device__ __forceinline__ void mfma_load_tile(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
-                                               int bt_win, int ws, float inv_bs, int t0, MfmaTile<C, HS>& x) {
+__device__ __forceinline__ void mfma_load_k(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
+                                            int bt_win, int ws, float inv_bs, int t0, MfmaTile<C, HS>& x) {
   using G = MfmaGeom<C, HS>;
   const int lane = (int)threadIdx.x % 64, n = lane % 16, g = lane / 16;
 #pragma unroll
   for (int sub = 0; sub < G::NSUB; ++sub) {
     const SubTileRows<C, WHOLE> rows(p, b, cache, bt_win, ws, inv_bs, t0 + 16 * sub);
+    x.blk[sub] = rows.blk;
+    x.r0[sub] = rows.r0;
     bool unused;
     const C* krow = rows(n, unused);
 #pragma unroll
     for (int u = 0; u < G::QKC; ++u) {
       const int ch = 4 * u + g;
-      x.kc[sub][u] = ch < G::NCH ? load_chunk<C, ALIGNED>(krow + ch * G::EPC) : Chunk16{{0u, 0u, 0u, 0u}};
+      // a padding chunk (ch >= NCH) meets zero Q dims: it loads the row's last chunk (finite, or the
+      // row's score is non-finite anyway), no divergent branch around the load
+      x.kc[sub][u] = load_chunk<C, ALIGNED>(krow + (ch < G::NCH ? ch : G::NCH - 1) * G::EPC);
     }
+  }
+}
+
+template <typename C, int HS, bool ALIGNED, bool WHOLE>
+__device__ __forceinline__ void mfma_load_v(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
+                                            int bt_win, int ws, float inv_bs, int t0, MfmaTile<C, HS>& x) {
+#pragma unroll
+  for (int sub = 0; sub < MfmaGeom<C, HS>::NSUB; ++sub) {
+    // WHOLE: the block ids mfma_load_k found for the same tile (scalars, not looked up again)
+    const SubTileRows<C, WHOLE> rows = WHOLE ? SubTileRows<C, WHOLE>(p, b, cache, x.blk[sub], x.r0[sub], t0 + 16 * sub)
+                                             : SubTileRows<C, WHOLE>(p, b, cache, bt_win, ws, inv_bs, t0 + 16 * sub);
     load_v_subtile<C, HS, ALIGNED, WHOLE>(rows, x.vin[sub], x.ok[sub]);
   }
 }
@@ -786,12 +839,15 @@ __device__ __forceinline__ void mfma_load_tile(const PagedAttentionParams& p, co
 // fp8 caches: the fragments hold the codes' values; k_scale joins the score scale here and v_scale
 // the output's normalisation (mfma_body): the KV head, hence both scales, is constant in a block.
 // The MFMAs and the online softmax of the tile at key t0 whose loads x holds (lane roles above).
-template <typename T, typename C, int HS>
+// after_qk() runs once the QK MFMAs have read x.kc and x.ok, after_pv() once the PV MFMAs have read x.vin
+// (a rotated loop issues the next tile's loads there).
+template <typename T, typename C, int HS, typename AfterQK, typename AfterPV>
 __device__ __forceinline__ void mfma_tile(const PagedAttentionParams& p, const MfmaTile<C, HS>& x, int t0, int rlo,
                                           int rhi, float slope, int qpos, float score_scale, uint8_t* vs,
                                           float& m, float& l,
                                           mfma_f32x4 (&acc)[MfmaGeom<C, HS>::PVC][8],
-                                          const Frag (&qf)[MfmaGeom<C, HS>::QKC][MfmaGeom<C, HS>::FPC]) {
+                                          const Frag (&qf)[MfmaGeom<C, HS>::QKC][MfmaGeom<C, HS>::FPC],
+                                          AfterQK&& after_qk, AfterPV&& after_pv) {
   using G = MfmaGeom<C, HS>;
   constexpr int WAVE = 64, NSUB = G::NSUB, QKC = G::QKC, FPC = G::FPC, PVC = G::PVC;
   const int lane = (int)threadIdx.x % WAVE, g = lane / 16;
@@ -812,6 +868,7 @@ __device__ __forceinline__ void mfma_tile(const PagedAttentionParams& p, const M
       tmax = fmaxf(tmax, s[sub][e]);
     }
   }
+  after_qk();
   // 2. Online softmax: row n's max over the 4 lanes g holding its keys.
   tmax = wave_max_from<WAVE, 16>(tmax);
   const float m_new = fmaxf(m, tmax);
@@ -844,10 +901,14 @@ __device__ __forceinline__ void mfma_tile(const PagedAttentionParams& p, const M
 #pragma unroll
       for (int c = 0; c < 8; ++c) acc[u][c] = mfma_16x16x16<T>(pa, v_fragment<T, C>(vc, u, c), acc[u][c]);
   }
+  after_pv();
 }
 
-// A wave's tiles: each iteration issues every K and V load of a tile, then computes it. WHOLE: block_size
-// is a multiple of 16 (SubTileRows: the block ids are wave-uniform scalars, no shuffles).
+// A wave's tiles, per block-table window. WHOLE (block_size a multiple of 16, SubTileRows: the block ids are
+// wave-uniform scalars, no shuffles): a rotated loop over one register set -- a tile's QK MFMAs are followed
+// by the next tile's K loads into the same registers, its PV MFMAs by the next tile's V loads, so at the
+// loop head the next tile's loads are in flight (the window's last tile loads itself again). Otherwise each
+// iteration issues every K and V load of a tile, then computes it.
 template <typename T, typename C, int HS, bool ALIGNED, bool WHOLE>
 __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const BlockTask& b, MfmaShared<HS>& sh,
                                             int rlo, int rhi, float slope, int qpos, float& m, float& l,
@@ -867,14 +928,35 @@ __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const
     const int win = (tiles.base + tile * KT) / win_keys;
     const int bt_win = load_bt_window<WAVE>(p, b, win, lane);
     const int ws = win * win_keys, win_end = ws + win_keys;
-    for (; tile < tiles.last && tiles.base + tile * KT < win_end; ++tile) {  // the hot loop
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
-      if constexpr (ALIGNED && WHOLE) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
-#endif
-      const int t0 = tiles.base + tile * KT;
+    if constexpr (WHOLE) {
+      const int end = min(tiles.last, (win_end - tiles.base) / KT);  // the window's tiles: [tile, end)
       MfmaTile<C, HS> x;
-      mfma_load_tile<C, HS, ALIGNED, WHOLE>(p, b, cache, bt_win, ws, inv_bs, t0, x);
-      mfma_tile<T, C, HS>(p, x, t0, rlo, rhi, slope, qpos, score_scale, vs, m, l, acc, qf);
+      const int tf = tiles.base + tile * KT;
+      mfma_load_k<C, HS, ALIGNED, WHOLE>(p, b, cache, bt_win, ws, inv_bs, tf, x);
+      mfma_load_v<C, HS, ALIGNED, WHOLE>(p, b, cache, bt_win, ws, inv_bs, tf, x);
+      pin_tile(x);
+      for (; tile < end; ++tile) {  // the hot loop
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+        if constexpr (ALIGNED) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
+#endif
+        const int t0 = tiles.base + tile * KT;
+        const int tn = tile + 1 < end ? t0 + KT : t0;  // the last tile loads itself again (cache hits)
+        mfma_tile<T, C, HS>(
+            p, x, t0, rlo, rhi, slope, qpos, score_scale, vs, m, l, acc, qf,
+            [&] {
+              mfma_load_k<C, HS, ALIGNED, WHOLE>(p, b, cache, bt_win, ws, inv_bs, tn, x);
+              sched_fence();  // issue them before the softmax and the PV fragments wait for V
+            },
+            [&] { mfma_load_v<C, HS, ALIGNED, WHOLE>(p, b, cache, bt_win, ws, inv_bs, tn, x); });
+      }
+    } else {
+      for (; tile < tiles.last && tiles.base + tile * KT < win_end; ++tile) {
+        const int t0 = tiles.base + tile * KT;
+        MfmaTile<C, HS> x;
+        mfma_load_k<C, HS, ALIGNED, WHOLE>(p, b, cache, bt_win, ws, inv_bs, t0, x);
+        mfma_load_v<C, HS, ALIGNED, WHOLE>(p, b, cache, bt_win, ws, inv_bs, t0, x);
+        mfma_tile<T, C, HS>(p, x, t0, rlo, rhi, slope, qpos, score_scale, vs, m, l, acc, qf, [] {}, [] {});
+      }
     }
   }
 }

@@ -66,14 +66,6 @@ __device__ __forceinline__ TaskKind prefill_task(const PagedAttentionParams& p, 
   return TaskKind::kCompute;
 }
 
-// A scheduling fence on AMD GPUs (the compiler keeps each sub-tile's LDS reads next to its MFMAs
-// instead of hoisting all of a tile's: fewer registers live); nothing elsewhere.
-__device__ __forceinline__ void sched_fence() {
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
-  __builtin_amdgcn_sched_barrier(0);
-#endif
-}
-
 template <int WAVE>
 __device__ __forceinline__ int wave_max_int(int v) {
 #pragma unroll
