@@ -382,6 +382,31 @@ static inline Tile locate_tile(const int32_t *query_start_loc, const int32_t *se
   return t;
 }
 
+// The tile, KV head and split-KV partition of work-group `gid` (grid: tiles x KV heads [x num_parts]);
+// split: the tile's key range cut to the partition's part_size keys.
+struct GroupTile {
+  Tile t;
+  int h, part;
+};
+
+static inline GroupTile locate_group_tile(int64_t gid, bool split, int num_parts, int part_size, int num_kv_heads,
+                                          const int32_t *query_start_loc, const int32_t *seq_lens,
+                                          const int32_t *tiles, int64_t num_tokens, int64_t bt_rows, int64_t bt_cols,
+                                          int group, int block_size, int window, bool causal) {
+  GroupTile g;
+  g.part = split ? static_cast<int>(gid % num_parts) : 0;
+  if (split) gid /= num_parts;
+  g.h = static_cast<int>(gid % num_kv_heads);
+  g.t = locate_tile(query_start_loc, seq_lens, tiles, gid / num_kv_heads, num_tokens, bt_rows, bt_cols, group,
+                    block_size, window, causal);
+  if (g.t.valid && split) {
+    const int64_t lo = static_cast<int64_t>(g.t.k_lo) + static_cast<int64_t>(g.part) * part_size;
+    g.t.k_hi = static_cast<int>(min64(g.t.k_hi, lo + part_size));
+    g.t.k_lo = static_cast<int>(min64(lo, g.t.k_hi));
+  }
+  return g;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The attention body. part_acc != nullptr (split-KV): write the partial results of partition
 // `part` of the key range instead of out (one body for both, so the device compiles it once).
@@ -403,21 +428,13 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
   const int lane = static_cast<int>(sg.get_local_linear_id());
 
   const bool split = part_acc != nullptr;
-  int64_t gid = static_cast<int64_t>(it.get_group(0));
-  const int part = split ? static_cast<int>(gid % num_parts) : 0;
-  if (split) gid /= num_parts;
-  const int h = static_cast<int>(gid % num_kv_heads);
-  const int64_t tile_id = gid / num_kv_heads;
+  const GroupTile g = locate_group_tile(it.get_group(0), split, num_parts, part_size, num_kv_heads, query_start_loc,
+                                        seq_lens, tiles, num_tokens, bt_rows, bt_cols, group, block_size, window,
+                                        !TERMS || causal != 0);
+  if (!g.t.valid) return;  // uniform over the work-group
+  const Tile t = g.t;
+  const int h = g.h, part = g.part;
   const int num_q_heads = num_kv_heads * group;
-
-  Tile t = locate_tile(query_start_loc, seq_lens, tiles, tile_id, num_tokens, bt_rows, bt_cols, group, block_size,
-                       window, !TERMS || causal != 0);
-  if (!t.valid) return;  // uniform over the work-group
-  if (split) {
-    const int64_t lo = static_cast<int64_t>(t.k_lo) + static_cast<int64_t>(part) * part_size;
-    t.k_hi = static_cast<int>(min64(t.k_hi, lo + part_size));
-    t.k_lo = static_cast<int>(min64(lo, t.k_hi));
-  }
 
   const int32_t *bt = block_table + static_cast<int64_t>(t.req) * bt_stride;
   const int64_t head_off = static_cast<int64_t>(h) * s_head;
@@ -668,21 +685,13 @@ static inline void attention_body_mma(const elem_t *query, int64_t q_st, int64_t
   const int lane = static_cast<int>(sg.get_local_linear_id());
 
   const bool split = part_acc != nullptr;
-  int64_t gid = static_cast<int64_t>(it.get_group(0));
-  const int part = split ? static_cast<int>(gid % num_parts) : 0;
-  if (split) gid /= num_parts;
-  const int h = static_cast<int>(gid % num_kv_heads);
-  const int64_t tile_id = gid / num_kv_heads;
+  const GroupTile g = locate_group_tile(it.get_group(0), split, num_parts, part_size, num_kv_heads, query_start_loc,
+                                        seq_lens, tiles, num_tokens, bt_rows, bt_cols, group, block_size, window,
+                                        !TERMS || causal != 0);
+  if (!g.t.valid) return;  // uniform over the work-group
+  const Tile t = g.t;
+  const int h = g.h, part = g.part;
   const int num_q_heads = num_kv_heads * group;
-
-  Tile t = locate_tile(query_start_loc, seq_lens, tiles, tile_id, num_tokens, bt_rows, bt_cols, group, block_size,
-                       window, !TERMS || causal != 0);
-  if (!t.valid) return;  // uniform over the work-group
-  if (split) {
-    const int64_t lo = static_cast<int64_t>(t.k_lo) + static_cast<int64_t>(part) * part_size;
-    t.k_hi = static_cast<int>(min64(t.k_hi, lo + part_size));
-    t.k_lo = static_cast<int>(min64(lo, t.k_hi));
-  }
 
   const int32_t *bt = block_table + static_cast<int64_t>(t.req) * bt_stride;
   const int64_t head_off = static_cast<int64_t>(h) * s_head;
