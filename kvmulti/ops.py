@@ -28,10 +28,10 @@ from .fp8 import is_fp8, scale_tensor
 from .layout import CROSS_LAYER_ORDERS, KVCacheLayout, token_order
 from .metadata import CommonAttentionMetadata
 from .custom_ops import register_custom_ops
-from .validation import (check_alibi_values, check_attention_args, check_group_metadata, check_lengths,
-                         check_slot_values, check_window, check_write, prepared_attention_is_plain,
-                         prepared_attention_tensors_fit, prepared_write_is_plain, prepared_write_tensors_fit,
-                         value_checks_enabled)
+from .validation import (check_alibi_values_once, check_attention_args, check_group_metadata, check_lengths,
+                         check_slot_values, check_slot_values_once, check_window, check_write,
+                         prepared_attention_is_plain, prepared_attention_tensors_fit, prepared_write_is_plain,
+                         prepared_write_tensors_fit)
 
 K = TypeVar("K", bound=Hashable)
 
@@ -198,7 +198,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tens
         if calls is not None and calls.write(key, value, kv_cache, slot_mapping):
             return
         if prepared_write_tensors_fit(key, value, kv_cache, slot_mapping, step):
-            _check_slots_once(step, slot_mapping, layout)
+            check_slot_values_once(step, slot_mapping, layout)
             step.backend.write_kv(key, value, kv_cache, layout, slot_mapping)
             return
     check_write(key, value, kv_cache, layout, slot_mapping)
@@ -254,7 +254,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
                                                    alibi_slopes):
                 return target
         if prepared_attention_tensors_fit(query, kv_cache, metadata, out, scale, softcap, sinks, alibi_slopes):
-            _check_alibi_once(metadata, alibi_slopes)
+            check_alibi_values_once(metadata, alibi_slopes)
             return _attend(query, kv_cache, metadata, scale, softcap or None, out, sinks=sinks,
                            alibi_slopes=alibi_slopes)
     check_attention_args(query, kv_cache, layout, scale, sliding_window, softcap, out,
@@ -281,7 +281,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         step = prepare_step(metadata, layout, query.shape[1], num_query_rows=query.shape[0],
                             sliding_window=sliding_window, softcap=softcap, backend=backend, role=role,
                             device=kv_cache.device, sinks=sinks, alibi_slopes=alibi_slopes)
-    _check_alibi_once(step, alibi_slopes)
+    check_alibi_values_once(step, alibi_slopes)
     return _attend(query, kv_cache, step, scale, softcap, out, k_scale, v_scale, sinks, alibi_slopes)
 
 
@@ -331,28 +331,9 @@ def _write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layou
     if step is None:
         check_slot_values(slot_mapping, layout)
     else:
-        _check_slots_once(step, slot_mapping, layout)
+        check_slot_values_once(step, slot_mapping, layout)
     scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}   # fp8 caches only
     backend.write_kv(key, None if layout.is_latent else value, kv_cache, layout, slot_mapping, **scales)
-
-
-def _check_slots_once(step: StepMetadata, slot_mapping: torch.Tensor, layout: KVCacheLayout) -> None:
-    """The slot values, once per step per slot tensor (kept, so its id is not reused this step)."""
-    checked = step.extras.setdefault("checked_slot_mappings", {})
-    if checked.get(id(slot_mapping)) is not slot_mapping:
-        check_slot_values(slot_mapping, layout)
-        checked[id(slot_mapping)] = slot_mapping
-
-
-def _check_alibi_once(step: StepMetadata, alibi_slopes: torch.Tensor | None) -> None:
-    """The slope values (rule ``alibi.finite``; CPU tensors, or ``KVMULTI_VALIDATE=1``), once per
-    step per slopes tensor (kept, so its id is not reused this step)."""
-    if alibi_slopes is None or not value_checks_enabled(alibi_slopes.device):
-        return
-    checked = step.extras.setdefault("checked_alibi_slopes", {})
-    if checked.get(id(alibi_slopes)) is not alibi_slopes:
-        check_alibi_values(alibi_slopes)
-        checked[id(alibi_slopes)] = alibi_slopes
 
 
 def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,

@@ -105,9 +105,25 @@ def check_slot_values(slot_mapping: torch.Tensor, layout: KVCacheLayout) -> None
         input_rules.check_slot_range(slot_mapping, layout)
 
 
-def check_alibi_values(alibi_slopes: torch.Tensor) -> None:
-    """Every slope is finite (rule ``alibi.finite``)."""
-    input_rules.check_alibi_values(alibi_slopes)
+def _once(step: "StepMetadata", kind: str, tensor: torch.Tensor, check) -> None:
+    """``check(tensor)`` once per step per ``tensor`` (kept in ``step.extras[kind]``, so its id is not
+    reused this step): value checks a group's layers would otherwise repeat per layer."""
+    checked = step.extras.setdefault(kind, {})
+    if checked.get(id(tensor)) is not tensor:
+        check(tensor)
+        checked[id(tensor)] = tensor
+
+
+def check_slot_values_once(step: "StepMetadata", slot_mapping: torch.Tensor, layout: KVCacheLayout) -> None:
+    """:func:`check_slot_values`, once per step per slot tensor."""
+    _once(step, "checked_slot_mappings", slot_mapping, lambda slots: check_slot_values(slots, layout))
+
+
+def check_alibi_values_once(step: "StepMetadata", alibi_slopes: torch.Tensor | None) -> None:
+    """Every slope is finite (rule ``alibi.finite``; CPU tensors, or ``KVMULTI_VALIDATE=1``), once per
+    step per slopes tensor."""
+    if alibi_slopes is not None and value_checks_enabled(alibi_slopes.device):
+        _once(step, "checked_alibi_slopes", alibi_slopes, input_rules.check_alibi_values)
 
 
 def check_attention_args(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,

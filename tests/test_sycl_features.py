@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvmulti
-from batches import (CaseSpec, assert_close_to_reference, batch_cases, build_case, check_against_reference,
+from batches import (assert_close_to_reference, batch_cases, build_case, check_against_reference,
                      check_fp8_against_reference)
 from kvmulti import reference
 from kvmulti.backends.registry import BackendSelectionError, get_backend
@@ -236,11 +236,11 @@ def test_vector_body_over_16_bit_activations(monkeypatch, dtype, partition):
     runs: the CPU device otherwise takes the (emulated) matrix body for them. A fresh backend built
     with the matrix path off, against the oracle: sinks with a window and softcap, ALiBi, GQA,
     chunked prefill and decode, split-KV on and off."""
-    from kvmulti.backends.sycl import backend as sycl_backend
-    monkeypatch.setattr(sycl_backend, "matrix_mode", lambda *args, **kwargs: sycl_backend.MMA_OFF)
-    vector = sycl_backend.SyclBackend()
+    from kvmulti.backends.sycl import SyclBackend, kernel_config
+    monkeypatch.setattr(kernel_config, "matrix_mode", lambda *args, **kwargs: kernel_config.MMA_OFF)
+    vector = SyclBackend()
     vector.partition_size = partition
-    options = sycl_backend.kernel_options(dtype, 64, 64)
+    options = kernel_config.kernel_options(dtype, 64, 64)
     assert "-DKVM_MMA=0" in options
     check_against_reference(dataclasses.replace(SINKS_MIXED, dtype=dtype, sliding_window=48, softcap=30.0), vector)
     check_against_reference(dataclasses.replace(ALIBI_MIXED, dtype=dtype, order="HND"), vector)

@@ -188,10 +188,11 @@ def _prepare(md, native_calls):
 
 @pytest.mark.parametrize("native_calls", [True, False], ids=["native calls", "python checks"])
 def test_write_with_a_step_checks_slot_values_once_per_step_and_slot_tensor(monkeypatch, native_calls):
-    from kvmulti import ops
+    from kvmulti import validation
     calls = []
-    check = ops.check_slot_values
-    monkeypatch.setattr(ops, "check_slot_values", lambda slots, layout: (calls.append(slots), check(slots, layout)))
+    check = validation.check_slot_values
+    monkeypatch.setattr(validation, "check_slot_values",
+                        lambda slots, layout: (calls.append(slots), check(slots, layout)))
     cache, md, _, k, v = fresh()
     step = _prepare(md, native_calls)
     assert (step.calls is not None) == native_calls        # the native kernel builds on every CI host

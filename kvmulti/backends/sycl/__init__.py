@@ -1,7 +1,7 @@
 """The SYCL backend: kernels in ``sycl/`` compiled at run time for the device that runs them."""
 
-from .backend import (RB, ROWS, SG, WG, Plan, SyclBackend, SyclStep, check_cache_alignment, choose_wg, kernel_options, lm_floats,
-                      plan_attention, vector_bytes)
+from .backend import Plan, SyclBackend, SyclStep, check_cache_alignment, plan_attention
+from .kernel_config import RB, ROWS, SG, WG, choose_wg, kernel_options, lm_floats, vector_bytes
 from .runtime import (SyclBuildError, SyclError, default_session, find_runtime, get_runtime, kernel_source,
                       list_devices, runtime_reasons, source_dir)
 from .usm import usm_allocator, usm_empty

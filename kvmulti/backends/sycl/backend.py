@@ -34,90 +34,19 @@ from ... import settings
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata, first_visible_position
 from ..base import ALL_DTYPES, FP8_DTYPES, Backend, StepMetadata
-from .runtime import (ARG_F32, ARG_I32, ARG_I64, ARG_LOCAL_F32, ARG_PTR, DTYPE_CODES, K_ATTN,
+from .runtime import (ARG_F32, ARG_I32, ARG_I64, ARG_LOCAL_F32, ARG_PTR, K_ATTN,
                       K_ATTN_TERMS, K_REDUCE, K_SPLIT, K_WRITE, KERNEL_NAMES, PLAIN_KERNEL_NAMES,
                       Session, SyclError, default_session, find_runtime,
                       get_runtime, kernel_source, runtime_reasons, runtime_version, xpu_session)
+from . import kernel_config
+from .kernel_config import (FP8_CACHE_CODES, MMA_OFF, REDUCE_WG, ROWS, WRITE_WG, choose_wg, kernel_options, lm_floats,
+                            vector_bytes)
 from .usm import Staging, usm_allocator, usm_empty
 
-#: Tile shape of the attention kernels (build options of kernels.cpp).
-ROWS = 64          # (query token, query head) rows per work-group (the matrix path: 8 row groups of 8)
-WG = 128           # work-items per attention work-group (the largest of WG_CHOICES that fits)
-WG_CHOICES = (128, 64, 32, 16)   # the merge scratch grows with the sub-groups per work-group
-SG = 16            # sub-group size the attention kernels require (KVM_SG)
-RB = 4             # tile rows held in registers per pass over the keys (KVM_RB; the vector path)
-MR = 8             # rows of one matrix built-in call (the matrix path's row group)
-#: KVM_MMA: 0 the vector path (fp32; fp16 / bf16 on GPUs without the built-ins, e.g. DG2), 1 the matrix
-#: path with the built-ins emulated by sub-group broadcasts (non-GPU devices: the OpenCL CPU device),
-#: 2 the matrix path on the built-ins (devices with matrix_sg16, e.g. PVC)
-MMA_OFF, MMA_EMULATED, MMA_HARDWARE = range(3)
-REDUCE_WG = 64
-WRITE_WG = 256
 #: Split-KV heuristic (partition_size=-1): split when the longest visible key span of a tile exceeds
 #: SPLIT_MIN_SPAN and there are fewer than SPLIT_WG_PER_CU work-groups per compute unit.
 SPLIT_MIN_SPAN = 1024
 SPLIT_WG_PER_CU = 4
-
-
-
-def lm_floats(head_size_v: int, wg: int, matrix: bool) -> int:
-    """Floats of the merge scratch of the attention kernels: the matrix body's (``matrix``;
-    MMA_LM_FLOATS in kernels.cpp) or the vector body's (LM_FLOATS)."""
-    return (wg // SG) * (MR if matrix else min(RB, ROWS)) * (head_size_v + 2)
-
-
-def choose_wg(head_size_v: int, local_mem: int, matrix: bool) -> int:
-    """The largest attention work-group size whose merge scratch fits the device's local memory."""
-    for wg in WG_CHOICES:
-        if 4 * lm_floats(head_size_v, wg, matrix) <= local_mem - 1024:
-            return wg
-    raise SyclError(f"head size {head_size_v} needs more local memory than the device has ({local_mem} B)")
-
-
-#: KVM_CACHE codes of the fp8 cache formats (kernels.cpp; kvmulti/fp8.py)
-FP8_CACHE_CODES = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
-
-
-def vector_bytes(dtype: torch.dtype, head_size: int, head_size_v: int, cache_dtype: torch.dtype | None = None) -> int:
-    """Bytes of one per-lane K/V vector load (VW * cache element size in kernels.cpp; VW from the
-    activation ``dtype``): the cache base pointer must be aligned to it. ``cache_dtype``: an fp8
-    cache's dtype, None when the cache holds ``dtype``."""
-    size = dtype.itemsize
-    v = 16 // size
-    while v > 1 and (head_size % v or head_size_v % v):
-        v //= 2
-    return v * (cache_dtype or dtype).itemsize
-
-
-def matrix_mode(dtype: torch.dtype, matrix_sg16: bool, gpu: bool = False) -> int:
-    """KVM_MMA for activations of ``dtype`` on a device with (``matrix_sg16``) or without the
-    sub-group-16 matrix built-ins, a GPU (``gpu``) or not: fp16 / bf16 take the matrix path, emulated
-    on non-GPU devices that lack the built-ins (so the CPU device runs the matrix path's layout); a
-    GPU without them (DG2) takes the vector path, which needs fewer registers than the emulation;
-    fp32 takes the vector path."""
-    if dtype not in (torch.float16, torch.bfloat16):
-        return MMA_OFF
-    if matrix_sg16:
-        return MMA_HARDWARE
-    return MMA_OFF if gpu else MMA_EMULATED
-
-
-def kernel_options(dtype: torch.dtype, head_size: int, head_size_v: int, wg: int = WG,
-                   cache_dtype: torch.dtype | None = None, terms: bool = False,
-                   matrix_sg16: bool = False, gpu: bool = False) -> list[str]:
-    """Build options of kernels.cpp for activations (query, key, value, out) of ``dtype`` and a
-    cache of ``dtype`` (``cache_dtype`` None) or of the fp8 ``cache_dtype``, on a device with
-    (``matrix_sg16``) or without the sub-group-16 matrix built-ins, a GPU (``gpu``) or not (see
-    :func:`matrix_mode`); ``terms``: the bundle also holds
-    kvm_paged_attention_terms (ALiBi / non-causal). The hardware matrix path also asks for the
-    256-register mode (KVM_LARGE_GRF: a GPU-only kernel property)."""
-    cache = [f"-DKVM_CACHE={FP8_CACHE_CODES[cache_dtype]}"] if cache_dtype in FP8_CACHE_CODES else []
-    cache += ["-DKVM_TERMS=1"] if terms else []
-    mma = matrix_mode(dtype, matrix_sg16, gpu)
-    grf = ["-DKVM_LARGE_GRF=1"] if mma == MMA_HARDWARE else []
-    return [f"-DKVM_DTYPE={DTYPE_CODES[dtype]}", f"-DKVM_HEAD_SIZE={head_size}", f"-DKVM_HEAD_SIZE_V={head_size_v}",
-            f"-DKVM_ROWS={ROWS}", f"-DKVM_WG={wg}", f"-DKVM_SG={SG}", f"-DKVM_RB={RB}", f"-DKVM_MMA={mma}"] + \
-        grf + cache
 
 
 @dataclass
@@ -255,7 +184,7 @@ class SyclBackend(Backend):
     @staticmethod
     def _matrix(session: Session, act: torch.dtype) -> bool:
         """Whether ``session``'s device runs the matrix body for activations of ``act``."""
-        return matrix_mode(act, session.device.matrix_sg16, session.device.type == "gpu") != MMA_OFF
+        return kernel_config.matrix_mode(act, session.device.matrix_sg16, session.device.type == "gpu") != MMA_OFF
 
     def bundle(self, session: Session, layout: KVCacheLayout, activation_dtype: torch.dtype | None = None,
                terms: bool = False) -> int:
