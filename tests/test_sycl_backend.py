@@ -480,4 +480,4 @@ def test_slm_traffic_and_barriers_at_least_4x_lower():
         m = T.summary(rows=4, d=128, dv=128, elem=2, span=span)
         assert m["slm_per_kv_byte_before"] >= 4 * m["slm_per_kv_byte_after"]
         assert m["barriers_per_32_keys_before"] >= 4 * m["barriers_per_32_keys_after"]
-    assert T.after_slm_bytes_per_pass(4, 128, S.WG, S.backend.SG) == 82176
+    assert T.after_slm_bytes_per_pass(4, 128, S.WG, S.SG) == 82176
