@@ -25,6 +25,7 @@ from kvmulti.backends.cpu.backend import CPUBackend  # noqa: E402
 from kvmulti.backends.triton import TritonBackend  # noqa: E402
 
 from batches import CaseSpec, assert_close_to_reference, build_case  # noqa: E402
+from availability import require_native_cpu_kernel  # noqa: E402
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -94,23 +95,13 @@ def test_oracle_window_is_symmetric(window, lens):
         assert (got - dense(case, lambda d: d < window)).abs().max() > 0.1
 
 
-def require_native_kernel() -> None:
-    """Skip where the native CPU kernel is not built; under CI it must be, so fail there."""
-    from kvmulti.backends.cpu import native
-    module, reason = native.status()
-    if module is None:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"the native CPU kernel must build in CI: {reason}")
-        pytest.skip(f"the native CPU kernel is not built on this host: {reason}")
-
-
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch_path"])
 @pytest.mark.parametrize("case_spec", [spec(), spec(dtype=BF16, order="HND", block_size=1, softcap=20.0)],
                          ids=["fp32", "bf16_hnd_bs1_softcap"])
 def test_cpu_matches_oracle(native, case_spec):
     backend = CPUBackend(native_kernel=native)
     if native:
-        require_native_kernel()
+        require_native_cpu_kernel()
     check_backend(case_spec, backend)
 
 
@@ -140,7 +131,7 @@ WINDOWED_IDS = ["mixed_w5", "encoder_gqa4_w16", "encoder_w1", "encoder_bf16_hnd_
 def test_cpu_window_matches_oracle(native, case_spec, partition):
     backend = CPUBackend(partition_size=partition, native_kernel=native)
     if native:
-        require_native_kernel()
+        require_native_cpu_kernel()
     check_backend(case_spec, backend)
 
 

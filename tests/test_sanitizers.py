@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from availability import unavailable
+
 REPO = Path(__file__).resolve().parents[1]
 
 #: pytest node selections run under the sanitizers.
@@ -50,9 +52,7 @@ def sanitizer_runtime() -> str | None:
 def test_native_paths_under_asan_and_ubsan(tmp_path):
     runtime = sanitizer_runtime()
     if runtime is None:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail("CI needs gcc's AddressSanitizer runtime (libasan.so) for the sanitizer run")
-        pytest.skip("no libasan.so next to gcc")
+        unavailable("no libasan.so next to gcc (CI needs it for the sanitizer run)")
     env = dict(os.environ)
     env.update(KVMULTI_SANITIZE="1", LD_PRELOAD=runtime,
                KVMULTI_CACHE_DIR=os.environ.get("KVMULTI_SANITIZE_CACHE_DIR", str(Path.home() / ".cache" /
