@@ -727,7 +727,40 @@ def test_prefill_kernel_matches_reference(hip_backend, name):
     _run_case(hip_backend, CaseSpec(**spec), wave=wave, partition_size=partition, prefill_min_query=1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+# fp32 queries over an fp32 cache: the same kernel on v_mfma_f32_16x16x4f32 (fp32 operands), at fp32's
+# tolerance. The cases of PREFILL_CASES that together cover varlen + chunked + decode, causal, window,
+# softcap, split-KV, GQA 1 / 4 / 8, block sizes 1 / 16 / 32 / 128 and both orders.
+FP32_PREFILL_CASES = ["varlen-chunked-gqa4-bf16", "causal-gqa1-fp16", "window-softcap-gqa1-bs1",
+                      "gqa8-bs128-window-split", "gqa12-bs32"]
+
+
+@pytest.mark.parametrize("name", FP32_PREFILL_CASES)
+def test_prefill_kernel_fp32_queries_match_the_oracle(hip_backend, name):
+    spec, wave, partition = PREFILL_CASES[name]
+    spec = CaseSpec(**{**spec, "dtype": torch.float32})
+    assert _mfma_count(hip_backend, spec, wave=wave, partition_size=partition, prefill_min_query=1) > 0
+
+
+# fp32 MFMAs per wave and key tile: sub-tiles x (QK chunks x 4 k-steps + PV pieces x 8 x 4 k-steps). The
+# tiles: 64 keys at head 64, 32 at 80 / 128 (a 64-key fp32 K + V tile would pass 32 KiB), 16 at 256.
+FP32_PREFILL_TILE = {64: (64, 4 * (4 * 4 + 32)), 80: (32, 2 * (5 * 4 + 32)), 128: (32, 2 * (8 * 4 + 32)),
+                     256: (16, 1 * (16 * 4 + 64))}
+
+
+@pytest.mark.parametrize("head_size", [64, 80, 128, 256])
+def test_prefill_kernel_fp32_takes_the_fp32_mfma(hip_backend, head_size):
+    """One causal prompt of 64 tokens, group 1: wave w (rows 16w .. 16w + 15) visits the key tiles up to
+    key 16w + 15 -- with KT-key tiles, sum over w of (16w + 15) // KT + 1 wave-tiles, each the table's MFMA
+    count (the attention kernel runs no MFMA for fp32 queries); the oracle checks the output."""
+    kt, per_tile = FP32_PREFILL_TILE[head_size]
+    spec = CaseSpec(order="NHD", block_size=16, num_kv_heads=1, group=1, head_size=head_size,
+                    dtype=torch.float32, query_lens=(64,), context_lens=(0,))
+    tiles = sum((16 * w + 15) // kt + 1 for w in range(4))
+    assert _mfma_count(hip_backend, spec, wave=64, partition_size=0) == tiles * per_tile
+    assert _mfma_count(hip_backend, spec, wave=64, partition_size=0, prefill_min_query=0) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_prefill_kernel_without_mfma_takes_the_fma_engine(hip_backend, dtype):
     """MFMA disabled: the same kernel runs the FMA engine over 16-row slices (its path on targets without
     MFMA)."""
