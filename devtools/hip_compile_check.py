@@ -55,10 +55,12 @@ WAVES = (32, 64)
 CACHES_PER_DTYPE = 3
 #: every kernel the launcher instantiates: attention (dtype x cache x head size x wave), prefill, reduce per
 #: dtype, write_kv per dtype x cache
-#: prefill (launcher.hip's prefill_served): fp32 / fp16 / bf16, wave64, over a cache of their own type at
-#: every head size; fp16 / bf16 also over fp8 e4m3fn / e5m2 at FP8_PREFILL_HEAD_SIZES
+#: prefill (launcher.hip's prefill_served): fp16 / bf16, wave64, over a cache of their own type at every
+#: head size or over fp8 e4m3fn / e5m2 at FP8_PREFILL_HEAD_SIZES; fp32 over fp32 at FP32_PREFILL_HEAD_SIZES
 FP8_PREFILL_HEAD_SIZES = (128, 256)
-PREFILL_KERNELS = len(DTYPES) * len(HEAD_SIZES) + 2 * (CACHES_PER_DTYPE - 1) * len(FP8_PREFILL_HEAD_SIZES)
+FP32_PREFILL_HEAD_SIZES = (64, 128)
+PREFILL_KERNELS = (2 * (len(HEAD_SIZES) + (CACHES_PER_DTYPE - 1) * len(FP8_PREFILL_HEAD_SIZES))
+                   + len(FP32_PREFILL_HEAD_SIZES))
 EXPECTED_KERNELS = (len(DTYPES) * CACHES_PER_DTYPE * len(HEAD_SIZES) * len(WAVES) + PREFILL_KERNELS + len(DTYPES)
                     + len(DTYPES) * CACHES_PER_DTYPE)
 #: report-row kinds of the attention kernels (decode / mixed: paged_attention_kernel; prefill:

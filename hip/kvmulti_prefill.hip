@@ -10,10 +10,10 @@
 // V transposed (a head dim's keys contiguous, so a P V operand is one 8-byte read; 16 bytes for fp32), fp8
 // codes widened to 16-bit values on the way -- and all four waves read them from there: S^T = K Q^T and
 // O += P V as v_mfma_f32_16x16x16{f16,bf16_1k} tiles with the lane roles of the decode engine
-// (mfma_stream) -- fp32 queries over an fp32 cache: v_mfma_f32_16x16x4f32 tiles, 4 k-steps per 16 head dims
-// or 4 keys, with the same D layout --, the online softmax in registers. The next tile's loads
-// are issued right after the barrier that publishes the current one (its block-table entries one tile
-// earlier still), so they are in flight while the waves compute. A wave skips a tile none of its rows
+// (mfma_stream) -- fp32 queries over an fp32 cache (heads 64 / 128, see launcher.hip): v_mfma_f32_16x16x4f32
+// tiles, 4 k-steps per 16 head dims or 4 keys, with the same D layout --, the online softmax in registers.
+// The next tile's loads are issued right after the barrier that publishes the current one (its block-table
+// entries one tile earlier still), so they are in flight while the waves compute. A wave skips a tile none of its rows
 // sees (no MFMA). Tiles visible to every row of the group run a loop without masks (the prompt's body:
 // the hot loop); the others (the diagonal, a sliding window's edge) mask per key. A block id outside the
 // cache is read as block 0 (memory-safe; such metadata may give wrong numbers), and keys outside the
@@ -119,7 +119,7 @@ struct PrefillGeom {
   static constexpr bool kPow2 = (NCH & (NCH - 1)) == 0;
   static constexpr int SWZ = kPow2 ? (NCH < 16 ? NCH : 16) - 1 : 0;
   static constexpr int ROWB = 16 * NCH + (kPow2 ? 0 : 16);
-  // K + V of a tile in at most 32 KiB: 64 keys, else 32, else 16 (fp32 at head 256)
+  // K + V of a tile in at most 32 KiB: 64 keys, else 32, else 16
   static constexpr int KT = 2 * 64 * ROWB <= 32768 ? 64 : 2 * 32 * ROWB <= 32768 ? 32 : 16;
   static constexpr int NSUB = KT / 16;
   static constexpr int TPK = kNumWarps * 64 / KT;                // threads per key: 4, 8 or 16
@@ -253,6 +253,10 @@ __device__ __forceinline__ uint32_t pack_p(float a, float b) {
   }
 }
 
+// A lane's Q operands: [u][h] = k-step h of its chunk 4u + g.
+template <typename L, int HS>
+using PrefillQ = PrefillOp<L>[PrefillGeom<L, HS>::QKC][PrefillGeom<L, HS>::QST];
+
 // K operand of QK k-step h of a lane's K chunk (16-bit: fragment h as loaded; fp32: element h).
 template <typename L>
 __device__ __forceinline__ PrefillOp<L> k_operand(const Chunk16& c, int h) {
@@ -296,7 +300,7 @@ template <typename T, typename L, typename VL, int HS, bool MASKED, int SOFTCAP,
 __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, const PrefillShared<L, HS>& sh,
                                              const PrefillRows& w, int t0, float& m, float& l,
                                              mfma_f32x4 (&acc)[MfmaGeom<L, HS>::PVC][8],
-                                             const PrefillOp<L> (&qf)[PrefillGeom<L, HS>::QKC][PrefillGeom<L, HS>::QST]) {
+                                             const PrefillQ<L, HS>& qf) {
   using G = MfmaGeom<L, HS>;
   using PG = PrefillGeom<L, HS>;
   constexpr int WAVE = 64, NSUB = PG::NSUB, QKC = PG::QKC, QST = PG::QST, PVC = G::PVC, NCH = G::NCH;
@@ -363,7 +367,8 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
       for (int c = 0; c < 8; ++c) {
         const PrefillVRead<VL> vf = *reinterpret_cast<const PrefillVRead<VL>*>(vrow + c * PG::VRS);
 #pragma unroll
-        for (int e = 0; e < PG::PST; ++e) acc[u][c] = prefill_mfma<VL>(p_operand<VL>(pe, e), v_operand<VL>(vf, e), acc[u][c]);
+        for (int e = 0; e < PG::PST; ++e)
+          acc[u][c] = prefill_mfma<VL>(p_operand<VL>(pe, e), v_operand<VL>(vf, e), acc[u][c]);
       }
     }
     sched_fence();
@@ -398,7 +403,7 @@ __device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, con
                                               PrefillPipe<C, HS, L>& pipe, const PrefillRows& w, int from, int to,
                                               int base, const TileOrder& ord, float inv_bs,
                                               float& m, float& l, mfma_f32x4 (&acc)[MfmaGeom<L, HS>::PVC][8],
-                                              const PrefillOp<L> (&qf)[PrefillGeom<L, HS>::QKC][PrefillGeom<L, HS>::QST]) {
+                                              const PrefillQ<L, HS>& qf) {
   constexpr int KT = PrefillGeom<L, HS>::KT;
   const int lane = (int)threadIdx.x % 64, ntiles = ord.ntiles;
   const int* bt_lane = b.bt + lane;
@@ -446,7 +451,7 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
   w.qpos = has_row ? query_pos(b, row / b.nheads) : 0;
   w.alibi_unit = ALIBI && has_row ? p.alibi_slopes[b.head0 + row % b.nheads] / w.score_unit : 0.f;
   // Q operands (B of S^T = K Q^T) of the lane's row, unscaled; rows past b.rows are zero.
-  PrefillOp<L> qf[QKC][QST];
+  PrefillQ<L, HS> qf;
   const T* q = nullptr;
   if (has_row)
     q = static_cast<const T*>(p.query) + (int64_t)(b.token + row / b.nheads) * p.q_stride_token +

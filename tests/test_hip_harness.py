@@ -742,21 +742,23 @@ def test_prefill_kernel_fp32_queries_match_the_oracle(hip_backend, name):
 
 
 # fp32 MFMAs per wave and key tile: sub-tiles x (QK chunks x 4 k-steps + PV pieces x 8 x 4 k-steps). The
-# tiles: 64 keys at head 64, 32 at 80 / 128 (a 64-key fp32 K + V tile would pass 32 KiB), 16 at 256.
-FP32_PREFILL_TILE = {64: (64, 4 * (4 * 4 + 32)), 80: (32, 2 * (5 * 4 + 32)), 128: (32, 2 * (8 * 4 + 32)),
-                     256: (16, 1 * (16 * 4 + 64))}
+# tiles: 64 keys at head 64, 32 at head 128 (a 64-key fp32 K + V tile would pass 32 KiB).
+FP32_PREFILL_TILE = {64: (64, 4 * (4 * 4 + 32)), 128: (32, 2 * (8 * 4 + 32))}
 
 
-@pytest.mark.parametrize("head_size", [64, 80, 128, 256])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
 def test_prefill_kernel_fp32_takes_the_fp32_mfma(hip_backend, head_size):
     """One causal prompt of 64 tokens, group 1: wave w (rows 16w .. 16w + 15) visits the key tiles up to
     key 16w + 15 -- with KT-key tiles, sum over w of (16w + 15) // KT + 1 wave-tiles, each the table's MFMA
-    count (the attention kernel runs no MFMA for fp32 queries); the oracle checks the output."""
-    kt, per_tile = FP32_PREFILL_TILE[head_size]
+    count. The attention kernel runs no MFMA for fp32 queries: it keeps heads 80 / 96 / 256 (their fp32
+    prefill spills, see launcher.hip), and every head below the threshold. The oracle checks each run."""
     spec = CaseSpec(order="NHD", block_size=16, num_kv_heads=1, group=1, head_size=head_size,
                     dtype=torch.float32, query_lens=(64,), context_lens=(0,))
-    tiles = sum((16 * w + 15) // kt + 1 for w in range(4))
-    assert _mfma_count(hip_backend, spec, wave=64, partition_size=0) == tiles * per_tile
+    want = 0
+    if head_size in FP32_PREFILL_TILE:
+        kt, per_tile = FP32_PREFILL_TILE[head_size]
+        want = sum((16 * w + 15) // kt + 1 for w in range(4)) * per_tile
+    assert _mfma_count(hip_backend, spec, wave=64, partition_size=0) == want
     assert _mfma_count(hip_backend, spec, wave=64, partition_size=0, prefill_min_query=0) == 0
 
 
