@@ -338,7 +338,8 @@ def test_prefill_kernel_static_figures_and_estimate():
     spills at >= 2 waves/SIMD; on gfx90a / gfx940 they use v_mfma with K + V tiles of at most 32 KiB of LDS and
     an unmasked hot loop whose MFMA issue cycles cover its VALU cycles over a 16-bit cache (fp8: see
     MAX_FP8_PREFILL_VALU_PER_MFMA); the roofline model puts gfx942's bf16 prefill case (8 x 2048 tokens, 32 / 8
-    heads, head 128) at >= 50 % of the matrix peak (an estimate)."""
+    heads, head 128) at >= 50 % of the matrix peak and the fp32 prefill case MFMA-issue-bound at >= 50 % of the fp32
+    matrix peak (estimates)."""
     _require(amd=True, nvidia=False)
     from devtools import roofline as R
     from devtools import roofline_hip as H
@@ -356,3 +357,19 @@ def test_prefill_kernel_static_figures_and_estimate():
         e = R.estimate(launch, R.TARGETS[launch.target])
         if launch.target == "gfx942":
             assert e.fraction >= 0.5, e.row()
+    # fp32 queries (v_mfma_f32_16x16x4f32) against the fp32 matrix peak: bound by the MFMA issue
+    fp32 = H.fp32_prefill_estimates(rows)
+    assert {e.target for e in fp32} == {"gfx942", "gfx90a"}
+    for e in fp32:
+        assert e.bound == "issue" and e.row()["issue_limiter"] == "mfma" and e.fraction >= 0.5, e.row()
+
+
+def test_prefill_tile_keys_follow_the_kernels_lds_budget():
+    """PrefillGeom::KT: K + V of a tile in 32 KiB -- 16-bit head 128: 64 keys, head 256: 32; fp32 head 64: 64,
+    head 128: 32 (head 256 would take 16); fp8 (1 byte) head 256: 64."""
+    from devtools import roofline_hip as H
+    assert [H.prefill_tile_keys(h, 2) for h in (64, 128, 256)] == [64, 64, 32]
+    assert [H.prefill_tile_keys(h, 4) for h in (64, 80, 128, 256)] == [64, 32, 32, 16]
+    assert H.prefill_tile_keys(256, 1) == 64
+    assert H._elem_bytes({"dtype": "fp32"}) == 4 and H._elem_bytes({"dtype": "bf16"}) == 2
+    assert H._elem_bytes({"dtype": "bf16", "cache": "e4m3"}) == 1
