@@ -102,6 +102,10 @@ def roofline_rows(sections: dict[str, dict]) -> list[dict]:
                 except ValueError as exc:
                     row = {"kernel": launch.kernel, "target": launch.target, "case": case.name, "problem": str(exc)}
                 out.append(dict(row, section=name, device=target.name))
+        # HIP's fp32 prefill, judged against the fp32 matrix peak (devtools/roofline_hip.py)
+        for e in getattr(adapter, "fp32_prefill_estimates", lambda _rows: [])(rows):
+            out.append(dict(e.row(), judged_against="fp32 matrix peak", section=name,
+                            device=roofline.TARGETS[e.target].name))
     return out
 
 

@@ -11,12 +11,12 @@ AMD (HIP_PLATFORM=amd, Debian packages ``hipcc libamdhip64-dev rocm-device-libs`
      descriptor's fp16 denormal mode. It fails on any register spill or scratch use, a missing kernel, an
      instantiation for the arch's own wave size (64 on gfx9, 32 on gfx10+) that compiled to an empty
      body, an attention kernel with an fp16 / bf16 query -- over a cache of its own type or of fp8 codes
-     -- without v_mfma on gfx90a / gfx940 (the one attention kernel serves prefill, chunked prefill,
+     -- or a prefill kernel with an fp32 query without v_mfma on gfx90a / gfx940 (the one attention kernel serves prefill, chunked prefill,
      decode and verification), such an fp8-cache kernel whose descriptor does not keep fp16 denormals
      (its widening of e4m3 codes relies on them), a hot loop with a global load narrower than 16 bytes
      or fewer than 4 x 16 bytes in flight per lane, an occupancy below 2 waves/SIMD, and a prefill kernel
-     (fp16 / bf16 query, gfx90a / gfx940) whose hot loop issues fewer MFMA than VALU cycles over a 16-bit
-     cache, or more than MAX_FP8_PREFILL_VALU_PER_MFMA VALU cycles per MFMA cycle over an fp8 cache, and a
+     (fp16 / bf16 / fp32 query, gfx90a / gfx940) whose hot loop issues fewer MFMA than VALU cycles over a
+     cache of its type (fp32: v_mfma_f32_16x16x4f32 cycles), or more than MAX_FP8_PREFILL_VALU_PER_MFMA VALU cycles per MFMA cycle over an fp8 cache, and a
      decode kernel (fp16 / bf16 query, gfx90a / gfx940) whose hot loop shuffles more than the softmax's
      DECODE_SOFTMAX_SHUFFLES values with ds_bpermute (its block ids are scalars). The rows also carry the
      loads the hot loop keeps in flight at its head (``head_in_flight``); ``decode_pipeline_problems``
@@ -55,10 +55,12 @@ WAVES = (32, 64)
 CACHES_PER_DTYPE = 3
 #: every kernel the launcher instantiates: attention (dtype x cache x head size x wave), prefill, reduce per
 #: dtype, write_kv per dtype x cache
-#: prefill (launcher.hip's prefill_served): fp16 / bf16, wave64, over a cache of their own type at every head
-#: size or over fp8 e4m3fn / e5m2 at FP8_PREFILL_HEAD_SIZES
+#: prefill (launcher.hip's prefill_served): fp16 / bf16, wave64, over a cache of their own type at every
+#: head size or over fp8 e4m3fn / e5m2 at FP8_PREFILL_HEAD_SIZES; fp32 over fp32 at FP32_PREFILL_HEAD_SIZES
 FP8_PREFILL_HEAD_SIZES = (128, 256)
-PREFILL_KERNELS = 2 * (len(HEAD_SIZES) + (CACHES_PER_DTYPE - 1) * len(FP8_PREFILL_HEAD_SIZES))
+FP32_PREFILL_HEAD_SIZES = (64, 128)
+PREFILL_KERNELS = (2 * (len(HEAD_SIZES) + (CACHES_PER_DTYPE - 1) * len(FP8_PREFILL_HEAD_SIZES))
+                   + len(FP32_PREFILL_HEAD_SIZES))
 EXPECTED_KERNELS = (len(DTYPES) * CACHES_PER_DTYPE * len(HEAD_SIZES) * len(WAVES) + PREFILL_KERNELS + len(DTYPES)
                     + len(DTYPES) * CACHES_PER_DTYPE)
 #: report-row kinds of the attention kernels (decode / mixed: paged_attention_kernel; prefill:
@@ -407,17 +409,21 @@ def analyze_function(lines: list[str]) -> dict:
 #: (once per 4 cycles), v_mfma_f32_16x16x16 (f16 / bf16): 8 passes = 32 cycles on CDNA2, 4 passes x 4 =
 #: 16 on CDNA3 (MI250X 383 / MI300X 1307 TFLOP/s dense bf16 at 220 / 304 CUs: 256 / 512 flop/cycle/SIMD)
 MFMA_16X16X16_CYCLES = {"gfx90a": 32, "gfx940": 16}
+#: v_mfma_f32_16x16x4f32 (fp32 prefill): 32 cycles on CDNA2 and CDNA3 (AMD's matrix instruction calculator,
+#: --detail-instruction: "Execution cycles: 32", 256 flops/CU/cycle), i.e. 8 passes
+MFMA_16X16X4F32_CYCLES = {"gfx90a": 32, "gfx940": 32}
 VALU_CYCLES = 4
 SALU_CYCLES = 4
 
 
 def issue_cycles(row: dict) -> dict[str, int]:
     """Issue cycles per wave of the hot loop's matrix, vector and scalar instructions (``mfma`` from the
-    flops at the target's 16x16x16 rate)."""
+    flops at the target's rate of the row's shape: 16x16x16 for 16-bit queries, 16x16x4f32 for fp32)."""
     mix = row.get("hot_loop_instructions") or {}
-    per_mfma = MFMA_16X16X16_CYCLES.get(row.get("target"), 0)
+    fp32 = row.get("dtype") == "fp32"
+    per_mfma = (MFMA_16X16X4F32_CYCLES if fp32 else MFMA_16X16X16_CYCLES).get(row.get("target"), 0)
     flops = row.get("hot_loop_mfma_flops") or 0
-    return {"mfma": flops * per_mfma // (2 * 16 * 16 * 16), "valu": mix.get("valu", 0) * VALU_CYCLES,
+    return {"mfma": flops * per_mfma // (2 * 16 * 16 * (4 if fp32 else 16)), "valu": mix.get("valu", 0) * VALU_CYCLES,
             "salu": mix.get("salu", 0) * SALU_CYCLES}
 
 
@@ -586,7 +592,8 @@ def row_problems(row: dict) -> list[str]:
     if row["kind"] in ATTENTION_KINDS:
         if row["vgprs"] == 0:
             problems.append(f"{k}: wave-{row['wave']} instantiation compiled to an empty body")
-        if row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16") and row["matrix_instructions"] == 0:
+        mfma_dtypes = ("fp16", "bf16", "fp32") if row["kind"] == "prefill" else ("fp16", "bf16")
+        if row["target"] in MFMA_ARCHS and row["dtype"] in mfma_dtypes and row["matrix_instructions"] == 0:
             cache = f"{row['cache']} cache" if row.get("cache") else "16-bit cache"
             problems.append(f"{k}: {row['dtype']} query over a {cache}: attention tiles without v_mfma")
         if row.get("cache") and row["matrix_instructions"] and row.get("fp16_denorm_mode") != 3:
@@ -597,7 +604,7 @@ def row_problems(row: dict) -> list[str]:
             narrow = []   # the next tile's block-table entries: one 4-byte load per lane and tile
         if narrow or not row["hot_loop_load_widths_bytes"]:
             problems.append(f"{k}: hot-loop global loads of {row['hot_loop_load_widths_bytes']} bytes (want 16 only)")
-        if (row["kind"] == "prefill" and row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16")
+        if (row["kind"] == "prefill" and row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16", "fp32")
                 and not row.get("cache")):
             cyc = issue_cycles(row)
             if cyc["mfma"] < cyc["valu"]:

@@ -43,7 +43,7 @@ def _keys_per_iteration(head: int) -> int:
 
 
 def _elem_bytes(row: dict) -> int:
-    return 1 if row.get("cache") else 2
+    return 1 if row.get("cache") else 4 if row.get("dtype") == "fp32" else 2
 
 
 def modelled(row: dict, case: Case) -> bool:
@@ -61,10 +61,10 @@ PREFILL_LDS_TILE = 32768   # bytes of a K + V tile in LDS (PrefillGeom::KT)
 
 def prefill_tile_keys(head: int, elem: int) -> int:
     """Keys per prefill tile: 64 when K + V of 64 keys fit 32 KiB of LDS (rows padded by 16 bytes when
-    their 16-byte chunk count is not a power of two), else 32."""
+    their 16-byte chunk count is not a power of two), else 32, else 16."""
     chunks = head * elem // 16
     row = 16 * chunks + (0 if chunks & (chunks - 1) == 0 else 16)
-    return 64 if 2 * 64 * row <= PREFILL_LDS_TILE else 32
+    return next(keys for keys in (64, 32, 16) if 2 * keys * row <= PREFILL_LDS_TILE or keys == 16)
 
 
 def prefill_launch(row: dict, case: Case) -> KernelLaunch:
@@ -171,6 +171,30 @@ def launches(rows: list[dict], case: Case) -> list[KernelLaunch]:
     """One launch per modelled row (see :func:`modelled`) for ``case`` (DECODE or PREFILL)."""
     make = launch if case.name == "decode" else prefill_launch
     return [make(r, case) for r in rows if modelled(r, case)]
+
+
+#: fp32 matrix peak (v_mfma_f32_16x16x4f32: 256 flops per CU and cycle on CDNA2 and CDNA3, AMD's matrix
+#: instruction calculator) x the target's CUs x clock: MI300X 304 x 256 x 2.1 GHz, one MI250X GCD 110 x 256 x
+#: 1.7 GHz -- 1/8 and 1/4 of their dense bf16 matrix peaks
+FP32_MATRIX_FLOPS_PER_UNIT_CYCLE = 256
+
+
+def fp32_prefill_estimates(rows: list[dict], case: Case = PREFILL) -> list:
+    """The prefill case with fp32 queries (the prefill kernel's v_mfma_f32_16x16x4f32 path) per modelled
+    target: its launch on the fp32 prefill row at the case's head, judged against the target's fp32 matrix
+    peak (the target with ``matrix_peak`` replaced). Returns :class:`devtools.roofline.Estimate` objects."""
+    import dataclasses
+
+    from devtools.roofline import estimate
+    out = []
+    for row in rows:
+        if (row.get("kind") == "prefill" and row.get("dtype") == "fp32" and row.get("head_size") == case.head
+                and row.get("target") in ARCH_TO_TARGET and row.get("matrix_instructions")
+                and row.get("hot_loop_instructions")):
+            target = TARGETS[ARCH_TO_TARGET[row["target"]]]
+            peak = target.units * FP32_MATRIX_FLOPS_PER_UNIT_CYCLE * target.clock_hz
+            out.append(estimate(prefill_launch(row, case), dataclasses.replace(target, matrix_peak=peak)))
+    return out
 
 
 CASES = (DECODE, PREFILL)

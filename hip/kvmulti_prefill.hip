@@ -7,12 +7,13 @@
 // when a 64-key K + V tile would not fit 32 KiB of LDS); tiles outside the union (before a sliding window,
 // after the causal end of the last token) are never visited. Per tile every thread of the group issues
 // its share of the tile's K and V loads (16-byte chunks), the group stores them ONCE in LDS -- K as rows,
-// V transposed (a head dim's keys contiguous, so a P V operand is one 8-byte read), fp8 codes widened to
-// 16-bit values on the way -- and all four waves read them from there: S^T = K Q^T and O += P V as
-// v_mfma_f32_16x16x16{f16,bf16_1k} tiles with the lane roles of the decode engine (mfma_stream), the
-// online softmax in registers. The next tile's loads
-// are issued right after the barrier that publishes the current one (its block-table entries one tile
-// earlier still), so they are in flight while the waves compute. A wave skips a tile none of its rows
+// V transposed (a head dim's keys contiguous, so a P V operand is one 8-byte read; 16 bytes for fp32), fp8
+// codes widened to 16-bit values on the way -- and all four waves read them from there: S^T = K Q^T and
+// O += P V as v_mfma_f32_16x16x16{f16,bf16_1k} tiles with the lane roles of the decode engine
+// (mfma_stream) -- fp32 queries over an fp32 cache (heads 64 / 128, see launcher.hip): v_mfma_f32_16x16x4f32
+// tiles, 4 k-steps per 16 head dims or 4 keys, with the same D layout --, the online softmax in registers.
+// The next tile's loads are issued right after the barrier that publishes the current one (its block-table
+// entries one tile earlier still), so they are in flight while the waves compute. A wave skips a tile none of its rows
 // sees (no MFMA). Tiles visible to every row of the group run a loop without masks (the prompt's body:
 // the hot loop); the others (the diagonal, a sliding window's edge) mask per key. A block id outside the
 // cache is read as block 0 (memory-safe; such metadata may give wrong numbers), and keys outside the
@@ -23,7 +24,7 @@
 // request's tiles never overlap the next one's; at most one block per request finds no tokens. Grid x
 // = ceil(num_tokens / tpb) + num_reqs covers every tile.
 //
-// Targets without MFMA (RDNA, NVIDIA through hip/compat; fp32 queries; the harness with MFMA disabled)
+// Targets without MFMA (RDNA, NVIDIA through hip/compat; the harness with MFMA disabled)
 // run the same kernel through the decode kernel's FMA engine, the 64 rows taken in slices of
 // rows_per_block rows.
 #pragma once
@@ -66,6 +67,14 @@ __device__ __forceinline__ TaskKind prefill_task(const PagedAttentionParams& p, 
   return TaskKind::kCompute;
 }
 
+// Instantiations with the prefill kernel's MFMA path (on MFMA targets, wave64): 16-bit queries over a 16-bit
+// or fp8 cache (v_mfma_f32_16x16x16{f16,bf16_1k}); fp32 queries over an fp32 cache (v_mfma_f32_16x16x4f32:
+// fp32 operands, so the scores and P V keep fp32's precision).
+template <typename T, typename C, int WAVE>
+__host__ __device__ constexpr bool prefill_mfma_path() {
+  return WAVE == 64 && (sizeof(T) == 2 || (sizeof(T) == 4 && sizeof(C) == 4));
+}
+
 template <int WAVE>
 __device__ __forceinline__ int wave_max_int(int v) {
 #pragma unroll
@@ -84,25 +93,43 @@ using PrefillElem = typename std::conditional<is_fp8<C>(), T, C>::type;
 template <typename T, typename C>
 using PrefillVElem = typename std::conditional<is_fp8<C>(), __half, C>::type;
 
+// The MFMA operand of one lane and k-step: 16-bit L: a Frag (4 K-elements, v_mfma_f32_16x16x16); fp32 L:
+// one value (v_mfma_f32_16x16x4f32).
+template <typename L>
+using PrefillOp = typename std::conditional<sizeof(L) == 4, float, Frag>::type;
+
+// d += A B, one k-step of the prefill's MFMA on L operands (all 64 lanes).
+template <typename L>
+__device__ __forceinline__ mfma_f32x4 prefill_mfma(const PrefillOp<L>& a, const PrefillOp<L>& b, mfma_f32x4 d) {
+  if constexpr (sizeof(L) == 4) return __builtin_amdgcn_mfma_f32_16x16x4f32(a, b, d, 0, 0, 0);
+  else return mfma_16x16x16<L>(a, b, d);
+}
+
 // LDS tile geometry of the MFMA path (L: the LDS element type). A key's row (K or V) takes ROWB bytes: its
 // NCH 16-byte chunks, chunk ch stored at position ch ^ (key & SWZ) when NCH is a power of two (the 16 keys a
 // K read touches land in different banks), else after a 16-byte pad per row. TPK threads load one key's row.
 template <typename L, int HS>
 struct PrefillGeom {
+  static constexpr int ES = (int)sizeof(L);                     // bytes per element: 2, or 4 (fp32)
   static constexpr int NCH = MfmaGeom<L, HS>::NCH;
+  static constexpr int QKC = MfmaGeom<L, HS>::QKC;              // K / Q chunks per lane (chunks 4u + g)
+  // MFMA k-steps per K / Q chunk: 16-bit: FPC fragments of 4 dims; fp32: 4 steps of one dim each
+  static constexpr int QST = ES == 4 ? 4 : MfmaGeom<L, HS>::FPC;
+  static constexpr int PST = ES == 4 ? 4 : 1;                    // P V k-steps per 4 keys
   static constexpr bool kPow2 = (NCH & (NCH - 1)) == 0;
   static constexpr int SWZ = kPow2 ? (NCH < 16 ? NCH : 16) - 1 : 0;
   static constexpr int ROWB = 16 * NCH + (kPow2 ? 0 : 16);
-  static constexpr int KT = 2 * 64 * ROWB <= 32768 ? 64 : 32;   // K + V of a tile in at most 32 KiB
+  // K + V of a tile in at most 32 KiB: 64 keys, else 32, else 16
+  static constexpr int KT = 2 * 64 * ROWB <= 32768 ? 64 : 2 * 32 * ROWB <= 32768 ? 32 : 16;
   static constexpr int NSUB = KT / 16;
-  static constexpr int TPK = kNumWarps * 64 / KT;                // threads per key: 4 (KT 64) or 8 (KT 32)
+  static constexpr int TPK = kNumWarps * 64 / KT;                // threads per key: 4, 8 or 16
   __device__ static int offset(int key, int ch) { return key * ROWB + 16 * (ch ^ (key & SWZ)); }
-  // V is stored transposed: row d (a head dim) holds the tile's KT keys (VRS bytes), its groups of 4 keys (8
-  // bytes: one PV B fragment) at position group ^ ((d / 8) & VSW), so the 16 dims n a PV read touches hit
-  // different banks.
-  static constexpr int VRS = 2 * KT;
+  // V is stored transposed: row d (a head dim) holds the tile's KT keys (VRS bytes), its groups of 4 keys
+  // (4 ES bytes: one PV B operand read) at position group ^ ((d / 8) & VSW), so the 16 dims n a PV read
+  // touches hit different banks.
+  static constexpr int VRS = ES * KT;
   static constexpr int VSW = (KT / 4 < 16 ? KT / 4 : 16) - 1;
-  __device__ static int voffset(int dim, int key) { return dim * VRS + ((2 * key) ^ (8 * ((dim / 8) & VSW))); }
+  __device__ static int voffset(int dim, int key) { return dim * VRS + ((ES * key) ^ (4 * ES * ((dim / 8) & VSW))); }
 };
 
 // The global-load side of a tile: a cache row (K or V) of C is LNCH 16-byte chunks (fp8: 16 codes each,
@@ -182,13 +209,14 @@ __device__ __forceinline__ void prefill_store(PrefillShared<L, HS>& sh, const Ch
                                               const Chunk16 (&vr)[PrefillLoad<C, HS, L>::CPT]) {
   using PG = PrefillGeom<L, HS>;
   using PL = PrefillLoad<C, HS, L>;
+  constexpr int LE = 16 / PG::ES;   // elements per LDS chunk
   const int tid = (int)threadIdx.x, key = tid / PL::TPK;
 #pragma unroll
   for (int i = 0; i < PL::CPT; ++i) {
     const int ch = tid % PL::TPK + PL::TPK * i;
     if (PL::LNCH % PL::TPK == 0 || ch < PL::LNCH) {
 #pragma unroll
-      for (int h = 0; h < PL::WIDEN; ++h) {  // LDS chunk lc = WIDEN ch + h: head dims 8 lc .. 8 lc + 7
+      for (int h = 0; h < PL::WIDEN; ++h) {  // LDS chunk lc = WIDEN ch + h: head dims LE lc .. LE lc + LE - 1
         const int lc = PL::WIDEN * ch + h;
         Chunk16 kw = kr[i], vw = vr[i];
         if constexpr (PL::WIDEN == 2) {
@@ -197,9 +225,11 @@ __device__ __forceinline__ void prefill_store(PrefillShared<L, HS>& sh, const Ch
         }
         *reinterpret_cast<Chunk16*>(sh.k + PG::offset(key, lc)) = kw;
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          *reinterpret_cast<unsigned short*>(sh.v + PG::voffset(8 * lc + j, key)) =
-              (unsigned short)(vw.w[j / 2] >> (16 * (j % 2)));
+        for (int j = 0; j < LE; ++j) {
+          uint8_t* dst = sh.v + PG::voffset(LE * lc + j, key);
+          if constexpr (PG::ES == 4) *reinterpret_cast<uint32_t*>(dst) = vw.w[j];
+          else *reinterpret_cast<unsigned short*>(dst) = (unsigned short)(vw.w[j / 2] >> (16 * (j % 2)));
+        }
       }
     }
   }
@@ -223,6 +253,34 @@ __device__ __forceinline__ uint32_t pack_p(float a, float b) {
   }
 }
 
+// A lane's Q operands: [u][h] = k-step h of its chunk 4u + g.
+template <typename L, int HS>
+using PrefillQ = PrefillOp<L>[PrefillGeom<L, HS>::QKC][PrefillGeom<L, HS>::QST];
+
+// K operand of QK k-step h of a lane's K chunk (16-bit: fragment h as loaded; fp32: element h).
+template <typename L>
+__device__ __forceinline__ PrefillOp<L> k_operand(const Chunk16& c, int h) {
+  if constexpr (sizeof(L) == 4) return __uint_as_float(c.w[h]);
+  else return k_fragment<L, L>(c, h);
+}
+
+// What one lane reads of V^T for a P V step group: keys 4g .. 4g + 3 of one head dim (8 or 16 bytes).
+template <typename VL>
+using PrefillVRead = typename std::conditional<sizeof(VL) == 4, Chunk16, Frag2>::type;
+
+// P and V operands of P V k-step e (< PST) from the lane's probabilities pe (keys 4g .. 4g + 3) and its V^T
+// read: 16-bit: one step over the 4 keys (P rounded to VL); fp32: key 4g + e per step.
+template <typename VL>
+__device__ __forceinline__ PrefillOp<VL> p_operand(const float (&pe)[4], int e) {
+  if constexpr (sizeof(VL) == 4) return pe[e];
+  else return Frag{{pack_p<VL>(pe[0], pe[1]), pack_p<VL>(pe[2], pe[3])}};
+}
+template <typename VL>
+__device__ __forceinline__ PrefillOp<VL> v_operand(const PrefillVRead<VL>& r, int e) {
+  if constexpr (sizeof(VL) == 4) return __uint_as_float(r.w[e]);
+  else return Frag{{r.w[0], r.w[1]}};
+}
+
 // What a wave needs to know about its rows inside the tile loop.
 struct PrefillRows {
   int rlo, rhi;          // this lane's row (n): its visible keys
@@ -235,17 +293,17 @@ struct PrefillRows {
 };
 
 // One tile of the wave: S^T, masks (MASKED only), online softmax, P V. Lane roles as in mfma_stream; L, VL:
-// the 16-bit element types of the K and V tiles in LDS (P V runs on VL's MFMA). SOFTCAP: 1 = on, 0 = off,
+// the element types of the K and V tiles in LDS (QK runs on L's MFMA, P V on VL's). SOFTCAP: 1 = on, 0 = off,
 // -1 = p.softcap decides at run time. ALIBI: add the rows' ALiBi bias (a separate instantiation: the plain
 // loop keeps its instruction count).
 template <typename T, typename L, typename VL, int HS, bool MASKED, int SOFTCAP, bool ALIBI>
 __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, const PrefillShared<L, HS>& sh,
                                              const PrefillRows& w, int t0, float& m, float& l,
                                              mfma_f32x4 (&acc)[MfmaGeom<L, HS>::PVC][8],
-                                             const Frag (&qf)[MfmaGeom<L, HS>::QKC][MfmaGeom<L, HS>::FPC]) {
+                                             const PrefillQ<L, HS>& qf) {
   using G = MfmaGeom<L, HS>;
   using PG = PrefillGeom<L, HS>;
-  constexpr int WAVE = 64, NSUB = PG::NSUB, QKC = G::QKC, FPC = G::FPC, PVC = G::PVC, NCH = G::NCH;
+  constexpr int WAVE = 64, NSUB = PG::NSUB, QKC = PG::QKC, QST = PG::QST, PVC = G::PVC, NCH = G::NCH;
   const int lane = (int)threadIdx.x % WAVE, n = lane % 16, g = lane / 16;
   const Chunk16 zero = {{0u, 0u, 0u, 0u}};
   float s[NSUB][4];
@@ -259,7 +317,7 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
       const int ch = 4 * u + g;
       const Chunk16 kc = ch < NCH ? *reinterpret_cast<const Chunk16*>(sh.k + PG::offset(16 * sub + n, ch)) : zero;
 #pragma unroll
-      for (int h = 0; h < FPC; ++h) d = mfma_16x16x16<T>(k_fragment<T, L>(kc, h), qf[u][h], d);
+      for (int h = 0; h < QST; ++h) d = prefill_mfma<L>(k_operand<L>(kc, h), qf[u][h], d);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -299,8 +357,7 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
       pe[e] = fast_exp2(fmaf(s[sub][e], w.exp_scale, -ms));
       l += pe[e];
     }
-    const Frag pa = {{pack_p<VL>(pe[0], pe[1]), pack_p<VL>(pe[2], pe[3])}};
-    // PV B fragment (u, c): V[keys 4g .. 4g + 3][head dim 8 (n + 16u) + c], 8 bytes of V^T. A lane past the
+    // PV B operands (u, c): V[keys 4g .. 4g + 3][head dim 8 (n + 16u) + c], 4 keys of V^T. A lane past the
     // head's pieces (n + 16u >= HS / 8) reads another piece: its output column is dropped.
 #pragma unroll
     for (int u = 0; u < PVC; ++u) {
@@ -308,8 +365,10 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
       const uint8_t* vrow = sh.v + PG::voffset(8 * piece, 16 * sub + 4 * g);
 #pragma unroll
       for (int c = 0; c < 8; ++c) {
-        const Frag2 vf = *reinterpret_cast<const Frag2*>(vrow + c * PG::VRS);
-        acc[u][c] = mfma_16x16x16<VL>(pa, Frag{{vf.w[0], vf.w[1]}}, acc[u][c]);
+        const PrefillVRead<VL> vf = *reinterpret_cast<const PrefillVRead<VL>*>(vrow + c * PG::VRS);
+#pragma unroll
+        for (int e = 0; e < PG::PST; ++e)
+          acc[u][c] = prefill_mfma<VL>(p_operand<VL>(pe, e), v_operand<VL>(vf, e), acc[u][c]);
       }
     }
     sched_fence();
@@ -344,7 +403,7 @@ __device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, con
                                               PrefillPipe<C, HS, L>& pipe, const PrefillRows& w, int from, int to,
                                               int base, const TileOrder& ord, float inv_bs,
                                               float& m, float& l, mfma_f32x4 (&acc)[MfmaGeom<L, HS>::PVC][8],
-                                              const Frag (&qf)[MfmaGeom<L, HS>::QKC][MfmaGeom<L, HS>::FPC]) {
+                                              const PrefillQ<L, HS>& qf) {
   constexpr int KT = PrefillGeom<L, HS>::KT;
   const int lane = (int)threadIdx.x % 64, ntiles = ord.ntiles;
   const int* bt_lane = b.bt + lane;
@@ -366,13 +425,14 @@ __device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, con
   }
 }
 
-// T: the query's and output's type (fp16 / bf16); C: the cache's (T, or an fp8 type); L: the LDS tiles'.
+// T: the query's and output's type (fp16 / bf16, or fp32 over an fp32 cache); C: the cache's (T, or an fp8
+// type); L: the LDS tiles'.
 template <typename T, typename C, int HS, bool ALIGNED, int SOFTCAP, bool ALIBI, typename L = PrefillElem<T, C>>
 __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, const BlockTask& b,
                                                  PrefillShared<L, HS>& sh) {
   using G = MfmaGeom<L, HS>;
   using PG = PrefillGeom<L, HS>;
-  constexpr int WAVE = 64, QKC = G::QKC, FPC = G::FPC, PVC = G::PVC, EPC = G::EPC, KT = PG::KT;
+  constexpr int WAVE = 64, QKC = PG::QKC, QST = PG::QST, PVC = G::PVC, EPC = G::EPC, KT = PG::KT;
   const int tid = (int)threadIdx.x, lane = tid % WAVE, warp = tid / WAVE;
   const int n = lane % 16, g = lane / 16;
   const int row = 16 * warp + n;  // this lane's row of the task (S^T's N index n)
@@ -390,8 +450,8 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
   w.exp_scale = kLog2e * w.score_unit;
   w.qpos = has_row ? query_pos(b, row / b.nheads) : 0;
   w.alibi_unit = ALIBI && has_row ? p.alibi_slopes[b.head0 + row % b.nheads] / w.score_unit : 0.f;
-  // Q fragments (B operand of S^T = K Q^T) of the lane's row, unscaled; rows past b.rows are zero.
-  Frag qf[QKC][FPC];
+  // Q operands (B of S^T = K Q^T) of the lane's row, unscaled; rows past b.rows are zero.
+  PrefillQ<L, HS> qf;
   const T* q = nullptr;
   if (has_row)
     q = static_cast<const T*>(p.query) + (int64_t)(b.token + row / b.nheads) * p.q_stride_token +
@@ -399,17 +459,23 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
 #pragma unroll
   for (int u = 0; u < QKC; ++u)
 #pragma unroll
-    for (int h = 0; h < FPC; ++h)
+    for (int h = 0; h < QST; ++h) {
+      if constexpr (PG::ES == 4) {  // head dim 4 (4u + g) + h
+        const int d = EPC * (4 * u + g) + h;
+        qf[u][h] = q && d < HS ? Cvt<T>::to(q[d]) : 0.f;
+      } else {
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int d0 = EPC * (4 * u + g) + qk_dim<L>(h, 2 * i), d1 = EPC * (4 * u + g) + qk_dim<L>(h, 2 * i + 1);
-        uint32_t bits = 0u;
-        if (q && d0 < HS) {
-          const unsigned short* qh = reinterpret_cast<const unsigned short*>(q);
-          bits = (uint32_t)qh[d0] | ((uint32_t)qh[d1] << 16);
+        for (int i = 0; i < 2; ++i) {
+          const int d0 = EPC * (4 * u + g) + qk_dim<L>(h, 2 * i), d1 = EPC * (4 * u + g) + qk_dim<L>(h, 2 * i + 1);
+          uint32_t bits = 0u;
+          if (q && d0 < HS) {
+            const unsigned short* qh = reinterpret_cast<const unsigned short*>(q);
+            bits = (uint32_t)qh[d0] | ((uint32_t)qh[d1] << 16);
+          }
+          qf[u][h].w[i] = bits;
         }
-        qf[u][h].w[i] = bits;
       }
+    }
   float m = -FLT_MAX, l = 0.f;
   mfma_f32x4 acc[PVC][8];
 #pragma unroll
@@ -533,7 +599,7 @@ __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_prefill_kernel(cons
     return;
   }
 #if KVMULTI_HAS_MFMA
-  if constexpr (rows_per_block<T, WAVE, C>() == 16) {
+  if constexpr (prefill_mfma_path<T, C, WAVE>()) {
     if (mfma_enabled()) {
       prefill_mfma_body<T, C, HS>(p, b);
       return;

@@ -314,12 +314,32 @@ def test_prefill_thresholds():
     assert any("widened once per tile" in p for p in cc.row_problems(in_loop))
 
 
+def test_fp32_prefill_issue_cycles_and_thresholds():
+    """fp32 queries: v_mfma_f32_16x16x4f32 (gfx90a spelling; gfx940: v_mfma_f32_16x16x4_f32) is 2048 flops
+    and 32 cycles on both targets (AMD's matrix instruction calculator); the prefill row must use v_mfma and
+    issue at least as many MFMA cycles as VALU cycles."""
+    for op in ("v_mfma_f32_16x16x4f32", "v_mfma_f32_16x16x4_f32"):
+        assert cc.mfma_flops([f"\t{op} v[0:3], v4, v5, v[0:3]"] * 3) == 3 * 2048
+    row = _row(kind="prefill", kernel="paged_prefill<fp32,128,wave64>", dtype="fp32", target="gfx940",
+               hot_loop_load_widths_bytes=[4, 16], hot_loop_narrow_loads=1, hot_loop_mfma_flops=128 * 2048,
+               hot_loop_instructions={"mfma": 128, "valu": 900, "salu": 40, "lds": 60, "vmem": 9})
+    for target in cc.MFMA_ARCHS:
+        assert cc.issue_cycles(dict(row, target=target)) == {"mfma": 128 * 32, "valu": 3600, "salu": 160}
+    assert cc.row_problems(row) == []
+    slow = dict(row, hot_loop_instructions=dict(row["hot_loop_instructions"], valu=1025))
+    assert any("MFMA cycles" in p for p in cc.row_problems(slow))
+    assert any("without v_mfma" in p for p in cc.row_problems(dict(row, matrix_instructions=0)))
+    decode = dict(row, kind="attention", matrix_instructions=0, hot_loop_load_widths_bytes=[16])
+    assert cc.row_problems(decode) == []   # fp32 decode: the FMA engine
+
+
 def test_prefill_kernel_static_figures_and_estimate():
-    """Every prefill instantiation (fp16 / bf16 over a 16-bit or fp8 cache, head 128, wave64) compiles without
+    """Every prefill instantiation (fp16 / bf16 over a 16-bit or fp8 cache, fp32 over fp32, wave64) compiles without
     spills at >= 2 waves/SIMD; on gfx90a / gfx940 they use v_mfma with K + V tiles of at most 32 KiB of LDS and
     an unmasked hot loop whose MFMA issue cycles cover its VALU cycles over a 16-bit cache (fp8: see
     MAX_FP8_PREFILL_VALU_PER_MFMA); the roofline model puts gfx942's bf16 prefill case (8 x 2048 tokens, 32 / 8
-    heads, head 128) at >= 50 % of the matrix peak (an estimate)."""
+    heads, head 128) at >= 50 % of the matrix peak and the fp32 prefill case MFMA-issue-bound at >= 50 % of the fp32
+    matrix peak (estimates)."""
     _require(amd=True, nvidia=False)
     from devtools import roofline as R
     from devtools import roofline_hip as H
@@ -327,7 +347,7 @@ def test_prefill_kernel_static_figures_and_estimate():
     assert len(rows) == len(cc.MFMA_ARCHS) * cc.PREFILL_KERNELS      # wave64: none runs on gfx1030
     for r in rows:
         assert cc.row_problems(r) == [], cc.row_problems(r)
-        if r["target"] in cc.MFMA_ARCHS and r["dtype"] != "fp32":
+        if r["target"] in cc.MFMA_ARCHS:
             cyc = cc.issue_cycles(r)
             assert r["matrix_instructions"] > 0 and r["lds_bytes"] <= 32768 + 1024, r
             assert cyc["mfma"] >= cyc["valu"] or r["cache"], r
@@ -337,3 +357,19 @@ def test_prefill_kernel_static_figures_and_estimate():
         e = R.estimate(launch, R.TARGETS[launch.target])
         if launch.target == "gfx942":
             assert e.fraction >= 0.5, e.row()
+    # fp32 queries (v_mfma_f32_16x16x4f32) against the fp32 matrix peak: bound by the MFMA issue
+    fp32 = H.fp32_prefill_estimates(rows)
+    assert {e.target for e in fp32} == {"gfx942", "gfx90a"}
+    for e in fp32:
+        assert e.bound == "issue" and e.row()["issue_limiter"] == "mfma" and e.fraction >= 0.5, e.row()
+
+
+def test_prefill_tile_keys_follow_the_kernels_lds_budget():
+    """PrefillGeom::KT: K + V of a tile in 32 KiB -- 16-bit head 128: 64 keys, head 256: 32; fp32 head 64: 64,
+    head 128: 32 (head 256 would take 16); fp8 (1 byte) head 256: 64."""
+    from devtools import roofline_hip as H
+    assert [H.prefill_tile_keys(h, 2) for h in (64, 128, 256)] == [64, 64, 32]
+    assert [H.prefill_tile_keys(h, 4) for h in (64, 80, 128, 256)] == [64, 32, 32, 16]
+    assert H.prefill_tile_keys(256, 1) == 64
+    assert H._elem_bytes({"dtype": "fp32"}) == 4 and H._elem_bytes({"dtype": "bf16"}) == 2
+    assert H._elem_bytes({"dtype": "bf16", "cache": "e4m3"}) == 1

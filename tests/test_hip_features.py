@@ -22,17 +22,11 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # decode + chunked prefill + prefill in one batch, GQA 4, contexts over several 32-key tiles
 DECODE = CaseSpec(order="NHD", block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=F32,
                   query_lens=(9, 1, 5, 1), context_lens=(0, 70, 30, 200), seed=3)
-# the prefill kernel's shapes (16-bit, head 128): several token tiles and key tiles, GQA 4
+# the prefill kernel's shapes (head 128): several token tiles and key tiles, GQA 4
 PREFILL = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=4, head_size=128, dtype=BF16,
                    query_lens=(40, 1, 9, 23), context_lens=(0, 30, 50, 70), seed=5)
 # where the engines run: (wave, prefill_min_query); 0 = decode kernel only, 1 = prefill kernel for every step
 ENGINES = {"decode-w32": (32, 0), "decode-w64": (64, 0), "prefill-w64": (64, 1)}
-
-
-def _spec(base: CaseSpec, engine: str, dtype: torch.dtype, **kw) -> CaseSpec:
-    if engine == "prefill-w64" and dtype == F32:
-        dtype = BF16       # fp32 queries run the decode kernel's FMA engine whatever the threshold
-    return dataclasses.replace(base, dtype=dtype, **kw)
 
 
 @pytest.mark.parametrize("feature, window, softcap", [("sinks", 24, 20.0), ("alibi", 33, 8.0)], ids=["sinks", "alibi"])
@@ -44,11 +38,11 @@ def test_feature_matches_the_oracle(hip_backend, engine, dtype, partition, featu
     wave, pmq = ENGINES[engine]
     base = PREFILL if engine == "prefill-w64" else DECODE
     for extra in ({}, dict(sliding_window=window, softcap=softcap)):
-        _run_case(hip_backend, _spec(base, engine, dtype, **{feature: True}, **extra), wave=wave,
+        _run_case(hip_backend, dataclasses.replace(base, dtype=dtype, **{feature: True}, **extra), wave=wave,
                   partition_size=partition, prefill_min_query=pmq)
 
 
-@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
 def test_prefill_kernel_takes_the_features_on_mfma_and_fma(hip_backend, dtype):
     """The prefill kernel (MFMA counted) and, with MFMA disabled, its FMA slices: sinks + ALiBi + window +
     softcap at once, split and not."""
@@ -124,8 +118,8 @@ def _non_causal(backend, spec: CaseSpec, wave: int, partition: int, pmq: int,
 def test_non_causal_matches_the_oracle(hip_backend, engine, dtype, partition):
     wave, pmq = ENGINES[engine]
     base = PREFILL if engine == "prefill-w64" else DECODE
-    _non_causal(hip_backend, _spec(base, engine, dtype), wave, partition, pmq)
-    _non_causal(hip_backend, _spec(base, engine, dtype, softcap=20.0, sinks=True, alibi=True), wave, partition, pmq)
+    _non_causal(hip_backend, dataclasses.replace(base, dtype=dtype), wave, partition, pmq)
+    _non_causal(hip_backend, dataclasses.replace(base, dtype=dtype, softcap=20.0, sinks=True, alibi=True), wave, partition, pmq)
 
 
 def test_non_causal_with_a_window_is_refused(hip_backend):

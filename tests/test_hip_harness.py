@@ -136,23 +136,34 @@ def _layout_tables(path: Path) -> dict[str, dict[tuple[int, int], tuple[int, int
     return tables
 
 
-def _bits16(x: float, bf16: bool) -> int:
-    if bf16:
+def _operand_kind(table: Path) -> str:
+    """The operand type of a reference file's instruction: "f32", "bf16" or "f16"."""
+    return "f32" if "16x16x4" in table.stem else "bf16" if "bf16" in table.name else "f16"
+
+
+def _bits(x: float, kind: str) -> int:
+    if kind == "f32":
+        return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
+    if kind == "bf16":
         return int(np.array([x], dtype=np.float32).view(np.uint32)[0] >> 16)
     return int(np.array([x], dtype=np.float16).view(np.uint16)[0])
 
 
-def _run_table_mfma(lib, tables, bf16: bool, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Places A and B in lane registers as AMD's tables say, runs the harness's MFMA builtin, and reads
-    D back from where the table says each entry is."""
+_SELFTEST_KIND = {"f16": 0, "bf16": 1, "f32": 3}   # selftest_mfma's instruction selector
+_KDIM = {"f16": 16, "bf16": 16, "f32": 4}
+
+
+def _run_table_mfma(lib, tables, kind: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Places A (16 x K) and B (K x 16) in lane registers as AMD's tables say, runs the harness's MFMA
+    builtin, and reads D back from where the table says each entry is."""
     regs = np.zeros((64, 4), dtype=np.uint32)
     for (i, k), (v, lane, lo) in tables["A"].items():
-        regs[lane, v] |= np.uint32(_bits16(a[i, k], bf16) << lo)
+        regs[lane, v] |= np.uint32(_bits(a[i, k], kind) << lo)
     for (k, j), (v, lane, lo) in tables["B"].items():
-        regs[lane, 2 + v] |= np.uint32(_bits16(b[k, j], bf16) << lo)
+        regs[lane, 2 + v] |= np.uint32(_bits(b[k, j], kind) << lo)
     d = np.full((64, 4), np.nan, dtype=np.float32)
     lib.kvcpu_clear_error()
-    err = lib.selftest_mfma(int(bf16), regs.ctypes.data, d.ctypes.data)
+    err = lib.selftest_mfma(_SELFTEST_KIND[kind], regs.ctypes.data, d.ctypes.data)
     assert err == 0, lib.kvcpu_last_error().decode()
     out = np.full((16, 16), np.nan, dtype=np.float32)
     for (i, j), (v, lane, _) in tables["D"].items():
@@ -160,28 +171,50 @@ def _run_table_mfma(lib, tables, bf16: bool, a: np.ndarray, b: np.ndarray) -> np
     return out
 
 
+def _layout_mismatches(lib, tables, kind: str) -> list[str]:
+    """Entries where the emulation disagrees with the tables: with B = I (A's K columns picked out) the D
+    entry the table names for (i, k) must be A[i][k]; with A = I likewise for B[k][j]; a random product
+    must be exact (small integers)."""
+    kd = _KDIM[kind]
+    rng = np.random.default_rng(7)
+    x = rng.integers(-8, 9, size=(16, kd)).astype(np.float32)
+    y = rng.integers(-8, 9, size=(kd, 16)).astype(np.float32)
+    pick = np.eye(kd, 16, dtype=np.float32)        # B: D[i][k] = A[i][k] for k < K
+    d = _run_table_mfma(lib, tables, kind, x, pick)
+    bad = [f"A{(i, k)}" for i in range(16) for k in range(kd) if d[i, k] != x[i, k]]
+    d = _run_table_mfma(lib, tables, kind, pick.T.copy(), y)   # A: D[k][j] = B[k][j] for k < K
+    bad += [f"B{(k, j)}" for k in range(kd) for j in range(16) if d[k, j] != y[k, j]]
+    d = _run_table_mfma(lib, tables, kind, x, y)
+    bad += [f"D{(i, j)}" for i in range(16) for j in range(16) if d[i, j] != (x @ y)[i, j]]
+    return bad
+
+
 @pytest.mark.parametrize("table", REF_TABLES, ids=[t.stem for t in REF_TABLES])
 def test_mfma_emulation_matches_amd_register_layouts(selftest_lib, table):
-    """Entry by entry: with B = I the D entry the table names for (i, j) must be the A entry the table
-    names for (i, j); with A = I likewise for B; and a random product is exact."""
-    assert len(REF_TABLES) == 4   # CDNA2 + CDNA3, f16 + bf16: the instructions the kernels use
+    """Entry by entry against AMD's table (see _layout_mismatches)."""
+    assert len(REF_TABLES) == 6   # CDNA2 + CDNA3, f16 + bf16 + f32: the instructions the kernels use
     tables = _layout_tables(table)
-    for name in "ABD":
-        assert len(tables[name]) == 256, f"{table.name}: {name} table has {len(tables[name])} entries"
-        assert len(set(tables[name].values())) == 256, f"{table.name}: {name} entries not distinct"
-    bf16 = "bf16" in table.name
+    kind = _operand_kind(table)
+    kd = _KDIM[kind]
+    for name, n in (("A", 16 * kd), ("B", 16 * kd), ("D", 256)):
+        assert len(tables[name]) == n, f"{table.name}: {name} table has {len(tables[name])} entries"
+        assert len(set(tables[name].values())) == n, f"{table.name}: {name} entries not distinct"
     selftest_lib.kvcpu_set_warp_size(64)
-    rng = np.random.default_rng(7)
-    eye = np.eye(16, dtype=np.float32)
-    x = rng.integers(-8, 9, size=(16, 16)).astype(np.float32)
-    y = rng.integers(-8, 9, size=(16, 16)).astype(np.float32)
-    d = _run_table_mfma(selftest_lib, tables, bf16, x, eye)
-    bad = [(i, j) for i in range(16) for j in range(16) if d[i, j] != x[i, j]]
-    assert not bad, f"D != A with B = I: the emulation's lane mapping differs from {table.name} at {bad[:8]}"
-    d = _run_table_mfma(selftest_lib, tables, bf16, eye, y)
-    bad = [(i, j) for i in range(16) for j in range(16) if d[i, j] != y[i, j]]
-    assert not bad, f"D != B with A = I: the emulation's lane mapping differs from {table.name} at {bad[:8]}"
-    np.testing.assert_array_equal(_run_table_mfma(selftest_lib, tables, bf16, x, y), x @ y)
+    bad = _layout_mismatches(selftest_lib, tables, kind)
+    assert not bad, f"the emulation's lane mapping differs from {table.name} at {bad[:8]}"
+
+
+@pytest.mark.parametrize("table", [t for t in REF_TABLES if t.name.startswith("CDNA3")],
+                         ids=lambda t: t.stem)
+def test_mfma_layout_check_rejects_a_mutated_mapping(selftest_lib, table):
+    """The check has teeth: the same table with two A lanes and two D lanes swapped must disagree."""
+    tables = _layout_tables(table)
+    a, d = tables["A"], tables["D"]
+    a[(0, 1)], a[(1, 0)] = a[(1, 0)], a[(0, 1)]
+    d[(2, 3)], d[(3, 2)] = d[(3, 2)], d[(2, 3)]
+    selftest_lib.kvcpu_set_warp_size(64)
+    bad = _layout_mismatches(selftest_lib, tables, _operand_kind(table))
+    assert any(e.startswith("A") for e in bad) and any(e.startswith("D") for e in bad), bad
 
 
 def test_mfma_reached_by_part_of_a_wave_is_detected(selftest_lib):
@@ -694,7 +727,42 @@ def test_prefill_kernel_matches_reference(hip_backend, name):
     _run_case(hip_backend, CaseSpec(**spec), wave=wave, partition_size=partition, prefill_min_query=1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+# fp32 queries over an fp32 cache: the same kernel on v_mfma_f32_16x16x4f32 (fp32 operands), at fp32's
+# tolerance. The cases of PREFILL_CASES that together cover varlen + chunked + decode, causal, window,
+# softcap, split-KV, GQA 1 / 4 / 8, block sizes 1 / 16 / 32 / 128 and both orders.
+FP32_PREFILL_CASES = ["varlen-chunked-gqa4-bf16", "causal-gqa1-fp16", "window-softcap-gqa1-bs1",
+                      "gqa8-bs128-window-split", "gqa12-bs32"]
+
+
+@pytest.mark.parametrize("name", FP32_PREFILL_CASES)
+def test_prefill_kernel_fp32_queries_match_the_oracle(hip_backend, name):
+    spec, wave, partition = PREFILL_CASES[name]
+    spec = CaseSpec(**{**spec, "dtype": torch.float32})
+    assert _mfma_count(hip_backend, spec, wave=wave, partition_size=partition, prefill_min_query=1) > 0
+
+
+# fp32 MFMAs per wave and key tile: sub-tiles x (QK chunks x 4 k-steps + PV pieces x 8 x 4 k-steps). The
+# tiles: 64 keys at head 64, 32 at head 128 (a 64-key fp32 K + V tile would pass 32 KiB).
+FP32_PREFILL_TILE = {64: (64, 4 * (4 * 4 + 32)), 128: (32, 2 * (8 * 4 + 32))}
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_prefill_kernel_fp32_takes_the_fp32_mfma(hip_backend, head_size):
+    """One causal prompt of 64 tokens, group 1: wave w (rows 16w .. 16w + 15) visits the key tiles up to
+    key 16w + 15 -- with KT-key tiles, sum over w of (16w + 15) // KT + 1 wave-tiles, each the table's MFMA
+    count. The attention kernel runs no MFMA for fp32 queries: it keeps heads 80 / 96 / 256 (their fp32
+    prefill spills, see launcher.hip), and every head below the threshold. The oracle checks each run."""
+    spec = CaseSpec(order="NHD", block_size=16, num_kv_heads=1, group=1, head_size=head_size,
+                    dtype=torch.float32, query_lens=(64,), context_lens=(0,))
+    want = 0
+    if head_size in FP32_PREFILL_TILE:
+        kt, per_tile = FP32_PREFILL_TILE[head_size]
+        want = sum((16 * w + 15) // kt + 1 for w in range(4)) * per_tile
+    assert _mfma_count(hip_backend, spec, wave=64, partition_size=0) == want
+    assert _mfma_count(hip_backend, spec, wave=64, partition_size=0, prefill_min_query=0) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_prefill_kernel_without_mfma_takes_the_fma_engine(hip_backend, dtype):
     """MFMA disabled: the same kernel runs the FMA engine over 16-row slices (its path on targets without
     MFMA)."""

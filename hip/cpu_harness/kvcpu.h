@@ -16,7 +16,7 @@
 //     between two slot sets), so one warp barrier per exchange suffices: a lane can only overwrite a
 //     set after every lane has passed the next exchange's barrier, i.e. has read the set. Every lane
 //     of the warp must take part (uniform control flow), as on a GPU wavefront.
-//   * Matrix builtins (__builtin_amdgcn_mfma_f32_16x16x16f16 / _16x16x16bf16_1k): wave-wide
+//   * Matrix builtins (__builtin_amdgcn_mfma_f32_16x16x16f16 / _16x16x16bf16_1k / _16x16x4f32): wave-wide
 //     collectives like the shuffles (every lane of a 64-lane wave takes part); each lane publishes its
 //     A/B fragment registers, and computes its own D registers with the hardware's lane/register
 //     mapping (checked against AMD's register-layout tables by the self-test). kvcpu_mfma_count()
@@ -598,11 +598,41 @@ inline f32x4 mfma_f32_16x16x16bf16_1k(bf16x4 a, bf16x4 b, f32x4 c, int cbsz, int
   if (cbsz || abid || blgp) fail(hipErrorLaunchFailure, "kvcpu: MFMA broadcast modifiers are not emulated");
   return mfma_16x16x16<bf16_bits_to_float>(a, b, c);
 }
+// v_mfma_f32_16x16x4f32 for one 64-lane wave (CDNA2/CDNA3: one block, one VGPR per A / B operand):
+//   A[i][k] is lane i + 16k, B[k][j] is lane j + 16k, D[i][j] is element i%4 of lane j + 16*(i/4)
+// D = A*B + C with fp32 products summed in fp32 over k = 0..3, then added to C (AMD does not specify the
+// hardware's order or internal precision). Every lane must call it (wave-wide collective).
+inline f32x4 mfma_f32_16x16x4f32(float a, float b, f32x4 c, int cbsz, int abid, int blgp) {
+  if (cbsz || abid || blgp) fail(hipErrorLaunchFailure, "kvcpu: MFMA broadcast modifiers are not emulated");
+  State& s = st();
+  if (s.warps[s.cur->warp].size != 64) {
+    fail(hipErrorLaunchFailure, "kvcpu: 16x16x4 MFMA emulated only for 64-lane waves");
+    return c;
+  }
+  const float ab[2] = {a, b};
+  const auto* slots = publish(ab, sizeof ab);
+  const int lane = s.cur->lane;
+  if (lane == 0) ++s.mfma_count;
+  auto element = [&](int src_lane, int which) {  // which 0 = A, 1 = B
+    float v[2];
+    std::memcpy(v, &slots[src_lane][0], sizeof v);
+    return v[which];
+  };
+  const int j = lane % 16, i0 = 4 * (lane / 16);
+  f32x4 d = c;
+  for (int r = 0; r < 4; ++r) {
+    float acc = 0.f;
+    for (int k = 0; k < 4; ++k) acc += element(i0 + r + 16 * k, 0) * element(j + 16 * k, 1);
+    d[r] += acc;
+  }
+  return d;
+}
 inline bool mfma_enabled() { return st().mfma_enabled; }
 }  // namespace kvcpu
 
 #define __builtin_amdgcn_mfma_f32_16x16x16f16 ::kvcpu::mfma_f32_16x16x16f16
 #define __builtin_amdgcn_mfma_f32_16x16x16bf16_1k ::kvcpu::mfma_f32_16x16x16bf16_1k
+#define __builtin_amdgcn_mfma_f32_16x16x4f32 ::kvcpu::mfma_f32_16x16x4f32
 
 struct __half {
   uint16_t x;

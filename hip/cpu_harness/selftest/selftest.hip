@@ -95,6 +95,18 @@ __global__ void mfma_raw(const unsigned* regs, float* d) {
   }
   for (int i = 0; i < 4; ++i) d[4 * lane + i] = c[i];
 }
+
+// One v_mfma_f32_16x16x4f32 on raw registers: regs[lane] = {A VGPR 0, unused, B VGPR 0, unused} (fp32
+// bit patterns), C = 0; d[lane][i] = D VGPR i. One 64-lane wave.
+__global__ void mfma_raw_f32(const unsigned* regs, float* d) {
+  const int lane = (int)threadIdx.x;
+  float a, b;
+  __builtin_memcpy(&a, &regs[4 * lane], 4);
+  __builtin_memcpy(&b, &regs[4 * lane + 2], 4);
+  f32x4 c = {0.f, 0.f, 0.f, 0.f};
+  c = __builtin_amdgcn_mfma_f32_16x16x4f32(a, b, c, 0, 0, 0);
+  for (int i = 0; i < 4; ++i) d[4 * lane + i] = c[i];
+}
 #endif
 
 }  // namespace selftest
@@ -130,11 +142,12 @@ extern "C" __attribute__((visibility("default"))) int selftest_run(int which, co
 }
 
 // Runs selftest::mfma_raw (bf16: 1 = v_mfma_f32_16x16x16bf16_1k, 0 = v_mfma_f32_16x16x16f16, 2 = the
-// f16 one called by half of the wave only) on one 64-lane wave. Returns the hipError_t of the launch
+// f16 one called by half of the wave only, 3 = v_mfma_f32_16x16x4f32 through mfma_raw_f32) on one 64-lane wave. Returns the hipError_t of the launch
 // (hipErrorInvalidDeviceFunction without MFMA).
 extern "C" __attribute__((visibility("default"))) int selftest_mfma(int bf16, const unsigned* regs, float* d) {
 #if defined(SELFTEST_HAS_MFMA)
-  if (bf16 == 2) hipLaunchKernelGGL((selftest::mfma_raw<false, true>), dim3(1), dim3(64), 0, 0, regs, d);
+  if (bf16 == 3) hipLaunchKernelGGL(selftest::mfma_raw_f32, dim3(1), dim3(64), 0, 0, regs, d);
+  else if (bf16 == 2) hipLaunchKernelGGL((selftest::mfma_raw<false, true>), dim3(1), dim3(64), 0, 0, regs, d);
   else if (bf16) hipLaunchKernelGGL(selftest::mfma_raw<true>, dim3(1), dim3(64), 0, 0, regs, d);
   else hipLaunchKernelGGL(selftest::mfma_raw<false>, dim3(1), dim3(64), 0, 0, regs, d);
   return (int)hipGetLastError();
