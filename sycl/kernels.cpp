@@ -14,6 +14,8 @@
 //   -DKVM_RB=RB             tile rows held in registers per pass over the keys (default 4)
 //   -DKVM_KB=KB             keys per sub-group step, a power of two <= SG (default 4)
 //   -DKVM_TERMS=1           also build kvm_paged_attention_terms (ALiBi / non-causal; default 0)
+//   -DKVM_VG=VG             matrix body: V elements a lane reads per load for P.V (default 4; lowered
+//                           to the largest power of two dividing ceil(DV / 16) and VW)
 //   -DKVM_MMA=0|1|2         attention body: 0 the vector body (v2, below); fp16 / bf16 only: 1 the
 //                           matrix body with the matrix built-in emulated by sub-group broadcasts
 //                           (non-GPU devices: the OpenCL CPU device), 2 the matrix body on the
@@ -101,6 +103,9 @@ namespace syclexp = sycl::ext::oneapi::experimental;
 #endif
 #ifndef KVM_KB
 #define KVM_KB 4
+#endif
+#ifndef KVM_VG
+#define KVM_VG 4
 #endif
 
 constexpr int D = KVM_HEAD_SIZE;
@@ -693,7 +698,8 @@ static inline void attention_body(KVM_ATTENTION_BODY_PARAMS) {
 // The S fragment (lane n holds key n of every row) is exactly the A fragment of P.V, so P never
 // leaves the registers. Per 16-key step lane n reads the block-table entry of key n and then its
 // key's K row (B of QK^T: lane n is column n); V rows are read by the whole sub-group, lane n taking
-// column n of each chunk (B of P.V).
+// consecutive columns of each row (B of P.V in a permuted column order, V_COL); the query fragments
+// are read from local memory one chunk per call (Q_SLM).
 // Sub-groups: RGP = min(row groups, NSG) row groups per pass; the NSG / RGP sub-groups of a row group
 // split its visible keys in 16-key steps (decode: one row group, all sub-groups on its keys;
 // prefill: one row group per sub-group, each reading the keys of its own causal range only). Each
@@ -725,6 +731,56 @@ static inline cvec_t load_chunk_masked(const cache_t *row, int64_t off, int e, i
   if (e >= n) return cvec_t(cache_t(0));
   const raw_t bits = *reinterpret_cast<const raw_t *>(row + (off >= 0 ? off : 0) + e);
   return sycl::bit_cast<cvec_t>(static_cast<raw_t>(bits & raw_t(off >= 0 ? ~0u : 0u)));
+}
+
+// P.V's B operand in a permuted column order: lane n's chunk c holds V column n * NCV + c (the
+// accumulators follow the same order), so lane n reads consecutive elements of each V row: VG of them
+// (KVM_VG, a power of two dividing NCV and VW) per load, VG chunks of B at a time.
+#define V_COL(lane, c) ((lane) * NCV + (c))
+constexpr int widest_v_piece() {
+  int v = KVM_VG;
+  while (v > 1 && (NCV % v != 0 || VW % v != 0)) v /= 2;
+  return v;
+}
+constexpr int VG = widest_v_piece();
+using vgvec_t = sycl::vec<cache_t, VG>;
+using vgraw_t = std::conditional_t<VG * sizeof(cache_t) == 16, sycl::vec<uint32_t, 4>,
+                std::conditional_t<VG * sizeof(cache_t) == 8, sycl::vec<uint32_t, 2>,
+                std::conditional_t<VG * sizeof(cache_t) == 4, uint32_t,
+                std::conditional_t<VG * sizeof(cache_t) == 2, uint16_t, uint8_t>>>>;
+static_assert(sizeof(vgraw_t) == sizeof(vgvec_t), "vgraw_t must have the size of a V piece");
+
+// VG elements [e, e + VG) of the V row at `off` (zero when off < 0 or e >= DV; e is a multiple of VG, so
+// a piece is whole inside or outside the row), read without a divergent branch (as load_chunk_masked).
+static inline vgvec_t load_v_piece(const cache_t *v, int64_t off, int e) {
+  const bool ok = off >= 0 && (DV % (16 * NCV) == 0 || e < DV);
+  const vgraw_t bits = *reinterpret_cast<const vgraw_t *>(v + (ok ? off + e : 0));
+  return sycl::bit_cast<vgvec_t>(static_cast<vgraw_t>(bits & vgraw_t(ok ? ~0u : 0u)));
+}
+
+// Query fragments in local memory, over the merge scratch (when it is large enough: Q_SLM): row group
+// slot g's chunk c holds lane k's row pairs (2r, 2r + 1) as 4 consecutive words, one 16-byte load.
+constexpr bool Q_SLM = NSG * NC * 64 <= MMA_LM_FLOATS;   // NC chunks x 16 lanes x 4 words per slot
+static inline int q_frag_index(int slot, int c, int lane) { return ((slot * NC + c) * 16 + lane) * 4; }
+static inline void store_q_frag(sycl::decorated_local_ptr<float> lm, int slot, int c, int lane, mma_a_t a) {
+  sycl::vec<float, 4> w;
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+    w[r] = sycl::bit_cast<float>(static_cast<uint32_t>(static_cast<uint16_t>(a[2 * r])) |
+                                 (static_cast<uint32_t>(static_cast<uint16_t>(a[2 * r + 1])) << 16));
+  w.store(q_frag_index(slot, c, lane) / 4, lm);
+}
+static inline mma_a_t load_q_frag(sycl::decorated_local_ptr<float> lm, int slot, int c, int lane) {
+  sycl::vec<float, 4> w;
+  w.load(q_frag_index(slot, c, lane) / 4, lm);
+  mma_a_t a;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const uint32_t bits = sycl::bit_cast<uint32_t>(static_cast<float>(w[r]));
+    a[2 * r] = static_cast<short>(bits & 0xffffu);
+    a[2 * r + 1] = static_cast<short>(bits >> 16);
+  }
+  return a;
 }
 
 template <bool TERMS>
@@ -780,6 +836,18 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
       if (sycl::any_of_group(sg, row_nan)) nan_rows |= 1u << m;
     }
 
+    // The query fragments go to local memory (Q_SLM): the merge scratch is free during the key loop,
+    // the sub-groups splitting a row group's keys share one copy, and the loop holds one chunk at a time.
+    auto wg = syclext::this_work_item::get_work_group<1>();
+    if constexpr (Q_SLM) {
+      if (pass > 0) sycl::group_barrier(wg);   // the previous pass's merge has read the scratch
+      if (active && my_split == 0) {
+#pragma unroll
+        for (int c = 0; c < NC; ++c) store_q_frag(lm, sg_id % rgp, c, lane, qa[c]);
+      }
+      sycl::group_barrier(wg);
+    }
+
     // This row group's visible keys: the tile's range narrowed to its own first / last position.
     int k_lo = t.k_lo, k_hi = t.k_lo;
     if (nr > 0) {
@@ -821,7 +889,7 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
           for (int i = 0; i < VW; i += 2)
             kb[(v * VW + i) / 2] = static_cast<int>(cache_bits(x[i]) | (cache_bits(x[i + 1]) << 16));
         }
-        s = mma<MMA_BF16>(sg, qa[c], kb, s);
+        s = mma<MMA_BF16>(sg, Q_SLM ? load_q_frag(lm, sg_id % rgp, c, lane) : qa[c], kb, s);
       }
 
       // Online softmax per row (lane n: key k0 + n).
@@ -847,30 +915,27 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
         pa[m] = static_cast<short>(mm_bits_of(p));
       }
 
-      // O += P V: chunk c of V is B with lane n holding column 16 c + n of every key's row.
+      // O += P V, VG chunks at a time: lane n reads VG consecutive elements of each key's V row
+      // (columns n * NCV + g0 ...; see V_COL) and packs key pairs into the B fragments.
 #pragma unroll
-      for (int c = 0; c < NCV; ++c) {
-        mma_b_t vb;
+      for (int g0 = 0; g0 < NCV; g0 += VG) {
+        const int e = lane * NCV + g0;
+        mma_b_t vb[VG];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          uint32_t pair = 0;
+          const vgvec_t lo = load_v_piece(cache + D, sycl::select_from_group(sg, off, 2 * i), e);
+          const vgvec_t hi = load_v_piece(cache + D, sycl::select_from_group(sg, off, 2 * i + 1), e);
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int64_t o = sycl::select_from_group(sg, off, 2 * i + half);
-            const int e = c * 16 + lane;
-            const bool ok = o >= 0 && (DV % 16 == 0 || e < DV);
-            const uint32_t bits = cache_bits(cache[(o >= 0 ? o : 0) + D + (ok ? e : 0)]);
-            pair |= (ok ? bits : 0u) << (16 * half);
-          }
-          vb[i] = static_cast<int>(pair);
+          for (int v = 0; v < VG; ++v) vb[v][i] = static_cast<int>(cache_bits(lo[v]) | (cache_bits(hi[v]) << 16));
         }
-        acc[c] = mma<MMA_BF16>(sg, pa, vb, acc[c]);
+#pragma unroll
+        for (int v = 0; v < VG; ++v) acc[g0 + v] = mma<MMA_BF16>(sg, pa, vb[v], acc[g0 + v]);
       }
       off = next_off;
     }
 
     // Merge the key splits of each row group through local memory.
-    if (pass > 0) sycl::group_barrier(syclext::this_work_item::get_work_group<1>());  // scratch reuse
+    if (Q_SLM || pass > 0) sycl::group_barrier(wg);  // the scratch's readers (Q, the previous merge) are done
     if (active) {
 #pragma unroll
       for (int m = 0; m < MR; ++m) {
@@ -878,7 +943,7 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
           auto row = lm + (sg_id * MR + m) * MERGE_STRIDE;
 #pragma unroll
           for (int c = 0; c < NCV; ++c) {
-            const int e = c * 16 + lane;
+            const int e = V_COL(lane, c);
             if (e < DV) row[e] = acc[c][m] * vs;
           }
           store_row_stats(row, lane, mrow[m], sycl::reduce_over_group(sg, lsum[m], sycl::plus<float>()),
