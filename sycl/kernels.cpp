@@ -14,6 +14,8 @@
 //   -DKVM_RB=RB             tile rows held in registers per pass over the keys (default 4)
 //   -DKVM_KB=KB             keys per sub-group step, a power of two <= SG (default 4)
 //   -DKVM_TERMS=1           also build kvm_paged_attention_terms (ALiBi / non-causal; default 0)
+//   -DKVM_VG=VG             matrix body: V elements a lane reads per load for P.V (default 4; lowered
+//                           to the largest power of two dividing ceil(DV / 16) and VW)
 //   -DKVM_MMA=0|1|2         attention body: 0 the vector body (v2, below); fp16 / bf16 only: 1 the
 //                           matrix body with the matrix built-in emulated by sub-group broadcasts
 //                           (non-GPU devices: the OpenCL CPU device), 2 the matrix body on the
@@ -101,6 +103,9 @@ namespace syclexp = sycl::ext::oneapi::experimental;
 #endif
 #ifndef KVM_KB
 #define KVM_KB 4
+#endif
+#ifndef KVM_VG
+#define KVM_VG 4
 #endif
 
 constexpr int D = KVM_HEAD_SIZE;
@@ -408,41 +413,146 @@ static inline GroupTile locate_group_tile(int64_t gid, bool split, int num_parts
 }
 
 // ---------------------------------------------------------------------------------------------
+// One parameter list for both attention kernels and both bodies (the host passes the same arguments
+// to either kernel); the kernels take the local scratch as an accessor, the bodies as a pointer.
+#define KVM_ATTENTION_COMMON_PARAMS                                                                             \
+  const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens, const cache_t *cache, int64_t s_block,  \
+      int64_t s_token, int64_t s_head, int64_t num_blocks, const int32_t *block_table, int64_t bt_stride,      \
+      int64_t bt_rows, int64_t bt_cols, const int32_t *seq_lens, const int32_t *query_start_loc,               \
+      const int32_t *tiles, elem_t *out, int64_t o_st, int64_t o_sh, float *part_acc, float *part_ml,          \
+      int32_t num_parts, int32_t part_size, int32_t num_kv_heads, int32_t group, int32_t block_size,           \
+      float scale, int32_t window, float softcap, const float *k_scale, const float *v_scale,                  \
+      const float *sinks, const float *alibi, int32_t causal
+#define KVM_ATTENTION_COMMON_ARGS                                                                               \
+  query, q_st, q_sh, num_tokens, cache, s_block, s_token, s_head, num_blocks, block_table, bt_stride, bt_rows,  \
+      bt_cols, seq_lens, query_start_loc, tiles, out, o_st, o_sh, part_acc, part_ml, num_parts, part_size,     \
+      num_kv_heads, group, block_size, scale, window, softcap, k_scale, v_scale, sinks, alibi, causal
+#define KVM_ATTENTION_PARAMS KVM_ATTENTION_COMMON_PARAMS, sycl::local_accessor<float, 1> lm
+#define KVM_ATTENTION_BODY_PARAMS KVM_ATTENTION_COMMON_PARAMS, sycl::decorated_local_ptr<float> lm
+#define KVM_ATTENTION_ARGS KVM_ATTENTION_COMMON_ARGS, lm.get_multi_ptr<sycl::access::decorated::yes>()
+
+// What one work-group of either attention body knows before its key loop: its place in the
+// sub-group, its tile / KV head / partition, and the per-KV-head constants.
+struct WorkGroup {
+  int lid, sg_id, lane;
+  bool split;                           // part_acc != nullptr: write partition `part`'s partial results
+  bool is_causal, use_alibi;            // uniform; constants (causal, no ALiBi) in the plain instantiation
+  Tile t;
+  int h, part, num_q_heads;
+  const int32_t *bt;                    // the request's block-table row
+  int64_t head_off, s_block, s_token, num_blocks;
+  int block_size;
+  float ks, vs;                         // fp8 caches: the KV head's K / V scales (else 1)
+
+  // Cache offset (elements) of the row of key position k; -1: masked (outside [lo, hi) or a bad block id).
+  int64_t key_offset(int k, int lo, int hi) const {
+    if (k < lo || k >= hi) return -1;
+    const int32_t bid = bt[k / block_size];
+    if (bid < 0 || bid >= num_blocks) return -1;
+    return static_cast<int64_t>(bid) * s_block + static_cast<int64_t>(k % block_size) * s_token + head_off;
+  }
+};
+
+// The WorkGroup of the calling work-item (w.t.valid == false: the work-group has nothing to do).
+template <bool TERMS>
+static inline WorkGroup open_work_group(KVM_ATTENTION_COMMON_PARAMS) {
+  auto it = syclext::this_work_item::get_nd_item<1>();
+  auto sg = it.get_sub_group();
+  WorkGroup w;
+  w.lid = static_cast<int>(it.get_local_id(0));
+  w.sg_id = static_cast<int>(sg.get_group_linear_id());
+  w.lane = static_cast<int>(sg.get_local_linear_id());
+  w.split = part_acc != nullptr;
+  w.is_causal = !TERMS || causal != 0;
+  w.use_alibi = TERMS && alibi != nullptr;
+  const GroupTile g = locate_group_tile(it.get_group(0), w.split, num_parts, part_size, num_kv_heads,
+                                        query_start_loc, seq_lens, tiles, num_tokens, bt_rows, bt_cols, group,
+                                        block_size, window, w.is_causal);
+  w.t = g.t;
+  w.h = g.h;
+  w.part = g.part;
+  w.num_q_heads = num_kv_heads * group;
+  w.bt = block_table + static_cast<int64_t>(w.t.valid ? w.t.req : 0) * bt_stride;
+  w.head_off = static_cast<int64_t>(w.h) * s_head;
+  w.s_block = s_block;
+  w.s_token = s_token;
+  w.num_blocks = num_blocks;
+  w.block_size = block_size;
+  w.ks = (FP8 && w.t.valid) ? k_scale[w.h] : 1.f;
+  w.vs = (FP8 && w.t.valid) ? v_scale[w.h] : 1.f;
+  return w;
+}
+
+// Sub-group scratch row of the merge: accumulator [DV], then the row's max and sum (NaN: a NaN query row).
+static inline void store_row_stats(sycl::decorated_local_ptr<float> row, int lane, float m, float l, bool nan) {
+  if (lane == 0) {
+    row[DV] = m;
+    row[DV + 1] = nan ? QNAN : l;
+  }
+}
+
+// The end-of-pass merge, after every sub-group stored its rows: tile rows [first, first + nrows) of
+// the pass; the partial results of row pr from key split g (of nslots) are in scratch row
+// pr + g * stride. Writes out (normalised, the sink joined) or, split, the partition's unnormalised
+// partials and (max, sum).
+static inline void merge_pass(const WorkGroup &w, sycl::decorated_local_ptr<float> lm, int first, int nrows,
+                              int stride, int nslots, int group, const float *sinks, elem_t *out, int64_t o_st,
+                              int64_t o_sh, float *part_acc, float *part_ml, int num_parts) {
+  sycl::group_barrier(syclext::this_work_item::get_work_group<1>());
+  const Tile &t = w.t;
+  for (int idx = w.lid; idx < nrows * DV; idx += WG) {
+    const int pr = idx / DV, d = idx - pr * DV;
+    const int flat = t.f0 + first + pr;
+    const int64_t token = t.q0 + flat / group;
+    const int qh = w.h * group + flat % group;
+    // The sink joins where the row is normalised: here unsplit, in kvm_split_reduce when split.
+    const float sink = (sinks != nullptr && !w.split) ? sinks[qh] : NEG_INF;
+    float mx = sink;
+    bool row_nan = false;
+    for (int g = 0; g < nslots; ++g) {
+      const auto row = lm + (pr + g * stride) * MERGE_STRIDE;
+      mx = sycl::fmax(mx, row[DV]);
+      row_nan |= is_nan(row[DV + 1]);
+    }
+    float sum = 0.f, a = 0.f;
+    if (row_nan) {
+      sum = QNAN;
+      a = QNAN;
+    } else if (mx != NEG_INF) {
+      for (int g = 0; g < nslots; ++g) {
+        const auto row = lm + (pr + g * stride) * MERGE_STRIDE;
+        const float wt = row[DV] == NEG_INF ? 0.f : sycl::exp(row[DV] - mx);
+        sum += row[DV + 1] * wt;
+        a += row[d] * wt;
+      }
+      if (sink != NEG_INF) sum += sycl::exp(sink - mx);
+    }
+    if (w.split) {
+      const int64_t prow = (token * w.num_q_heads + qh) * num_parts + w.part;
+      part_acc[prow * DV + d] = a;
+      if (d == 0) {
+        part_ml[prow * 2 + 0] = mx;
+        part_ml[prow * 2 + 1] = sum;
+      }
+    } else {
+      out[token * o_st + qh * o_sh + d] = from_f(row_nan ? QNAN : sum > 0.f ? a / sum : 0.f);
+    }
+  }
+}
+
 // The attention body. part_acc != nullptr (split-KV): write the partial results of partition
 // `part` of the key range instead of out (one body for both, so the device compiles it once).
 template <bool TERMS>
-static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens,
-                                  const cache_t *cache, int64_t s_block, int64_t s_token, int64_t s_head,
-                                  int64_t num_blocks, const int32_t *block_table, int64_t bt_stride, int64_t bt_rows,
-                                  int64_t bt_cols, const int32_t *seq_lens, const int32_t *query_start_loc,
-                                  const int32_t *tiles, elem_t *out, int64_t o_st, int64_t o_sh, float *part_acc,
-                                  float *part_ml, int32_t num_parts, int32_t part_size, int32_t num_kv_heads,
-                                  int32_t group, int32_t block_size, float scale, int32_t window, float softcap,
-                                  const float *k_scale, const float *v_scale, const float *sinks,
-                                  const float *alibi, int32_t causal, sycl::decorated_local_ptr<float> lm) {
-  auto it = syclext::this_work_item::get_nd_item<1>();
-  auto wg = it.get_group();
-  auto sg = it.get_sub_group();
-  const int lid = static_cast<int>(it.get_local_id(0));
-  const int sg_id = static_cast<int>(sg.get_group_linear_id());
-  const int lane = static_cast<int>(sg.get_local_linear_id());
-
-  const bool split = part_acc != nullptr;
-  const GroupTile g = locate_group_tile(it.get_group(0), split, num_parts, part_size, num_kv_heads, query_start_loc,
-                                        seq_lens, tiles, num_tokens, bt_rows, bt_cols, group, block_size, window,
-                                        !TERMS || causal != 0);
-  if (!g.t.valid) return;  // uniform over the work-group
-  const Tile t = g.t;
-  const int h = g.h, part = g.part;
-  const int num_q_heads = num_kv_heads * group;
-
-  const int32_t *bt = block_table + static_cast<int64_t>(t.req) * bt_stride;
-  const int64_t head_off = static_cast<int64_t>(h) * s_head;
-  const float ks = FP8 ? k_scale[h] : 1.f, vs = FP8 ? v_scale[h] : 1.f;   // fp8 caches only
+static inline void attention_body(KVM_ATTENTION_BODY_PARAMS) {
+  auto sg = syclext::this_work_item::get_sub_group();
+  const WorkGroup w = open_work_group<TERMS>(KVM_ATTENTION_COMMON_ARGS);
+  if (!w.t.valid) return;  // uniform over the work-group
+  const Tile &t = w.t;
+  const int h = w.h, sg_id = w.sg_id, lane = w.lane;
+  const float ks = w.ks, vs = w.vs;
   const int my_key = key_of_lane(lane);
   const int step_keys = NSG * KB;
-  // uniform over the work-group; constants (causal, no ALiBi) in the plain instantiation
-  const bool is_causal = !TERMS || causal != 0, use_alibi = TERMS && alibi != nullptr;
+  const bool is_causal = w.is_causal, use_alibi = w.use_alibi;
 
   for (int rb0 = 0; rb0 < t.nrows; rb0 += RB) {
     const int nr = sycl::min(RB, t.nrows - rb0);
@@ -486,13 +596,7 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
         for (int i = 0; i < VW; ++i) acc[r][c][i] = 0.f;
     }
 
-    // Cache offset (elements) of the row of key position k; -1: masked (out of range / bad block id).
-    auto key_offset = [&](int k) -> int64_t {
-      if (k < t.k_lo || k >= t.k_hi) return -1;
-      const int32_t bid = bt[k / block_size];
-      if (bid < 0 || bid >= num_blocks) return -1;
-      return static_cast<int64_t>(bid) * s_block + static_cast<int64_t>(k % block_size) * s_token + head_off;
-    };
+    auto key_offset = [&](int k) { return w.key_offset(k, t.k_lo, t.k_hi); };
 
     int k0 = t.k_lo + sg_id * KB;
     int64_t off = key_offset(k0 + (lane < KB ? lane : 0));
@@ -567,7 +671,7 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
     }
 
     // Merge the sub-groups' (max, sum, accumulator) per row through local memory.
-    if (rb0 > 0) sycl::group_barrier(wg);  // the previous pass's readers are done with the scratch
+    if (rb0 > 0) sycl::group_barrier(syclext::this_work_item::get_work_group<1>());  // scratch reuse
 #pragma unroll
     for (int r = 0; r < RB; ++r) {
       if (r < nr) {
@@ -579,48 +683,10 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
           for (int i = 0; i < VW; ++i)
             if (e < DV) row[e + i] = acc[r][c][i];
         }
-        if (lane == 0) {
-          row[DV] = m[r];
-          row[DV + 1] = nan_row[r] ? QNAN : l[r];
-        }
+        store_row_stats(row, lane, m[r], l[r], nan_row[r]);
       }
     }
-    sycl::group_barrier(wg);
-    for (int idx = lid; idx < nr * DV; idx += WG) {
-      const int r = idx / DV, d = idx - r * DV, flat = t.f0 + rb0 + r;
-      const int64_t token = t.q0 + flat / group;
-      const int qh = h * group + flat % group;
-      float mx = NEG_INF;
-      for (int g = 0; g < NSG; ++g) mx = sycl::fmax(mx, lm[(g * RB + r) * MERGE_STRIDE + DV]);
-      // The sink joins where the row is normalised: here unsplit, in kvm_split_reduce when split.
-      const float sink = (sinks != nullptr && !split) ? sinks[qh] : NEG_INF;
-      mx = sycl::fmax(mx, sink);
-      float sum = 0.f, a = 0.f;
-      bool row_nan = false;
-      for (int g = 0; g < NSG; ++g) row_nan |= is_nan(lm[(g * RB + r) * MERGE_STRIDE + DV + 1]);
-      if (row_nan) {
-        sum = QNAN;
-        a = QNAN;
-      } else if (mx != NEG_INF) {
-        for (int g = 0; g < NSG; ++g) {
-          const auto row = lm + (g * RB + r) * MERGE_STRIDE;
-          const float w = row[DV] == NEG_INF ? 0.f : sycl::exp(row[DV] - mx);
-          sum += row[DV + 1] * w;
-          a += row[d] * w;
-        }
-        if (sink != NEG_INF) sum += sycl::exp(sink - mx);
-      }
-      if (split) {
-        const int64_t prow = (token * num_q_heads + qh) * num_parts + part;
-        part_acc[prow * DV + d] = a;
-        if (d == 0) {
-          part_ml[prow * 2 + 0] = mx;
-          part_ml[prow * 2 + 1] = sum;
-        }
-      } else {
-        out[token * o_st + qh * o_sh + d] = from_f(row_nan ? QNAN : sum > 0.f ? a / sum : 0.f);
-      }
-    }
+    merge_pass(w, lm, rb0, nr, RB, NSG, group, sinks, out, o_st, o_sh, part_acc, part_ml, num_parts);
   }
 }
 
@@ -632,7 +698,8 @@ static inline void attention_body(const elem_t *query, int64_t q_st, int64_t q_s
 // The S fragment (lane n holds key n of every row) is exactly the A fragment of P.V, so P never
 // leaves the registers. Per 16-key step lane n reads the block-table entry of key n and then its
 // key's K row (B of QK^T: lane n is column n); V rows are read by the whole sub-group, lane n taking
-// column n of each chunk (B of P.V).
+// consecutive columns of each row (B of P.V in a permuted column order, V_COL); the query fragments
+// are read from local memory one chunk per call (Q_SLM).
 // Sub-groups: RGP = min(row groups, NSG) row groups per pass; the NSG / RGP sub-groups of a row group
 // split its visible keys in 16-key steps (decode: one row group, all sub-groups on its keys;
 // prefill: one row group per sub-group, each reading the keys of its own causal range only). Each
@@ -666,44 +733,71 @@ static inline cvec_t load_chunk_masked(const cache_t *row, int64_t off, int e, i
   return sycl::bit_cast<cvec_t>(static_cast<raw_t>(bits & raw_t(off >= 0 ? ~0u : 0u)));
 }
 
+// P.V's B operand in a permuted column order: lane n's chunk c holds V column n * NCV + c (the
+// accumulators follow the same order), so lane n reads consecutive elements of each V row: VG of them
+// (KVM_VG, a power of two dividing NCV and VW) per load, VG chunks of B at a time.
+#define V_COL(lane, c) ((lane) * NCV + (c))
+constexpr int widest_v_piece() {
+  int v = KVM_VG;
+  while (v > 1 && (NCV % v != 0 || VW % v != 0)) v /= 2;
+  return v;
+}
+constexpr int VG = widest_v_piece();
+using vgvec_t = sycl::vec<cache_t, VG>;
+using vgraw_t = std::conditional_t<VG * sizeof(cache_t) == 16, sycl::vec<uint32_t, 4>,
+                std::conditional_t<VG * sizeof(cache_t) == 8, sycl::vec<uint32_t, 2>,
+                std::conditional_t<VG * sizeof(cache_t) == 4, uint32_t,
+                std::conditional_t<VG * sizeof(cache_t) == 2, uint16_t, uint8_t>>>>;
+static_assert(sizeof(vgraw_t) == sizeof(vgvec_t), "vgraw_t must have the size of a V piece");
+
+// VG elements [e, e + VG) of the V row at `off` (zero when off < 0 or e >= DV; e is a multiple of VG, so
+// a piece is whole inside or outside the row), read without a divergent branch (as load_chunk_masked).
+static inline vgvec_t load_v_piece(const cache_t *v, int64_t off, int e) {
+  const bool ok = off >= 0 && (DV % (16 * NCV) == 0 || e < DV);
+  const vgraw_t bits = *reinterpret_cast<const vgraw_t *>(v + (ok ? off + e : 0));
+  return sycl::bit_cast<vgvec_t>(static_cast<vgraw_t>(bits & vgraw_t(ok ? ~0u : 0u)));
+}
+
+// Query fragments in local memory, over the merge scratch (when it is large enough: Q_SLM): row group
+// slot g's chunk c holds lane k's row pairs (2r, 2r + 1) as 4 consecutive words, one 16-byte load.
+constexpr bool Q_SLM = NSG * NC * 64 <= MMA_LM_FLOATS;   // NC chunks x 16 lanes x 4 words per slot
+static inline int q_frag_index(int slot, int c, int lane) { return ((slot * NC + c) * 16 + lane) * 4; }
+static inline void store_q_frag(sycl::decorated_local_ptr<float> lm, int slot, int c, int lane, mma_a_t a) {
+  sycl::vec<float, 4> w;
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+    w[r] = sycl::bit_cast<float>(static_cast<uint32_t>(static_cast<uint16_t>(a[2 * r])) |
+                                 (static_cast<uint32_t>(static_cast<uint16_t>(a[2 * r + 1])) << 16));
+  w.store(q_frag_index(slot, c, lane) / 4, lm);
+}
+static inline mma_a_t load_q_frag(sycl::decorated_local_ptr<float> lm, int slot, int c, int lane) {
+  sycl::vec<float, 4> w;
+  w.load(q_frag_index(slot, c, lane) / 4, lm);
+  mma_a_t a;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const uint32_t bits = sycl::bit_cast<uint32_t>(static_cast<float>(w[r]));
+    a[2 * r] = static_cast<short>(bits & 0xffffu);
+    a[2 * r + 1] = static_cast<short>(bits >> 16);
+  }
+  return a;
+}
+
 template <bool TERMS>
-static inline void attention_body_mma(const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens,
-                                      const cache_t *cache, int64_t s_block, int64_t s_token, int64_t s_head,
-                                      int64_t num_blocks, const int32_t *block_table, int64_t bt_stride,
-                                      int64_t bt_rows, int64_t bt_cols, const int32_t *seq_lens,
-                                      const int32_t *query_start_loc, const int32_t *tiles, elem_t *out, int64_t o_st,
-                                      int64_t o_sh, float *part_acc, float *part_ml, int32_t num_parts,
-                                      int32_t part_size, int32_t num_kv_heads, int32_t group, int32_t block_size,
-                                      float scale, int32_t window, float softcap, const float *k_scale,
-                                      const float *v_scale, const float *sinks, const float *alibi, int32_t causal,
-                                      sycl::decorated_local_ptr<float> lm) {
-  auto it = syclext::this_work_item::get_nd_item<1>();
-  auto wg = it.get_group();
-  auto sg = it.get_sub_group();
-  const int lid = static_cast<int>(it.get_local_id(0));
-  const int sg_id = static_cast<int>(sg.get_group_linear_id());
-  const int lane = static_cast<int>(sg.get_local_linear_id());
-
-  const bool split = part_acc != nullptr;
-  const GroupTile g = locate_group_tile(it.get_group(0), split, num_parts, part_size, num_kv_heads, query_start_loc,
-                                        seq_lens, tiles, num_tokens, bt_rows, bt_cols, group, block_size, window,
-                                        !TERMS || causal != 0);
-  if (!g.t.valid) return;  // uniform over the work-group
-  const Tile t = g.t;
-  const int h = g.h, part = g.part;
-  const int num_q_heads = num_kv_heads * group;
-
-  const int32_t *bt = block_table + static_cast<int64_t>(t.req) * bt_stride;
-  const int64_t head_off = static_cast<int64_t>(h) * s_head;
-  const float ks = FP8 ? k_scale[h] : 1.f, vs = FP8 ? v_scale[h] : 1.f;   // fp8 caches only
+static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
+  auto sg = syclext::this_work_item::get_sub_group();
+  const WorkGroup w = open_work_group<TERMS>(KVM_ATTENTION_COMMON_ARGS);
+  if (!w.t.valid) return;  // uniform over the work-group
+  const Tile &t = w.t;
+  const int h = w.h, sg_id = w.sg_id, lane = w.lane;
+  const float ks = w.ks, vs = w.vs;
   const int nrg = (t.nrows + MR - 1) / MR;          // row groups of the tile
   const int rgp = sycl::min(nrg, NSG);              // row groups per pass
   const int kspl = NSG / rgp;                       // sub-groups splitting one row group's keys
   const int npass = (nrg + rgp - 1) / rgp;
   const int my_split = sg_id / rgp;
   const bool has_rows = num_blocks > 0;             // masked rows read row 0 (load_chunk_masked)
-  // uniform over the work-group; constants (causal, no ALiBi) in the plain instantiation
-  const bool is_causal = !TERMS || causal != 0, use_alibi = TERMS && alibi != nullptr;
+  const bool is_causal = w.is_causal, use_alibi = w.use_alibi;
 
   for (int pass = 0; pass < npass; ++pass) {
     const int rg = pass * rgp + sg_id % rgp;
@@ -742,6 +836,18 @@ static inline void attention_body_mma(const elem_t *query, int64_t q_st, int64_t
       if (sycl::any_of_group(sg, row_nan)) nan_rows |= 1u << m;
     }
 
+    // The query fragments go to local memory (Q_SLM): the merge scratch is free during the key loop,
+    // the sub-groups splitting a row group's keys share one copy, and the loop holds one chunk at a time.
+    auto wg = syclext::this_work_item::get_work_group<1>();
+    if constexpr (Q_SLM) {
+      if (pass > 0) sycl::group_barrier(wg);   // the previous pass's merge has read the scratch
+      if (active && my_split == 0) {
+#pragma unroll
+        for (int c = 0; c < NC; ++c) store_q_frag(lm, sg_id % rgp, c, lane, qa[c]);
+      }
+      sycl::group_barrier(wg);
+    }
+
     // This row group's visible keys: the tile's range narrowed to its own first / last position.
     int k_lo = t.k_lo, k_hi = t.k_lo;
     if (nr > 0) {
@@ -762,12 +868,7 @@ static inline void attention_body_mma(const elem_t *query, int64_t q_st, int64_t
 #pragma unroll
     for (int c = 0; c < NCV; ++c) acc[c] = mma_c_t(0.f);
 
-    auto key_offset = [&](int k) -> int64_t {
-      if (k < k_lo || k >= k_hi) return -1;
-      const int32_t bid = bt[k / block_size];
-      if (bid < 0 || bid >= num_blocks) return -1;
-      return static_cast<int64_t>(bid) * s_block + static_cast<int64_t>(k % block_size) * s_token + head_off;
-    };
+    auto key_offset = [&](int k) { return w.key_offset(k, k_lo, k_hi); };
 
     const int step = kspl * KS;
     int k0 = k_lo + my_split * KS;
@@ -788,7 +889,7 @@ static inline void attention_body_mma(const elem_t *query, int64_t q_st, int64_t
           for (int i = 0; i < VW; i += 2)
             kb[(v * VW + i) / 2] = static_cast<int>(cache_bits(x[i]) | (cache_bits(x[i + 1]) << 16));
         }
-        s = mma<MMA_BF16>(sg, qa[c], kb, s);
+        s = mma<MMA_BF16>(sg, Q_SLM ? load_q_frag(lm, sg_id % rgp, c, lane) : qa[c], kb, s);
       }
 
       // Online softmax per row (lane n: key k0 + n).
@@ -814,30 +915,27 @@ static inline void attention_body_mma(const elem_t *query, int64_t q_st, int64_t
         pa[m] = static_cast<short>(mm_bits_of(p));
       }
 
-      // O += P V: chunk c of V is B with lane n holding column 16 c + n of every key's row.
+      // O += P V, VG chunks at a time: lane n reads VG consecutive elements of each key's V row
+      // (columns n * NCV + g0 ...; see V_COL) and packs key pairs into the B fragments.
 #pragma unroll
-      for (int c = 0; c < NCV; ++c) {
-        mma_b_t vb;
+      for (int g0 = 0; g0 < NCV; g0 += VG) {
+        const int e = lane * NCV + g0;
+        mma_b_t vb[VG];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          uint32_t pair = 0;
+          const vgvec_t lo = load_v_piece(cache + D, sycl::select_from_group(sg, off, 2 * i), e);
+          const vgvec_t hi = load_v_piece(cache + D, sycl::select_from_group(sg, off, 2 * i + 1), e);
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int64_t o = sycl::select_from_group(sg, off, 2 * i + half);
-            const int e = c * 16 + lane;
-            const bool ok = o >= 0 && (DV % 16 == 0 || e < DV);
-            const uint32_t bits = cache_bits(cache[(o >= 0 ? o : 0) + D + (ok ? e : 0)]);
-            pair |= (ok ? bits : 0u) << (16 * half);
-          }
-          vb[i] = static_cast<int>(pair);
+          for (int v = 0; v < VG; ++v) vb[v][i] = static_cast<int>(cache_bits(lo[v]) | (cache_bits(hi[v]) << 16));
         }
-        acc[c] = mma<MMA_BF16>(sg, pa, vb, acc[c]);
+#pragma unroll
+        for (int v = 0; v < VG; ++v) acc[g0 + v] = mma<MMA_BF16>(sg, pa, vb[v], acc[g0 + v]);
       }
       off = next_off;
     }
 
     // Merge the key splits of each row group through local memory.
-    if (pass > 0) sycl::group_barrier(wg);
+    if (Q_SLM || pass > 0) sycl::group_barrier(wg);  // the scratch's readers (Q, the previous merge) are done
     if (active) {
 #pragma unroll
       for (int m = 0; m < MR; ++m) {
@@ -845,58 +943,17 @@ static inline void attention_body_mma(const elem_t *query, int64_t q_st, int64_t
           auto row = lm + (sg_id * MR + m) * MERGE_STRIDE;
 #pragma unroll
           for (int c = 0; c < NCV; ++c) {
-            const int e = c * 16 + lane;
+            const int e = V_COL(lane, c);
             if (e < DV) row[e] = acc[c][m] * vs;
           }
-          const float l = sycl::reduce_over_group(sg, lsum[m], sycl::plus<float>());
-          if (lane == 0) {
-            row[DV] = mrow[m];
-            row[DV + 1] = (nan_rows >> m) & 1u ? QNAN : l;
-          }
+          store_row_stats(row, lane, mrow[m], sycl::reduce_over_group(sg, lsum[m], sycl::plus<float>()),
+                          (nan_rows >> m) & 1u);
         }
       }
     }
-    sycl::group_barrier(wg);
     const int pass_rows = sycl::min(rgp * MR, t.nrows - pass * rgp * MR);
-    for (int idx = lid; idx < pass_rows * DV; idx += WG) {
-      const int pr = idx / DV, d = idx - pr * DV;
-      const int rgl = pr / MR, m = pr % MR;
-      const int flat = t.f0 + (pass * rgp + rgl) * MR + m;
-      const int qh = h * group + flat % group;
-      // The sink joins where the row is normalised: here unsplit, in kvm_split_reduce when split.
-      const float sink = (sinks != nullptr && !split) ? sinks[qh] : NEG_INF;
-      float mx = sink;
-      bool row_nan = false;
-      for (int g = 0; g < kspl; ++g) {
-        const auto row = lm + ((rgl + g * rgp) * MR + m) * MERGE_STRIDE;
-        mx = sycl::fmax(mx, row[DV]);
-        row_nan |= is_nan(row[DV + 1]);
-      }
-      float sum = 0.f, a = 0.f;
-      if (row_nan) {
-        sum = QNAN;
-        a = QNAN;
-      } else if (mx != NEG_INF) {
-        for (int g = 0; g < kspl; ++g) {
-          const auto row = lm + ((rgl + g * rgp) * MR + m) * MERGE_STRIDE;
-          const float w = row[DV] == NEG_INF ? 0.f : sycl::exp(row[DV] - mx);
-          sum += row[DV + 1] * w;
-          a += row[d] * w;
-        }
-        if (sink != NEG_INF) sum += sycl::exp(sink - mx);
-      }
-      const int64_t token = t.q0 + flat / group;
-      if (split) {
-        const int64_t prow = (token * num_q_heads + qh) * num_parts + part;
-        part_acc[prow * DV + d] = a;
-        if (d == 0) {
-          part_ml[prow * 2 + 0] = mx;
-          part_ml[prow * 2 + 1] = sum;
-        }
-      } else {
-        out[token * o_st + qh * o_sh + d] = from_f(row_nan ? QNAN : sum > 0.f ? a / sum : 0.f);
-      }
-    }
+    merge_pass(w, lm, pass * rgp * MR, pass_rows, rgp * MR, kspl, group, sinks, out, o_st, o_sh, part_acc, part_ml,
+               num_parts);
   }
 }
 #endif  // KVM_MMA
@@ -915,20 +972,6 @@ static inline void attention_body_mma(const elem_t *query, int64_t q_st, int64_t
 // sinks / alibi: fp32 [Hq] or nullptr (the split launch leaves sinks to kvm_split_reduce); causal:
 // 0 = every row sees its request's seq_len keys. This kernel ignores alibi and causal (always
 // causal); kvm_paged_attention_terms, the same arguments, applies them.
-// One parameter list for both attention kernels (the host passes the same arguments to either).
-#define KVM_ATTENTION_PARAMS                                                                                    \
-  const elem_t *query, int64_t q_st, int64_t q_sh, int64_t num_tokens, const cache_t *cache, int64_t s_block,  \
-      int64_t s_token, int64_t s_head, int64_t num_blocks, const int32_t *block_table, int64_t bt_stride,      \
-      int64_t bt_rows, int64_t bt_cols, const int32_t *seq_lens, const int32_t *query_start_loc,               \
-      const int32_t *tiles, elem_t *out, int64_t o_st, int64_t o_sh, float *part_acc, float *part_ml,          \
-      int32_t num_parts, int32_t part_size, int32_t num_kv_heads, int32_t group, int32_t block_size,           \
-      float scale, int32_t window, float softcap, const float *k_scale, const float *v_scale,                  \
-      const float *sinks, const float *alibi, int32_t causal, sycl::local_accessor<float, 1> lm
-#define KVM_ATTENTION_ARGS                                                                                      \
-  query, q_st, q_sh, num_tokens, cache, s_block, s_token, s_head, num_blocks, block_table, bt_stride, bt_rows,  \
-      bt_cols, seq_lens, query_start_loc, tiles, out, o_st, o_sh, part_acc, part_ml, num_parts, part_size,     \
-      num_kv_heads, group, block_size, scale, window, softcap, k_scale, v_scale, sinks, alibi, causal,         \
-      lm.get_multi_ptr<sycl::access::decorated::yes>()
 // The body both attention kernels instantiate: the matrix path for fp16 / bf16 (KVM_MMA), else the vector one.
 #if KVM_MMA
 #define KVM_ATTENTION_BODY attention_body_mma
