@@ -762,6 +762,9 @@ static inline vgvec_t load_v_piece(const cache_t *v, int64_t off, int e) {
 // slot g's chunk c holds lane k's row pairs (2r, 2r + 1) as 4 consecutive words, one 16-byte load.
 constexpr bool Q_SLM = NSG * NC * 64 <= MMA_LM_FLOATS;   // NC chunks x 16 lanes x 4 words per slot
 static inline int q_frag_index(int slot, int c, int lane) { return ((slot * NC + c) * 16 + lane) * 4; }
+// ALiBi slopes of the row groups, after the query fragments (TERMS_SLM): slot g's row m at slope_index(g, m).
+constexpr bool TERMS_SLM = Q_SLM && NSG * NC * 64 + NSG * MR <= MMA_LM_FLOATS;
+static inline int slope_index(int slot, int m) { return NSG * NC * 64 + slot * MR + m; }
 static inline void store_q_frag(sycl::decorated_local_ptr<float> lm, int slot, int c, int lane, mma_a_t a) {
   sycl::vec<float, 4> w;
 #pragma unroll
@@ -808,14 +811,19 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
     // Query fragments (A of QK^T): component m of chunk c is Q[row m][16 c + lane].
     mma_a_t qa[NC];
     int64_t qpos[MR];
-    float slope[MR];
+    // Row m's query position relative to t.ctx. The key loop compares and subtracts positions as
+    // 32-bit offsets from t.ctx (real positions are < 2^31, seq_lens being int32; with bad metadata
+    // a wrapped offset only changes which of the range's keys count, never a read).
+    int qtok[MR];
+    float slope[MR];                                   // ALiBi slopes, unless in local memory (TERMS_SLM)
 #pragma unroll
     for (int m = 0; m < MR; ++m) {
       const int flat = t.f0 + r0 + m;
       const int64_t token = t.q0 + flat / group;
       const int qh = h * group + flat % group;
       qpos[m] = m < nr ? t.ctx + flat / group : t.ctx;   // rows m >= nr see no key (the mask below)
-      slope[m] = (use_alibi && m < nr) ? alibi[qh] : 0.f;
+      qtok[m] = m < nr ? flat / group : 0;
+      slope[m] = (!TERMS_SLM && use_alibi && m < nr) ? alibi[qh] : 0.f;
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
         const int e = c * 16 + lane;
@@ -844,6 +852,10 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
       if (active && my_split == 0) {
 #pragma unroll
         for (int c = 0; c < NC; ++c) store_q_frag(lm, sg_id % rgp, c, lane, qa[c]);
+        if (TERMS_SLM && use_alibi && lane < MR) {
+          const int flat = t.f0 + r0 + lane;
+          lm[slope_index(sg_id % rgp, lane)] = lane < nr ? alibi[h * group + flat % group] : 0.f;
+        }
       }
       sycl::group_barrier(wg);
     }
@@ -858,7 +870,7 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
       if (!has_rows) k_hi = k_lo;
     }
 
-    float mrow[MR], lsum[MR];
+    float mrow[MR], lsum[MR];                          // uniform: each step's sum is reduced at once
     mma_c_t acc[NCV];
 #pragma unroll
     for (int m = 0; m < MR; ++m) {
@@ -894,21 +906,24 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
 
       // Online softmax per row (lane n: key k0 + n).
       const int64_t kpos = k0 + lane;
+      const int krel = static_cast<int>(kpos - t.ctx);   // key position - t.ctx
       const bool key_ok = off >= 0;
       mma_a_t pa;
 #pragma unroll
       for (int m = 0; m < MR; ++m) {
         float x = s[m] * ks * scale;
         if (softcap > 0.f) x = softcap * sycl::tanh(x / softcap);
-        if (use_alibi) x += slope[m] * static_cast<float>(kpos - qpos[m]);
-        const bool visible = key_ok && m < nr && (!is_causal || kpos <= qpos[m]) &&
-                             (window <= 0 || qpos[m] - kpos < window);
+        if (use_alibi)
+          x += (TERMS_SLM ? static_cast<float>(lm[slope_index(sg_id % rgp, m)]) : slope[m]) *
+               static_cast<float>(krel - qtok[m]);
+        const bool visible = key_ok && m < nr && (!is_causal || krel <= qtok[m]) &&
+                             (window <= 0 || qtok[m] - krel < window);
         x = visible ? x : NEG_INF;
         const float m_old = mrow[m];
         const float m_new = sycl::fmax(m_old, sycl::reduce_over_group(sg, x, sycl::maximum<float>()));
         const float p = (m_new == NEG_INF || x == NEG_INF) ? 0.f : sycl::exp(x - m_new);
         const float alpha = m_new == NEG_INF ? 1.f : (m_old == NEG_INF ? 0.f : sycl::exp(m_old - m_new));
-        lsum[m] = lsum[m] * alpha + p;
+        lsum[m] = lsum[m] * alpha + sycl::reduce_over_group(sg, p, sycl::plus<float>());
         mrow[m] = m_new;
 #pragma unroll
         for (int c = 0; c < NCV; ++c) acc[c][m] *= alpha;
@@ -946,8 +961,7 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
             const int e = V_COL(lane, c);
             if (e < DV) row[e] = acc[c][m] * vs;
           }
-          store_row_stats(row, lane, mrow[m], sycl::reduce_over_group(sg, lsum[m], sycl::plus<float>()),
-                          (nan_rows >> m) & 1u);
+          store_row_stats(row, lane, mrow[m], lsum[m], (nan_rows >> m) & 1u);
         }
       }
     }
