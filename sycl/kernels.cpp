@@ -762,9 +762,6 @@ static inline vgvec_t load_v_piece(const cache_t *v, int64_t off, int e) {
 // slot g's chunk c holds lane k's row pairs (2r, 2r + 1) as 4 consecutive words, one 16-byte load.
 constexpr bool Q_SLM = NSG * NC * 64 <= MMA_LM_FLOATS;   // NC chunks x 16 lanes x 4 words per slot
 static inline int q_frag_index(int slot, int c, int lane) { return ((slot * NC + c) * 16 + lane) * 4; }
-// ALiBi slopes of the row groups, after the query fragments (TERMS_SLM): slot g's row m at slope_index(g, m).
-constexpr bool TERMS_SLM = Q_SLM && NSG * NC * 64 + NSG * MR <= MMA_LM_FLOATS;
-static inline int slope_index(int slot, int m) { return NSG * NC * 64 + slot * MR + m; }
 static inline void store_q_frag(sycl::decorated_local_ptr<float> lm, int slot, int c, int lane, mma_a_t a) {
   sycl::vec<float, 4> w;
 #pragma unroll
@@ -815,7 +812,6 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
     // 32-bit offsets from t.ctx (real positions are < 2^31, seq_lens being int32; with bad metadata
     // a wrapped offset only changes which of the range's keys count, never a read).
     int qtok[MR];
-    float slope[MR];                                   // ALiBi slopes, unless in local memory (TERMS_SLM)
 #pragma unroll
     for (int m = 0; m < MR; ++m) {
       const int flat = t.f0 + r0 + m;
@@ -823,7 +819,6 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
       const int qh = h * group + flat % group;
       qpos[m] = m < nr ? t.ctx + flat / group : t.ctx;   // rows m >= nr see no key (the mask below)
       qtok[m] = m < nr ? flat / group : 0;
-      slope[m] = (!TERMS_SLM && use_alibi && m < nr) ? alibi[qh] : 0.f;
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
         const int e = c * 16 + lane;
@@ -852,14 +847,13 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
       if (active && my_split == 0) {
 #pragma unroll
         for (int c = 0; c < NC; ++c) store_q_frag(lm, sg_id % rgp, c, lane, qa[c]);
-        if (TERMS_SLM && use_alibi && lane < MR) {
-          const int flat = t.f0 + r0 + lane;
-          lm[slope_index(sg_id % rgp, lane)] = lane < nr ? alibi[h * group + flat % group] : 0.f;
-        }
       }
       sycl::group_barrier(wg);
     }
 
+    // ALiBi: lane m < nr holds row m's slope (one register; each row's is broadcast in the key loop).
+    float slope_lane = 0.f;
+    if (use_alibi && lane < nr) slope_lane = alibi[h * group + (t.f0 + r0 + lane) % group];
     // This row group's visible keys: the tile's range narrowed to its own first / last position.
     int k_lo = t.k_lo, k_hi = t.k_lo;
     if (nr > 0) {
@@ -913,9 +907,7 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
       for (int m = 0; m < MR; ++m) {
         float x = s[m] * ks * scale;
         if (softcap > 0.f) x = softcap * sycl::tanh(x / softcap);
-        if (use_alibi)
-          x += (TERMS_SLM ? static_cast<float>(lm[slope_index(sg_id % rgp, m)]) : slope[m]) *
-               static_cast<float>(krel - qtok[m]);
+        if (use_alibi) x += sycl::select_from_group(sg, slope_lane, m) * static_cast<float>(krel - qtok[m]);
         const bool visible = key_ok && m < nr && (!is_causal || krel <= qtok[m]) &&
                              (window <= 0 || qtok[m] - krel < window);
         x = visible ? x : NEG_INF;
