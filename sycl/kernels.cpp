@@ -160,7 +160,18 @@ using cache_t = uint8_t;
 constexpr bool FP8 = true;
 constexpr int FP8_MANT = KVM_CACHE == 3 ? 3 : 2, FP8_BIAS = KVM_CACHE == 3 ? 7 : 15;
 constexpr uint32_t FP8_MAX_BITS = KVM_CACHE == 3 ? 0x43E00000u : 0x47600000u;  // 448, 57344
+// An e4m3 code's value as bf16 bits, exactly and without branches: the exponent field moves from bias
+// 7 to 127 in integer operations; a subnormal code (exponent field 0: m x 2^-9) is (1 + m / 8) x 2^-6
+// minus 2^-6, an exact fp32 subtraction; 0x7F / 0xFF (NaN) become the canonical quiet NaN.
+static inline uint32_t e4m3_bf16_bits(cache_t code) {
+  const uint32_t mag = code & 0x7Fu, sub = static_cast<uint32_t>(mag < 8u);
+  const float f = sycl::bit_cast<float>(((mag << 4) + 0x3C00u + (sub << 7)) << 16) - static_cast<float>(sub) * 0x1p-6f;
+  const uint32_t bits = (sycl::bit_cast<uint32_t>(f) >> 16) | (static_cast<uint32_t>(code & 0x80u) << 8);
+  const uint32_t nan = 0u - static_cast<uint32_t>(mag == 0x7Fu);
+  return (bits & ~nan) | (0x7FC0u & nan);
+}
 static inline float cache_to_f(cache_t code) {
+  if constexpr (KVM_CACHE == 3) return sycl::bit_cast<float>(e4m3_bf16_bits(code) << 16);
   const uint32_t sign = static_cast<uint32_t>(code & 0x80u) << 24;
   const uint32_t e = (code & 0x7Fu) >> FP8_MANT, m = code & ((1u << FP8_MANT) - 1u);
   float mag;
@@ -722,16 +733,7 @@ static inline uint32_t mm_bits(elem_t x) {
 static inline uint32_t mm_bits_of(float x) { return mm_bits(from_f(x)); }
 static inline uint32_t cache_bits(cache_t x) {
 #if defined(KVM_CACHE) && KVM_CACHE == 3
-  // e4m3 -> bf16 exactly, without branches: the exponent field moves from bias 7 to 127 in integer
-  // operations; a subnormal code (exponent field 0: m x 2^-9) is (1 + m / 8) x 2^-6 minus 2^-6, an
-  // exact fp32 subtraction; 0x7F / 0xFF (NaN) become the canonical NaN (as from_f makes them).
-  if constexpr (MMA_BF16) {
-    const uint32_t mag = x & 0x7Fu, sub = static_cast<uint32_t>(mag < 8u);
-    const float f = sycl::bit_cast<float>(((mag << 4) + 0x3C00u + (sub << 7)) << 16) - static_cast<float>(sub) * 0x1p-6f;
-    const uint32_t bits = (sycl::bit_cast<uint32_t>(f) >> 16) | (static_cast<uint32_t>(x & 0x80u) << 8);
-    const uint32_t nan = 0u - static_cast<uint32_t>(mag == 0x7Fu);
-    return (bits & ~nan) | (0x7FC0u & nan);
-  }
+  if constexpr (MMA_BF16) return e4m3_bf16_bits(x);   // exact: no rounding through fp32
 #endif
   if constexpr (FP8) return mm_bits_of(cache_to_f(x));
   else return mm_bits(x);
