@@ -739,6 +739,26 @@ static inline uint32_t cache_bits(cache_t x) {
   else return mm_bits(x);
 }
 
+// The B-operand word of two cache elements: a's bits low, b's high. e4m3 into bf16 converts both codes
+// at once, one per 16-bit half (as e4m3_bf16_bits; no carry crosses the halves).
+static inline uint32_t cache_pair_bits(cache_t a, cache_t b) {
+#if defined(KVM_CACHE) && KVM_CACHE == 3
+  if constexpr (MMA_BF16) {
+    const uint32_t u = static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
+    const uint32_t mag = u & 0x007F007Fu;
+    const uint32_t sub = (((((mag >> 3) & 0x000F000Fu) + 0x000F000Fu) >> 4) & 0x00010001u) ^ 0x00010001u;
+    const uint32_t pat = (mag << 4) + 0x3C003C00u + (sub << 7);
+    const float lo = sycl::bit_cast<float>(pat << 16) - static_cast<float>(sub & 1u) * 0x1p-6f;
+    const float hi = sycl::bit_cast<float>(pat & 0xFFFF0000u) - static_cast<float>(sub >> 16) * 0x1p-6f;
+    const uint32_t bits = (sycl::bit_cast<uint32_t>(lo) >> 16) | (sycl::bit_cast<uint32_t>(hi) & 0xFFFF0000u) |
+                          ((u & 0x00800080u) << 8);
+    const uint32_t nan = (((mag + 0x00010001u) >> 7) & 0x00010001u) * 0xFFFFu;
+    return (bits & ~nan) | (0x7FC07FC0u & nan);
+  }
+#endif
+  return cache_bits(a) | (cache_bits(b) << 16);
+}
+
 // load_chunk without a divergent branch: a masked row (off < 0) reads the cache's first row and is
 // zeroed by a select (the caller guarantees the cache holds a row). e is the same in every lane.
 static inline cvec_t load_chunk_masked(const cache_t *row, int64_t off, int e, int n) {
@@ -907,7 +927,7 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
           const cvec_t x = load_chunk_masked(cache, off, c * 16 + v * VW, D);
 #pragma unroll
           for (int i = 0; i < VW; i += 2)
-            kb[(v * VW + i) / 2] = static_cast<int>(cache_bits(x[i]) | (cache_bits(x[i + 1]) << 16));
+            kb[(v * VW + i) / 2] = static_cast<int>(cache_pair_bits(x[i], x[i + 1]));
         }
         s = mma<MMA_BF16>(sg, Q_SLM ? load_q_frag(lm, sg_id % rgp, c, lane) : qa[c], kb, s);
       }
@@ -947,7 +967,7 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
           const vgvec_t lo = load_v_piece(cache + D, sycl::select_from_group(sg, off, 2 * i), e);
           const vgvec_t hi = load_v_piece(cache + D, sycl::select_from_group(sg, off, 2 * i + 1), e);
 #pragma unroll
-          for (int v = 0; v < VG; ++v) vb[v][i] = static_cast<int>(cache_bits(lo[v]) | (cache_bits(hi[v]) << 16));
+          for (int v = 0; v < VG; ++v) vb[v][i] = static_cast<int>(cache_pair_bits(lo[v], hi[v]));
         }
 #pragma unroll
         for (int v = 0; v < VG; ++v) acc[g0 + v] = mma<MMA_BF16>(sg, pa, vb[v], acc[g0 + v]);
