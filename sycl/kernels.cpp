@@ -14,8 +14,8 @@
 //   -DKVM_RB=RB             tile rows held in registers per pass over the keys (default 4)
 //   -DKVM_KB=KB             keys per sub-group step, a power of two <= SG (default 4)
 //   -DKVM_TERMS=1           also build kvm_paged_attention_terms (ALiBi / non-causal; default 0)
-//   -DKVM_VG=VG             matrix body: V elements a lane reads per load for P.V (default 4; lowered
-//                           to the largest power of two dividing ceil(DV / 16) and VW)
+//   -DKVM_VG=VG             matrix body: V elements a lane reads per load for P.V (default 4, 2 over
+//                           an fp8 cache; lowered to the largest power of two dividing ceil(DV / 16) and VW)
 //   -DKVM_MMA=0|1|2         attention body: 0 the vector body (v2, below); fp16 / bf16 only: 1 the
 //                           matrix body with the matrix built-in emulated by sub-group broadcasts
 //                           (non-GPU devices: the OpenCL CPU device), 2 the matrix body on the
@@ -103,9 +103,6 @@ namespace syclexp = sycl::ext::oneapi::experimental;
 #endif
 #ifndef KVM_KB
 #define KVM_KB 4
-#endif
-#ifndef KVM_VG
-#define KVM_VG 4
 #endif
 
 constexpr int D = KVM_HEAD_SIZE;
@@ -771,8 +768,13 @@ static inline cvec_t load_chunk_masked(const cache_t *row, int64_t off, int e, i
 // accumulators follow the same order), so lane n reads consecutive elements of each V row: VG of them
 // (KVM_VG, a power of two dividing NCV and VW) per load, VG chunks of B at a time.
 #define V_COL(lane, c) ((lane) * NCV + (c))
+#ifdef KVM_VG
+constexpr int VG_WANTED = KVM_VG;
+#else
+constexpr int VG_WANTED = FP8 ? 2 : 4;   // fp8: 2-byte pieces keep both kernels free of spills on PVC
+#endif
 constexpr int widest_v_piece() {
-  int v = KVM_VG;
+  int v = VG_WANTED;
   while (v > 1 && (NCV % v != 0 || VW % v != 0)) v /= 2;
   return v;
 }
