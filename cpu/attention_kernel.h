@@ -67,6 +67,10 @@
 #ifndef KV_INLINE
 #define KV_INLINE inline __attribute__((always_inline))
 #endif
+// The opposite, for a loop nest that needs the vector registers to itself.
+#ifndef KV_NOINLINE
+#define KV_NOINLINE __attribute__((noinline))
+#endif
 
 typedef float vf __attribute__((vector_size(KV_W * 4)));
 typedef int32_t vi __attribute__((vector_size(KV_W * 4)));

@@ -18,10 +18,6 @@
 // fp8 caches: the widened values are value / fp8_unit; the per-head k_scale (and the unit) go into
 // the query scale, v_scale into the output rows, as on the other paths.
 
-// The register tiles are functions of their own: inlined into tile_step, they shared its register
-// allocation and kept the P.V operands on the stack.
-#define KV_NOINLINE __attribute__((noinline))
-
 // Accumulators of one register tile (AVX-512 has 32 vector registers; AVX2 and SSE 16).
 constexpr int kTileAcc = KV_W == 16 ? 16 : 8;
 // Row vectors of one KV head's rows at most (kTileMaxRows in kvmulti_cpu.h); items with more rows
@@ -56,6 +52,8 @@ static KV_INLINE uint32_t load_u32(const void* p) {
 }
 
 // Scores of keys [j0, j0 + KB) for row vectors [rv0, rv0 + RB) into St; mx: running max per row vector.
+// tile_qk and tile_pv are functions of their own: inlined into tile_step, they shared its register
+// allocation and kept the P.V operands on the stack.
 template <bool DOT, int RB, int KB>
 static KV_NOINLINE void tile_qk(const TileCtx& t, const void* Qt, int rv0, int j0, vf* mx) {
   const int Mr = t.Mr;
