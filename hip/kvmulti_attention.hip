@@ -630,7 +630,7 @@ template <typename T, typename C>
 __device__ __forceinline__ Frag k_fragment(const Chunk16& c, int h) {
   if constexpr (is_fp8<C>()) {
     const uint32_t w = c.w[h];
-    return Frag{{widen_pair<C, T>((w << 8) & 0xFF00FF00u), widen_pair<C, T>(w & 0xFF00FF00u)}};
+    return Frag{{widen_pair_scaled<C, T>((w << 8) & 0xFF00FF00u), widen_pair_scaled<C, T>(w & 0xFF00FF00u)}};
   } else {
     return Frag{{c.w[2 * h], c.w[2 * h + 1]}};
   }
@@ -643,8 +643,8 @@ __device__ __forceinline__ uint32_t byte_of(const Chunk16& c, int e) { return (c
 template <typename T, typename C, int PVC>
 __device__ __forceinline__ Frag v_fragment(const Chunk16 (&vc)[4][PVC], int u, int c) {
   if constexpr (is_fp8<C>()) {
-    return Frag{{widen_pair<C, T>((byte_of(vc[0][u], c) << 8) | (byte_of(vc[1][u], c) << 24)),
-                 widen_pair<C, T>((byte_of(vc[2][u], c) << 8) | (byte_of(vc[3][u], c) << 24))}};
+    return Frag{{widen_pair_scaled<C, T>((byte_of(vc[0][u], c) << 8) | (byte_of(vc[1][u], c) << 24)),
+                 widen_pair_scaled<C, T>((byte_of(vc[2][u], c) << 8) | (byte_of(vc[3][u], c) << 24))}};
   } else {
     return Frag{{pair_halves(vc[0][u].w[c >> 1], vc[1][u].w[c >> 1], c & 1),
                  pair_halves(vc[2][u].w[c >> 1], vc[3][u].w[c >> 1], c & 1)}};
@@ -918,8 +918,9 @@ __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const
   constexpr int WAVE = 64, KT = G::KT;
   const int lane = (int)threadIdx.x % WAVE, warp = (int)threadIdx.x / WAVE;
   const C* cache = static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
-  // scores: (q . k) * scale with k = float(code) * k_scale for fp8 caches, i.e. (q . code) * (scale * k_scale)
-  const float score_scale = is_fp8<C>() ? p.scale * p.k_scale[b.kv_head] : p.scale;
+  // scores: (q . k) * scale with k = float(code) * k_scale for fp8 caches, i.e. (q . fragment) * (scale *
+  // k_scale * widen_pair_unit)
+  const float score_scale = is_fp8<C>() ? p.scale * (p.k_scale[b.kv_head] * widen_pair_unit<C, T>()) : p.scale;
   uint8_t* vs = &sh.ov.v[warp][0][0];
   const TileRange<KT> tiles(b, warp);
   const int win_keys = WAVE * p.block_size;  // keys per block-table window (a multiple of KT)
@@ -1012,8 +1013,9 @@ __device__ void mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
     sh.comb.l[warp][n] = l;
   }
   __syncthreads();  // also: every wave is done with its V buffer, which sh.ov.o overlays
-  // fp8 caches: values read as float(code) * v_scale, so the accumulated P V gets v_scale once
-  const float v_scale = is_fp8<C>() ? p.v_scale[b.kv_head] : 1.f;
+  // fp8 caches: values read as float(code) * v_scale, so the accumulated P V (of fragments: values divided
+  // by widen_pair_unit) gets v_scale * widen_pair_unit once
+  const float v_scale = is_fp8<C>() ? p.v_scale[b.kv_head] * widen_pair_unit<C, T>() : 1.f;
   float f[4];
 #pragma unroll
   for (int r = 0; r < 4; ++r) {

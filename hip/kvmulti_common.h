@@ -346,20 +346,25 @@ __device__ __forceinline__ uint32_t f16x2_times_256(uint32_t w) {
 #endif
 }
 
-// A pair of fp8 codes -> their two fp16 values (exact, see above).
+// The magnitudes of a pair of e4m3fn codes times 2^-8 as fp16 values, signs clear (exact: |code| << 7 at
+// fp16's bit positions is the fp16 of |value| * 2^-8; subnormal codes give fp16 subnormals with the same
+// significand).
+__device__ __forceinline__ uint32_t e4m3_pair_magnitudes(uint32_t pair) {
+  const uint32_t mag = (pair >> 1) & 0x3F803F80u;
+  // NaN (|code| = 0x7F, mag 0x3F80): mag + 0x80 reaches bit 14 for it alone; that bit completes the
+  // exponent (0x7F80: fp16 NaN).
+  return mag | ((mag + 0x00800080u) & 0x40004000u);
+}
+
+// A pair of fp8 codes -> their two fp16 values (exact, see above): e4m3fn's magnitudes times 2^8 (one exact
+// multiply, NaN stays NaN), then the signs (NaN keeps its sign, as a float does).
 template <typename C>
 __device__ __forceinline__ uint32_t fp8_pair_to_f16x2(uint32_t pair) {
   if constexpr (std::is_same<C, Fp8E5M2>::value) {
     return pair;  // e5m2 is the top byte of fp16
   } else {
     static_assert(std::is_same<C, Fp8E4M3>::value, "fp8 format");
-    // |code| << 7 at fp16's bit positions is the fp16 of |value| * 2^-8 (subnormal codes give fp16
-    // subnormals with the same significand), so one exact multiply by 2^8 makes the value.
-    uint32_t mag = (pair >> 1) & 0x3F803F80u;
-    // NaN (|code| = 0x7F, mag 0x3F80): mag + 0x80 reaches bit 14 for it alone; that bit completes the
-    // exponent (0x7F80: fp16 NaN), and the multiply keeps NaN.
-    mag |= (mag + 0x00800080u) & 0x40004000u;
-    return f16x2_times_256(mag) | (pair & 0x80008000u);  // the signs (NaN keeps its sign, as a float does)
+    return f16x2_times_256(e4m3_pair_magnitudes(pair)) | (pair & 0x80008000u);
   }
 }
 
@@ -368,7 +373,11 @@ __device__ __forceinline__ uint32_t fp8_pair_to_f16x2(uint32_t pair) {
 __device__ __forceinline__ uint32_t f16x2_to_bf16x2(uint32_t h) {
   const uint32_t lo = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(h & 0xFFFFu))));
   const uint32_t hi = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(h >> 16))));
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+  return __builtin_amdgcn_perm(hi, lo, 0x07060302u);  // the two top halves: one v_perm_b32
+#else
   return (lo >> 16) | (hi & 0xFFFF0000u);
+#endif
 }
 
 // A pair of fp8 codes -> two values of the 16-bit type T (low half: the code in bits 8..15), exactly.
@@ -377,6 +386,24 @@ __device__ __forceinline__ uint32_t widen_pair(uint32_t pair) {
   const uint32_t h = fp8_pair_to_f16x2<C>(pair);
   if constexpr (std::is_same<T, __half>::value) return h;
   else return f16x2_to_bf16x2(h);
+}
+
+// The factor between an fp8 code's value and what widen_pair_scaled makes of it: 2^8 for e4m3fn codes
+// widened to bf16 (their fp16 values times 2^-8 -- fp16 subnormals for the small codes -- become normal
+// bf16 values through the fp32 widening, so the multiply by 2^8 moves into the scales), else 1. fp16
+// operands keep the multiply: the MFMA would read fp16 subnormals there.
+template <typename C, typename T>
+__host__ __device__ constexpr float widen_pair_unit() {
+  return std::is_same<C, Fp8E4M3>::value && std::is_same<T, hip_bfloat16>::value ? 256.f : 1.f;
+}
+
+// widen_pair divided by widen_pair_unit<C, T>() (exact: a power of two, no bf16 underflow): the decode
+// engine's in-loop widening, one v_pk_mul_f16 per pair fewer for e4m3fn -> bf16.
+template <typename C, typename T>
+__device__ __forceinline__ uint32_t widen_pair_scaled(uint32_t pair) {
+  // the signs go in after the conversion: a pair's sign bits are a bf16 pair's
+  if constexpr (widen_pair_unit<C, T>() != 1.f) return f16x2_to_bf16x2(e4m3_pair_magnitudes(pair)) | (pair & 0x80008000u);
+  else return widen_pair<C, T>(pair);
 }
 #endif  // KVMULTI_HAS_MFMA
 
