@@ -10,8 +10,9 @@
 // V transposed (a head dim's keys contiguous, so a P V operand is one 8-byte read; 16 bytes for fp32), fp8
 // codes widened to 16-bit values on the way -- and all four waves read them from there: S^T = K Q^T and
 // O += P V as v_mfma_f32_16x16x16{f16,bf16_1k} tiles with the lane roles of the decode engine
-// (mfma_stream) -- fp32 queries over an fp32 cache (heads 64 / 128, see launcher.hip): v_mfma_f32_16x16x4f32
-// tiles, 4 k-steps per 16 head dims or 4 keys, with the same D layout --, the online softmax in registers.
+// (mfma_stream) -- fp32 queries over an fp32 or fp8 cache (codes widened to fp32 when staged):
+// v_mfma_f32_16x16x4f32 tiles, 4 k-steps per 16 head dims or 4 keys, with the same D layout --, the online
+// softmax in registers.
 // The next tile's loads are issued right after the barrier that publishes the current one (its block-table
 // entries one tile earlier still), so they are in flight while the waves compute. A wave skips a tile none of its rows
 // sees (no MFMA). Tiles visible to every row of the group run a loop without masks (the prompt's body:
@@ -68,8 +69,8 @@ __device__ __forceinline__ TaskKind prefill_task(const PagedAttentionParams& p, 
 }
 
 // Instantiations with the prefill kernel's MFMA path (on MFMA targets, wave64): 16-bit queries over a 16-bit
-// or fp8 cache (v_mfma_f32_16x16x16{f16,bf16_1k}); fp32 queries over an fp32 cache (v_mfma_f32_16x16x4f32:
-// fp32 operands, so the scores and P V keep fp32's precision).
+// or fp8 cache (v_mfma_f32_16x16x16{f16,bf16_1k}); fp32 queries over an fp32 or fp8 cache
+// (v_mfma_f32_16x16x4f32: fp32 operands, so the scores and P V keep fp32's precision).
 template <typename T, typename C, int WAVE>
 __host__ __device__ constexpr bool prefill_mfma_path() {
   return WAVE == 64;
@@ -83,14 +84,13 @@ __device__ __forceinline__ int wave_max_int(int v) {
 }
 
 #if KVMULTI_HAS_MFMA
-// The element type of the LDS tiles: the cache's, or for an fp8 cache the query's 16-bit type (codes are
-// widened once per tile when staged, so the waves' hot loop reads 16-bit K / V like a 16-bit cache's).
+// The element type of the LDS tiles: the cache's, or for an fp8 cache the query's type (codes are widened
+// once per tile when staged, so the waves' hot loop reads K / V like a cache of the query's type).
 template <typename T, typename C>
 using PrefillElem = typename std::conditional<is_fp8<C>(), T, C>::type;
-// V's: fp8 codes widen to fp16 whatever the query's type (every e4m3fn / e5m2 value is an fp16 value), and
-// P V runs on the fp16 MFMA with P in fp16 (p in [0, 1]: at least bf16's precision down to 2^-14) -- a
-// bf16 query saves the fp16 -> bf16 step on V.
-// fp32 queries: fp32 (the codes widen to fp32 for both K and V).
+// V's: for a 16-bit query fp8 codes widen to fp16 whichever its type (every e4m3fn / e5m2 value is an fp16
+// value), and P V runs on the fp16 MFMA with P in fp16 (p in [0, 1]: at least bf16's precision down to
+// 2^-14) -- a bf16 query saves the fp16 -> bf16 step on V; for an fp32 query to fp32, as K.
 template <typename T, typename C>
 using PrefillVElem = typename std::conditional<is_fp8<C>(), typename std::conditional<sizeof(T) == 4, T, __half>::type,
                                                C>::type;
@@ -355,8 +355,9 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
 #pragma unroll
     for (int u = 0; u < QKC; ++u) {
       const int ch = 4 * u + g;
-      const int ko = PG::ES == 4 ? PG::k_offset(16 * sub + n, u, g) : PG::offset(16 * sub + n, ch);
-      const Chunk16 kc = ch < NCH ? *reinterpret_cast<const Chunk16*>(sh.k + ko) : zero;
+      const Chunk16 kc = ch < NCH ? *reinterpret_cast<const Chunk16*>(
+                                        sh.k + (PG::ES == 4 ? PG::k_offset(16 * sub + n, u, g) : PG::offset(16 * sub + n, ch)))
+                                  : zero;
 #pragma unroll
       for (int h = 0; h < QST; ++h) d = prefill_mfma<L>(k_operand<L>(kc, h), qf[u][h], d);
       if constexpr (PG::ES == 4 && HS > 128) {
@@ -487,31 +488,42 @@ __device__ __forceinline__ X in_vgprs(X x) {
   return x;
 }
 
-// What the epilogue of prefill_mfma_run reads of the parameters; VG (fp32 queries over an fp8 cache): copied
-// into VGPRs at the start (kept as scalars across the tile loops, they spilled 22-24 SGPRs on gfx90a).
+// What the epilogue of prefill_mfma_run reads of the parameters: read where used (VG false), or (VG: fp32
+// queries over an fp8 cache) copied into VGPRs at the start (kept as scalars across the tile loops, they
+// spilled 22-24 SGPRs on gfx90a).
 template <bool VG>
 struct PrefillEpilogue {
-  void* out;
-  float *part_out, *part_max, *part_sum;
-  const float* sinks;
-  int64_t o_stride_token, o_stride_head;
+  const PagedAttentionParams& p;
+  __device__ explicit PrefillEpilogue(const PagedAttentionParams& params) : p(params) {}
+  __device__ void* out() const { return p.out; }
+  __device__ float* part_out() const { return p.part_out; }
+  __device__ float* part_max() const { return p.part_max; }
+  __device__ float* part_sum() const { return p.part_sum; }
+  __device__ const float* sinks() const { return p.sinks; }
+  __device__ int64_t o_stride_token() const { return p.o_stride_token; }
+  __device__ int64_t o_stride_head() const { return p.o_stride_head; }
+};
+template <>
+struct PrefillEpilogue<true> {
+  void* out_;
+  float *part_out_, *part_max_, *part_sum_;
+  const float* sinks_;
+  int64_t o_stride_token_, o_stride_head_;
   __device__ explicit PrefillEpilogue(const PagedAttentionParams& p)
-      : out(p.out), part_out(p.part_out), part_max(p.part_max), part_sum(p.part_sum), sinks(p.sinks),
-        o_stride_token(p.o_stride_token), o_stride_head(p.o_stride_head) {
-    if constexpr (VG) {
-      out = in_vgprs(out);
-      part_out = in_vgprs(part_out);
-      part_max = in_vgprs(part_max);
-      part_sum = in_vgprs(part_sum);
-      sinks = in_vgprs(sinks);
-      o_stride_token = in_vgprs(o_stride_token);
-      o_stride_head = in_vgprs(o_stride_head);
-    }
-  }
+      : out_(in_vgprs(p.out)), part_out_(in_vgprs(p.part_out)), part_max_(in_vgprs(p.part_max)),
+        part_sum_(in_vgprs(p.part_sum)), sinks_(in_vgprs(p.sinks)), o_stride_token_(in_vgprs(p.o_stride_token)),
+        o_stride_head_(in_vgprs(p.o_stride_head)) {}
+  __device__ void* out() const { return out_; }
+  __device__ float* part_out() const { return part_out_; }
+  __device__ float* part_max() const { return part_max_; }
+  __device__ float* part_sum() const { return part_sum_; }
+  __device__ const float* sinks() const { return sinks_; }
+  __device__ int64_t o_stride_token() const { return o_stride_token_; }
+  __device__ int64_t o_stride_head() const { return o_stride_head_; }
 };
 
-// T: the query's and output's type (fp16 / bf16, or fp32 over an fp32 cache); C: the cache's (T, or an fp8
-// type); L: the LDS tiles'.
+// T: the query's and output's type (fp16 / bf16 / fp32); C: the cache's (T, or an fp8 type); L: the LDS
+// tiles'.
 template <typename T, typename C, int HS, bool ALIGNED, int SOFTCAP, bool ALIBI, typename L = PrefillElem<T, C>>
 __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, const BlockTask& b,
                                                  PrefillShared<L, HS>& sh) {
@@ -604,23 +616,23 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
     if (rr >= b.rows) continue;
     const int tok = b.token + rr / b.nheads, head = b.head0 + rr % b.nheads;
     // the attention sink joins the denominator here unless the reduce kernel adds it after the merge
-    const float sink = ep.sinks && p.num_partitions == 1 ? __expf(ep.sinks[head] - rm * w.score_unit) : 0.f;
+    const float sink = ep.sinks() && p.num_partitions == 1 ? __expf(ep.sinks()[head] - rm * w.score_unit) : 0.f;
     const float f = rl > 0.f ? v_scale / (rl + sink) : 0.f;
     if (p.num_partitions > 1) {
       const int64_t idx = ((int64_t)tok * p.num_q_heads + head) * p.num_partitions + b.part;
       if (n == 0) {
-        ep.part_max[idx] = rl > 0.f ? rm * w.score_unit : -FLT_MAX;
-        ep.part_sum[idx] = rl;
+        ep.part_max()[idx] = rl > 0.f ? rm * w.score_unit : -FLT_MAX;
+        ep.part_sum()[idx] = rl;
       }
 #pragma unroll
       for (int u = 0; u < PVC; ++u)
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
           const int d = 8 * (n + 16 * u) + c;
-          if (d < HS) ep.part_out[idx * HS + d] = rl > 0.f ? acc[u][c][r] * f : 0.f;
+          if (d < HS) ep.part_out()[idx * HS + d] = rl > 0.f ? acc[u][c][r] * f : 0.f;
         }
     } else {
-      T* o = static_cast<T*>(ep.out) + (int64_t)tok * ep.o_stride_token + (int64_t)head * ep.o_stride_head;
+      T* o = static_cast<T*>(ep.out()) + (int64_t)tok * ep.o_stride_token() + (int64_t)head * ep.o_stride_head();
 #pragma unroll
       for (int u = 0; u < PVC; ++u)
 #pragma unroll
