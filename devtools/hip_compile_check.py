@@ -56,11 +56,12 @@ CACHES_PER_DTYPE = 3
 #: every kernel the launcher instantiates: attention (dtype x cache x head size x wave), prefill, reduce per
 #: dtype, write_kv per dtype x cache
 #: prefill (launcher.hip's prefill_served): fp16 / bf16, wave64, over a cache of their own type at every
-#: head size or over fp8 e4m3fn / e5m2 at FP8_PREFILL_HEAD_SIZES; fp32 over fp32 at FP32_PREFILL_HEAD_SIZES
+#: head size or over fp8 e4m3fn / e5m2 at FP8_PREFILL_HEAD_SIZES; fp32 over fp32, e4m3fn or e5m2 at
+#: FP32_PREFILL_HEAD_SIZES
 FP8_PREFILL_HEAD_SIZES = (128, 256)
-FP32_PREFILL_HEAD_SIZES = (64, 128)
+FP32_PREFILL_HEAD_SIZES = HEAD_SIZES
 PREFILL_KERNELS = (2 * (len(HEAD_SIZES) + (CACHES_PER_DTYPE - 1) * len(FP8_PREFILL_HEAD_SIZES))
-                   + len(FP32_PREFILL_HEAD_SIZES))
+                   + CACHES_PER_DTYPE * len(FP32_PREFILL_HEAD_SIZES))
 EXPECTED_KERNELS = (len(DTYPES) * CACHES_PER_DTYPE * len(HEAD_SIZES) * len(WAVES) + PREFILL_KERNELS + len(DTYPES)
                     + len(DTYPES) * CACHES_PER_DTYPE)
 #: report-row kinds of the attention kernels (decode / mixed: paged_attention_kernel; prefill:
@@ -609,7 +610,7 @@ def row_problems(row: dict) -> list[str]:
             cyc = issue_cycles(row)
             if cyc["mfma"] < cyc["valu"]:
                 problems.append(f"{k}: hot loop issues {cyc['mfma']} MFMA cycles < {cyc['valu']} VALU cycles per wave")
-        if (row["kind"] == "prefill" and row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16")
+        if (row["kind"] == "prefill" and row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16", "fp32")
                 and row.get("cache")):
             cyc = issue_cycles(row)
             if cyc["valu"] > MAX_FP8_PREFILL_VALU_PER_MFMA * cyc["mfma"]:

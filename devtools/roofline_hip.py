@@ -188,7 +188,8 @@ def fp32_prefill_estimates(rows: list[dict], case: Case = PREFILL) -> list:
     from devtools.roofline import estimate
     out = []
     for row in rows:
-        if (row.get("kind") == "prefill" and row.get("dtype") == "fp32" and row.get("head_size") == case.head
+        if (row.get("kind") == "prefill" and row.get("dtype") == "fp32" and not row.get("cache")
+                and row.get("head_size") == case.head
                 and row.get("target") in ARCH_TO_TARGET and row.get("matrix_instructions")
                 and row.get("hot_loop_instructions")):
             target = TARGETS[ARCH_TO_TARGET[row["target"]]]

@@ -10,8 +10,9 @@
 // V transposed (a head dim's keys contiguous, so a P V operand is one 8-byte read; 16 bytes for fp32), fp8
 // codes widened to 16-bit values on the way -- and all four waves read them from there: S^T = K Q^T and
 // O += P V as v_mfma_f32_16x16x16{f16,bf16_1k} tiles with the lane roles of the decode engine
-// (mfma_stream) -- fp32 queries over an fp32 cache (heads 64 / 128, see launcher.hip): v_mfma_f32_16x16x4f32
-// tiles, 4 k-steps per 16 head dims or 4 keys, with the same D layout --, the online softmax in registers.
+// (mfma_stream) -- fp32 queries over an fp32 or fp8 cache (codes widened to fp32 when staged):
+// v_mfma_f32_16x16x4f32 tiles, 4 k-steps per 16 head dims or 4 keys, with the same D layout --, the online
+// softmax in registers.
 // The next tile's loads are issued right after the barrier that publishes the current one (its block-table
 // entries one tile earlier still), so they are in flight while the waves compute. A wave skips a tile none of its rows
 // sees (no MFMA). Tiles visible to every row of the group run a loop without masks (the prompt's body:
@@ -68,11 +69,11 @@ __device__ __forceinline__ TaskKind prefill_task(const PagedAttentionParams& p, 
 }
 
 // Instantiations with the prefill kernel's MFMA path (on MFMA targets, wave64): 16-bit queries over a 16-bit
-// or fp8 cache (v_mfma_f32_16x16x16{f16,bf16_1k}); fp32 queries over an fp32 cache (v_mfma_f32_16x16x4f32:
-// fp32 operands, so the scores and P V keep fp32's precision).
+// or fp8 cache (v_mfma_f32_16x16x16{f16,bf16_1k}); fp32 queries over an fp32 or fp8 cache
+// (v_mfma_f32_16x16x4f32: fp32 operands, so the scores and P V keep fp32's precision).
 template <typename T, typename C, int WAVE>
 __host__ __device__ constexpr bool prefill_mfma_path() {
-  return WAVE == 64 && (sizeof(T) == 2 || (sizeof(T) == 4 && sizeof(C) == 4));
+  return WAVE == 64;
 }
 
 template <int WAVE>
@@ -83,15 +84,16 @@ __device__ __forceinline__ int wave_max_int(int v) {
 }
 
 #if KVMULTI_HAS_MFMA
-// The element type of the LDS tiles: the cache's, or for an fp8 cache the query's 16-bit type (codes are
-// widened once per tile when staged, so the waves' hot loop reads 16-bit K / V like a 16-bit cache's).
+// The element type of the LDS tiles: the cache's, or for an fp8 cache the query's type (codes are widened
+// once per tile when staged, so the waves' hot loop reads K / V like a cache of the query's type).
 template <typename T, typename C>
 using PrefillElem = typename std::conditional<is_fp8<C>(), T, C>::type;
-// V's: fp8 codes widen to fp16 whatever the query's type (every e4m3fn / e5m2 value is an fp16 value), and
-// P V runs on the fp16 MFMA with P in fp16 (p in [0, 1]: at least bf16's precision down to 2^-14) -- a
-// bf16 query saves the fp16 -> bf16 step on V.
+// V's: for a 16-bit query fp8 codes widen to fp16 whichever its type (every e4m3fn / e5m2 value is an fp16
+// value), and P V runs on the fp16 MFMA with P in fp16 (p in [0, 1]: at least bf16's precision down to
+// 2^-14) -- a bf16 query saves the fp16 -> bf16 step on V; for an fp32 query to fp32, as K.
 template <typename T, typename C>
-using PrefillVElem = typename std::conditional<is_fp8<C>(), __half, C>::type;
+using PrefillVElem = typename std::conditional<is_fp8<C>(), typename std::conditional<sizeof(T) == 4, T, __half>::type,
+                                               C>::type;
 
 // The MFMA operand of one lane and k-step: 16-bit L: a Frag (4 K-elements, v_mfma_f32_16x16x16); fp32 L:
 // one value (v_mfma_f32_16x16x4f32).
@@ -116,14 +118,24 @@ struct PrefillGeom {
   // MFMA k-steps per K / Q chunk: 16-bit: FPC fragments of 4 dims; fp32: 4 steps of one dim each
   static constexpr int QST = ES == 4 ? 4 : MfmaGeom<L, HS>::FPC;
   static constexpr int PST = ES == 4 ? 4 : 1;                    // P V k-steps per 4 keys
-  static constexpr bool kPow2 = (NCH & (NCH - 1)) == 0;
-  static constexpr int SWZ = kPow2 ? (NCH < 16 ? NCH : 16) - 1 : 0;
-  static constexpr int ROWB = 16 * NCH + (kPow2 ? 0 : 16);
+  // fp32 rows of 20 / 24 chunks (heads 80 / 96) are laid out as 32 (head 128's rows)
+  static constexpr int LNC = ES == 4 && (NCH & (NCH - 1)) != 0 ? 32 : NCH;
+  static constexpr bool kPow2 = (LNC & (LNC - 1)) == 0;
+  static constexpr int SWZ = kPow2 ? (LNC < 16 ? LNC : 16) - 1 : 0;
+  static constexpr int ROWB = 16 * LNC + (kPow2 ? 0 : 16);
   // K + V of a tile in at most 32 KiB: 64 keys, else 32, else 16
   static constexpr int KT = 2 * 64 * ROWB <= 32768 ? 64 : 2 * 32 * ROWB <= 32768 ? 32 : 16;
   static constexpr int NSUB = KT / 16;
   static constexpr int TPK = kNumWarps * 64 / KT;                // threads per key: 4, 8 or 16
+  // rows of V^T: the head dims, for fp32 up to a whole number of chunks per loading thread (PrefillLoad::PAD)
+  static constexpr int VD = ES == 4 ? 4 * ((NCH + TPK - 1) / TPK * TPK) : HS;
   __device__ static int offset(int key, int ch) { return key * ROWB + 16 * (ch ^ (key & SWZ)); }
+  // The same for a chunk ch = 4 u + g of a K read (u a constant): the lane's part repeats every SWZ + 1
+  // chunks, the rest is an immediate offset (4 address registers instead of QKC)
+  __device__ static int k_offset(int key, int u, int g) {
+    static_assert(SWZ == 0 || SWZ >= 3, "g must not carry out of the swizzled bits");
+    return key * ROWB + 16 * ((4 * u) & ~SWZ) + 16 * ((((4 * u) & SWZ) + g) ^ (key & SWZ));
+  }
   // V is stored transposed: row d (a head dim) holds the tile's KT keys (VRS bytes), its groups of 4 keys
   // (4 ES bytes: one PV B operand read) at position group ^ ((d / 8) & VSW), so the 16 dims n a PV read
   // touches hit different banks.
@@ -133,20 +145,29 @@ struct PrefillGeom {
 };
 
 // The global-load side of a tile: a cache row (K or V) of C is LNCH 16-byte chunks (fp8: 16 codes each,
-// WIDEN = 2 LDS chunks once widened); thread tid loads chunks tid % TPK + TPK i of key tid / TPK.
+// WIDEN = 2 LDS chunks once widened to 16 bits, 4 to fp32); thread tid < NLT loads chunks tid % TPK + TPK i
+// of key tid / TPK. fp8 codes for fp32 tiles: half the geometry's threads per key (the first two waves load,
+// 2 x 16-byte K and V loads each in flight instead of 1).
 template <typename C, int HS, typename L>
 struct PrefillLoad {
-  static constexpr int TPK = PrefillGeom<L, HS>::TPK;
+  static constexpr int TPK = PrefillGeom<L, HS>::TPK / (is_fp8<C>() && sizeof(L) == 4 ? 2 : 1);
+  static constexpr int NLT = PrefillGeom<L, HS>::KT * TPK;
+  __device__ static bool loads(int tid) { return NLT == kNumWarps * 64 || tid < NLT; }
   static constexpr int EPC = 16 / (int)sizeof(C);
   static constexpr int LNCH = HS / EPC;
   static constexpr int CPT = (LNCH + TPK - 1) / TPK;             // K (and V) chunks per thread and tile
   static constexpr int WIDEN = (int)(sizeof(L) / sizeof(C));
+  // fp32 caches: a thread past the row's chunks loads and stores the row's last chunk again (into the
+  // padded layout) instead of branching around it
+  static constexpr bool PAD = sizeof(C) == 4 && LNCH % TPK != 0;
+  __device__ static bool has(int ch) { return LNCH % TPK == 0 || PAD || ch < LNCH; }
+  __device__ static int src(int ch) { return PAD ? min(ch, LNCH - 1) : ch; }
 };
 
 template <typename L, int HS>
 struct PrefillShared {
   alignas(16) uint8_t k[PrefillGeom<L, HS>::KT * PrefillGeom<L, HS>::ROWB];
-  alignas(16) uint8_t v[HS * PrefillGeom<L, HS>::VRS];   // V^T
+  alignas(16) uint8_t v[PrefillGeom<L, HS>::VD * PrefillGeom<L, HS>::VRS];   // V^T
 };
 
 // The block-table entries of the tile at key t0: lane i holds entry t0 / block_size + i (-1 past the
@@ -172,14 +193,15 @@ __device__ __forceinline__ void prefill_load(const PagedAttentionParams& p, cons
                                              Chunk16 (&vr)[PrefillLoad<C, HS, L>::CPT]) {
   using PL = PrefillLoad<C, HS, L>;
   const int tid = (int)threadIdx.x;
+  if (!PL::loads(tid)) return;  // wave-uniform
   bool unused;
   const C* row = key_row<64>(p, b, cache, tt.entry, tt.ws, inv_bs, t0 + tid / PL::TPK, unused);
 #pragma unroll
   for (int i = 0; i < PL::CPT; ++i) {
     const int ch = tid % PL::TPK + PL::TPK * i;
-    if (PL::LNCH % PL::TPK == 0 || ch < PL::LNCH) {
-      kr[i] = load_chunk<C, ALIGNED>(row + ch * PL::EPC);
-      vr[i] = load_chunk<C, ALIGNED>(row + HS + ch * PL::EPC);
+    if (PL::has(ch)) {
+      kr[i] = load_chunk<C, ALIGNED>(row + PL::src(ch) * PL::EPC);
+      vr[i] = load_chunk<C, ALIGNED>(row + HS + PL::src(ch) * PL::EPC);
     }
   }
 }
@@ -202,6 +224,20 @@ __device__ __forceinline__ Chunk16 widen_half_chunk(const Chunk16& c, int half) 
   return o;
 }
 
+// Quarter q (codes 4 q .. 4 q + 3) of a chunk of 16 fp8 codes as 4 fp32 values, in order (exact: through
+// the fp16 widening).
+template <typename C>
+__device__ __forceinline__ Chunk16 widen_quarter_chunk_f32(const Chunk16& c, int q) {
+  Chunk16 o;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const uint32_t h = widen_pair<C, __half>(fp8_pair_of(c.w[q], j));
+    o.w[2 * j] = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(h & 0xFFFFu))));
+    o.w[2 * j + 1] = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(h >> 16))));
+  }
+  return o;
+}
+
 // Stores the loaded chunks of this thread in LDS; fp8 codes widened on the way (K to L, V to VL), once per
 // tile.
 template <typename C, int HS, typename L, typename VL>
@@ -211,10 +247,11 @@ __device__ __forceinline__ void prefill_store(PrefillShared<L, HS>& sh, const Ch
   using PL = PrefillLoad<C, HS, L>;
   constexpr int LE = 16 / PG::ES;   // elements per LDS chunk
   const int tid = (int)threadIdx.x, key = tid / PL::TPK;
+  if (!PL::loads(tid)) return;  // wave-uniform
 #pragma unroll
   for (int i = 0; i < PL::CPT; ++i) {
     const int ch = tid % PL::TPK + PL::TPK * i;
-    if (PL::LNCH % PL::TPK == 0 || ch < PL::LNCH) {
+    if (PL::has(ch)) {
 #pragma unroll
       for (int h = 0; h < PL::WIDEN; ++h) {  // LDS chunk lc = WIDEN ch + h: head dims LE lc .. LE lc + LE - 1
         const int lc = PL::WIDEN * ch + h;
@@ -222,6 +259,9 @@ __device__ __forceinline__ void prefill_store(PrefillShared<L, HS>& sh, const Ch
         if constexpr (PL::WIDEN == 2) {
           kw = widen_half_chunk<C, L>(kr[i], h);
           vw = widen_half_chunk<C, VL>(vr[i], h);
+        } else if constexpr (PL::WIDEN == 4) {
+          kw = widen_quarter_chunk_f32<C>(kr[i], h);
+          vw = widen_quarter_chunk_f32<C>(vr[i], h);
         }
         *reinterpret_cast<Chunk16*>(sh.k + PG::offset(key, lc)) = kw;
 #pragma unroll
@@ -315,9 +355,14 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
 #pragma unroll
     for (int u = 0; u < QKC; ++u) {
       const int ch = 4 * u + g;
-      const Chunk16 kc = ch < NCH ? *reinterpret_cast<const Chunk16*>(sh.k + PG::offset(16 * sub + n, ch)) : zero;
+      const Chunk16 kc = ch < NCH ? *reinterpret_cast<const Chunk16*>(
+                                        sh.k + (PG::ES == 4 ? PG::k_offset(16 * sub + n, u, g) : PG::offset(16 * sub + n, ch)))
+                                  : zero;
 #pragma unroll
       for (int h = 0; h < QST; ++h) d = prefill_mfma<L>(k_operand<L>(kc, h), qf[u][h], d);
+      if constexpr (PG::ES == 4 && HS > 128) {
+        if (u % 4 == 3) sched_fence();
+      }
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -369,6 +414,9 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
 #pragma unroll
         for (int e = 0; e < PG::PST; ++e)
           acc[u][c] = prefill_mfma<VL>(p_operand<VL>(pe, e), v_operand<VL>(vf, e), acc[u][c]);
+        if constexpr (sizeof(VL) == 4 && HS > 128) {
+          if (c % 4 == 3) sched_fence();
+        }
       }
     }
     sched_fence();
@@ -425,8 +473,57 @@ __device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, con
   }
 }
 
-// T: the query's and output's type (fp16 / bf16, or fp32 over an fp32 cache); C: the cache's (T, or an fp8
-// type); L: the LDS tiles'.
+// A block-uniform 8-byte value copied into VGPRs (opaque to the compiler, so it does not keep the scalar
+// copy live across the tile loops).
+template <typename X>
+__device__ __forceinline__ X in_vgprs(X x) {
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+  static_assert(sizeof(X) == 8, "8-byte values");
+  uint32_t w[2];
+  __builtin_memcpy(w, &x, 8);
+  asm volatile("v_mov_b32 %0, %1" : "=v"(w[0]) : "s"(w[0]));
+  asm volatile("v_mov_b32 %0, %1" : "=v"(w[1]) : "s"(w[1]));
+  __builtin_memcpy(&x, w, 8);
+#endif
+  return x;
+}
+
+// What the epilogue of prefill_mfma_run reads of the parameters: read where used (VG false), or (VG: fp32
+// queries over an fp8 cache) copied into VGPRs at the start (kept as scalars across the tile loops, they
+// spilled 22-24 SGPRs on gfx90a).
+template <bool VG>
+struct PrefillEpilogue {
+  const PagedAttentionParams& p;
+  __device__ explicit PrefillEpilogue(const PagedAttentionParams& params) : p(params) {}
+  __device__ void* out() const { return p.out; }
+  __device__ float* part_out() const { return p.part_out; }
+  __device__ float* part_max() const { return p.part_max; }
+  __device__ float* part_sum() const { return p.part_sum; }
+  __device__ const float* sinks() const { return p.sinks; }
+  __device__ int64_t o_stride_token() const { return p.o_stride_token; }
+  __device__ int64_t o_stride_head() const { return p.o_stride_head; }
+};
+template <>
+struct PrefillEpilogue<true> {
+  void* out_;
+  float *part_out_, *part_max_, *part_sum_;
+  const float* sinks_;
+  int64_t o_stride_token_, o_stride_head_;
+  __device__ explicit PrefillEpilogue(const PagedAttentionParams& p)
+      : out_(in_vgprs(p.out)), part_out_(in_vgprs(p.part_out)), part_max_(in_vgprs(p.part_max)),
+        part_sum_(in_vgprs(p.part_sum)), sinks_(in_vgprs(p.sinks)), o_stride_token_(in_vgprs(p.o_stride_token)),
+        o_stride_head_(in_vgprs(p.o_stride_head)) {}
+  __device__ void* out() const { return out_; }
+  __device__ float* part_out() const { return part_out_; }
+  __device__ float* part_max() const { return part_max_; }
+  __device__ float* part_sum() const { return part_sum_; }
+  __device__ const float* sinks() const { return sinks_; }
+  __device__ int64_t o_stride_token() const { return o_stride_token_; }
+  __device__ int64_t o_stride_head() const { return o_stride_head_; }
+};
+
+// T: the query's and output's type (fp16 / bf16 / fp32); C: the cache's (T, or an fp8 type); L: the LDS
+// tiles'.
 template <typename T, typename C, int HS, bool ALIGNED, int SOFTCAP, bool ALIBI, typename L = PrefillElem<T, C>>
 __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, const BlockTask& b,
                                                  PrefillShared<L, HS>& sh) {
@@ -437,6 +534,7 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
   const int n = lane % 16, g = lane / 16;
   const int row = 16 * warp + n;  // this lane's row of the task (S^T's N index n)
   const bool has_row = row < b.rows;
+  const PrefillEpilogue<sizeof(T) == 4 && is_fp8<C>()> ep(p);
   PrefillRows w;
   w.rlo = w.rhi = 0;
   if (has_row) key_range(p, b, row / b.nheads, w.rlo, w.rhi);
@@ -518,23 +616,23 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
     if (rr >= b.rows) continue;
     const int tok = b.token + rr / b.nheads, head = b.head0 + rr % b.nheads;
     // the attention sink joins the denominator here unless the reduce kernel adds it after the merge
-    const float sink = p.sinks && p.num_partitions == 1 ? __expf(p.sinks[head] - rm * w.score_unit) : 0.f;
+    const float sink = ep.sinks() && p.num_partitions == 1 ? __expf(ep.sinks()[head] - rm * w.score_unit) : 0.f;
     const float f = rl > 0.f ? v_scale / (rl + sink) : 0.f;
     if (p.num_partitions > 1) {
       const int64_t idx = ((int64_t)tok * p.num_q_heads + head) * p.num_partitions + b.part;
       if (n == 0) {
-        p.part_max[idx] = rl > 0.f ? rm * w.score_unit : -FLT_MAX;
-        p.part_sum[idx] = rl;
+        ep.part_max()[idx] = rl > 0.f ? rm * w.score_unit : -FLT_MAX;
+        ep.part_sum()[idx] = rl;
       }
 #pragma unroll
       for (int u = 0; u < PVC; ++u)
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
           const int d = 8 * (n + 16 * u) + c;
-          if (d < HS) p.part_out[idx * HS + d] = rl > 0.f ? acc[u][c][r] * f : 0.f;
+          if (d < HS) ep.part_out()[idx * HS + d] = rl > 0.f ? acc[u][c][r] * f : 0.f;
         }
     } else {
-      T* o = static_cast<T*>(p.out) + (int64_t)tok * p.o_stride_token + (int64_t)head * p.o_stride_head;
+      T* o = static_cast<T*>(ep.out()) + (int64_t)tok * ep.o_stride_token() + (int64_t)head * ep.o_stride_head();
 #pragma unroll
       for (int u = 0; u < PVC; ++u)
 #pragma unroll

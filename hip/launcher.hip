@@ -50,16 +50,15 @@ int device_cu_count() {
 }
 
 // Instantiations the prefill kernel serves: 16-bit queries on wave64 over a cache of their own type (every
-// head size) or of fp8 codes (heads >= 128), fp32 queries over an fp32 cache at heads 64 / 128
-// (v_mfma_f32_16x16x4f32) -- the configurations whose compile check passes its thresholds, see
-// hip/README.md. fp8 at heads 64 (a 64-key tile of 64-code rows leaves 36 bytes in flight per lane) and
-// 80 / 96 (SGPR spills on gfx90a), fp32 at heads 80 / 96 (16-41 SGPR spills on gfx90a / gfx940) and 256
-// (256 VGPRs and 36-44 scratch bytes per lane), fp32 over fp8 codes (no fp32 MFMA path over widened codes)
-// and wave32 run the attention kernel.
+// head size) or of fp8 codes (heads >= 128), fp32 queries on wave64 over an fp32 or fp8 cache at every head
+// size (v_mfma_f32_16x16x4f32; fp8 codes widened to fp32 in LDS) -- the configurations whose compile check
+// passes its thresholds, see hip/README.md. 16-bit queries over fp8 at heads 64 (a 64-key tile of 64-code
+// rows leaves 36 bytes in flight per lane) and 80 / 96 (SGPR spills on gfx90a) and wave32 run the attention
+// kernel.
 template <typename T, typename C, int HS, int WAVE>
 constexpr bool prefill_served() {
   if (WAVE != 64) return false;
-  if (sizeof(T) == 4) return std::is_same<T, C>::value && (HS == 64 || HS == 128);
+  if (sizeof(T) == 4) return true;
   return std::is_same<T, C>::value || (kvmulti::is_fp8<C>() && HS >= 128);
 }
 

@@ -334,7 +334,7 @@ def test_fp32_prefill_issue_cycles_and_thresholds():
 
 
 def test_prefill_kernel_static_figures_and_estimate():
-    """Every prefill instantiation (fp16 / bf16 over a 16-bit or fp8 cache, fp32 over fp32, wave64) compiles without
+    """Every prefill instantiation (fp16 / bf16 over a 16-bit or fp8 cache, fp32 over fp32 or fp8, wave64) compiles without
     spills at >= 2 waves/SIMD; on gfx90a / gfx940 they use v_mfma with K + V tiles of at most 32 KiB of LDS and
     an unmasked hot loop whose MFMA issue cycles cover its VALU cycles over a 16-bit cache (fp8: see
     MAX_FP8_PREFILL_VALU_PER_MFMA); the roofline model puts gfx942's bf16 prefill case (8 x 2048 tokens, 32 / 8

@@ -727,39 +727,51 @@ def test_prefill_kernel_matches_reference(hip_backend, name):
     _run_case(hip_backend, CaseSpec(**spec), wave=wave, partition_size=partition, prefill_min_query=1)
 
 
-# fp32 queries over an fp32 cache: the same kernel on v_mfma_f32_16x16x4f32 (fp32 operands), at fp32's
-# tolerance. The cases of PREFILL_CASES that together cover varlen + chunked + decode, causal, window,
-# softcap, split-KV, GQA 1 / 4 / 8, block sizes 1 / 16 / 32 / 128 and both orders.
+# fp32 queries over an fp32 or fp8 cache: the same kernel on v_mfma_f32_16x16x4f32 (fp32 operands; fp8 codes
+# widened to fp32 when staged), at fp32's tolerance. The cases of PREFILL_CASES that together cover varlen +
+# chunked + decode, causal, window, softcap, split-KV, GQA 1 / 4 / 8, block sizes 1 / 16 / 32 / 128 and both
+# orders (head 128; the other heads: test_prefill_kernel_fp32_head_sizes_match_the_oracle).
 FP32_PREFILL_CASES = ["varlen-chunked-gqa4-bf16", "causal-gqa1-fp16", "window-softcap-gqa1-bs1",
                       "gqa8-bs128-window-split", "gqa12-bs32"]
 
 
+@pytest.mark.parametrize("cache", ["fp32", *FP8_FORMATS])
 @pytest.mark.parametrize("name", FP32_PREFILL_CASES)
-def test_prefill_kernel_fp32_queries_match_the_oracle(hip_backend, name):
+def test_prefill_kernel_fp32_queries_match_the_oracle(hip_backend, name, cache):
     spec, wave, partition = PREFILL_CASES[name]
     spec = CaseSpec(**{**spec, "dtype": torch.float32})
-    assert _mfma_count(hip_backend, spec, wave=wave, partition_size=partition, prefill_min_query=1) > 0
+    if cache == "fp32":
+        assert _mfma_count(hip_backend, spec, wave=wave, partition_size=partition, prefill_min_query=1) > 0
+    else:
+        per_head = bool(FP32_PREFILL_CASES.index(name) % 2)
+        assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[cache], per_head=per_head, wave=wave,
+                             partition_size=partition, prefill_min_query=1) > 0
 
 
 # fp32 MFMAs per wave and key tile: sub-tiles x (QK chunks x 4 k-steps + PV pieces x 8 x 4 k-steps). The
-# tiles: 64 keys at head 64, 32 at head 128 (a 64-key fp32 K + V tile would pass 32 KiB).
-FP32_PREFILL_TILE = {64: (64, 4 * (4 * 4 + 32)), 128: (32, 2 * (8 * 4 + 32))}
+# tiles: 64 keys at head 64, 32 at heads 80 / 96 / 128, 16 at head 256 (K + V of a tile within 32 KiB; rows of
+# 20 / 24 chunks take 32 chunks' room).
+FP32_PREFILL_TILE = {64: (64, 4 * (4 * 4 + 32)), 80: (32, 2 * (5 * 4 + 32)), 96: (32, 2 * (6 * 4 + 32)),
+                     128: (32, 2 * (8 * 4 + 32)), 256: (16, 1 * (16 * 4 + 2 * 32))}
 
 
-@pytest.mark.parametrize("head_size", [64, 128, 256])
-def test_prefill_kernel_fp32_takes_the_fp32_mfma(hip_backend, head_size):
+@pytest.mark.parametrize("cache", ["fp32", *FP8_FORMATS])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+def test_prefill_kernel_fp32_takes_the_fp32_mfma(hip_backend, head_size, cache):
     """One causal prompt of 64 tokens, group 1: wave w (rows 16w .. 16w + 15) visits the key tiles up to
     key 16w + 15 -- with KT-key tiles, sum over w of (16w + 15) // KT + 1 wave-tiles, each the table's MFMA
-    count. The attention kernel runs no MFMA for fp32 queries: it keeps heads 80 / 96 / 256 (their fp32
-    prefill spills, see launcher.hip), and every head below the threshold. The oracle checks each run."""
+    count, over an fp32 cache and over fp8 codes (the same fp32 tiles). The attention kernel runs no MFMA
+    for fp32 queries (every head below the threshold). The oracle checks each run."""
     spec = CaseSpec(order="NHD", block_size=16, num_kv_heads=1, group=1, head_size=head_size,
                     dtype=torch.float32, query_lens=(64,), context_lens=(0,))
-    want = 0
-    if head_size in FP32_PREFILL_TILE:
-        kt, per_tile = FP32_PREFILL_TILE[head_size]
-        want = sum((16 * w + 15) // kt + 1 for w in range(4)) * per_tile
-    assert _mfma_count(hip_backend, spec, wave=64, partition_size=0) == want
-    assert _mfma_count(hip_backend, spec, wave=64, partition_size=0, prefill_min_query=0) == 0
+    kt, per_tile = FP32_PREFILL_TILE[head_size]
+    want = sum((16 * w + 15) // kt + 1 for w in range(4)) * per_tile
+    if cache == "fp32":
+        assert _mfma_count(hip_backend, spec, wave=64, partition_size=0) == want
+        assert _mfma_count(hip_backend, spec, wave=64, partition_size=0, prefill_min_query=0) == 0
+    else:
+        assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[cache], per_head=cache == "e4m3") == want
+        assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[cache], per_head=True, prefill_min_query=0) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -857,9 +869,26 @@ def test_prefill_kernel_head_sizes_match_the_oracle(hip_backend, head_size, name
                          prefill_min_query=1) > 0
 
 
+@pytest.mark.parametrize("head_size", [80, 96, 256])
+@pytest.mark.parametrize("name", PREFILL_HEAD_CASES)
+def test_prefill_kernel_fp32_head_sizes_match_the_oracle(hip_backend, head_size, name):
+    """fp32 queries at the heads beyond 64 / 128 (rows of 20 / 24 chunks, head 256's 16-key tiles) over an
+    fp32 cache and over fp8 codes (e4m3 / e5m2 alternating, tensor / per-head scales), split-KV in one case;
+    every run takes the prefill kernel's MFMA path."""
+    i = list(PREFILL_HEAD_CASES).index(name)
+    spec = CaseSpec(head_size=head_size, dtype=torch.float32, **PREFILL_HEAD_CASES[name])
+    partition = 32 if name == "gqa8-bs128-window" else 0
+    assert _mfma_count(hip_backend, spec, wave=64, partition_size=partition, prefill_min_query=1) > 0
+    fmt = list(FP8_FORMATS)[(i + head_size // 16) % 2]
+    assert _run_fp8_case(hip_backend, spec, FP8_FORMATS[fmt], per_head=bool(i // 2), partition_size=partition,
+                         prefill_min_query=1) > 0
+
+
 PREFILL_POISON_ENGINES = [(torch.float16, "fp16", 64, "mfma"), (torch.bfloat16, "bf16", 64, "mfma"),
                           (torch.bfloat16, "e4m3", 64, "mfma"), (torch.float16, "e5m2", 64, "mfma"),
-                          (torch.float16, "e4m3", 64, "mfma"), (torch.bfloat16, "e5m2", 64, "mfma")]
+                          (torch.float16, "e4m3", 64, "mfma"), (torch.bfloat16, "e5m2", 64, "mfma"),
+                          (torch.float32, "fp32", 64, "mfma"), (torch.float32, "e4m3", 64, "mfma"),
+                          (torch.float32, "e5m2", 64, "mfma")]
 
 
 @pytest.mark.parametrize("head_size", [80, 128, 256])
