@@ -49,18 +49,17 @@ int device_cu_count() {
   return n;
 }
 
-// Instantiations the prefill kernel serves: 16-bit queries on wave64 over a cache of their own type (every
-// head size) or of fp8 codes (heads >= 128), fp32 queries over an fp32 cache at heads 64 / 128
+// Instantiations the prefill kernel serves: 16-bit queries on wave64 over a cache of their own type or of
+// fp8 codes (every head size; ALiBi included), fp32 queries over an fp32 cache at heads 64 / 128
 // (v_mfma_f32_16x16x4f32) -- the configurations whose compile check passes its thresholds, see
-// hip/README.md. fp8 at heads 64 (a 64-key tile of 64-code rows leaves 36 bytes in flight per lane) and
-// 80 / 96 (SGPR spills on gfx90a), fp32 at heads 80 / 96 (16-41 SGPR spills on gfx90a / gfx940) and 256
-// (256 VGPRs and 36-44 scratch bytes per lane), fp32 over fp8 codes (no fp32 MFMA path over widened codes)
-// and wave32 run the attention kernel.
+// hip/README.md. fp32 at heads 80 / 96 (16-41 SGPR spills on gfx90a / gfx940) and 256 (256 VGPRs and 36-44
+// scratch bytes per lane), fp32 over fp8 codes (no fp32 MFMA path over widened codes) and wave32 run the
+// attention kernel.
 template <typename T, typename C, int HS, int WAVE>
 constexpr bool prefill_served() {
   if (WAVE != 64) return false;
   if (sizeof(T) == 4) return std::is_same<T, C>::value && (HS == 64 || HS == 128);
-  return std::is_same<T, C>::value || (kvmulti::is_fp8<C>() && HS >= 128);
+  return std::is_same<T, C>::value || kvmulti::is_fp8<C>();
 }
 
 template <typename T, typename C, int HS, int WAVE>
@@ -259,8 +258,7 @@ __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
   hipStream_t s = (hipStream_t)stream;
   const int w = device_wave_size(wave);
   const int threshold = prefill_min_query < 0 ? kDefaultPrefillMinQuery : prefill_min_query;
-  // ALiBi over an fp8 cache: the decode kernel (the prefill kernel's MFMA path has no ALiBi instantiation there)
-  const bool pf = threshold > 0 && max_query_len >= threshold && !(alibi_slopes && cache_dtype >= kCacheE4M3);
+  const bool pf = threshold > 0 && max_query_len >= threshold;
   switch (dtype) {
     case 0: return dispatch_cache<float>(dtype, cache_dtype, w, head_size, p, pf, s);
     case 1: return dispatch_cache<__half>(dtype, cache_dtype, w, head_size, p, pf, s);

@@ -301,13 +301,22 @@ BAD_METADATA = ["qsl_not_monotonic", "qsl_past_query_rows", "seq_len_huge", "seq
                 "window_garbage_entries"]
 
 
-@pytest.mark.parametrize("kernel", ["decode", "prefill", "prefill-head80"])
+# fp8 kernels: the cache holds codes (query and output keep the dtype); head 64: 128-key tiles, head 96:
+# padded LDS rows
+GUARD_KERNELS = {"decode": (64, None), "prefill": (128, None), "prefill-head80": (80, None),
+                 "prefill-e4m3-head64": (64, torch.float8_e4m3fn), "prefill-e5m2-head96": (96, torch.float8_e5m2)}
+
+
+@pytest.mark.parametrize("kernel", GUARD_KERNELS)
 @pytest.mark.parametrize("kind", BAD_METADATA)
 @pytest.mark.parametrize("dtype,wave", [(torch.bfloat16, 64), (torch.float32, 64), (torch.float16, 32)])
 def test_invalid_metadata_never_touches_memory_outside_the_tensors(harness, kind, dtype, wave, kernel):
-    hs = {"decode": 64, "prefill": 128, "prefill-head80": 80}[kernel]   # head 80: padded LDS rows
+    hs, cache_dtype = GUARD_KERNELS[kernel]   # head 80: padded LDS rows
     hq, hkv, bs, nb, t = 8, 2, 16, 4, 5
-    layout = kvmulti.KVCacheLayout(nb, bs, hkv, hs, dtype=dtype, order="HND" if wave == 64 else "NHD")
+    cache_dtype = cache_dtype or dtype
+    scales = (dict(k_scale=torch.tensor([0.5, 1.5]), v_scale=torch.tensor([2.0, 0.25]))
+              if cache_dtype != dtype else {})
+    layout = kvmulti.KVCacheLayout(nb, bs, hkv, hs, dtype=cache_dtype, order="HND" if wave == 64 else "NHD")
     cache_buf = None
 
     def allocator(n, dt, dev):
@@ -316,7 +325,7 @@ def test_invalid_metadata_never_touches_memory_outside_the_tensors(harness, kind
         return flat
 
     cache = layout.allocate(allocator=allocator, zero=False)
-    cache.copy_(torch.randn(layout.shape).to(dtype))
+    cache.copy_(torch.randn(layout.shape).to(cache_dtype))
     cache_before = cache.clone()
     q_buf, q_flat = _guarded(t * hq * hs, dtype, float("nan"))
     q_flat.copy_(torch.randn(t * hq * hs).to(dtype))
@@ -334,7 +343,7 @@ def test_invalid_metadata_never_touches_memory_outside_the_tensors(harness, kind
                 warnings.simplefilter("ignore", RuntimeWarning)
                 window = 20 if kind == "window_garbage_entries" else None
                 step = harness.build_metadata(md, layout, hq, window)
-                harness.paged_attention(query, cache, step, 0.125, 5.0, out)
+                harness.paged_attention(query, cache, step, 0.125, 5.0, out, **scales)
             assert _margins_intact(o_buf, 7.0), f"{kind}: wrote outside the output"
             assert _margins_intact(q_buf, float("nan")) and _margins_intact(cache_buf, float("nan"))
             assert torch.equal(cache, cache_before), f"{kind}: attention wrote into the cache"
