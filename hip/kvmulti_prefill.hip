@@ -434,8 +434,8 @@ __device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, con
   const int lane = (int)threadIdx.x % 64, ntiles = ord.ntiles;
   const int wkey = KT > 64 ? WKEYS * ((int)threadIdx.x / 64) : 0;  // the wave's first key in a tile
   const int* bt_lane = b.bt + lane;
-  constexpr bool LV = is_fp8<C>();  // see prefill_mfma_run
-  const C* cache = lane_value<LV>(static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head);
+  // in VGPRs over an fp8 cache, see prefill_mfma_run
+  const C* cache = lane_value<is_fp8<C>()>(static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head);
   for (int k = from; k < to; ++k) {
     const int t0 = base + ord(k) * KT, t1 = t0 + KT;
     prefill_store<C, HS, L, PrefillVElem<T, C>>(sh, pipe.kr, pipe.vr);
@@ -524,14 +524,15 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
     full_hi = max(full_lo, min(ntiles, (b.all_hi - base) / KT));
   }
   // The loads' addressing (block table, key -> row) is per-lane arithmetic on these block-uniform values:
-  // over an fp8 cache the loop takes them as VGPRs (pl, bl, inv_bs): it is short of SGPRs there.
-  constexpr bool LV = is_fp8<C>();
+  // over an fp8 cache the loop takes them as VGPRs (pl, bl, inv_bs): it is short of SGPRs there. At head
+  // 256, short of VGPRs too, only the 64-bit ones (the strides; the cache pointer in prefill_tiles).
+  constexpr bool LV = is_fp8<C>() && HS < 256, LV64 = is_fp8<C>();
   PagedAttentionParams pl = p;
   pl.block_size = lane_value<LV>(p.block_size);
   pl.bt_cols = lane_value<LV>(p.bt_cols);
   pl.num_blocks = lane_value<LV>(p.num_blocks);
-  pl.kv_stride_block = lane_value<LV>(p.kv_stride_block);
-  pl.kv_stride_token = lane_value<LV>(p.kv_stride_token);
+  pl.kv_stride_block = lane_value<LV64>(p.kv_stride_block);
+  pl.kv_stride_token = lane_value<LV64>(p.kv_stride_token);
   BlockTask bl = b;
   bl.kv_lo = lane_value<LV>(b.kv_lo);
   bl.kv_hi = lane_value<LV>(b.kv_hi);
