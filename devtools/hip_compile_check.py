@@ -57,8 +57,8 @@ CACHES_PER_DTYPE = 3
 #: dtype, write_kv per dtype x cache
 #: prefill (launcher.hip's prefill_served): fp16 / bf16, wave64, over a cache of their own type at every
 #: head size or over fp8 e4m3fn / e5m2 at FP8_PREFILL_HEAD_SIZES; fp32 over fp32, e4m3fn or e5m2 at
-#: FP32_PREFILL_HEAD_SIZES
-FP8_PREFILL_HEAD_SIZES = (128, 256)
+#: FP32_PREFILL_HEAD_SIZES (both: every head size)
+FP8_PREFILL_HEAD_SIZES = HEAD_SIZES
 FP32_PREFILL_HEAD_SIZES = HEAD_SIZES
 PREFILL_KERNELS = (2 * (len(HEAD_SIZES) + (CACHES_PER_DTYPE - 1) * len(FP8_PREFILL_HEAD_SIZES))
                    + CACHES_PER_DTYPE * len(FP32_PREFILL_HEAD_SIZES))
@@ -144,8 +144,9 @@ MFMA_ARCHS = ("gfx90a", "gfx940")   # targets whose fp16 / bf16-query attention 
 MIN_WAVES_PER_SIMD = 2
 MIN_BYTES_IN_FLIGHT_PER_LANE = 4 * 16
 #: prefill over an fp8 cache: its hot loop widens each tile's codes once, when they are staged in LDS (4 x 16
-#: bytes per thread at head 128), on top of the 16-bit loop; at most this many VALU issue cycles per MFMA
-#: issue cycle (in-loop widening, per wave and fragment, issues about 6.4 on gfx940)
+#: bytes per thread at heads 64 (128-key tiles), 80, 96 and 128), on top of the 16-bit loop; at most this
+#: many VALU issue cycles per MFMA issue cycle (in-loop widening, per wave and fragment, issues about 6.4 on
+#: gfx940)
 MAX_FP8_PREFILL_VALU_PER_MFMA = 2.5
 
 

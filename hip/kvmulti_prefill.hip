@@ -4,7 +4,7 @@
 // Work-group = kNumWarps waves = kPrefillRows (64) query rows -- (token, head) pairs of one request and one
 // KV head: min(group, 64) heads of a GQA group x 64 / that many consecutive tokens (RowMap) --, wave w
 // owning rows 16 w .. 16 w + 15. The union of the rows' visible keys is cut into tiles of KT keys (64; 32
-// when a 64-key K + V tile would not fit 32 KiB of LDS); tiles outside the union (before a sliding window,
+// when a 64-key K + V tile would not fit 32 KiB of LDS; 128 over fp8 codes at head 64); tiles outside the union (before a sliding window,
 // after the causal end of the last token) are never visited. Per tile every thread of the group issues
 // its share of the tile's K and V loads (16-byte chunks), the group stores them ONCE in LDS -- K as rows,
 // V transposed (a head dim's keys contiguous, so a P V operand is one 8-byte read; 16 bytes for fp32), fp8
@@ -76,6 +76,16 @@ __host__ __device__ constexpr bool prefill_mfma_path() {
   return WAVE == 64;
 }
 
+// x as a per-lane (VGPR) value when ON: a block-uniform value that the tile loop only feeds to per-lane
+// arithmetic then takes no SGPRs there (over fp8 caches the loop is short of them; bt_lane is one such value).
+template <bool ON, typename X>
+__device__ __forceinline__ X lane_value(X x) {
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+  if constexpr (ON) asm("" : "+v"(x));
+#endif
+  return x;
+}
+
 template <int WAVE>
 __device__ __forceinline__ int wave_max_int(int v) {
 #pragma unroll
@@ -110,7 +120,8 @@ __device__ __forceinline__ mfma_f32x4 prefill_mfma(const PrefillOp<L>& a, const 
 // LDS tile geometry of the MFMA path (L: the LDS element type). A key's row (K or V) takes ROWB bytes: its
 // NCH 16-byte chunks, chunk ch stored at position ch ^ (key & SWZ) when NCH is a power of two (the 16 keys a
 // K read touches land in different banks), else after a 16-byte pad per row. TPK threads load one key's row.
-template <typename L, int HS>
+// KTM: the largest tile (64 keys; 128 where prefill_kt_max allows it).
+template <typename L, int HS, int KTM = 64>
 struct PrefillGeom {
   static constexpr int ES = (int)sizeof(L);                     // bytes per element: 2, or 4 (fp32)
   static constexpr int NCH = MfmaGeom<L, HS>::NCH;
@@ -123,10 +134,13 @@ struct PrefillGeom {
   static constexpr bool kPow2 = (LNC & (LNC - 1)) == 0;
   static constexpr int SWZ = kPow2 ? (LNC < 16 ? LNC : 16) - 1 : 0;
   static constexpr int ROWB = 16 * LNC + (kPow2 ? 0 : 16);
-  // K + V of a tile in at most 32 KiB: 64 keys, else 32, else 16
-  static constexpr int KT = 2 * 64 * ROWB <= 32768 ? 64 : 2 * 32 * ROWB <= 32768 ? 32 : 16;
+  // K + V of a tile in at most 32 KiB: KTM keys (128 or 64), else 32, else 16
+  static constexpr int KT = KTM >= 128 && 2 * 128 * ROWB <= 32768 ? 128
+                            : 2 * 64 * ROWB <= 32768 ? 64 : 2 * 32 * ROWB <= 32768 ? 32 : 16;
   static constexpr int NSUB = KT / 16;
-  static constexpr int TPK = kNumWarps * 64 / KT;                // threads per key: 4, 8 or 16
+  static constexpr int TPK = kNumWarps * 64 / KT;                // threads per key: 2, 4, 8 or 16
+  // the first key of wave w's loads (wave w loads keys WKEYS w .. WKEYS (w + 1) - 1 of a tile)
+  static constexpr int WKEYS = 64 / TPK;
   // rows of V^T: the head dims, for fp32 up to a whole number of chunks per loading thread (PrefillLoad::PAD)
   static constexpr int VD = ES == 4 ? 4 * ((NCH + TPK - 1) / TPK * TPK) : HS;
   __device__ static int offset(int key, int ch) { return key * ROWB + 16 * (ch ^ (key & SWZ)); }
@@ -144,14 +158,22 @@ struct PrefillGeom {
   __device__ static int voffset(int dim, int key) { return dim * VRS + ((ES * key) ^ (4 * ES * ((dim / 8) & VSW))); }
 };
 
+// The largest tile of a cache type and head size: 128 keys for fp8 codes at head 64 (64-byte rows: a 64-key
+// tile would give each thread one K and one V load, 32 bytes in flight per lane), else 64.
+template <typename C, int HS>
+__host__ __device__ constexpr int prefill_kt_max() {
+  return is_fp8<C>() && HS == 64 ? 128 : 64;
+}
+
 // The global-load side of a tile: a cache row (K or V) of C is LNCH 16-byte chunks (fp8: 16 codes each,
 // WIDEN = 2 LDS chunks once widened to 16 bits, 4 to fp32); thread tid < NLT loads chunks tid % TPK + TPK i
 // of key tid / TPK. fp8 codes for fp32 tiles: half the geometry's threads per key (the first two waves load,
 // 2 x 16-byte K and V loads each in flight instead of 1).
 template <typename C, int HS, typename L>
 struct PrefillLoad {
-  static constexpr int TPK = PrefillGeom<L, HS>::TPK / (is_fp8<C>() && sizeof(L) == 4 ? 2 : 1);
-  static constexpr int NLT = PrefillGeom<L, HS>::KT * TPK;
+  static constexpr int KTM = prefill_kt_max<C, HS>();
+  static constexpr int TPK = PrefillGeom<L, HS, KTM>::TPK / (is_fp8<C>() && sizeof(L) == 4 ? 2 : 1);
+  static constexpr int NLT = PrefillGeom<L, HS, KTM>::KT * TPK;
   __device__ static bool loads(int tid) { return NLT == kNumWarps * 64 || tid < NLT; }
   static constexpr int EPC = 16 / (int)sizeof(C);
   static constexpr int LNCH = HS / EPC;
@@ -164,15 +186,15 @@ struct PrefillLoad {
   __device__ static int src(int ch) { return PAD ? min(ch, LNCH - 1) : ch; }
 };
 
-template <typename L, int HS>
+template <typename L, int HS, int KTM = 64>
 struct PrefillShared {
-  alignas(16) uint8_t k[PrefillGeom<L, HS>::KT * PrefillGeom<L, HS>::ROWB];
-  alignas(16) uint8_t v[PrefillGeom<L, HS>::VD * PrefillGeom<L, HS>::VRS];   // V^T
+  alignas(16) uint8_t k[PrefillGeom<L, HS, KTM>::KT * PrefillGeom<L, HS, KTM>::ROWB];
+  alignas(16) uint8_t v[PrefillGeom<L, HS, KTM>::VD * PrefillGeom<L, HS, KTM>::VRS];   // V^T
 };
 
-// The block-table entries of the tile at key t0: lane i holds entry t0 / block_size + i (-1 past the
-// table), ws = the first entry's first key. A tile of at most 64 keys aligned to its size spans at most
-// 64 entries.
+// The block-table entries of the keys a wave loads from key t0 on: lane i holds entry t0 / block_size + i
+// (-1 past the table), ws = the first entry's first key. A wave loads at most 64 keys of a tile (t0: the
+// tile's first key, or its own first key in a 128-key tile), which span at most 64 entries.
 struct TileTable {
   int entry, ws;
 };
@@ -241,10 +263,11 @@ __device__ __forceinline__ Chunk16 widen_quarter_chunk_f32(const Chunk16& c, int
 // Stores the loaded chunks of this thread in LDS; fp8 codes widened on the way (K to L, V to VL), once per
 // tile.
 template <typename C, int HS, typename L, typename VL>
-__device__ __forceinline__ void prefill_store(PrefillShared<L, HS>& sh, const Chunk16 (&kr)[PrefillLoad<C, HS, L>::CPT],
+__device__ __forceinline__ void prefill_store(PrefillShared<L, HS, PrefillLoad<C, HS, L>::KTM>& sh,
+                                              const Chunk16 (&kr)[PrefillLoad<C, HS, L>::CPT],
                                               const Chunk16 (&vr)[PrefillLoad<C, HS, L>::CPT]) {
-  using PG = PrefillGeom<L, HS>;
   using PL = PrefillLoad<C, HS, L>;
+  using PG = PrefillGeom<L, HS, PL::KTM>;
   constexpr int LE = 16 / PG::ES;   // elements per LDS chunk
   const int tid = (int)threadIdx.x, key = tid / PL::TPK;
   if (!PL::loads(tid)) return;  // wave-uniform
@@ -335,15 +358,16 @@ struct PrefillRows {
 // One tile of the wave: S^T, masks (MASKED only), online softmax, P V. Lane roles as in mfma_stream; L, VL:
 // the element types of the K and V tiles in LDS (QK runs on L's MFMA, P V on VL's). SOFTCAP: 1 = on, 0 = off,
 // -1 = p.softcap decides at run time. ALIBI: add the rows' ALiBi bias (a separate instantiation: the plain
-// loop keeps its instruction count).
-template <typename T, typename L, typename VL, int HS, bool MASKED, int SOFTCAP, bool ALIBI>
-__device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, const PrefillShared<L, HS>& sh,
+// loop keeps its instruction count). KTM: PrefillGeom's; a 128-key tile is taken as two 64-key steps (k0 = 0,
+// 64: the step's first key in the LDS tile; t0: its key), which keeps the scores of one step in registers.
+template <typename T, typename L, typename VL, int HS, bool MASKED, int SOFTCAP, bool ALIBI, int KTM = 64>
+__device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, const PrefillShared<L, HS, KTM>& sh,
                                              const PrefillRows& w, int t0, float& m, float& l,
                                              mfma_f32x4 (&acc)[MfmaGeom<L, HS>::PVC][8],
-                                             const PrefillQ<L, HS>& qf) {
+                                             const PrefillQ<L, HS>& qf, int k0 = 0) {
   using G = MfmaGeom<L, HS>;
-  using PG = PrefillGeom<L, HS>;
-  constexpr int WAVE = 64, NSUB = PG::NSUB, QKC = PG::QKC, QST = PG::QST, PVC = G::PVC, NCH = G::NCH;
+  using PG = PrefillGeom<L, HS, KTM>;
+  constexpr int WAVE = 64, NSUB = PG::NSUB < 4 ? PG::NSUB : 4, QKC = PG::QKC, QST = PG::QST, PVC = G::PVC, NCH = G::NCH;
   const int lane = (int)threadIdx.x % WAVE, n = lane % 16, g = lane / 16;
   const Chunk16 zero = {{0u, 0u, 0u, 0u}};
   float s[NSUB][4];
@@ -355,8 +379,9 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
 #pragma unroll
     for (int u = 0; u < QKC; ++u) {
       const int ch = 4 * u + g;
+      const int key = k0 + 16 * sub + n;
       const Chunk16 kc = ch < NCH ? *reinterpret_cast<const Chunk16*>(
-                                        sh.k + (PG::ES == 4 ? PG::k_offset(16 * sub + n, u, g) : PG::offset(16 * sub + n, ch)))
+                                        sh.k + (PG::ES == 4 ? PG::k_offset(key, u, g) : PG::offset(key, ch)))
                                   : zero;
 #pragma unroll
       for (int h = 0; h < QST; ++h) d = prefill_mfma<L>(k_operand<L>(kc, h), qf[u][h], d);
@@ -407,7 +432,7 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
 #pragma unroll
     for (int u = 0; u < PVC; ++u) {
       const int piece = min(n + 16 * u, HS / 8 - 1);
-      const uint8_t* vrow = sh.v + PG::voffset(8 * piece, 16 * sub + 4 * g);
+      const uint8_t* vrow = sh.v + PG::voffset(8 * piece, k0 + 16 * sub + 4 * g);
 #pragma unroll
       for (int c = 0; c < 8; ++c) {
         const PrefillVRead<VL> vf = *reinterpret_cast<const PrefillVRead<VL>*>(vrow + c * PG::VRS);
@@ -447,15 +472,19 @@ struct TileOrder {
 // prefill_tile.
 template <typename T, typename C, int HS, bool ALIGNED, bool MASKED, int SOFTCAP, bool ALIBI,
           typename L = PrefillElem<T, C>>
-__device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, const BlockTask& b, PrefillShared<L, HS>& sh,
+__device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, const BlockTask& b,
+                                              PrefillShared<L, HS, prefill_kt_max<C, HS>()>& sh,
                                               PrefillPipe<C, HS, L>& pipe, const PrefillRows& w, int from, int to,
                                               int base, const TileOrder& ord, float inv_bs,
                                               float& m, float& l, mfma_f32x4 (&acc)[MfmaGeom<L, HS>::PVC][8],
                                               const PrefillQ<L, HS>& qf) {
-  constexpr int KT = PrefillGeom<L, HS>::KT;
+  constexpr int KTM = prefill_kt_max<C, HS>(), KT = PrefillGeom<L, HS, KTM>::KT;
+  constexpr int WKEYS = PrefillGeom<L, HS, KTM>::WKEYS;
   const int lane = (int)threadIdx.x % 64, ntiles = ord.ntiles;
+  const int wkey = KT > 64 ? WKEYS * ((int)threadIdx.x / 64) : 0;  // the wave's first key in a tile
   const int* bt_lane = b.bt + lane;
-  const C* cache = static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
+  // in VGPRs over an fp8 cache, see prefill_mfma_run
+  const C* cache = lane_value<is_fp8<C>()>(static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head);
   for (int k = from; k < to; ++k) {
     const int t0 = base + ord(k) * KT, t1 = t0 + KT;
     prefill_store<C, HS, L, PrefillVElem<T, C>>(sh, pipe.kr, pipe.vr);
@@ -465,10 +494,14 @@ __device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, con
 #endif
     if (k + 1 < ntiles) {  // in flight while this tile computes
       prefill_load<C, HS, L, ALIGNED>(p, b, cache, pipe.next, inv_bs, base + ord(k + 1) * KT, pipe.kr, pipe.vr);
-      if (k + 2 < ntiles) pipe.next = tile_table(p, bt_lane, base + ord(k + 2) * KT, inv_bs, lane);
+      if (k + 2 < ntiles) pipe.next = tile_table(p, bt_lane, base + ord(k + 2) * KT + wkey, inv_bs, lane);
     }
-    if (t0 < w.hi_max && t1 > w.lo_min)  // some row of this wave sees a key of the tile
-      prefill_tile<T, L, PrefillVElem<T, C>, HS, MASKED, SOFTCAP, ALIBI>(p, sh, w, t0, m, l, acc, qf);
+#pragma unroll
+    for (int k0 = 0; k0 < KT; k0 += 64) {  // 64-key steps of a 128-key tile
+      const int s0 = t0 + k0, s1 = KT > 64 ? s0 + 64 : t1;
+      if (s0 < w.hi_max && s1 > w.lo_min)  // some row of this wave sees a key of the step
+        prefill_tile<T, L, PrefillVElem<T, C>, HS, MASKED, SOFTCAP, ALIBI, KTM>(p, sh, w, s0, m, l, acc, qf, k0);
+    }
     __syncthreads();  // the next store rewrites the tile
   }
 }
@@ -526,9 +559,9 @@ struct PrefillEpilogue<true> {
 // tiles'.
 template <typename T, typename C, int HS, bool ALIGNED, int SOFTCAP, bool ALIBI, typename L = PrefillElem<T, C>>
 __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, const BlockTask& b,
-                                                 PrefillShared<L, HS>& sh) {
+                                                 PrefillShared<L, HS, prefill_kt_max<C, HS>()>& sh) {
   using G = MfmaGeom<L, HS>;
-  using PG = PrefillGeom<L, HS>;
+  using PG = PrefillGeom<L, HS, prefill_kt_max<C, HS>()>;
   constexpr int WAVE = 64, QKC = PG::QKC, QST = PG::QST, PVC = G::PVC, EPC = G::EPC, KT = PG::KT;
   const int tid = (int)threadIdx.x, lane = tid % WAVE, warp = tid / WAVE;
   const int n = lane % 16, g = lane / 16;
@@ -589,17 +622,31 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
     full_lo = min(ntiles, (b.all_lo - base + KT - 1) / KT);
     full_hi = max(full_lo, min(ntiles, (b.all_hi - base) / KT));
   }
-  const float inv_bs = 1.f / (float)p.block_size;
+  // The loads' addressing (block table, key -> row) is per-lane arithmetic on these block-uniform values:
+  // over an fp8 cache the loop takes them as VGPRs (pl, bl, inv_bs): it is short of SGPRs there. At head
+  // 256, short of VGPRs too, only the 64-bit ones (the strides; the cache pointer in prefill_tiles).
+  constexpr bool LV = is_fp8<C>() && HS < 256, LV64 = is_fp8<C>();
+  PagedAttentionParams pl = p;
+  pl.block_size = lane_value<LV>(p.block_size);
+  pl.bt_cols = lane_value<LV>(p.bt_cols);
+  pl.num_blocks = lane_value<LV>(p.num_blocks);
+  pl.kv_stride_block = lane_value<LV64>(p.kv_stride_block);
+  pl.kv_stride_token = lane_value<LV64>(p.kv_stride_token);
+  BlockTask bl = b;
+  bl.kv_lo = lane_value<LV>(b.kv_lo);
+  bl.kv_hi = lane_value<LV>(b.kv_hi);
+  const float inv_bs = lane_value<LV>(1.f / (float)p.block_size);
   const C* cache = static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
   const TileOrder ord{ntiles, full_lo, full_hi};
   const int* bt_lane = b.bt + lane;
   PrefillPipe<C, HS, L> pipe;
-  const TileTable first = tile_table(p, bt_lane, base + ord(0) * KT, inv_bs, lane);
-  prefill_load<C, HS, L, ALIGNED>(p, b, cache, first, inv_bs, base + ord(0) * KT, pipe.kr, pipe.vr);
-  pipe.next = ntiles > 1 ? tile_table(p, bt_lane, base + ord(1) * KT, inv_bs, lane) : first;
-  prefill_tiles<T, C, HS, ALIGNED, true, SOFTCAP, ALIBI>(p, b, sh, pipe, w, 0, ord.masked(), base, ord,
+  const int wkey = KT > 64 ? PG::WKEYS * warp : 0;  // the wave's first key in a tile
+  const TileTable first = tile_table(pl, bt_lane, base + ord(0) * KT + wkey, inv_bs, lane);
+  prefill_load<C, HS, L, ALIGNED>(pl, bl, cache, first, inv_bs, base + ord(0) * KT, pipe.kr, pipe.vr);
+  pipe.next = ntiles > 1 ? tile_table(pl, bt_lane, base + ord(1) * KT + wkey, inv_bs, lane) : first;
+  prefill_tiles<T, C, HS, ALIGNED, true, SOFTCAP, ALIBI>(pl, bl, sh, pipe, w, 0, ord.masked(), base, ord,
                                                          inv_bs, m, l, acc, qf);
-  prefill_tiles<T, C, HS, ALIGNED, false, SOFTCAP, ALIBI>(p, b, sh, pipe, w, ord.masked(), ntiles, base, ord,
+  prefill_tiles<T, C, HS, ALIGNED, false, SOFTCAP, ALIBI>(pl, bl, sh, pipe, w, ord.masked(), ntiles, base, ord,
                                                           inv_bs, m, l, acc, qf);
 
   l = wave_sum_from<WAVE, 16>(l);
@@ -645,17 +692,14 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
 }
 
 // One LDS tile for both address paths (16-byte vector loads or element loads of a misaligned cache); ALiBi
-// takes its own instantiations (softcap decided at run time there) over 16-bit caches only: with fp8 codes
-// they spilled 1 - 2 SGPRs on gfx90a, so the launcher runs ALiBi over fp8 caches in the decode kernel.
+// takes its own instantiations (softcap decided at run time there), over 16-bit and fp8 caches.
 template <typename T, typename C, int HS>
 __device__ void prefill_mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
-  __shared__ PrefillShared<PrefillElem<T, C>, HS> sh;
+  __shared__ PrefillShared<PrefillElem<T, C>, HS, prefill_kt_max<C, HS>()> sh;
   const bool softcap = p.softcap > 0.f;
-  if (!is_fp8<C>() && p.alibi_slopes) {
-    if constexpr (!is_fp8<C>()) {
-      if (p.kv_aligned16) prefill_mfma_run<T, C, HS, true, -1, true>(p, b, sh);
-      else prefill_mfma_run<T, C, HS, false, -1, true>(p, b, sh);
-    }
+  if (p.alibi_slopes) {
+    if (p.kv_aligned16) prefill_mfma_run<T, C, HS, true, -1, true>(p, b, sh);
+    else prefill_mfma_run<T, C, HS, false, -1, true>(p, b, sh);
   } else if (p.kv_aligned16) {
     if (softcap) prefill_mfma_run<T, C, HS, true, 1, false>(p, b, sh);
     else prefill_mfma_run<T, C, HS, true, 0, false>(p, b, sh);

@@ -49,17 +49,13 @@ int device_cu_count() {
   return n;
 }
 
-// Instantiations the prefill kernel serves: 16-bit queries on wave64 over a cache of their own type (every
-// head size) or of fp8 codes (heads >= 128), fp32 queries on wave64 over an fp32 or fp8 cache at every head
-// size (v_mfma_f32_16x16x4f32; fp8 codes widened to fp32 in LDS) -- the configurations whose compile check
-// passes its thresholds, see hip/README.md. 16-bit queries over fp8 at heads 64 (a 64-key tile of 64-code
-// rows leaves 36 bytes in flight per lane) and 80 / 96 (SGPR spills on gfx90a) and wave32 run the attention
-// kernel.
+// Instantiations the prefill kernel serves: every one on wave64 -- fp16 / bf16 queries over a cache of their
+// own type or of fp8 codes (v_mfma_f32_16x16x16{f16,bf16_1k}), fp32 queries over an fp32 or fp8 cache
+// (v_mfma_f32_16x16x4f32; fp8 codes widened to fp32 in LDS), every head size, ALiBi included -- each passing
+// the compile check's thresholds (hip/README.md). wave32 targets (no MFMA) run the attention kernel.
 template <typename T, typename C, int HS, int WAVE>
 constexpr bool prefill_served() {
-  if (WAVE != 64) return false;
-  if (sizeof(T) == 4) return true;
-  return std::is_same<T, C>::value || (kvmulti::is_fp8<C>() && HS >= 128);
+  return WAVE == 64;
 }
 
 template <typename T, typename C, int HS, int WAVE>
@@ -258,8 +254,7 @@ __attribute__((visibility("default"))) int kvmulti_hip_paged_attention(
   hipStream_t s = (hipStream_t)stream;
   const int w = device_wave_size(wave);
   const int threshold = prefill_min_query < 0 ? kDefaultPrefillMinQuery : prefill_min_query;
-  // ALiBi over an fp8 cache: the decode kernel (the prefill kernel's MFMA path has no ALiBi instantiation there)
-  const bool pf = threshold > 0 && max_query_len >= threshold && !(alibi_slopes && cache_dtype >= kCacheE4M3);
+  const bool pf = threshold > 0 && max_query_len >= threshold;
   switch (dtype) {
     case 0: return dispatch_cache<float>(dtype, cache_dtype, w, head_size, p, pf, s);
     case 1: return dispatch_cache<__half>(dtype, cache_dtype, w, head_size, p, pf, s);

@@ -302,11 +302,12 @@ BAD_METADATA = ["qsl_not_monotonic", "qsl_past_query_rows", "seq_len_huge", "seq
 
 
 # kernel -> (head size, cache dtype or None: the query's); head 80 / 96: padded LDS rows, 256: 16-key tiles;
-# fp8 caches with an fp32 query: the prefill kernel's fp32 path over widened codes (16-bit queries at heads
-# 96 / 256 over fp8: the decode kernel / the 16-bit prefill path)
+# fp8 caches: the cache holds codes (query and output keep the dtype): for an fp32 query the prefill kernel's
+# fp32 path over widened codes, for 16-bit queries the 16-bit path (head 64: 128-key tiles)
 GUARD_KERNELS = {"decode": (64, None), "prefill": (128, None), "prefill-head80": (80, None),
                  "prefill-head96": (96, None), "prefill-head256": (256, None),
-                 "prefill-e4m3-head96": (96, torch.float8_e4m3fn), "prefill-e5m2-head256": (256, torch.float8_e5m2)}
+                 "prefill-e4m3-head64": (64, torch.float8_e4m3fn), "prefill-e4m3-head96": (96, torch.float8_e4m3fn),
+                 "prefill-e5m2-head96": (96, torch.float8_e5m2), "prefill-e5m2-head256": (256, torch.float8_e5m2)}
 
 
 @pytest.mark.parametrize("kernel", GUARD_KERNELS)
@@ -328,7 +329,7 @@ def test_invalid_metadata_never_touches_memory_outside_the_tensors(harness, kind
     cache.copy_(torch.randn(layout.shape).to(cache_dtype))
     cache_before = cache.clone()
     fp8 = cache_dtype != dtype
-    scales = dict(k_scale=torch.full((hkv,), 0.5), v_scale=torch.full((hkv,), 0.25)) if fp8 else {}
+    scales = dict(k_scale=torch.tensor([0.5, 1.5]), v_scale=torch.tensor([2.0, 0.25])) if fp8 else {}
     q_buf, q_flat = _guarded(t * hq * hs, dtype, float("nan"))
     q_flat.copy_(torch.randn(t * hq * hs).to(dtype))
     o_buf, o_flat = _guarded(t * hq * hs, dtype, 7.0)

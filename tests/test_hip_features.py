@@ -61,6 +61,26 @@ def test_prefill_kernel_takes_the_features_on_mfma_and_fma(hip_backend, dtype):
         lib.kvcpu_set_mfma_enabled(1)
 
 
+# ALiBi over an fp8 cache in the prefill kernel at every head size: the case of
+# test_prefill_kernel_serves_every_head_size with ALiBi gives that test's MFMA count (9 wave-tiles; head 256:
+# 12), which the decode kernel's differs from; the oracle checks each run.
+ALIBI_PREFILL_MFMAS = {64: 9 * 48, 80: 9 * 56, 96: 9 * 56, 128: 9 * 64, 256: 12 * 64}
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("head_size", ALIBI_PREFILL_MFMAS)
+def test_prefill_kernel_takes_alibi_over_fp8_caches(hip_backend, fmt, head_size):
+    dtype = (F16, BF16)[(head_size // 16 + list(FP8_FORMATS).index(fmt)) % 2]
+    spec = CaseSpec(order="NHD" if fmt == "e4m3" else "HND", block_size=1 if fmt == "e4m3" else 16, num_kv_heads=1,
+                    group=1, head_size=head_size, dtype=dtype, query_lens=(70, 3), context_lens=(20, 0),
+                    sliding_window=33, softcap=8.0 if head_size % 64 else None, alibi=True)
+    lib = _mfma_library()
+    lib.kvcpu_reset_mfma_count()
+    with _knobs(hip_backend, 64, 0, 1):
+        check_fp8_against_reference(spec, "HIP", FP8_FORMATS[fmt])
+    assert lib.kvcpu_mfma_count() == ALIBI_PREFILL_MFMAS[head_size]
+
+
 @pytest.mark.parametrize("fmt", FP8_FORMATS)
 @pytest.mark.parametrize("pmq", [0, 1], ids=["decode", "prefill"])
 def test_fp8_caches_with_sinks_and_alibi(hip_backend, fmt, pmq):

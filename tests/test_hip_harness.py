@@ -826,20 +826,19 @@ PREFILL_HEAD_MFMAS = {64: 48, 80: 56, 96: 56, 128: 64, 256: 64}
 def test_prefill_kernel_serves_every_head_size(hip_backend, head_size):
     """The case of test_prefill_kernel_is_chosen_by_the_longest_query_and_skips_tiles at each head size: 9
     wave-tiles of 64 keys (head 256: 12 of 32 keys -- token tile 0's waves see 2, 2, 3, 2 tiles, tile 1's
-    wave 0 two, the short request one), over the query's cache type and, at head 256, over e4m3 / e5m2
-    (fp8 at heads 64 / 80 / 96 stays on the attention kernel; the oracle checks every run)."""
+    wave 0 two, the short request one), over the query's cache type and over e4m3 / e5m2 (fp8 at head 64:
+    128-key tiles taken as two 64-key steps, each skipped like a 64-key tile; the oracle checks every run)."""
     spec = CaseSpec(order="NHD", block_size=1, num_kv_heads=1, group=1, head_size=head_size,
                     dtype=torch.float16, query_lens=(70, 3), context_lens=(20, 0), sliding_window=33, softcap=8.0)
     want = (12 if head_size == 256 else 9) * PREFILL_HEAD_MFMAS[head_size]
     assert _mfma_count(hip_backend, spec, wave=64, partition_size=0, prefill_min_query=1) == want
-    fp8_want = want if head_size >= 128 else None
     bf16 = dataclasses.replace(spec, dtype=torch.bfloat16, order="HND", block_size=16)
     counts = [_run_fp8_case(hip_backend, bf16, FP8_FORMATS["e4m3"], per_head=True, partition_size=0,
                             prefill_min_query=1),
               _run_fp8_case(hip_backend, spec, FP8_FORMATS["e5m2"], per_head=False, partition_size=0,
                             prefill_min_query=1)]
     for count in counts:
-        assert count > 0 and (fp8_want is None or count == fp8_want), (head_size, count, want)
+        assert count == want, (head_size, count, want)
 
 
 # varlen + chunked + decode, GQA 1 / 4 / 8, windows, softcap, split-KV, block sizes 1 / 16 / 32 / 128, both
@@ -884,6 +883,24 @@ def test_prefill_kernel_fp32_head_sizes_match_the_oracle(hip_backend, head_size,
                          prefill_min_query=1) > 0
 
 
+# fp8 caches at heads 64 / 80 / 96 (128-key tiles at 64, padded rows at 80 / 96), both formats and both
+# query types: each case against the oracle, and the prefill kernel's MFMA count (its 64-key steps) differs
+# from the decode kernel's on the same batch.
+@pytest.mark.parametrize("head_size", [64, 80, 96])
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("name", PREFILL_HEAD_CASES)
+def test_prefill_kernel_over_fp8_small_heads_matches_the_oracle(hip_backend, head_size, fmt, name):
+    i = list(PREFILL_HEAD_CASES).index(name) + list(FP8_FORMATS).index(fmt)
+    spec = CaseSpec(head_size=head_size, dtype=(torch.float16, torch.bfloat16)[(i + head_size // 16) % 2],
+                    **PREFILL_HEAD_CASES[name])
+    partition = 32 if name == "gqa8-bs128-window" else 0
+    prefill = _run_fp8_case(hip_backend, spec, FP8_FORMATS[fmt], per_head=bool(i % 2), partition_size=partition,
+                            prefill_min_query=1)
+    decode = _run_fp8_case(hip_backend, spec, FP8_FORMATS[fmt], per_head=bool(i % 2), partition_size=partition,
+                           prefill_min_query=0)
+    assert prefill > 0 and decode > 0 and prefill != decode, (prefill, decode)
+
+
 PREFILL_POISON_ENGINES = [(torch.float16, "fp16", 64, "mfma"), (torch.bfloat16, "bf16", 64, "mfma"),
                           (torch.bfloat16, "e4m3", 64, "mfma"), (torch.float16, "e5m2", 64, "mfma"),
                           (torch.float16, "e4m3", 64, "mfma"), (torch.bfloat16, "e5m2", 64, "mfma"),
@@ -891,11 +908,11 @@ PREFILL_POISON_ENGINES = [(torch.float16, "fp16", 64, "mfma"), (torch.bfloat16, 
                           (torch.float32, "e5m2", 64, "mfma")]
 
 
-@pytest.mark.parametrize("head_size", [80, 128, 256])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("scenario", ["mixed", "window"])
 @pytest.mark.parametrize("engine", PREFILL_POISON_ENGINES, ids=[f"{e[1]}-w{e[2]}-{e[3]}" for e in PREFILL_POISON_ENGINES])
 def test_prefill_unreadable_slots_with_nan_do_not_leak(hip_backend, engine, scenario, head_size):
-    """The prefill kernel loads whole 64-key tiles (head 256: 32): every slot no row may read holds NaN, the
+    """The prefill kernel loads whole 64-key tiles (head 256: 32; fp8 at head 64: 128): every slot no row may read holds NaN, the
     output must equal the oracle's (finite)."""
     dtype, cache_name, wave, kind = engine
     cache_dtype = POISON_CACHES[cache_name]
