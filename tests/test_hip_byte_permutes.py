@@ -1,7 +1,7 @@
 """The GPU-only bit paths of hip/kvmulti_common.h and hip/kvmulti_prefill.hip (``v_perm_b32`` selectors,
 the fp8 widening) against the formulas the CPU harness runs instead.
 
-The harness compiles the portable branch of each ``#if`` (``KVMULTI_HIP_CPU_HARNESS``), so a wrong
+The harness compiles the portable branch of each ``#if`` (its own preprocessor macro), so a wrong
 ``__builtin_amdgcn_perm`` selector would pass every harness suite. Here hipcc compiles, for gfx940, one
 kernel per case that applies the real device function to constants; LLVM folds the call (byte permutes,
 fp16 -> fp32 widening) into the one constant the kernel stores, which must equal this file's model of the
