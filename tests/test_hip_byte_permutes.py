@@ -14,12 +14,11 @@ import re
 import struct
 import subprocess
 
-import pytest
 import torch
 
 from devtools import hip_compile_check as cc
+from test_hip_compile import _require
 
-IN_CI = os.environ.get("CI", "").lower() == "true"
 ARCH = "gfx940"
 WORD = 0x11223344            # distinct bytes: one case pins a selector down
 HALVES = (0x3C00, 0x0001, 0x83FF, 0x7E00, 0x7BFF, 0x0000)   # fp16 1, min subnormal, -subnormal, NaN, max, 0
@@ -106,11 +105,7 @@ def _folded_constants(tmp_path, exprs: list[str]) -> list[int | None]:
 
 
 def test_device_bit_paths_fold_to_the_harness_formulas(tmp_path):
-    if cc.hipcc() is None:
-        msg = "needs hipcc (Debian: apt-get install hipcc libamdhip64-dev rocm-device-libs)"
-        if IN_CI:
-            pytest.fail(msg + " (CI=true: this check must run)")
-        pytest.skip(msg)
+    _require(amd=True, nvidia=False)
     cases = _cases()
     got = _folded_constants(tmp_path, [e for e, _ in cases])
     for (expr, expect), value in zip(cases, got):
