@@ -53,6 +53,33 @@ def test_nvidia_targets_compile_through_compat_header():
     assert [r.kernels for r in report.results] == [cc.EXPECTED_KERNELS] * len(cc.NVIDIA_ARCHS)
 
 
+def test_device_pass_cache_key_follows_sources_flags_and_compiler(tmp_path, monkeypatch):
+    """A kept device pass is found again only for the same launcher source, the same headers and .hip files
+    under the HIP folder, the same flags and the same hipcc (--version)."""
+    hip_dir = tmp_path / "hip"
+    (hip_dir / "sub").mkdir(parents=True)
+    source, header = hip_dir / "launcher.hip", hip_dir / "sub" / "tile.h"
+    source.write_text("kernels")
+    header.write_text("tile 64")
+    monkeypatch.setenv("KVMULTI_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cc, "HIP_DIR", hip_dir)
+    monkeypatch.setattr(cc, "SOURCE", source)
+    monkeypatch.setattr(cc, "_hipcc_version", lambda: "clang version 15")
+    flags = ["-O3", "--offload-arch=gfx940", "-S"]
+    base = cc._device_pass_cache(flags)
+    assert base.parent == tmp_path / "cache" / "hip_check" and base == cc._device_pass_cache(list(flags))
+    header.write_text("tile 128")
+    assert cc._device_pass_cache(flags) != base
+    header.write_text("tile 64")
+    source.write_text("kernels, one more")
+    assert cc._device_pass_cache(flags) != base
+    source.write_text("kernels")
+    assert cc._device_pass_cache(flags) == base
+    assert cc._device_pass_cache(["-O3", "--offload-arch=gfx90a", "-S"]) != base
+    monkeypatch.setattr(cc, "_hipcc_version", lambda: "clang version 16")
+    assert cc._device_pass_cache(flags) != base
+
+
 def test_resource_usage_parser_flags_spills_and_scratch():
     log = "\n".join([
         "k.hip:1:1: remark: Function Name: _ZN7kvmulti22paged_attention_kernelIfLi64ELi64EEEvNS_20PagedAttentionParamsE",
