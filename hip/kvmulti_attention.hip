@@ -298,8 +298,9 @@ __device__ __forceinline__ int load_bt_window(const PagedAttentionParams& p, con
 }
 
 // Zeros in place of a cache row (K and V of one KV head, up to 2 x 256 fp32 elements): what a key
-// outside its block's range [kv_lo, kv_hi) reads (see key_row).
-__device__ Chunk16 kZeroRow[128];
+// outside its block's range [kv_lo, kv_hi) reads (see key_row). Internal linkage: each translation unit
+// of a build that splits the kernels (the CPU harness's, see launcher.hip) holds its own.
+static __device__ Chunk16 kZeroRow[128];
 
 // Key t of the block-table window starting at key ws: its entry q (the return value) and offset r in that
 // block, through a float reciprocal (inv_bs = 1 / block_size) plus a one-step fix-up: exact for

@@ -5,49 +5,22 @@
 //                 -> libkvmulti_hip.so, called from kvmulti/backends/hip/library.py through ctypes with torch
 //                 tensors' data_ptr()s and torch's current HIP stream;
 //   * CPU harness: g++ -x c++ -I hip/cpu_harness/include -> the same entry points running the same
-//                 kernels on CPU fibers (verification only);
+//                 kernels on CPU fibers (verification only), in translation units compiled in parallel
+//                 (KVMULTI_ATTENTION_PAIRS below);
 //   * nvcc -x cu -I hip/compat: compile check for NVIDIA targets.
 // Every entry point returns a hipError_t value (0 = success).
 #include "kvmulti_prefill.hip"
 
-namespace {
+// The attention launches, one dispatch_wave<query, cache> per pair of KVMULTI_ATTENTION_PAIRS. Built in one
+// translation unit, or -- the CPU harness's parallel build (kvmulti/backends/hip/build.py) -- one unit per pair
+// (-DKVMULTI_ATTENTION_UNIT=<its index>) and the C ABI's unit (-DKVMULTI_ATTENTION_UNITS), which takes them
+// from the others.
+#define KVMULTI_ATTENTION_PAIRS(X)                                                                          \
+  X(0, float, float) X(1, float, kvmulti::Fp8E4M3) X(2, float, kvmulti::Fp8E5M2) X(3, __half, __half)        \
+  X(4, __half, kvmulti::Fp8E4M3) X(5, __half, kvmulti::Fp8E5M2) X(6, hip_bfloat16, hip_bfloat16)             \
+  X(7, hip_bfloat16, kvmulti::Fp8E4M3) X(8, hip_bfloat16, kvmulti::Fp8E5M2)
 
-using kvmulti::PagedAttentionParams;
-using kvmulti::WriteKVParams;
-
-// Split-KV heuristic (documented in kvmulti/backends/hip/backend.py too):
-//   * partition_size_request > 0: always split, in partitions of that many keys (tests, tuning);
-//   * partition_size_request == 0: never split;
-//   * partition_size_request < 0 (auto): split in partitions of kDefaultPartition (512) keys when the
-//     longest key span is > 2 * 512 keys AND the un-split grid has fewer than 4 working blocks per
-//     compute unit (one block per up to 8 (token, head) rows, see RowMap; wave64 blocks of fp16 / bf16
-//     queries take 16, the estimate uses 8 since the plan does not know the dtype), i.e. when a few long
-//     sequences would leave most of the GPU idle while each block streams a long context.
-constexpr int kDefaultPartition = 512;
-// Largest block size the attention kernel accepts (key indices inside a block-table window of 64
-// blocks stay far below 2^31).
-constexpr int kMaxBlockSize = 1 << 20;
-constexpr int kCacheE4M3 = 3, kCacheE5M2 = 4;   // cache_dtype codes of the fp8 formats
-// Default prefill threshold: a step whose longest query has at least this many tokens runs the prefill
-// kernel. 64 tokens fill a 64-row tile at any GQA group (the group's heads x 64 / group tokens), and from
-// there on the decode kernel re-reads every K/V tile once per 16 rows where the prefill kernel reads it
-// once per 64 (4x less L2 traffic) and keeps 3 of every 4 of its grid's blocks busy instead of exiting.
-constexpr int kDefaultPrefillMinQuery = 64;
-
-int device_wave_size(int wave) {
-  if (wave == 32 || wave == 64) return wave;
-  int dev = 0, ws = 0;
-  if (hipGetDevice(&dev) != hipSuccess) return 0;
-  if (hipDeviceGetAttribute(&ws, hipDeviceAttributeWarpSize, dev) != hipSuccess) return 0;
-  return ws;
-}
-
-int device_cu_count() {
-  int dev = 0, n = 0;
-  if (hipGetDevice(&dev) != hipSuccess) return 1;
-  if (hipDeviceGetAttribute(&n, hipDeviceAttributeMultiprocessorCount, dev) != hipSuccess || n < 1) return 1;
-  return n;
-}
+namespace kvmulti::launch {
 
 // Instantiations the prefill kernel serves: every one on wave64 -- fp16 / bf16 queries over a cache of their
 // own type or of fp8 codes (v_mfma_f32_16x16x16{f16,bf16_1k}), fp32 queries over an fp32 or fp8 cache
@@ -103,14 +76,80 @@ hipError_t dispatch_wave(int wave, int head_size, const PagedAttentionParams& p,
   }
 }
 
+template <int I>
+struct AttentionPair;
+#define KVMULTI_PAIR_TYPES(I, T, C) \
+  template <>                        \
+  struct AttentionPair<I> {          \
+    using Query = T;                 \
+    using Cache = C;                 \
+  };
+KVMULTI_ATTENTION_PAIRS(KVMULTI_PAIR_TYPES)
+#undef KVMULTI_PAIR_TYPES
+
+}  // namespace kvmulti::launch
+
+#if defined(KVMULTI_ATTENTION_UNIT)
+template hipError_t kvmulti::launch::dispatch_wave<kvmulti::launch::AttentionPair<KVMULTI_ATTENTION_UNIT>::Query,
+                                                   kvmulti::launch::AttentionPair<KVMULTI_ATTENTION_UNIT>::Cache>(
+    int, int, const kvmulti::PagedAttentionParams&, bool, hipStream_t);
+#else
+#if defined(KVMULTI_ATTENTION_UNITS)
+#define KVMULTI_PAIR_ELSEWHERE(I, T, C)                                                                    \
+  extern template hipError_t kvmulti::launch::dispatch_wave<T, C>(int, int, const kvmulti::PagedAttentionParams&, \
+                                                                  bool, hipStream_t);
+KVMULTI_ATTENTION_PAIRS(KVMULTI_PAIR_ELSEWHERE)
+#undef KVMULTI_PAIR_ELSEWHERE
+#endif
+
+
+namespace {
+
+using kvmulti::PagedAttentionParams;
+using kvmulti::WriteKVParams;
+
+// Split-KV heuristic (documented in kvmulti/backends/hip/backend.py too):
+//   * partition_size_request > 0: always split, in partitions of that many keys (tests, tuning);
+//   * partition_size_request == 0: never split;
+//   * partition_size_request < 0 (auto): split in partitions of kDefaultPartition (512) keys when the
+//     longest key span is > 2 * 512 keys AND the un-split grid has fewer than 4 working blocks per
+//     compute unit (one block per up to 8 (token, head) rows, see RowMap; wave64 blocks of fp16 / bf16
+//     queries take 16, the estimate uses 8 since the plan does not know the dtype), i.e. when a few long
+//     sequences would leave most of the GPU idle while each block streams a long context.
+constexpr int kDefaultPartition = 512;
+// Largest block size the attention kernel accepts (key indices inside a block-table window of 64
+// blocks stay far below 2^31).
+constexpr int kMaxBlockSize = 1 << 20;
+constexpr int kCacheE4M3 = 3, kCacheE5M2 = 4;   // cache_dtype codes of the fp8 formats
+// Default prefill threshold: a step whose longest query has at least this many tokens runs the prefill
+// kernel. 64 tokens fill a 64-row tile at any GQA group (the group's heads x 64 / group tokens), and from
+// there on the decode kernel re-reads every K/V tile once per 16 rows where the prefill kernel reads it
+// once per 64 (4x less L2 traffic) and keeps 3 of every 4 of its grid's blocks busy instead of exiting.
+constexpr int kDefaultPrefillMinQuery = 64;
+
+int device_wave_size(int wave) {
+  if (wave == 32 || wave == 64) return wave;
+  int dev = 0, ws = 0;
+  if (hipGetDevice(&dev) != hipSuccess) return 0;
+  if (hipDeviceGetAttribute(&ws, hipDeviceAttributeWarpSize, dev) != hipSuccess) return 0;
+  return ws;
+}
+
+int device_cu_count() {
+  int dev = 0, n = 0;
+  if (hipGetDevice(&dev) != hipSuccess) return 1;
+  if (hipDeviceGetAttribute(&n, hipDeviceAttributeMultiprocessorCount, dev) != hipSuccess || n < 1) return 1;
+  return n;
+}
+
 // The cache's element type: the query's (cache_dtype == dtype) or fp8 (3 = e4m3fn, 4 = e5m2).
 template <typename T>
 hipError_t dispatch_cache(int dtype, int cache_dtype, int wave, int head_size, const PagedAttentionParams& p,
                           bool pf, hipStream_t s) {
-  if (cache_dtype == dtype) return dispatch_wave<T, T>(wave, head_size, p, pf, s);
+  if (cache_dtype == dtype) return kvmulti::launch::dispatch_wave<T, T>(wave, head_size, p, pf, s);
   if (!p.k_scale || !p.v_scale) return hipErrorInvalidValue;
-  if (cache_dtype == kCacheE4M3) return dispatch_wave<T, kvmulti::Fp8E4M3>(wave, head_size, p, pf, s);
-  if (cache_dtype == kCacheE5M2) return dispatch_wave<T, kvmulti::Fp8E5M2>(wave, head_size, p, pf, s);
+  if (cache_dtype == kCacheE4M3) return kvmulti::launch::dispatch_wave<T, kvmulti::Fp8E4M3>(wave, head_size, p, pf, s);
+  if (cache_dtype == kCacheE5M2) return kvmulti::launch::dispatch_wave<T, kvmulti::Fp8E5M2>(wave, head_size, p, pf, s);
   return hipErrorInvalidValue;
 }
 
@@ -309,3 +348,5 @@ __attribute__((visibility("default"))) const char* kvmulti_hip_error_string(int 
 }
 
 }  // extern "C"
+
+#endif  // KVMULTI_ATTENTION_UNIT

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -132,25 +133,39 @@ def build_lock(directory: Path) -> Iterator[None]:
         yield
 
 
-def locked_build(out: Path, cmd: list[str], what: str, env: dict | None = None) -> Path:
+def locked_build(out: Path, cmd: list[str], what: str, env: dict | None = None,
+                 units: list[list[str]] = ()) -> Path:
     """Run ``cmd`` (which writes the placeholder ``{tmp}``) under a lock next to ``out``, then move
-    the result to ``out`` atomically. Returns ``out``; a build another process finished is reused."""
+    the result to ``out`` atomically. Returns ``out``; a build another process finished is reused.
+    ``units``: compile commands run first, in parallel on the CPUs this process may use, each writing
+    its placeholder ``{obj}`` (an object file in a scratch directory); ``cmd``'s ``{objs}`` stands for
+    those objects (a library of several translation units)."""
     if out.exists():
         return out
     with build_lock(out.parent):
         if out.exists():
             return out
-        fd, tmp = tempfile.mkstemp(suffix=out.suffix, dir=out.parent)
-        os.close(fd)
-        cmd = [tmp if c == "{tmp}" else c for c in cmd]
         announce(what, out.parent)
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        except OSError as e:
-            os.unlink(tmp)
-            raise NativeBuildError(f"cannot run {cmd[0]}: {e}") from e
-        if res.returncode != 0:
-            os.unlink(tmp)
-            raise NativeBuildError(f"building {what} failed ({' '.join(cmd)}):\n{res.stdout}{res.stderr}")
-        os.replace(tmp, out)
+        with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
+            objs = [str(Path(scratch) / f"unit{i}.o") for i in range(len(units))]
+            jobs = max(1, min(len(units), len(os.sched_getaffinity(0))))
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                list(pool.map(lambda i: _run_step([objs[i] if c == "{obj}" else c for c in units[i]], what, env),
+                              range(len(units))))
+            tmp = str(Path(scratch) / f"out{out.suffix}")
+            cmd = [tmp if c == "{tmp}" else c for c in cmd]
+            if "{objs}" in cmd:
+                at = cmd.index("{objs}")
+                cmd = cmd[:at] + objs + cmd[at + 1:]
+            _run_step(cmd, what, env)
+            os.replace(tmp, out)
     return out
+
+
+def _run_step(cmd: list[str], what: str, env: dict | None) -> None:
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    except OSError as e:
+        raise NativeBuildError(f"cannot run {cmd[0]}: {e}") from e
+    if res.returncode != 0:
+        raise NativeBuildError(f"building {what} failed ({' '.join(cmd)}):\n{res.stdout}{res.stderr}")

@@ -188,6 +188,30 @@ def test_build_key_covers_the_environment(monkeypatch):
     assert native_build.build_key(files, ["-O2"]) != key
 
 
+def test_locked_build_compiles_units_in_parallel_then_links(tmp_path):
+    """``units``: each compile writes its {obj}; the link gets them for {objs}; a failing unit raises with the
+    compiler's message and leaves neither the library nor its scratch objects behind."""
+    import ctypes
+    import shutil
+    from kvmulti import native_build
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("g++ missing")
+    (tmp_path / "part.cpp").write_text('extern "C" int part() { return PART; }\n')
+    (tmp_path / "whole.cpp").write_text('extern "C" int part();\nextern "C" int whole() { return part() + 1; }\n')
+    units = [[cxx, "-fPIC", "-DPART=41", "-c", str(tmp_path / "part.cpp"), "-o", "{obj}"],
+             [cxx, "-fPIC", "-c", str(tmp_path / "whole.cpp"), "-o", "{obj}"]]
+    out = tmp_path / "build" / "libwhole.so"
+    native_build.locked_build(out, [cxx, "-shared", "{objs}", "-o", "{tmp}"], "two units", units=units)
+    assert ctypes.CDLL(str(out)).whole() == 42
+    assert sorted(p.name for p in out.parent.iterdir()) == [".lock", "libwhole.so"]
+    broken = tmp_path / "broken" / "libwhole.so"
+    with pytest.raises(native_build.NativeBuildError, match="PART"):
+        native_build.locked_build(broken, [cxx, "-shared", "{objs}", "-o", "{tmp}"], "two units",
+                                  units=[[c for c in units[0] if c != "-DPART=41"], units[1]])
+    assert sorted(p.name for p in broken.parent.iterdir()) == [".lock"]
+
+
 def _make_venv(path: Path) -> Path:
     """A virtual environment with its OWN torch directory (hard-linked from this one: same files,
     another install path), kvmulti importable from the repository."""
@@ -206,12 +230,14 @@ def _make_venv(path: Path) -> Path:
 @pytest.mark.slow
 def test_two_venvs_do_not_rebuild_each_other(tmp_path):
     """Two venvs with the same torch version, alternating `kvmulti info` on one build cache: each
-    builds the CPU kernel once (and says so), then neither rebuilds."""
+    builds the CPU kernel once (and says so), then neither rebuilds. Built at -O0 (the build keys are
+    under test, not the kernel's speed): a quarter of the default build's time."""
     if os.environ.get("KVMULTI_CPU_NATIVE") == "0":
         pytest.skip("native CPU kernel disabled")
     pythons = [_make_venv(tmp_path / name) for name in ("venv-a", "venv-b")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMULTI_")}
     env["KVMULTI_CACHE_DIR"] = str(tmp_path / "cache")
+    env["KVMULTI_CPU_EXTRA_CFLAGS"] = "-O0"
 
     def info(python: Path) -> str:
         res = subprocess.run([str(python), "-m", "kvmulti.cli", "info"], env=env, capture_output=True, text=True,

@@ -61,45 +61,63 @@ def cpu_harness_reasons() -> list[str]:
 
 
 def _harness_flags(extra_flags: tuple[str, ...]) -> tuple[str, ...]:
-    return (*CPU_FLAGS, *native_build.sanitizer_flags(), *extra_flags)
+    # Sanitized (KVMULTI_SANITIZE=1), the harness is built at -O0: a quarter of -O1's compile time for the
+    # instrumented kernels, and nothing optimised away before the sanitizers see it.
+    sanitize = native_build.sanitizer_flags()
+    return (*CPU_FLAGS, *sanitize, *(("-O0",) if sanitize else ()), *extra_flags)
 
 
-def harness_library_path(main: Path, deps: list[Path], libname: str, extra_flags: tuple[str, ...] = ()) -> Path:
+#: launcher.hip's KVMULTI_ATTENTION_PAIRS ((query, cache) pairs): the CPU harness library of the kernels is
+#: built from one translation unit per pair plus the C ABI's, compiled in parallel
+ATTENTION_UNITS = 9
+
+
+def harness_library_path(main: Path, deps: list[Path], libname: str, extra_flags: tuple[str, ...] = (),
+                         units: int = 0) -> Path:
     src = source_dir()
     cxx = cpu_compiler() or "g++"
     key = native_build.build_key([main, *deps, *[src / s for s in HARNESS_SOURCES]],
-                                 [cxx, native_build.compiler_version(cxx), *_harness_flags(extra_flags)])
+                                 [cxx, native_build.compiler_version(cxx), *_harness_flags(extra_flags),
+                                  f"units={units}"])
     return native_build.cache_root() / "hip_cpu" / key / libname
 
 
 def build_harness_library(main: Path, deps: list[Path], libname: str, what: str,
-                          extra_flags: tuple[str, ...] = ()) -> Path:
+                          extra_flags: tuple[str, ...] = (), units: int = 0) -> Path:
     """Compile the HIP source ``main`` (+ headers ``deps``, hashed) with g++ against kvmulti's
-    HIP-on-CPU harness into a cached shared library (once per build key)."""
+    HIP-on-CPU harness into a cached shared library (once per build key). ``units`` > 0: ``main`` is
+    launcher.hip-like -- compiled as ``units`` translation units (``-DKVMULTI_ATTENTION_UNIT=i``) and the
+    C ABI's (``-DKVMULTI_ATTENTION_UNITS``), in parallel, then linked."""
     reasons = cpu_harness_reasons()
     if reasons:
         raise HipBuildError("cannot build the HIP CPU harness: " + "; ".join(reasons))
     src = source_dir()
-    out = harness_library_path(main, deps, libname, extra_flags)
-    cmd = [cpu_compiler(), *_harness_flags(extra_flags), "-x", "c++", "-I", str(src / "cpu_harness" / "include"),
-           str(main), "-o", "{tmp}", f"-Wl,-T,{src / 'cpu_harness' / 'kvcpu.ld'}"]
-    return native_build.locked_build(out, cmd, what)
+    out = harness_library_path(main, deps, libname, extra_flags, units)
+    flags = [*_harness_flags(extra_flags), "-I", str(src / "cpu_harness" / "include")]
+    link = [f"-Wl,-T,{src / 'cpu_harness' / 'kvcpu.ld'}"]
+    if not units:
+        return native_build.locked_build(out, [cpu_compiler(), *flags, "-x", "c++", str(main), "-o", "{tmp}", *link],
+                                         what)
+    compiles = [[cpu_compiler(), *flags, define, "-c", "-x", "c++", str(main), "-o", "{obj}"]
+                for define in ["-DKVMULTI_ATTENTION_UNITS", *[f"-DKVMULTI_ATTENTION_UNIT={i}" for i in range(units)]]]
+    return native_build.locked_build(out, [cpu_compiler(), *flags, "{objs}", "-o", "{tmp}", *link], what,
+                                     units=compiles)
 
 
 def cpu_library_path() -> Path:
     src = source_dir()
     return harness_library_path(src / KERNEL_SOURCES[0], [src / s for s in KERNEL_SOURCES[1:]],
-                                "libkvmulti_hip_cpu.so")
+                                "libkvmulti_hip_cpu.so", units=ATTENTION_UNITS)
 
 
 def build_cpu_library() -> Path:
     """Build (once; cached) the kvmulti HIP kernels against the CPU harness."""
     src = source_dir()
     return build_harness_library(src / KERNEL_SOURCES[0], [src / s for s in KERNEL_SOURCES[1:]],
-                                 "libkvmulti_hip_cpu.so", "the HIP kernels for the CPU harness (g++)")
+                                 "libkvmulti_hip_cpu.so", "the HIP kernels for the CPU harness (g++)",
+                                 units=ATTENTION_UNITS)
 
 
-# ------------------------------------------------------------------------------------ ROCm
 def device_arch(index: int | None = None) -> str:
     """gfx name of a ROCm device ('gfx90a:sramecc+:xnack-' -> 'gfx90a')."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
