@@ -6,18 +6,18 @@
 //                 tensors' data_ptr()s and torch's current HIP stream;
 //   * CPU harness: g++ -x c++ -I hip/cpu_harness/include -> the same entry points running the same
 //                 kernels on CPU fibers (verification only), in translation units compiled in parallel
-//                 (KVMULTI_ATTENTION_PAIRS below);
+//                 (KVM_ATTENTION_PAIRS below);
 //   * nvcc -x cu -I hip/compat: compile check for NVIDIA targets.
 // Every entry point returns a hipError_t value (0 = success).
 #include "kvmulti_prefill.hip"
 
-// The attention launches, one dispatch_wave<query, cache> per pair of KVMULTI_ATTENTION_PAIRS. Built in one
+// The attention launches, one dispatch_wave<query, cache> per pair of KVM_ATTENTION_PAIRS. Built in one
 // translation unit, or -- the CPU harness's parallel build (kvmulti/backends/hip/build.py) -- one unit per pair
-// (-DKVMULTI_ATTENTION_UNIT=<its index>) and the C ABI's unit (-DKVMULTI_ATTENTION_UNITS), which takes them
+// (-DKVM_ATTENTION_UNIT=<its index>) and the C ABI's unit (-DKVM_ATTENTION_UNITS), which takes them
 // from the others.
-#define KVMULTI_ATTENTION_PAIRS(X)                                                                          \
-  X(0, float, float) X(1, float, kvmulti::Fp8E4M3) X(2, float, kvmulti::Fp8E5M2) X(3, __half, __half)        \
-  X(4, __half, kvmulti::Fp8E4M3) X(5, __half, kvmulti::Fp8E5M2) X(6, hip_bfloat16, hip_bfloat16)             \
+#define KVM_ATTENTION_PAIRS(X)                                                                                 \
+  X(0, float, float) X(1, float, kvmulti::Fp8E4M3) X(2, float, kvmulti::Fp8E5M2) X(3, __half, __half)          \
+  X(4, __half, kvmulti::Fp8E4M3) X(5, __half, kvmulti::Fp8E5M2) X(6, hip_bfloat16, hip_bfloat16)               \
   X(7, hip_bfloat16, kvmulti::Fp8E4M3) X(8, hip_bfloat16, kvmulti::Fp8E5M2)
 
 namespace kvmulti::launch {
@@ -78,30 +78,29 @@ hipError_t dispatch_wave(int wave, int head_size, const PagedAttentionParams& p,
 
 template <int I>
 struct AttentionPair;
-#define KVMULTI_PAIR_TYPES(I, T, C) \
-  template <>                        \
-  struct AttentionPair<I> {          \
-    using Query = T;                 \
-    using Cache = C;                 \
+#define KVM_PAIR_TYPES(I, T, C) \
+  template <>                   \
+  struct AttentionPair<I> {     \
+    using Query = T;            \
+    using Cache = C;            \
   };
-KVMULTI_ATTENTION_PAIRS(KVMULTI_PAIR_TYPES)
-#undef KVMULTI_PAIR_TYPES
+KVM_ATTENTION_PAIRS(KVM_PAIR_TYPES)
+#undef KVM_PAIR_TYPES
 
 }  // namespace kvmulti::launch
 
-#if defined(KVMULTI_ATTENTION_UNIT)
-template hipError_t kvmulti::launch::dispatch_wave<kvmulti::launch::AttentionPair<KVMULTI_ATTENTION_UNIT>::Query,
-                                                   kvmulti::launch::AttentionPair<KVMULTI_ATTENTION_UNIT>::Cache>(
+#if defined(KVM_ATTENTION_UNIT)
+template hipError_t kvmulti::launch::dispatch_wave<kvmulti::launch::AttentionPair<KVM_ATTENTION_UNIT>::Query,
+                                                   kvmulti::launch::AttentionPair<KVM_ATTENTION_UNIT>::Cache>(
     int, int, const kvmulti::PagedAttentionParams&, bool, hipStream_t);
 #else
-#if defined(KVMULTI_ATTENTION_UNITS)
-#define KVMULTI_PAIR_ELSEWHERE(I, T, C)                                                                    \
+#if defined(KVM_ATTENTION_UNITS)
+#define KVM_PAIR_ELSEWHERE(I, T, C)                                                                     \
   extern template hipError_t kvmulti::launch::dispatch_wave<T, C>(int, int, const kvmulti::PagedAttentionParams&, \
                                                                   bool, hipStream_t);
-KVMULTI_ATTENTION_PAIRS(KVMULTI_PAIR_ELSEWHERE)
-#undef KVMULTI_PAIR_ELSEWHERE
+KVM_ATTENTION_PAIRS(KVM_PAIR_ELSEWHERE)
+#undef KVM_PAIR_ELSEWHERE
 #endif
-
 
 namespace {
 
@@ -349,4 +348,4 @@ __attribute__((visibility("default"))) const char* kvmulti_hip_error_string(int 
 
 }  // extern "C"
 
-#endif  // KVMULTI_ATTENTION_UNIT
+#endif  // KVM_ATTENTION_UNIT

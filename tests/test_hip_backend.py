@@ -199,11 +199,11 @@ def test_declared_head_sizes_match_the_compiled_instantiations(harness):
 
 
 def test_the_harness_build_has_one_unit_per_attention_pair():
-    """launcher.hip's KVMULTI_ATTENTION_PAIRS is indexed 0 .. n - 1, with n the units the CPU harness build
+    """launcher.hip's KVM_ATTENTION_PAIRS is indexed 0 .. n - 1, with n the units the CPU harness build
     compiles; every (query, cache) pair the C ABI dispatches is among them (a missing unit fails the link)."""
     import re
     text = (hip.build.source_dir() / "launcher.hip").read_text()
-    pairs = text[text.index("#define KVMULTI_ATTENTION_PAIRS(X)"):text.index("namespace kvmulti::launch")]
+    pairs = text[text.index("#define KVM_ATTENTION_PAIRS(X)"):text.index("namespace kvmulti::launch")]
     found = re.findall(r"X\((\d+), (\w+), ([\w:]+)\)", pairs)
     assert [int(i) for i, _, _ in found] == list(range(hip.build.ATTENTION_UNITS))
     queries = {"float": "kvmulti::Fp8", "__half": "kvmulti::Fp8", "hip_bfloat16": "kvmulti::Fp8"}

@@ -67,7 +67,7 @@ def _harness_flags(extra_flags: tuple[str, ...]) -> tuple[str, ...]:
     return (*CPU_FLAGS, *sanitize, *(("-O0",) if sanitize else ()), *extra_flags)
 
 
-#: launcher.hip's KVMULTI_ATTENTION_PAIRS ((query, cache) pairs): the CPU harness library of the kernels is
+#: launcher.hip's KVM_ATTENTION_PAIRS ((query, cache) pairs): the CPU harness library of the kernels is
 #: built from one translation unit per pair plus the C ABI's, compiled in parallel
 ATTENTION_UNITS = 9
 
@@ -86,8 +86,8 @@ def build_harness_library(main: Path, deps: list[Path], libname: str, what: str,
                           extra_flags: tuple[str, ...] = (), units: int = 0) -> Path:
     """Compile the HIP source ``main`` (+ headers ``deps``, hashed) with g++ against kvmulti's
     HIP-on-CPU harness into a cached shared library (once per build key). ``units`` > 0: ``main`` is
-    launcher.hip-like -- compiled as ``units`` translation units (``-DKVMULTI_ATTENTION_UNIT=i``) and the
-    C ABI's (``-DKVMULTI_ATTENTION_UNITS``), in parallel, then linked."""
+    launcher.hip-like -- compiled as ``units`` translation units (``-DKVM_ATTENTION_UNIT=i``) and the
+    C ABI's (``-DKVM_ATTENTION_UNITS``), in parallel, then linked."""
     reasons = cpu_harness_reasons()
     if reasons:
         raise HipBuildError("cannot build the HIP CPU harness: " + "; ".join(reasons))
@@ -99,7 +99,7 @@ def build_harness_library(main: Path, deps: list[Path], libname: str, what: str,
         return native_build.locked_build(out, [cpu_compiler(), *flags, "-x", "c++", str(main), "-o", "{tmp}", *link],
                                          what)
     compiles = [[cpu_compiler(), *flags, define, "-c", "-x", "c++", str(main), "-o", "{obj}"]
-                for define in ["-DKVMULTI_ATTENTION_UNITS", *[f"-DKVMULTI_ATTENTION_UNIT={i}" for i in range(units)]]]
+                for define in ["-DKVM_ATTENTION_UNITS", *[f"-DKVM_ATTENTION_UNIT={i}" for i in range(units)]]]
     return native_build.locked_build(out, [cpu_compiler(), *flags, "{objs}", "-o", "{tmp}", *link], what,
                                      units=compiles)
 
