@@ -16,6 +16,7 @@ import kvmulti
 from kvmulti import settings
 from kvmulti.backends.registry import get_backend
 
+from availability import unavailable
 from batches import registered_backends
 
 REPO = Path(__file__).resolve().parents[1]
@@ -196,7 +197,7 @@ def test_locked_build_compiles_units_in_parallel_then_links(tmp_path):
     from kvmulti import native_build
     cxx = shutil.which("g++")
     if cxx is None:
-        pytest.skip("g++ missing")
+        unavailable("g++ missing (apt-get install g++)")
     (tmp_path / "part.cpp").write_text('extern "C" int part() { return PART; }\n')
     (tmp_path / "whole.cpp").write_text('extern "C" int part();\nextern "C" int whole() { return part() + 1; }\n')
     units = [[cxx, "-fPIC", "-DPART=41", "-c", str(tmp_path / "part.cpp"), "-o", "{obj}"],

@@ -118,6 +118,7 @@ def build_cpu_library() -> Path:
                                  units=ATTENTION_UNITS)
 
 
+# ------------------------------------------------------------------------------------ ROCm
 def device_arch(index: int | None = None) -> str:
     """gfx name of a ROCm device ('gfx90a:sramecc+:xnack-' -> 'gfx90a')."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
