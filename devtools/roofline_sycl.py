@@ -2,12 +2,14 @@
 
 The launch (``kvmulti/backends/sycl/backend.py``, ``sycl/kernels.cpp``; fp16 / bf16 take the matrix
 path): one work-group of WG = 128 work-items (8 sub-groups of 16, each one hardware thread at SIMD16)
-per (tile of <= 64 flattened (token, query head) rows, KV head[, partition]). A tile's rows form row
-groups of MR = 8 (the matrix built-in's M); a pass takes RGP = min(row groups, 8) of them, and the
-8 / RGP sub-groups of a row group split that row group's own visible keys in steps of KS = 16 keys
-(decode: one row group, all 8 sub-groups on its keys; prefill: one row group per sub-group). One
-hot-loop trip of a thread = one 16-key step of one row group (``hot_loop_instructions``, read from
-IGC's assembly in SIMD16-instruction equivalents); a pass lasts as long as its slowest sub-group.
+per (tile of <= 64 flattened (token, query head) rows, KV head[, partition]). Tiles of at most MR = 8
+rows (decode) run ``kvm_paged_attention``: row groups of MR (the matrix built-in's M); a pass takes
+RGP = min(row groups, 8) of them, and the 8 / RGP sub-groups of a row group split that row group's own
+visible keys in steps of KS = 16 keys. Larger tiles (prefill) run ``kvm_paged_prefill``: row groups of
+PR = 16 rows (one per lane), RGP = min(row groups, 8) per pass, each split over ``prefill_splits(RGP)``
+sub-groups (a 64-row tile: 4 row groups x 2 splits). One hot-loop trip of a thread = one 16-key step of
+one row group (``hot_loop_instructions``, read from IGC's assembly in SIMD16-instruction equivalents);
+a pass lasts as long as its slowest sub-group.
 Rows of the vector body (DG2's ``acm-g10``): the tile's keys in steps of KB = 4 keys, sub-group ``s``
 taking steps ``s, s + 8, ...``, once per pass of RB = 4 rows; one trip = one 4-key step.
 Split-KV (partitions of 512 keys, a reduce launch) when the longest span exceeds 1024 keys and there
@@ -27,8 +29,9 @@ ROW_TO_TARGET = {"pvc": "pvc", "pvc-128grf": "pvc", "acm-g10": "acm-g10"}
 #: rows built with the matrix body (the others: the vector body)
 MATRIX_ROWS = {"pvc", "pvc-128grf"}
 RB, KB = 4, 4
-KERNEL = "kvm_paged_attention"
-WG, SG, ROWS, MR, KS = 128, 16, 64, 8, 16
+#: tiles of at most MR rows (decode) run kvm_paged_attention, larger ones kvm_paged_prefill
+KERNEL, PREFILL_KERNEL = "kvm_paged_attention", "kvm_paged_prefill"
+WG, SG, ROWS, MR, KS, PR = 128, 16, 64, 8, 16, 16
 NSG = WG // SG
 PARTITION, SPLIT_MIN_SPAN, SPLIT_WG_PER_CU = 512, 1024, 4
 #: SLM per Xe-core (bytes) and hardware threads per XVE at 128 GRF (256 GRF: half)
@@ -36,9 +39,20 @@ SLM_PER_CORE = {"pvc": 128 * 1024, "acm-g10": 64 * 1024}
 THREADS_PER_XVE = 8
 
 
-def _tiles(case: Case) -> list[tuple[int, list[int]]]:
-    """Per tile of one KV head: (its rows, the keys each of its row groups of MR rows sees: its last
-    row's causal range)."""
+def kernel_for(case: Case) -> str:
+    """The attention kernel the host launches for ``case``'s tiles (all of one size in the modelled cases)."""
+    return PREFILL_KERNEL if case.query_len * (case.q_heads // case.kv_heads) > MR else KERNEL
+
+
+def prefill_splits(rgp: int) -> int:
+    """Key splits of a row group of PR rows in kvm_paged_prefill's matrix body (kernels.cpp:
+    prefill_splits): at most NSG / rgp, as many as the merge scratch (NSG * MR rows) holds, at most 5."""
+    return max(1, min(NSG // rgp, 1 + NSG * MR // (rgp * PR), 5))
+
+
+def _tiles(case: Case, group_rows: int = MR) -> list[tuple[int, list[int]]]:
+    """Per tile of one KV head: (its rows, the keys each of its row groups of ``group_rows`` rows sees:
+    its last row's causal range)."""
     group = case.q_heads // case.kv_heads
     first = case.context - case.query_len
     out = []
@@ -46,18 +60,20 @@ def _tiles(case: Case) -> list[tuple[int, list[int]]]:
         rows = case.query_len * group
         for f0 in range(0, rows, ROWS):
             nrows = min(ROWS, rows - f0)
-            out.append((nrows, [first + (f0 + min(r0 + MR, nrows) - 1) // group + 1 for r0 in range(0, nrows, MR)]))
+            out.append((nrows, [first + (f0 + min(r0 + group_rows, nrows) - 1) // group + 1
+                                for r0 in range(0, nrows, group_rows)]))
     return out
 
 
-def _trips(nrows: int, row_groups: list[int], lo: int, hi: int | None, matrix: bool) -> int:
+def _trips(nrows: int, row_groups: list[int], lo: int, hi: int | None, matrix: bool, prefill: bool = False) -> int:
     """Key steps of the slowest sub-group of one work-group over keys [lo, hi) (hi None: each row
-    group's own end), summed over its passes (``matrix``: the matrix body, else the vector body)."""
+    group's own end), summed over its passes (``matrix``: the matrix body, else the vector body;
+    ``prefill``: kvm_paged_prefill's row groups of PR rows and its key splits)."""
     if not matrix:       # every pass of RB rows walks the tile's whole range
         span = max(0, (max(row_groups) if hi is None else min(max(row_groups), hi)) - lo)
         return math.ceil(nrows / RB) * math.ceil(math.ceil(span / KB) / NSG)
     rgp = min(len(row_groups), NSG)
-    kspl = NSG // rgp
+    kspl = prefill_splits(rgp) if prefill else NSG // rgp
     total = 0
     for p0 in range(0, len(row_groups), rgp):
         spans = [max(0, (keys if hi is None else min(keys, hi)) - lo) for keys in row_groups[p0:p0 + rgp]]
@@ -68,7 +84,9 @@ def _trips(nrows: int, row_groups: list[int], lo: int, hi: int | None, matrix: b
 def launch(row: dict, case: Case) -> KernelLaunch:
     """The attention launch of ``case`` on ``row``'s target, from the row's figures."""
     target = TARGETS[ROW_TO_TARGET[row["target"]]]
-    tiles = _tiles(case)
+    matrix = row["target"] in MATRIX_ROWS
+    prefill = matrix and row["kernel"] == PREFILL_KERNEL
+    tiles = _tiles(case, PR if prefill else MR)
     span = max(max(keys) for _, keys in tiles)
     compute_units = target.units * target.ports_per_unit
     split = span > SPLIT_MIN_SPAN and len(tiles) * case.kv_heads < SPLIT_WG_PER_CU * compute_units
@@ -79,7 +97,7 @@ def launch(row: dict, case: Case) -> KernelLaunch:
         for part in range(parts):
             lo, hi = (part * PARTITION, (part + 1) * PARTITION) if split else (0, None)
             if max(row_groups) > lo:
-                trips.append(_trips(nrows, row_groups, lo, hi, row["target"] in MATRIX_ROWS))
+                trips.append(_trips(nrows, row_groups, lo, hi, matrix, prefill))
     grf = int(row["regs_or_grf_mode"].split()[0])
     threads = target.ports_per_unit * THREADS_PER_XVE * 128 // max(128, grf)
     resident = max(1, min(threads // waves, SLM_PER_CORE[target.arch] // max(1, row["slm_bytes"])))
@@ -89,7 +107,7 @@ def launch(row: dict, case: Case) -> KernelLaunch:
     partials = case.tokens * case.q_heads * parts * (case.head + 2) * 4 if split else 0
     mix = {c: n for c, n in row["hot_loop_instructions"].items() if n}
     return KernelLaunch(
-        kernel=f"sycl {KERNEL} ({row['target']}{', ' + row['cache'] if row.get('cache') else ''})",
+        kernel=f"sycl {row['kernel']} ({row['target']}{', ' + row['cache'] if row.get('cache') else ''})",
         target=target.arch, case=case.name,
         programs=len(trips) * case.kv_heads, waves_per_program=waves, iterations=sum(trips) / len(trips),
         loop=LoopMix(mix, waves * row["hot_loop_load_bytes"],
@@ -104,9 +122,11 @@ def launch(row: dict, case: Case) -> KernelLaunch:
 
 
 def launches(rows: list[dict], case: Case) -> list[KernelLaunch]:
-    """One launch per attention row of a modelled target (:data:`ROW_TO_TARGET`) for ``case``."""
+    """One launch per attention row of a modelled target (:data:`ROW_TO_TARGET`) for ``case``: the
+    kernel the host launches for its tiles (:func:`kernel_for`)."""
+    kernel = kernel_for(case)
     return [launch(r, case) for r in rows
-            if r["kernel"] == KERNEL and r["target"] in ROW_TO_TARGET and r.get("hot_loop_instructions")]
+            if r["kernel"] == kernel and r["target"] in ROW_TO_TARGET and r.get("hot_loop_instructions")]
 
 
 CASES = (DECODE, PREFILL)

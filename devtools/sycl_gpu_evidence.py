@@ -55,7 +55,8 @@ DEFAULT_CONFIG = {"dtype": "bfloat16", "head_size": 128, "head_size_v": 128}
 #: The same case over an fp8 e4m3fn cache (kernels.cpp built with KVM_CACHE=3; bf16 activations).
 FP8_CONFIG = dict(DEFAULT_CONFIG, cache_dtype="float8_e4m3fn")
 #: kvm_paged_attention_terms (ALiBi / non-causal) is built with -DKVM_TERMS=1, as the backend builds it
-KERNELS = ("kvm_paged_attention", "kvm_paged_attention_terms", "kvm_split_reduce", "kvm_write_kv")
+KERNELS = ("kvm_paged_attention", "kvm_paged_attention_terms", "kvm_paged_prefill", "kvm_paged_prefill_terms",
+           "kvm_split_reduce", "kvm_write_kv")
 KEYS = ("kernel", "target", "regs_or_grf_mode", "spills", "slm_bytes", "simd_width", "matrix_instructions",
         "load_widths_bytes", "notes", "hot_loop_instructions", "hot_loop_load_bytes", "hot_loop_bytes_in_flight",
         "hot_loop_dpas_flops")
@@ -292,7 +293,7 @@ def _slm_bytes(config: dict, matrix: bool) -> dict[str, int]:
     """Local memory the host gives the attention kernels of a matrix-body or vector-body build."""
     from kvmulti.backends import sycl as S
     slm = 4 * S.lm_floats(config["head_size_v"], S.WG, matrix)
-    return {"kvm_paged_attention": slm, "kvm_paged_attention_terms": slm}
+    return {k: slm for k in KERNELS if k.startswith("kvm_paged_")}
 
 
 def _cache_file(config: dict) -> Path:

@@ -49,6 +49,9 @@
 // Attention, matrix body (KVM_MMA 1 / 2): see attention_body_mma. Both bodies share the tiles, the
 // end-of-pass merge through local memory, split-KV and the optional terms below.
 //
+// kvm_paged_prefill (the host launches it for tiles of more than MR rows): the rows-on-lanes matrix
+// body (prefill_body_mma) where the build has it, else the same body as kvm_paged_attention.
+//
 // Split-KV (long contexts, few work-groups): the same kernel over one partition of the key range
 // writes an unnormalised partial output + (max, sum) per row; kvm_split_reduce combines them.
 //
@@ -998,6 +1001,370 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
                num_parts);
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The rows-on-lanes matrix body (kvm_paged_prefill: tiles of more than MR rows, head sizes multiples
+// of 16 up to 128). The sub-group's 16 lanes are 16 tile rows (a row group of PR), so each row's
+// online softmax runs in its own lane with no cross-lane reduction:
+//   S^T[8 keys][16 rows] = K[8 keys][D] x Q^T[D][16 rows]: A = the keys (component m: key m, lane k:
+//     head dimension d(c, k) = 16 c + k of chunk c), B = the rows' query fragments (built once per
+//     pass: lane n, component i packs Q[n][d(c, 2i)], Q[n][d(c, 2i + 1)]); two calls per chunk cover a
+//     16-key step;
+//   O^T[8 dims][16 rows] += V^T[8 dims][16 keys] x P^T[16 keys][16 rows]: A = lane k's own key's V
+//     row, 8 consecutive dimensions (no packing, no broadcast), B = the row's probabilities packed by
+//     key pairs in its own lane; DV / 8 accumulators, component m of accumulator j: dimension 8 j + m.
+// Per 16-key step lane j reads the block-table entry of key j; key j's K row is read by the whole
+// sub-group as block messages (lane k: dimensions 16 c + k), its A fragments are the keys' chunks
+// regrouped. Causal / window masks are applied only on steps that cross a row's visible range.
+// Sub-groups: RGQ = min(row groups, NSG) row groups per pass; KSQ sub-groups split a row group's keys
+// (as many as the merge scratch holds: KSQ - 1 of them store their rows there, the first merges them
+// in its lanes and writes the rows out, or the partition's partials when split).
+constexpr bool PREFILL_MMA = D % 16 == 0 && DV % 16 == 0 && D <= 128 && DV <= 128 &&
+                            ((ROWS + 15) / 16) * ((D + 15) / 16) * 128 <= MMA_LM_FLOATS;   // Q fragments fit
+constexpr int PR = 16;                  // rows of a row group: one per lane
+constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
+constexpr int NV8 = DV / 8;             // 8-dimension chunks of a V / output row
+// K is read in pieces of NP chunks (fewer registers than whole rows); d(c, k) = k_dim(c, k), the head
+// dimension of chunk c at lane (reduction index) k.
+constexpr int NP = NC % 4 == 0 ? 4 : (NC % 2 == 0 ? 2 : 1);
+constexpr int k_dim(int c, int k) { return 16 * c + k; }
+
+// NP chunks of a K row, [16 NP c0, 16 NP (c0 + 1)), read by the whole sub-group as one block message:
+// lane k gets element 16 i + k of the piece in component i (chunk c0 NP + i at lane k).
+static inline sycl::vec<cache_t, NP> load_k_piece(const cache_t *row) {
+  using namespace sycl::ext::oneapi::experimental;
+  auto sg = syclext::this_work_item::get_sub_group();
+  cache_t v[NP];
+  const auto global = sycl::address_space_cast<sycl::access::address_space::global_space,
+                                               sycl::access::decorated::yes>(const_cast<cache_t *>(row));
+  group_load(sg, global.get_decorated(), sycl::span<cache_t, NP>(v, NP),
+             properties{data_placement_striped, full_group, alignment<4>});
+  sycl::vec<cache_t, NP> out;
+#pragma unroll
+  for (int i = 0; i < NP; ++i) out[i] = v[i];
+  return out;
+}
+
+constexpr int pow2_piece(int n, int max_elems) {
+  int p = 1;
+  while (2 * p <= max_elems && n % (2 * p) == 0) p *= 2;
+  return p;
+}
+template <int BYTES>
+using raw_bytes_t = std::conditional_t<BYTES == 16, sycl::vec<uint32_t, 4>,
+                    std::conditional_t<BYTES == 8, sycl::vec<uint32_t, 2>,
+                    std::conditional_t<BYTES == 4, uint32_t, std::conditional_t<BYTES == 2, uint16_t, uint8_t>>>>;
+
+// N consecutive cache elements at src into dst, in the widest aligned pieces (src is aligned to the
+// piece: the row offsets are multiples of E and the lane offsets of the piece).
+template <int N>
+static inline void load_run(const cache_t *src, cache_t (&dst)[N]) {
+  constexpr int P = pow2_piece(N, 16 / static_cast<int>(sizeof(cache_t)));
+  using R = raw_bytes_t<P * static_cast<int>(sizeof(cache_t))>;
+#pragma unroll
+  for (int i = 0; i < N; i += P) {
+    const auto v = sycl::bit_cast<sycl::vec<cache_t, P>>(*reinterpret_cast<const R *>(src + i));
+#pragma unroll
+    for (int q = 0; q < P; ++q) dst[i + q] = v[q];
+  }
+}
+
+// tanh(y) = 1 - 2 / (e^(2y) + 1): one exp2 and one division (the softcap of the prefill body; absolute
+// error about 1e-7, the scores' rounding, where the precise tanh costs ~100 instructions per score).
+static inline float tanh_exp2(float y) { return 1.f - 2.f * sycl::native::recip(sycl::exp2(y * (2.f * LOG2E)) + 1.f); }
+
+// A probability's 16-bit matrix bits (round to nearest even; p is never NaN: no NaN test).
+static inline uint32_t p_bits(float p) {
+  if constexpr (MMA_BF16) {
+    const uint32_t u = sycl::bit_cast<uint32_t>(p);
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  } else {
+    return sycl::bit_cast<uint16_t>(static_cast<sycl::half>(p));
+  }
+}
+
+// Query B fragments in the merge scratch: row group slot g's chunk c, lane n: 8 words.
+static inline int qb_index(int slot, int c, int lane) { return ((slot * NC + c) * 16 + lane) * 8; }
+static inline void store_qb(sycl::decorated_local_ptr<float> lm, int slot, int c, int lane,
+                            const sycl::vec<uint32_t, 8> &words) {
+  sycl::vec<float, 8> f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = sycl::bit_cast<float>(static_cast<uint32_t>(words[i]));
+  f.store(qb_index(slot, c, lane) / 8, lm);
+}
+static inline mma_b_t load_qb(sycl::decorated_local_ptr<float> lm, int slot, int c, int lane) {
+  using local_b = const __attribute__((opencl_local)) mma_b_t;
+  return *reinterpret_cast<local_b *>(lm.get_decorated() + qb_index(slot, c, lane));
+}
+
+// The 16 rows of lane n's partials merged with the other key splits' (in scratch rows first,
+// first + stride, ...), normalised and stored (or, split, stored as the partition's partials).
+struct LaneRow {
+  bool valid, nan;
+  int64_t token;
+  int qh;
+};
+
+static inline void store_lane_row(const WorkGroup &w, sycl::decorated_local_ptr<float> lm, const LaneRow &r,
+                                  const mma_c_t (&acc)[NV8], float mx, float l, int nslots, int first,
+                                  int stride, const float *sinks, elem_t *out, int64_t o_st, int64_t o_sh,
+                                  float *part_acc, float *part_ml, int num_parts) {
+  if (!r.valid) return;
+  const float sink = (sinks != nullptr && !w.split) ? sinks[r.qh] : NEG_INF;
+  float M = sycl::fmax(sink, mx);
+  bool row_nan = r.nan || is_nan(l);
+  for (int g = 1; g < nslots; ++g) {
+    const auto row = lm + (first + (g - 1) * stride) * MERGE_STRIDE;
+    M = sycl::fmax(M, row[DV]);
+    row_nan |= is_nan(row[DV + 1]);
+  }
+  float wt[5];   // nslots <= 5 (prefill_splits)
+  float sum = 0.f;
+  if (!row_nan && M != NEG_INF) {
+    wt[0] = mx == NEG_INF ? 0.f : sycl::exp(mx - M);
+    sum = l * wt[0];
+    for (int g = 1; g < nslots; ++g) {
+      const auto row = lm + (first + (g - 1) * stride) * MERGE_STRIDE;
+      wt[g] = row[DV] == NEG_INF ? 0.f : sycl::exp(row[DV] - M);
+      sum += row[DV + 1] * wt[g];
+    }
+    if (sink != NEG_INF) sum += sycl::exp(sink - M);
+  }
+  const bool zero = !row_nan && M == NEG_INF;
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  const int64_t prow = (r.token * w.num_q_heads + r.qh) * num_parts + w.part;
+#pragma unroll
+  for (int j = 0; j < NV8; ++j) {
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      const int d = 8 * j + m;
+      float a = 0.f;
+      if (row_nan) {
+        a = QNAN;
+      } else if (!zero) {
+        a = acc[j][m] * w.vs * wt[0];
+        for (int g = 1; g < nslots; ++g) a += lm[(first + (g - 1) * stride) * MERGE_STRIDE + d] * wt[g];
+      }
+      if (w.split) part_acc[prow * DV + d] = a;
+      else out[r.token * o_st + r.qh * o_sh + d] = from_f(row_nan ? QNAN : a * inv);
+    }
+  }
+  if (w.split) {
+    part_ml[prow * 2 + 0] = M;
+    part_ml[prow * 2 + 1] = row_nan ? QNAN : sum;
+  }
+}
+
+// Key splits per row group: at most NSG / rgp sub-groups, and the merge scratch (NSG * MR rows) holds
+// the rows of all but the first split.
+static inline int prefill_splits(int rgp) {
+  int k = NSG / rgp;
+  const int cap = 1 + NSG * MR / (rgp * PR);
+  k = k < cap ? k : cap;
+  return k < 5 ? (k < 1 ? 1 : k) : 5;
+}
+
+template <bool TERMS>
+static inline void prefill_body_mma(KVM_ATTENTION_BODY_PARAMS) {
+  static_assert(PREFILL_MMA, "the rows-on-lanes body takes head sizes that are multiples of 16, up to 128");
+  auto sg = syclext::this_work_item::get_sub_group();
+  const WorkGroup w = open_work_group<TERMS>(KVM_ATTENTION_COMMON_ARGS);
+  if (!w.t.valid) return;  // uniform over the work-group
+  const Tile &t = w.t;
+  const int h = w.h, sg_id = w.sg_id, lane = w.lane;
+  const int nrg = (t.nrows + PR - 1) / PR;
+  const int rgp = sycl::min(nrg, NSG);
+  const int kspl = prefill_splits(rgp);
+  const int npass = (nrg + rgp - 1) / rgp;
+  const int my_split = sg_id / rgp;
+  const bool has_rows = num_blocks > 0;
+  const bool is_causal = w.is_causal, use_alibi = w.use_alibi;
+  // Scores in log2 units: scale, softcap and ALiBi slopes times log2(e)
+  const float qk_scale2 = w.ks * scale * LOG2E, cap2 = softcap * LOG2E;
+  const float inv_cap2 = softcap > 0.f ? 1.f / cap2 : 0.f;
+  auto wg = syclext::this_work_item::get_work_group<1>();
+
+  for (int pass = 0; pass < npass; ++pass) {
+    const int rgl = sg_id % rgp;
+    const int rg = pass * rgp + rgl;
+    const bool active = my_split < kspl && rg < nrg;   // uniform over the sub-group
+    const int r0 = rg * PR;
+    const int nr = active ? sycl::min(PR, t.nrows - r0) : 0;
+
+    // This lane's row: its query as B fragments (chunk c, component i: dims d(c, 2i), d(c, 2i + 1)).
+    LaneRow row{lane < nr, false, 0, 0};
+    const int flat = t.f0 + r0 + lane;
+    row.token = t.q0 + (row.valid ? flat / group : 0);
+    row.qh = h * group + (row.valid ? flat % group : 0);
+    const int qtok = row.valid ? flat / group : 0;     // position - t.ctx (32-bit offsets, as attention_body_mma)
+    if (pass > 0) sycl::group_barrier(wg);   // the previous pass's merge has read the scratch
+    // The query fragments go to local memory (the merge scratch, free during the key loop): the first
+    // key split of each row group stores them, every split reads one chunk per pair of calls.
+    {
+      const elem_t *q = query + row.token * q_st + row.qh * q_sh;
+      const uint32_t q_mask = row.valid ? ~0u : 0u;
+      bool any_nan = false;
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        sycl::vec<uint32_t, 8> words;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const elem_t lo = q[k_dim(c, 2 * i)], hi = q[k_dim(c, 2 * i + 1)];   // in bounds for every lane
+          any_nan |= is_nan(to_f(lo)) || is_nan(to_f(hi));
+          words[i] = (mm_bits(lo) | (mm_bits(hi) << 16)) & q_mask;
+        }
+        if (active && my_split == 0) store_qb(lm, rgl, c, lane, words);
+      }
+      row.nan = row.valid && any_nan;
+    }
+    const float slope2 = (use_alibi && row.valid) ? alibi[row.qh] * LOG2E : 0.f;
+    // The row's visible keys, as offsets from t.ctx: [vis_lo, vis_lo + vis_width) (empty for no row).
+    constexpr int FAR = 1 << 30;   // beyond any key offset (positions are < 2^30: the block table's width)
+    const int vis_lo = !row.valid ? 0 : window > 0 ? qtok - window + 1 : -FAR;
+    const uint32_t vis_width = !row.valid ? 0u : static_cast<uint32_t>((is_causal ? qtok + 1 : FAR) - vis_lo);
+
+    // The row group's visible keys; the rows' extreme positions bound the steps that need a mask.
+    int k_lo = t.k_lo, k_hi = t.k_lo, q_first = 0, q_last = 0;
+    if (nr > 0) {
+      q_first = (t.f0 + r0) / group;
+      q_last = (t.f0 + r0 + nr - 1) / group;
+      const int64_t lo = window > 0 ? t.ctx + q_first - window + 1 : 0;
+      k_lo = static_cast<int>(clamp64(lo, t.k_lo, t.k_hi));
+      k_hi = is_causal ? static_cast<int>(clamp64(t.ctx + q_last + 1, k_lo, t.k_hi)) : t.k_hi;
+      if (!has_rows) k_hi = k_lo;
+    }
+
+    sycl::group_barrier(wg);                 // the query fragments are stored
+    float mrow = NEG_INF, lsum = 0.f;
+    mma_c_t acc[NV8];
+#pragma unroll
+    for (int j = 0; j < NV8; ++j) acc[j] = mma_c_t(0.f);
+
+    // Lane j's key of the step walks the block table incrementally (no division in the loop).
+    const int step = kspl * KS, bs = w.block_size;
+    const int qs = step / bs, rs = step - qs * bs;
+    int k0 = k_lo + my_split * KS;
+    int kpos = k0 + lane, kblk = kpos / bs, kin = kpos - kblk * bs;
+    auto offset_at = [&](int k, int blk, int in) -> int64_t {   // as WorkGroup::key_offset
+      if (k >= k_hi) return -1;
+      const int32_t bid = w.bt[blk];
+      if (bid < 0 || bid >= w.num_blocks) return -1;
+      return static_cast<int64_t>(bid) * w.s_block + static_cast<int64_t>(in) * w.s_token + w.head_off;
+    };
+    int64_t off = offset_at(kpos, kblk, kin);
+    for (; k0 < k_hi; k0 += step) {
+      int nin = kin + rs, nblk = kblk + qs;
+      if (nin >= bs) {
+        nin -= bs;
+        ++nblk;
+      }
+      const int64_t next_off = offset_at(kpos + step, nblk, nin);
+      kpos += step;
+      kblk = nblk;
+      kin = nin;
+      if (next_off >= 0) syclexp::prefetch(const_cast<cache_t *>(cache + next_off), E);
+      const int64_t row_off = off >= 0 ? off : 0;        // a masked key reads row 0 (its score is masked)
+
+      // S^T for the step's two 8-key halves, a piece of NP chunks of all 16 keys' K rows at a time.
+      mma_c_t s[2] = {mma_c_t(0.f), mma_c_t(0.f)};
+#pragma unroll
+      for (int piece = 0; piece < NC / NP; ++piece) {
+        sycl::vec<cache_t, NP> kp[KS];
+#pragma unroll
+        for (int j = 0; j < KS; ++j)
+          kp[j] = load_k_piece(cache + sycl::select_from_group(sg, row_off, j) + 16 * NP * piece);
+#pragma unroll
+        for (int i = 0; i < NP; ++i) {
+          const mma_b_t qb = load_qb(lm, rgl, piece * NP + i, lane);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            mma_a_t ka;
+#pragma unroll
+            for (int m = 0; m < 8; ++m) ka[m] = static_cast<short>(cache_bits(kp[8 * half + m][i]));
+            s[half] = mma<MMA_BF16>(sg, ka, qb, s[half]);
+          }
+        }
+      }
+
+      // Online softmax of this lane's row over the step's 16 keys (key j: s[j / 8][j % 8]).
+      const int krel0 = static_cast<int>(static_cast<int64_t>(k0) - t.ctx);
+      const bool all_keys = sycl::all_of_group(sg, off >= 0);
+      const bool inside = all_keys && (!is_causal || krel0 + KS - 1 <= q_first) &&
+                          (window <= 0 || q_last - krel0 < window);   // no row masks any of the keys
+      // Scores in log2 units, so each probability is one exp2.
+      float x[KS];
+#pragma unroll
+      for (int j = 0; j < KS; ++j) {
+        float v = s[j / 8][j % 8] * qk_scale2;
+        if (softcap > 0.f) v = cap2 * tanh_exp2(v * inv_cap2);
+        if (use_alibi) v += slope2 * static_cast<float>(krel0 + j - qtok);
+        x[j] = v;
+      }
+      if (!inside) {   // key j is visible when its block is valid and krel0 + j lies in the row's range
+        const uint32_t ok = sycl::reduce_over_group(sg, off >= 0 ? 1u << lane : 0u, sycl::bit_or<uint32_t>());
+        const uint32_t d0 = static_cast<uint32_t>(krel0 - vis_lo);
+#pragma unroll
+        for (int j = 0; j < KS; ++j) x[j] = (d0 + j < vis_width && ((ok >> j) & 1u)) ? x[j] : NEG_INF;
+      }
+      float smax = x[0];
+#pragma unroll
+      for (int j = 1; j < KS; ++j) smax = sycl::fmax(smax, x[j]);
+      const float m_new = sycl::fmax(mrow, smax);
+      const float m_sub = m_new == NEG_INF ? 0.f : m_new;   // exp2(-inf - m_sub) = 0 for a masked key
+      const float alpha = sycl::exp2(mrow - m_sub);          // 0 while the row has seen no key
+      mma_b_t pb;
+      float psum = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float p0 = sycl::exp2(x[2 * i] - m_sub), p1 = sycl::exp2(x[2 * i + 1] - m_sub);
+        psum += p0 + p1;
+        pb[i] = static_cast<int>(p_bits(p0) | (p_bits(p1) << 16));
+      }
+      lsum = lsum * alpha + psum;
+      mrow = m_new;
+
+      // O^T += V^T P^T: lane k's own key's V row, 8 dimensions per call (zero for a masked key: a mask,
+      // not a select: with a select the OpenCL CPU device computed wrong sums for the masked lanes).
+      const int64_t v_off = row_off + D;
+      const uint32_t v_mask = off >= 0 ? ~0u : 0u;
+#pragma unroll
+      for (int j = 0; j < NV8; ++j) {
+        mma_a_t va;
+        if constexpr (!FP8) {   // the 16 loaded bytes are the fragment (8 x 16 bits)
+          const auto raw = *reinterpret_cast<const sycl::vec<uint32_t, 4> *>(cache + v_off + 8 * j);
+          va = sycl::bit_cast<mma_a_t>(static_cast<sycl::vec<uint32_t, 4>>(raw & v_mask));
+        } else {
+          cache_t vp[8];
+          load_run<8>(cache + v_off + 8 * j, vp);
+#pragma unroll
+          for (int m = 0; m < 8; ++m) va[m] = static_cast<short>(cache_bits(vp[m]) & v_mask);
+        }
+        // a fresh product per step, folded in with the rescale (one mad per element): IGC keeps the
+        // accumulators in registers this way (accumulating in the built-in spilled ~7 KB at head 128)
+        acc[j] = acc[j] * alpha + mma<MMA_BF16>(sg, va, pb, mma_c_t(0.f));
+      }
+      off = next_off;
+    }
+
+    // Key splits after the first store their rows; the first merges them in its lanes.
+    sycl::group_barrier(wg);                 // every split has read the query fragments
+    if (kspl > 1) {
+      if (active && my_split > 0 && row.valid) {
+        auto r = lm + (((my_split - 1) * rgp + rgl) * PR + lane) * MERGE_STRIDE;
+#pragma unroll
+        for (int j = 0; j < NV8; ++j)
+#pragma unroll
+          for (int m = 0; m < 8; ++m) r[8 * j + m] = acc[j][m] * w.vs;
+        r[DV] = mrow * LN2;
+        r[DV + 1] = row.nan ? QNAN : lsum;
+      }
+      sycl::group_barrier(wg);
+    }
+    if (active && my_split == 0)
+      store_lane_row(w, lm, row, acc, mrow * LN2, lsum, kspl, rgl * PR + lane, rgp * PR, sinks, out, o_st, o_sh,
+                     part_acc, part_ml, num_parts);
+  }
+}
 #endif  // KVM_MMA
 
 #ifndef KVM_MMA_PROBE
@@ -1020,22 +1387,43 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
 #else
 #define KVM_ATTENTION_BODY attention_body
 #endif
-
-extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
-SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<SG>))
+// The attention kernels' properties: an nd-range kernel at sub-group size SG, with 256 registers
+// (grf_size<256>) when KVM_LARGE_GRF.
 #if KVM_LARGE_GRF
-SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((sycl::ext::intel::experimental::grf_size<256>))
+#define KVM_LARGE_GRF_PROPERTY SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((sycl::ext::intel::experimental::grf_size<256>))
+#else
+#define KVM_LARGE_GRF_PROPERTY
 #endif
-void kvm_paged_attention(KVM_ATTENTION_PARAMS) { KVM_ATTENTION_BODY<false>(KVM_ATTENTION_ARGS); }
+#define KVM_ATTENTION_KERNEL                                                                 \
+  extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))               \
+      SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<SG>)) KVM_LARGE_GRF_PROPERTY
+
+KVM_ATTENTION_KERNEL void kvm_paged_attention(KVM_ATTENTION_PARAMS) { KVM_ATTENTION_BODY<false>(KVM_ATTENTION_ARGS); }
+
+// kvm_paged_prefill: the same arguments, launched by the host for the tiles of more than MR rows; the
+// rows-on-lanes matrix body where the build has it (prefill_body_mma; not kvm_paged_prefill_terms),
+// else the attention body.
+template <bool TERMS>
+static inline void prefill_entry(KVM_ATTENTION_BODY_PARAMS) {
+#if KVM_MMA
+  // ALiBi / non-causal (TERMS) keep the attention body: the rows-on-lanes body with those terms
+  // spills ~2 KB on PVC (IGC 1.0.12504)
+  if constexpr (PREFILL_MMA && !TERMS) prefill_body_mma<TERMS>(KVM_ATTENTION_COMMON_ARGS, lm);
+  else KVM_ATTENTION_BODY<TERMS>(KVM_ATTENTION_COMMON_ARGS, lm);
+#else
+  KVM_ATTENTION_BODY<TERMS>(KVM_ATTENTION_COMMON_ARGS, lm);
+#endif
+}
+
+KVM_ATTENTION_KERNEL void kvm_paged_prefill(KVM_ATTENTION_PARAMS) { prefill_entry<false>(KVM_ATTENTION_ARGS); }
 
 #if defined(KVM_TERMS) && KVM_TERMS
 // The same with ALiBi and / or without the causal mask (see the top of this file).
-extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::nd_range_kernel<1>))
-SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((syclexp::sub_group_size<SG>))
-#if KVM_LARGE_GRF
-SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((sycl::ext::intel::experimental::grf_size<256>))
-#endif
-void kvm_paged_attention_terms(KVM_ATTENTION_PARAMS) { KVM_ATTENTION_BODY<true>(KVM_ATTENTION_ARGS); }
+KVM_ATTENTION_KERNEL void kvm_paged_attention_terms(KVM_ATTENTION_PARAMS) {
+  KVM_ATTENTION_BODY<true>(KVM_ATTENTION_ARGS);
+}
+
+KVM_ATTENTION_KERNEL void kvm_paged_prefill_terms(KVM_ATTENTION_PARAMS) { prefill_entry<true>(KVM_ATTENTION_ARGS); }
 #endif
 
 // Combine the partitions of one (token, query head) per work-group:

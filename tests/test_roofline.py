@@ -4,6 +4,7 @@ the one that limits, fractions stay below 1, and no estimate beats the cited DRA
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -306,3 +307,13 @@ def test_sycl_adapter_launch_shapes():
     # 64-row tiles (16 tokens x 4 heads) = 8 row groups, one per sub-group; the last one sees 16 t + 16 keys
     assert prefill.programs == 8 * 128 * 8 and prefill.second_launch_bytes == 0
     assert prefill.iterations == pytest.approx(sum(t + 1 for t in range(128)) / 128)
+    # the host launches kvm_paged_prefill for these tiles: 4 row groups of 16 rows, each split over 2
+    # sub-groups; the last row group (tokens 12-15 of tile t) sees 16 t + 16 keys, in 32-key strides
+    assert S.kernel_for(R.PREFILL) == "kvm_paged_prefill" and S.kernel_for(R.DECODE) == "kvm_paged_attention"
+    assert [S.prefill_splits(rgp) for rgp in (1, 2, 3, 4, 8)] == [5, 3, 2, 2, 1]
+    wide = S.launch(dict(row, kernel="kvm_paged_prefill", hot_loop_dpas_flops=131072), R.PREFILL)
+    assert wide.programs == 8 * 128 * 8
+    assert wide.iterations == pytest.approx(sum(math.ceil((16 * t + 16) / 32) for t in range(128)) / 128)
+    assert wide.loop.matrix_flops == {"dpas": 8 * 131072}
+    assert [l.kernel for l in S.launches([row, dict(row, kernel="kvm_paged_prefill")], R.PREFILL)] == \
+        ["sycl kvm_paged_prefill (pvc)"]

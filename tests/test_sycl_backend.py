@@ -127,7 +127,7 @@ def test_strided_key_value_and_query_views():
 
 
 # ------------------------------------------------------------------------------------ split-KV
-SPLIT_ARG = 19      # kvm_paged_attention(_terms)'s part_acc argument (null: unsplit)
+SPLIT_ARG = 19      # the attention kernels' part_acc argument (null: unsplit)
 
 
 @pytest.fixture
@@ -137,7 +137,8 @@ def launches(monkeypatch):
     orig = S.runtime.Session.launch
 
     def record(self, bundle, kernel, global_size, local_size, args, *rest, **kwargs):
-        split = kernel in (S.runtime.K_ATTN, S.runtime.K_ATTN_TERMS) and args[SPLIT_ARG][1] != 0   # partials: split
+        attention = (S.runtime.K_ATTN, S.runtime.K_ATTN_TERMS, S.runtime.K_PREFILL, S.runtime.K_PREFILL_TERMS)
+        split = kernel in attention and args[SPLIT_ARG][1] != 0   # partials: split
         seen.append(S.runtime.KERNEL_NAMES[kernel] + ("[split]" if split else ""))
         return orig(self, bundle, kernel, global_size, local_size, args, *rest, **kwargs)
 

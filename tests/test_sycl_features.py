@@ -47,8 +47,9 @@ def split_plan(case, **prepare) -> object:
 
 # ------------------------------------------------------------------------------------ which kernel
 def test_plain_kernel_unless_alibi_or_non_causal(sycl, launches):
-    """Sinks touch only the merge after the key loop: the plain kernel serves them (and the split
-    reduction adds them). ALiBi or non-causal take kvm_paged_attention_terms."""
+    """Sinks touch only the merge after the key loop: the plain kernels serve them (and the split
+    reduction adds them). ALiBi or non-causal take the *_terms kernels. Tiles of at most 8 rows go to
+    kvm_paged_attention(_terms), larger ones to kvm_paged_prefill(_terms)."""
     case = build_case(SINKS_MIXED)
     reference.write_kv(case.key, case.value, case.cache, case.layout, case.metadata.slot_mapping)
 
@@ -63,9 +64,13 @@ def test_plain_kernel_unless_alibi_or_non_causal(sycl, launches):
     attend()
     case.metadata.causal = True
     attend(sinks=case.sinks)
-    assert launches == ["kvm_paged_attention", "kvm_paged_attention_terms", "kvm_paged_attention_terms",
-                        "kvm_paged_attention_terms[split]", "kvm_split_reduce",
-                        "kvm_paged_attention[split]", "kvm_split_reduce"]
+    # the batch's decode tiles (4 rows) on the attention kernels, its prefill tiles (20, 36 rows) on
+    # the prefill kernels
+    assert launches == ["kvm_paged_attention", "kvm_paged_prefill",
+                        "kvm_paged_attention_terms", "kvm_paged_prefill_terms",
+                        "kvm_paged_attention_terms", "kvm_paged_prefill_terms",
+                        "kvm_paged_attention_terms[split]", "kvm_paged_prefill_terms[split]", "kvm_split_reduce",
+                        "kvm_paged_attention[split]", "kvm_paged_prefill[split]", "kvm_split_reduce"]
 
 
 # ------------------------------------------------------------------------------------ random batches

@@ -48,6 +48,25 @@ def test_ocloc_compiles_the_runtime_spirv_for_dg2_and_pvc():
             assert by[(kernel, target)]["matrix_instructions"] == 0, target
 
 
+def test_pvc_prefill_kernel_is_the_rows_on_lanes_matrix_body():
+    """kvm_paged_prefill (tiles of more than 8 rows) on PVC: 256 registers, no spills, and per 16-key
+    step 32 dpas over 16 rows (QK^T and P.V of head 128: 2 x 16 x 16 x 256 flops); its key loop
+    issues at most a third of the instructions per (key, row) of the attention kernel's loop (16-key
+    steps of 8 rows), which served prefill before it."""
+    from devtools import sycl_gpu_evidence as G
+    by = {(r["kernel"], r["target"]): r for r in G.report_rows()}
+    prefill, attention = by[("kvm_paged_prefill", "pvc")], by[("kvm_paged_attention", "pvc")]
+    assert prefill["regs_or_grf_mode"] == "256 GRF" and prefill["spills"] == 0, prefill
+    assert prefill["hot_loop_dpas_flops"] == 2 * 16 * 16 * 256 and prefill["hot_loop_instructions"]["dpas"] == 32
+    per_key_row = sum(prefill["hot_loop_instructions"].values()) / (16 * 16)
+    before = sum(attention["hot_loop_instructions"].values()) / (16 * 8)
+    assert per_key_row <= before / 3, (per_key_row, before)
+    # ALiBi / non-causal keep the attention body (the same loop as kvm_paged_attention_terms)
+    assert by[("kvm_paged_prefill_terms", "pvc")]["hot_loop_instructions"] == \
+        by[("kvm_paged_attention_terms", "pvc")]["hot_loop_instructions"]
+    assert by[("kvm_paged_prefill_terms", "pvc")]["spills"] == 0
+
+
 def test_load_message_parser():
     from devtools import sycl_gpu_evidence as G
     asm = ("load.ugm.d16u32.a64 (16|M0)  r2 [r4:2]\n"        # 2-byte scalar per lane -> 16 x 4 bytes

@@ -17,9 +17,10 @@ work-groups per compute unit, in partitions of ``settings.DEFAULT_PARTITION_SIZE
 
 Attention sinks, ALiBi and non-causal attention (``metadata.causal`` False: every row sees its
 request's ``seq_len`` keys) are kernel arguments; sinks join once, where a row is normalised (the
-single pass, or the split-KV reduction). Calls with ALiBi or non-causal metadata launch
-``kvm_paged_attention_terms`` (those terms compiled into the key loop; a bundle of its own, built on
-the first such call); the others the plain kernel.
+single pass, or the split-KV reduction). A step's tiles of at most ``MR`` rows (decode) run
+``kvm_paged_attention``, larger ones (prefill, verification) ``kvm_paged_prefill`` (the plan sorts
+them; one launch per kind present). Calls with ALiBi or non-causal metadata launch the ``*_terms``
+kernels (those terms compiled into the key loop; a bundle of its own, built on the first such call).
 A sliding window with non-causal attention is refused.
 """
 
@@ -35,12 +36,12 @@ from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata, first_visible_position
 from ..base import ALL_DTYPES, FP8_DTYPES, Backend, StepMetadata
 from .runtime import (ARG_F32, ARG_I32, ARG_I64, ARG_LOCAL_F32, ARG_PTR, K_ATTN,
-                      K_ATTN_TERMS, K_REDUCE, K_SPLIT, K_WRITE, KERNEL_NAMES, PLAIN_KERNEL_NAMES,
+                      K_ATTN_TERMS, K_PREFILL, K_PREFILL_TERMS, K_REDUCE, K_WRITE, KERNEL_NAMES, PLAIN_KERNEL_NAMES,
                       Session, SyclError, default_session, find_runtime,
                       get_runtime, kernel_source, runtime_reasons, runtime_version, xpu_session)
 from . import kernel_config
-from .kernel_config import (FP8_CACHE_CODES, MMA_OFF, REDUCE_WG, ROWS, WRITE_WG, choose_wg, kernel_options, lm_floats,
-                            vector_bytes)
+from .kernel_config import (FP8_CACHE_CODES, MMA_OFF, MR, REDUCE_WG, ROWS, WRITE_WG, choose_wg, kernel_options,
+                            lm_floats, vector_bytes)
 from .usm import Staging, usm_allocator, usm_empty
 
 #: Split-KV heuristic (partition_size=-1): split when the longest visible key span of a tile exceeds
@@ -53,11 +54,13 @@ SPLIT_WG_PER_CU = 4
 class Plan:
     """Launch plan of one step (computed from the host metadata: no device sync)."""
 
-    tiles: torch.Tensor     # int32 [num_tiles, 2]: (request, first flattened row)
+    tiles: torch.Tensor     # int32 [num_tiles, 2]: (request, first flattened row); narrow tiles first
     num_tiles: int
     max_span: int           # longest visible key range of any tile
     num_parts: int          # 1: no split
     part_size: int          # 0: the single-pass kernel runs
+    num_narrow: int = 0     # tiles [0, num_narrow) have at most MR rows (kvm_paged_attention); the rest
+                            # more (kvm_paged_prefill)
 
 
 @dataclass
@@ -87,11 +90,14 @@ def plan_attention(metadata: CommonAttentionMetadata, group: int, num_kv_heads: 
     req = torch.repeat_interleave(torch.arange(len(seq)), per_req)
     starts = torch.cumsum(per_req, 0) - per_req
     f0 = (torch.arange(num_tiles) - starts[req]) * ROWS
-    tiles = torch.stack([req, f0], 1).to(torch.int32).contiguous()
     if num_tiles == 0:
-        return Plan(tiles, 0, 0, 1, 0)
-    ctx = (seq - qlen)[req]
+        return Plan(torch.zeros(0, 2, dtype=torch.int32), 0, 0, 1, 0)
     nrows = torch.clamp(rows[req] - f0, max=ROWS)
+    order = torch.argsort((nrows > MR).to(torch.int8), stable=True)   # narrow tiles first
+    req, f0, nrows = req[order], f0[order], nrows[order]
+    num_narrow = int((nrows <= MR).sum())
+    tiles = torch.stack([req, f0], 1).to(torch.int32).contiguous()
+    ctx = (seq - qlen)[req]
     p_first = ctx + f0 // group
     # the tile's keys end after its last row's position, or at seq_len without the causal mask
     k_end = ctx + (f0 + nrows - 1) // group + 1 if metadata.causal else seq[req]
@@ -103,8 +109,8 @@ def plan_attention(metadata: CommonAttentionMetadata, group: int, num_kv_heads: 
     elif partition_size < 0 and max_span > SPLIT_MIN_SPAN and num_tiles * num_kv_heads < SPLIT_WG_PER_CU * compute_units:
         part = settings.DEFAULT_PARTITION_SIZE
     else:
-        return Plan(tiles, num_tiles, max_span, 1, 0)
-    return Plan(tiles, num_tiles, max_span, max(1, -(-max_span // part)), part)
+        return Plan(tiles, num_tiles, max_span, 1, 0, num_narrow)
+    return Plan(tiles, num_tiles, max_span, max(1, -(-max_span // part)), part, num_narrow)
 
 
 def check_cache_alignment(kv_cache: torch.Tensor, layout: KVCacheLayout, query_dtype: torch.dtype | None = None) -> None:
@@ -310,31 +316,35 @@ class SyclBackend(Backend):
             matrix = self._matrix(session, query.dtype)
             wg = choose_wg(layout.value_size, session.device.local_mem, matrix)
             local = [(ARG_LOCAL_F32, lm_floats(layout.value_size, wg, matrix))]
-            common = [(ARG_PTR, ptr(query)), (ARG_I64, query.stride(0)), (ARG_I64, query.stride(1)),
-                      (ARG_I64, num_tokens), (ARG_PTR, ptr(kv_cache)), (ARG_I64, s.block), (ARG_I64, s.token),
-                      (ARG_I64, s.head), (ARG_I64, layout.num_blocks),
-                      (ARG_PTR, ptr(block_table)), (ARG_I64, block_table.stride(0)),
-                      (ARG_I64, block_table.shape[0]), (ARG_I64, block_table.shape[1]),
-                      (ARG_PTR, ptr(sstep.seq_lens)), (ARG_PTR, ptr(sstep.query_start_loc)),
-                      (ARG_PTR, ptr(sstep.tiles))]
+            head_args = [(ARG_PTR, ptr(query)), (ARG_I64, query.stride(0)), (ARG_I64, query.stride(1)),
+                         (ARG_I64, num_tokens), (ARG_PTR, ptr(kv_cache)), (ARG_I64, s.block), (ARG_I64, s.token),
+                         (ARG_I64, s.head), (ARG_I64, layout.num_blocks),
+                         (ARG_PTR, ptr(block_table)), (ARG_I64, block_table.stride(0)),
+                         (ARG_I64, block_table.shape[0]), (ARG_I64, block_table.shape[1]),
+                         (ARG_PTR, ptr(sstep.seq_lens)), (ARG_PTR, ptr(sstep.query_start_loc))]
             head = [(ARG_I32, hkv), (ARG_I32, group), (ARG_I32, layout.block_size), (ARG_F32, scale),
                     (ARG_I32, step.sliding_window or 0), (ARG_F32, softcap or 0.0)] + _scale_args(ptr, k_scale, v_scale)
             sinks_arg = (ARG_PTR, 0 if sinks is None else ptr(sinks))
             terms = [(ARG_PTR, 0 if alibi_slopes is None else ptr(alibi_slopes)),
                      (ARG_I32, int(bool(step.common.causal)))] + local
             out_args = [(ARG_PTR, ptr(target, True)), (ARG_I64, target.stride(0)), (ARG_I64, target.stride(1))]
-            groups = plan.num_tiles * hkv
             if not plan.part_size:
-                unsplit = [(ARG_PTR, 0), (ARG_PTR, 0), (ARG_I32, 1), (ARG_I32, 0)]
-                single = common + out_args + unsplit + head + [sinks_arg] + terms
-                session.launch(bundle, K_ATTN_TERMS if with_terms else K_ATTN, groups * wg, wg, single,
-                               wait=not on_xpu)
+                rest = out_args + [(ARG_PTR, 0), (ARG_PTR, 0), (ARG_I32, 1), (ARG_I32, 0)] + head + [sinks_arg] + terms
+                parts = 1
             else:
                 workspace = [(ARG_PTR, sstep.part_acc.data_ptr()), (ARG_PTR, sstep.part_ml.data_ptr())]
-                split = common + [(ARG_PTR, 0), (ARG_I64, 0), (ARG_I64, 0)] + workspace + \
+                rest = [(ARG_PTR, 0), (ARG_I64, 0), (ARG_I64, 0)] + workspace + \
                     [(ARG_I32, plan.num_parts), (ARG_I32, plan.part_size)] + head + [(ARG_PTR, 0)] + terms
-                session.launch(bundle, K_ATTN_TERMS if with_terms else K_SPLIT, groups * plan.num_parts * wg, wg,
-                               split, wait=False)
+                parts = plan.num_parts
+            # narrow tiles (at most MR rows: decode) on kvm_paged_attention, the others on kvm_paged_prefill
+            kernels = ((K_ATTN_TERMS, K_PREFILL_TERMS) if with_terms else (K_ATTN, K_PREFILL))
+            ranges = ((0, plan.num_narrow), (plan.num_narrow, plan.num_tiles))
+            launches = [(k, a, b) for k, (a, b) in zip(kernels, ranges) if b > a]
+            for i, (kernel, a, b) in enumerate(launches):
+                last = i == len(launches) - 1 and not plan.part_size
+                session.launch(bundle, kernel, (b - a) * hkv * parts * wg, wg,
+                               head_args + [(ARG_PTR, ptr(sstep.tiles[a:b]))] + rest, wait=last and not on_xpu)
+            if plan.part_size:
                 # the sinks join once, in the reduction
                 reduce = workspace + out_args + [(ARG_I32, query.shape[1]), (ARG_I32, plan.num_parts), sinks_arg]
                 # only the batch's own rows: padded rows have no partials and stay as they are

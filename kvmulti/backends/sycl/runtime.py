@@ -30,12 +30,13 @@ from .build import (SHIM_ABI, SHIM_FLAGS, SyclBuildError, SyclError, build_shim,
                     runtime_version, shim_command, shim_path, source_dir)
 
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-#: kvm_paged_attention_terms: the attention kernel with ALiBi / non-causal compiled in, present only in
-#: bundles built with -DKVM_TERMS=1 (kernels.cpp)
-KERNEL_NAMES = ("kvm_paged_attention", "kvm_split_reduce", "kvm_write_kv", "kvm_paged_attention_terms")
-K_ATTN, K_REDUCE, K_WRITE, K_ATTN_TERMS = range(4)
+#: kvm_paged_prefill: the attention kernel for tiles of more than MR rows (kernels.cpp: the rows-on-lanes
+#: matrix body where the build has it); the *_terms kernels: the same two with ALiBi / non-causal compiled
+#: in, present only in bundles built with -DKVM_TERMS=1
+KERNEL_NAMES = ("kvm_paged_attention", "kvm_split_reduce", "kvm_write_kv", "kvm_paged_prefill",
+                "kvm_paged_attention_terms", "kvm_paged_prefill_terms")
+K_ATTN, K_REDUCE, K_WRITE, K_PREFILL, K_ATTN_TERMS, K_PREFILL_TERMS = range(6)
 PLAIN_KERNEL_NAMES = KERNEL_NAMES[:K_ATTN_TERMS]
-K_SPLIT = K_ATTN       # one attention kernel: split-KV when given partial buffers
 
 ARG_PTR, ARG_I32, ARG_I64, ARG_F32, ARG_LOCAL_F32, ARG_LOCAL_I32, ARG_LOCAL_I64 = range(7)
 USM_UNKNOWN, USM_HOST, USM_DEVICE, USM_SHARED = range(4)
