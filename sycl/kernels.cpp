@@ -289,9 +289,12 @@ static inline float step_sum(sycl::sub_group sg, float x) {
 // the address is VW * sizeof(elem_t)-aligned, so it emits one wide message per sub-group instead
 // of 2-byte pieces (the host refuses a misaligned cache base).
 constexpr int VBYTES = VW * static_cast<int>(sizeof(cache_t));
-using raw_t = std::conditional_t<VBYTES == 16, sycl::vec<uint32_t, 4>,
-              std::conditional_t<VBYTES == 8, sycl::vec<uint32_t, 2>,
-              std::conditional_t<VBYTES == 4, uint32_t, std::conditional_t<VBYTES == 2, uint16_t, uint8_t>>>>;
+// BYTES (1, 2, 4, 8 or 16) of raw bits, a type of that natural alignment.
+template <int BYTES>
+using raw_bytes_t = std::conditional_t<BYTES == 16, sycl::vec<uint32_t, 4>,
+                    std::conditional_t<BYTES == 8, sycl::vec<uint32_t, 2>,
+                    std::conditional_t<BYTES == 4, uint32_t, std::conditional_t<BYTES == 2, uint16_t, uint8_t>>>>;
+using raw_t = raw_bytes_t<VBYTES>;
 static_assert(sizeof(raw_t) == sizeof(cvec_t), "raw_t must have the size of a chunk");
 
 // One vector chunk of a cache row; zero when the row is masked (off < 0) or the chunk is past n.
@@ -458,9 +461,13 @@ struct WorkGroup {
   // Cache offset (elements) of the row of key position k; -1: masked (outside [lo, hi) or a bad block id).
   int64_t key_offset(int k, int lo, int hi) const {
     if (k < lo || k >= hi) return -1;
-    const int32_t bid = bt[k / block_size];
+    return slot_offset(k / block_size, k % block_size);
+  }
+  // Cache offset of slot `in` of block-table entry `blk`; -1: a bad block id.
+  int64_t slot_offset(int blk, int in) const {
+    const int32_t bid = bt[blk];
     if (bid < 0 || bid >= num_blocks) return -1;
-    return static_cast<int64_t>(bid) * s_block + static_cast<int64_t>(k % block_size) * s_token + head_off;
+    return static_cast<int64_t>(bid) * s_block + static_cast<int64_t>(in) * s_token + head_off;
   }
 };
 
@@ -783,10 +790,7 @@ constexpr int widest_v_piece() {
 }
 constexpr int VG = widest_v_piece();
 using vgvec_t = sycl::vec<cache_t, VG>;
-using vgraw_t = std::conditional_t<VG * sizeof(cache_t) == 16, sycl::vec<uint32_t, 4>,
-                std::conditional_t<VG * sizeof(cache_t) == 8, sycl::vec<uint32_t, 2>,
-                std::conditional_t<VG * sizeof(cache_t) == 4, uint32_t,
-                std::conditional_t<VG * sizeof(cache_t) == 2, uint16_t, uint8_t>>>>;
+using vgraw_t = raw_bytes_t<VG * static_cast<int>(sizeof(cache_t))>;
 static_assert(sizeof(vgraw_t) == sizeof(vgvec_t), "vgraw_t must have the size of a V piece");
 
 // VG elements [e, e + VG) of the V row at `off` (zero when off < 0 or e >= DV; e is a multiple of VG, so
@@ -1050,11 +1054,6 @@ constexpr int pow2_piece(int n, int max_elems) {
   while (2 * p <= max_elems && n % (2 * p) == 0) p *= 2;
   return p;
 }
-template <int BYTES>
-using raw_bytes_t = std::conditional_t<BYTES == 16, sycl::vec<uint32_t, 4>,
-                    std::conditional_t<BYTES == 8, sycl::vec<uint32_t, 2>,
-                    std::conditional_t<BYTES == 4, uint32_t, std::conditional_t<BYTES == 2, uint16_t, uint8_t>>>>;
-
 // N consecutive cache elements at src into dst, in the widest aligned pieces (src is aligned to the
 // piece: the row offsets are multiples of E and the lane offsets of the piece).
 template <int N>
@@ -1085,16 +1084,12 @@ static inline uint32_t p_bits(float p) {
 
 // Query B fragments in the merge scratch: row group slot g's chunk c, lane n: 8 words.
 static inline int qb_index(int slot, int c, int lane) { return ((slot * NC + c) * 16 + lane) * 8; }
-static inline void store_qb(sycl::decorated_local_ptr<float> lm, int slot, int c, int lane,
-                            const sycl::vec<uint32_t, 8> &words) {
-  sycl::vec<float, 8> f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) f[i] = sycl::bit_cast<float>(static_cast<uint32_t>(words[i]));
-  f.store(qb_index(slot, c, lane) / 8, lm);
+using local_b = __attribute__((opencl_local)) mma_b_t;
+static inline void store_qb(sycl::decorated_local_ptr<float> lm, int slot, int c, int lane, mma_b_t b) {
+  *reinterpret_cast<local_b *>(lm.get_decorated() + qb_index(slot, c, lane)) = b;
 }
 static inline mma_b_t load_qb(sycl::decorated_local_ptr<float> lm, int slot, int c, int lane) {
-  using local_b = const __attribute__((opencl_local)) mma_b_t;
-  return *reinterpret_cast<local_b *>(lm.get_decorated() + qb_index(slot, c, lane));
+  return *reinterpret_cast<const local_b *>(lm.get_decorated() + qb_index(slot, c, lane));
 }
 
 // The 16 rows of lane n's partials merged with the other key splits' (in scratch rows first,
@@ -1167,6 +1162,7 @@ static inline int prefill_splits(int rgp) {
 template <bool TERMS>
 static inline void prefill_body_mma(KVM_ATTENTION_BODY_PARAMS) {
   static_assert(PREFILL_MMA, "the rows-on-lanes body takes head sizes that are multiples of 16, up to 128");
+  static_assert(!TERMS, "kvm_paged_prefill_terms keeps the attention body (prefill_entry)");
   auto sg = syclext::this_work_item::get_sub_group();
   const WorkGroup w = open_work_group<TERMS>(KVM_ATTENTION_COMMON_ARGS);
   if (!w.t.valid) return;  // uniform over the work-group
@@ -1206,12 +1202,12 @@ static inline void prefill_body_mma(KVM_ATTENTION_BODY_PARAMS) {
       bool any_nan = false;
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
-        sycl::vec<uint32_t, 8> words;
+        mma_b_t words;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const elem_t lo = q[k_dim(c, 2 * i)], hi = q[k_dim(c, 2 * i + 1)];   // in bounds for every lane
           any_nan |= is_nan(to_f(lo)) || is_nan(to_f(hi));
-          words[i] = (mm_bits(lo) | (mm_bits(hi) << 16)) & q_mask;
+          words[i] = static_cast<int>((mm_bits(lo) | (mm_bits(hi) << 16)) & q_mask);
         }
         if (active && my_split == 0) store_qb(lm, rgl, c, lane, words);
       }
@@ -1247,9 +1243,7 @@ static inline void prefill_body_mma(KVM_ATTENTION_BODY_PARAMS) {
     int kpos = k0 + lane, kblk = kpos / bs, kin = kpos - kblk * bs;
     auto offset_at = [&](int k, int blk, int in) -> int64_t {   // as WorkGroup::key_offset
       if (k >= k_hi) return -1;
-      const int32_t bid = w.bt[blk];
-      if (bid < 0 || bid >= w.num_blocks) return -1;
-      return static_cast<int64_t>(bid) * w.s_block + static_cast<int64_t>(in) * w.s_token + w.head_off;
+      return w.slot_offset(blk, in);
     };
     int64_t off = offset_at(kpos, kblk, kin);
     for (; k0 < k_hi; k0 += step) {
@@ -1407,7 +1401,7 @@ template <bool TERMS>
 static inline void prefill_entry(KVM_ATTENTION_BODY_PARAMS) {
 #if KVM_MMA
   // ALiBi / non-causal (TERMS) keep the attention body: the rows-on-lanes body with those terms
-  // spills ~2 KB on PVC (IGC 1.0.12504)
+  // spilled ~2 KB on PVC (IGC 1.0.12504)
   if constexpr (PREFILL_MMA && !TERMS) prefill_body_mma<TERMS>(KVM_ATTENTION_COMMON_ARGS, lm);
   else KVM_ATTENTION_BODY<TERMS>(KVM_ATTENTION_COMMON_ARGS, lm);
 #else
