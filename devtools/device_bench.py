@@ -5,7 +5,7 @@ measured in the same run:
 * dense bf16 matmul: 8192 x 8192 x 8192 on random data (torch / cuBLAS).
 
 Shapes (:data:`SHAPES`; 32 query / 8 KV heads, head 128, bf16, block 16, HND, a shuffled block
-table): decode 32 x 4096, decode 1 x 32768, causal prefill 8 x 2048 (no context). Implementations:
+table): decode 32 x 4096, decode 1 x 32768, causal prefill 8 x 2048 and 1 x 8192 (no context). Implementations:
 ``TRITON`` (kvmulti's Triton backend), ``HIP`` (the HIP kernels built with nvcc,
 :mod:`devtools.hip_on_cuda`), ``SDPA`` (torch's flash attention on contiguous K/V: the dense
 reference). Each prepared step is timed as a layer calls it (``kvmulti.paged_attention`` with the
@@ -50,7 +50,7 @@ class Shape:
 
 
 SHAPES = (Shape("decode 32x4096", "decode", 32, 4096), Shape("decode 1x32768", "decode", 1, 32768),
-          Shape("prefill 8x2048", "prefill", 8, 2048))
+          Shape("prefill 8x2048", "prefill", 8, 2048), Shape("prefill 1x8192", "prefill", 1, 8192))
 
 
 def median_ms(fn: Callable[[], object]) -> float:

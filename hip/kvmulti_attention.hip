@@ -1069,8 +1069,15 @@ __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_attention_kernel(co
   fma_body<T, C, HS, WAVE, R>(p, b);
 }
 
+// Dynamic shared memory of paged_attention_reduce_kernel: num_partitions floats rounded up to whole
+// 16-byte words, because the compiler may read a loop's tail over w_s as one 16-byte load (nvcc for
+// sm_90 does: compute-sanitizer flags the bytes past an unrounded allocation).
+inline size_t reduce_shared_bytes(int num_partitions) {
+  return (size_t)((num_partitions + 3) / 4) * 4 * sizeof(float);
+}
+
 // Combines the partitions of the split-KV path. grid (num_tokens, num_q_heads), any block size,
-// dynamic shared memory: num_partitions floats.
+// dynamic shared memory: reduce_shared_bytes(num_partitions).
 template <typename T>
 __global__ void __launch_bounds__(256) paged_attention_reduce_kernel(const PagedAttentionParams p, int head_size) {
   HIP_DYNAMIC_SHARED(float, w_s)

@@ -51,7 +51,7 @@ hipError_t launch_attention(const PagedAttentionParams& p, bool prefill, hipStre
   if (e != hipSuccess || p.num_partitions <= 1) return e;
   dim3 rgrid((unsigned)p.num_tokens, (unsigned)p.num_q_heads);
   hipLaunchKernelGGL((kvmulti::paged_attention_reduce_kernel<T>), rgrid, dim3(HS < 256 ? HS : 256),
-                     (size_t)p.num_partitions * sizeof(float), stream, p, HS);
+                     kvmulti::reduce_shared_bytes(p.num_partitions), stream, p, HS);
   return hipGetLastError();
 }
 
