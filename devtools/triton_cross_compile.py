@@ -62,6 +62,11 @@ class Target:
         return "nvidia" if self.backend == "cuda" else "amd"
 
     @property
+    def planner_arch(self) -> int | None:
+        """The launch planner's ``arch`` (``launch.device_arch``): NVIDIA's compute capability."""
+        return self.arch if self.backend == "cuda" else None
+
+    @property
     def asm_key(self) -> str:
         return "ptx" if self.backend == "cuda" else "amdgcn"
 
@@ -236,9 +241,9 @@ def _cache(spec: BatchSpec, num_blocks: int):
     return layout, layout.allocate("meta", zero=False)
 
 
-def launches(spec: BatchSpec, family: str):
-    """[(name, launch.Launch)] of one batch planned for ``family``: its attention launches and its
-    write_kv launch."""
+def launches(spec: BatchSpec, family: str, arch: int | None = None):
+    """[(name, launch.Launch)] of one batch planned for ``family`` (and the NVIDIA ``arch``, 90 for
+    sm_90): its attention launches and its write_kv launch."""
     import kvmulti
     from kvmulti.backends.triton import launch
     seq_lens = [c + q for c, q in zip(spec.context_lens, spec.query_lens)]
@@ -264,7 +269,7 @@ def launches(spec: BatchSpec, family: str):
         num_reqs=md.num_reqs, num_tokens=tokens, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
         scale=spec.head_size ** -0.5, sliding_window=spec.sliding_window, softcap=spec.softcap,
         split_kv=spec.split_kv, partition_size=spec.partition_size, num_compute_units_=spec.compute_units,
-        family=family, **scales)
+        family=family, arch=arch, **scales)
     writes = launch.write_kv_launches(key, value, cache, md.slot_mapping, cache_strides=strides, block_size=bs,
                                       num_kv_heads=hkv, head_size=spec.head_size, head_size_v=layout.value_size,
                                       **scales)
@@ -280,7 +285,8 @@ def all_launches(target_name: str, specs: list[BatchSpec] | None = None):
     """[(name, Launch)] for every batch of ``specs`` (default: :func:`batch_specs` of the target),
     planned for ``target_name``."""
     specs = batch_specs(target_name) if specs is None else specs
-    return [item for spec in specs for item in launches(spec, TARGETS[target_name].family)]
+    target = TARGETS[target_name]
+    return [item for spec in specs for item in launches(spec, target.family, target.planner_arch)]
 
 
 # --------------------------------------------------------------------------------------- compile

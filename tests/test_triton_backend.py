@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -222,11 +223,13 @@ def prefill_specs() -> list:
     ]
 
 
-def run_with_target_tiles(spec: CaseSpec, family: str, monkeypatch) -> list:
-    """check_against_reference with the tiles the planner picks for ``family`` ("nvidia" / "amd"):
-    the interpreter runs the kernel those targets compile. Returns the attention launches."""
+def run_with_target_tiles(spec: CaseSpec, family: str, monkeypatch, arch: int | None = None) -> list:
+    """check_against_reference with the tiles the planner picks for ``family`` ("nvidia" / "amd") and
+    ``arch`` (NVIDIA's compute capability, 90: Hopper): the interpreter runs the kernel those targets
+    compile. Returns the attention launches."""
     from kvmulti.backends.triton import launch
     monkeypatch.setattr(launch, "device_family", lambda device: family)
+    monkeypatch.setattr(launch, "device_arch", lambda device: arch)
     launches, run = [], launch.run
     monkeypatch.setattr(launch, "run", lambda ls: (launches.extend(ls), run(ls))[1])
     check_against_reference(spec, "TRITON")
@@ -248,6 +251,16 @@ def test_prefill_tiles_match_reference(spec, family, monkeypatch):
     if tiles is not None:
         assert (ln.args["BLOCK_M"], ln.args["TILE_N"], ln.num_warps, ln.num_stages) == (
             tiles.block_m, tiles.tile_n, tiles.num_warps, tiles.num_stages)
+
+
+@ON_CPU
+@pytest.mark.parametrize("spec", [p for p in prefill_specs() if p.id in ("varlen_bf16_gqa4", "gqa1_bf16_block128_two_qblocks")])
+def test_hopper_prefill_tiles_match_reference(spec, monkeypatch):
+    """Hopper's own prefill tiles (64 x 64 over 4 warps where other NVIDIA GPUs take 128 x 64)."""
+    from kvmulti.backends.triton import launch
+    (ln,) = run_with_target_tiles(spec, "nvidia", monkeypatch, arch=90)
+    assert (ln.args["PREFILL"], ln.args["BLOCK_M"], ln.args["TILE_N"], ln.num_warps) == (True, 64, 64, 4)
+    assert launch.prefill_tiles("nvidia", 64, True) == launch.PrefillTiles(128, 64, 8, 3)
 
 
 @ON_CPU
@@ -395,3 +408,13 @@ def test_import_without_triton_reports_reason():
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr
+
+
+def test_gpu_sweep_candidates_reach_the_plan():
+    """benchmarks/triton_gpu_sweep.py (run on a CUDA GPU) swaps each candidate's tiles into the
+    planner; --plans shows that without a GPU: every candidate and partition size gets its own plan."""
+    sweep = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_gpu_sweep.py"
+    out = subprocess.run([sys.executable, str(sweep), "--plans"], capture_output=True, text=True, check=True).stdout
+    assert "prefill 8x2048 shipped" in out and "block_m=256, block_q=64, tile_n=64" in out
+    assert "num_warps=4, num_stages=3, prefill=True" in out
+    assert "decode 1x32768 4096" in out and "num_parts=8" in out

@@ -127,7 +127,8 @@ class TritonBackend(Backend):
             max_seq_len=max_seq_len, head_size=layout.head_size, head_size_v=layout.value_size,
             dtype=layout.dtype, num_compute_units=launch.num_compute_units(common.device),
             block_size=layout.block_size, split_kv=split_kv,
-            partition_size=partition, family=launch.device_family(common.device), sliding_window=sliding_window)
+            partition_size=partition, family=launch.device_family(common.device), sliding_window=sliding_window,
+            arch=launch.device_arch(common.device))
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
                  slot_mapping: torch.Tensor,

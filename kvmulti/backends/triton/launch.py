@@ -24,7 +24,7 @@ targets (XPU, the interpreter) keep the base tiles.
 
 Prefill (:data:`PREFILL_MIN_QUERY_LEN`, :func:`prefill_tiles`): a step whose longest query has at
 least 64 new tokens and whose dots run on 16-bit operands gets the matrix-unit tiles of its target
-family and the kernel's prefill loop (interior key tiles without a per-score mask); every row of the
+family (on NVIDIA also of its generation, :func:`device_arch`) and the kernel's prefill loop (interior key tiles without a per-score mask); every row of the
 step, decode rows included, runs in those tiles. The tiles depend on the head size, the cache dtype,
 the sliding window and the softcap (the per-step plan knows the window; a launch with a softcap
 plans its prefill tiles again).
@@ -36,6 +36,7 @@ guard every metadata-derived index with them (see the kernels' docstrings).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -89,15 +90,28 @@ def device_family(device: torch.device) -> str:
     return "amd" if torch.version.hip else "nvidia"
 
 
+def device_arch(device: torch.device) -> int | None:
+    """An NVIDIA device's compute capability as major x 10 + minor (90: Hopper); None elsewhere."""
+    dev = torch.device(device)
+    return _device_arch(str(dev)) if dev.type == "cuda" and not torch.version.hip else None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(device: str) -> int:
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    return 10 * major + minor
+
+
 def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_len: int, max_seq_len: int,
                    head_size: int, head_size_v: int, dtype: torch.dtype, num_compute_units: int, block_size: int,
                    split_kv: bool | None = None, partition_size: int = DEFAULT_PARTITION_SIZE,
                    family: str = "other", query_dtype: torch.dtype | None = None,
-                   sliding_window: int | None = None, softcap: float | None = None) -> AttentionPlan:
+                   sliding_window: int | None = None, softcap: float | None = None,
+                   arch: int | None = None) -> AttentionPlan:
     """Tiles and path for one batch (see the module docstring for the split-KV heuristic).
     ``dtype``: the cache's; ``query_dtype``: the query's when it matters for the tiles (an fp8 cache
     read by fp32 queries; None: the cache's); ``sliding_window`` / ``softcap``: the layer's (None or 0:
-    none), which the prefill tiles depend on."""
+    none), which the prefill tiles depend on; ``arch``: :func:`device_arch` of the device."""
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     if split_kv is None:
@@ -108,7 +122,7 @@ def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_
     block_m, tile_n = tile_sizes(decode, num_qpk, hp, hpv, dtype, family, query_dtype)
     dots_16bit = not (dtype == torch.float32 or dtype in FP8_DTYPES and query_dtype == torch.float32)
     big = (prefill_tiles(family, max(hp, hpv), dots_16bit, exact_head=(head_size, head_size_v) == (hp, hpv),
-                         window=bool(sliding_window), softcap=bool(softcap), fp8=dtype in FP8_DTYPES)
+                         window=bool(sliding_window), softcap=bool(softcap), fp8=dtype in FP8_DTYPES, arch=arch)
            if not split_kv and max_query_len >= PREFILL_MIN_QUERY_LEN else None)
     if big is not None:
         block_m, tile_n = max(big.block_m, triton.next_power_of_2(num_qpk)), big.tile_n
@@ -183,11 +197,11 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
                        v_scale: torch.Tensor | None = None,
                        sinks: torch.Tensor | None = None,
                        alibi_slopes: torch.Tensor | None = None,
-                       causal: bool = True) -> tuple[AttentionPlan, list[Launch]]:
+                       causal: bool = True, arch: int | None = None) -> tuple[AttentionPlan, list[Launch]]:
     """The plan (``plan`` when given: made once per step by the backend's per-step hook) and the
     launches (one, or two on the split path) for one attention call; the split path's fp32
-    workspace is allocated here. ``family`` (default: the query's device's) picks the target's
-    tiles; the cross-compilation names it.
+    workspace is allocated here. ``family`` and ``arch`` (default: the query's device's, see
+    :func:`device_arch`) pick the target's tiles; the cross-compilation names them.
 
     Bounds for the kernels come from the tensors, not the metadata values: rows =
     min(num_tokens, query rows, out rows); requests = min(num_reqs, len(seq_lens),
@@ -207,7 +221,8 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
                                      or alibi_slopes.device != query.device):
         raise ValueError(f"alibi_slopes must be a contiguous fp32 [{query.shape[1]}] tensor on {query.device}")
     num_qpk = query.shape[1] // num_kv_heads
-    family = device_family(query.device) if family is None else family
+    if family is None:
+        family, arch = device_family(query.device), device_arch(query.device)
     max_seq_len = max(0, min(max_seq_len, block_table.shape[1] * block_size))   # keys past the table: never read
     # over an fp8 cache the dots run in the query's dtype: fp32 queries take fp32 tiles (the per-step
     # plan only knows the cache)
@@ -222,7 +237,7 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
                               num_compute_units=(num_compute_units(query.device) if num_compute_units_ is None
                                                  else num_compute_units_),
                               block_size=block_size, split_kv=split_kv, partition_size=partition_size,
-                              family=family, sliding_window=sliding_window, softcap=softcap)
+                              family=family, sliding_window=sliding_window, softcap=softcap, arch=arch)
     num_rows = min(num_tokens, query.shape[0], out.shape[0])
     num_reqs = min(num_reqs, seq_lens.shape[0], query_start_loc.shape[0] - 1)
     if num_rows <= 0 or num_reqs <= 0:

@@ -61,14 +61,16 @@ class PrefillTiles:
 
 
 def prefill_tiles(family: str, widest: int, dots_16bit: bool, *, exact_head: bool = True, window: bool = False,
-                  softcap: bool = False, fp8: bool = False) -> PrefillTiles | None:
+                  softcap: bool = False, fp8: bool = False, arch: int | None = None) -> PrefillTiles | None:
     """The prefill tiles of one target family for heads padded to ``widest`` whose dots run on 16-bit
     operands (fp16 / bf16 queries; fp32 dots have no matrix instruction and keep :func:`tile_sizes`);
     None: :func:`tile_sizes`' tiles. ``exact_head``: K and V head sizes equal their pads (no masked
     head lanes); ``window`` / ``softcap``: the layer has a sliding window / a logit softcap; ``fp8``:
-    an fp8 cache (its tiles decoded in registers). The one place prefill tiles are chosen, each from
-    the cross-compiled evidence (devtools/triton_cross_compile.py: no spills on any target of the
-    family; the spills quoted are of the larger tiles rejected)."""
+    an fp8 cache (its tiles decoded in registers); ``arch``: the NVIDIA compute capability as
+    major x 10 + minor (90: Hopper), None where unknown. The one place prefill tiles are chosen, each
+    from the cross-compiled evidence (devtools/triton_cross_compile.py: no spills on any target of the
+    family; the spills quoted are of the larger tiles rejected) and, on Hopper, from timings on an
+    H200 (benchmarks/triton_gpu_sweep.py)."""
     if not dots_16bit or family not in ("nvidia", "amd"):
         return None
     if family == "nvidia":
@@ -84,6 +86,11 @@ def prefill_tiles(family: str, widest: int, dots_16bit: bool, *, exact_head: boo
                     PrefillTiles(64, 32, 4, 3))
         if fp8 or not exact_head or widest == 32:
             return PrefillTiles(128, 32, 8, 3)
+        if arch is not None and arch // 10 == 9:
+            # Hopper: 64 x 64 over one warpgroup, two CTAs per SM (217 registers, no spills), timed
+            # 1.03-1.07x faster than 128 x 64 over 8 warps at one CTA per SM, whose two warpgroups
+            # meet at a barrier every key tile (sm_80 spills 56 B at 64 x 64 over 4 warps)
+            return PrefillTiles(64, 64, 4, 3)
         return PrefillTiles(128, 64, 8, 3)
     # AMD: 128 rows x 32 keys over 4 wave64s, the next tile prefetched (2 stages), 2 work-groups per CU
     # (64-key tiles spill SGPRs). At 128 x 32 a window spills 10-29 registers, an fp8 cache 16-45
