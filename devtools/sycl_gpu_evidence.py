@@ -142,17 +142,28 @@ def compile_spirv(spv: Path, target: str, out_dir: Path, options: str = "") -> t
 _LSC_LOAD = re.compile(r"\bload\.ugm\.(d\d+)(?:u32)?(?:x(\d+))?(t?)\S*\s+\((\d+)\|M\d+\)")
 
 
+#: a 2D block load (``load_block2d.ugm``) and the registers it writes (``rN:count``)
+_BLOCK2D_LOAD = re.compile(r"\bload_block2d\.ugm\.\S+\s+\(\d+\|M\d+\)\s+r\d+:(\d+)")
+#: bytes of a PVC general register (the only target the kernels use 2D block loads on)
+GRF_BYTES = 64
+
+
 def load_message_bytes(asm: str) -> dict[int, int]:
-    """{bytes per global load message: count} over the LSC ``load.ugm`` instructions of ``asm``.
+    """{bytes per global load message: count} over the LSC ``load.ugm`` and ``load_block2d.ugm``
+    instructions of ``asm``.
 
     A ``dNxM`` load reads M elements of N bits per lane (x the execution size); a transposed
-    ``dNxMt`` load (a block load) reads M elements once for the whole message."""
+    ``dNxMt`` load (a block load) reads M elements once for the whole message; a 2D block load
+    returns the registers it writes (``rN:count`` x :data:`GRF_BYTES`)."""
     out: dict[int, int] = {}
     for m in _LSC_LOAD.finditer(asm):
         bits, vec, transposed, lanes = int(m.group(1)[1:]), int(m.group(2) or 1), m.group(3) == "t", int(m.group(4))
         elem = 4 if bits >= 32 and bits != 64 else (8 if bits == 64 else 4)   # d8/d16 travel as u32 per lane
         per_lane = elem * vec
         nbytes = per_lane if transposed else per_lane * lanes
+        out[nbytes] = out.get(nbytes, 0) + 1
+    for m in _BLOCK2D_LOAD.finditer(asm):
+        nbytes = int(m.group(1)) * GRF_BYTES
         out[nbytes] = out.get(nbytes, 0) + 1
     return out
 
@@ -162,7 +173,8 @@ _BRANCH = re.compile(r"\b(?:jmpi|goto|while|brd|brc)\b(?:\s+\(\d+\|M\d+\))?\s+(_
 _INSTRUCTION = re.compile(r"^\s*(?:\([~\w.&|]+\)\s*)?([a-z][a-z0-9_]*)(?:\.[\w.()&|~]+)?\s*(?:\((\d+)\|M\d+\))?")
 _BRANCH_OPS = {"jmpi", "goto", "join", "while", "if", "else", "endif", "brd", "brc", "call", "ret", "sync", "halt"}
 _DPAS = re.compile(r"\bdpasw?\.(\d+)x(\d+)\s+\((\d+)\|M\d+\)")
-_SEND_OPS = {"load", "store", "send", "sends", "sendc", "sendsc", "atomic", "fence", "lsc_load", "lsc_store"}
+_SEND_OPS = {"load", "store", "send", "sends", "sendc", "sendsc", "atomic", "fence", "lsc_load", "lsc_store",
+             "load_block2d", "store_block2d"}
 
 
 _SWSB = re.compile(r"\{([^}]*)\}")
