@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 
 from batches import CaseSpec, batch_cases, build_case, check_against_reference, check_fp8_against_reference
-from test_triton_backend import (corner_specs, run_cross_backend_cache, run_split_vs_single, run_strided_write,
-                                 split_specs)
+from test_triton_backend import (corner_specs, prefill_specs, run_cross_backend_cache, run_split_vs_single,
+                                 run_strided_write, split_specs)
 
 import kvmulti
 from kvmulti import reference
@@ -44,6 +44,14 @@ def test_gpu_matches_reference(vendor, spec):
 @pytest.mark.parametrize("vendor", VENDORS)
 @pytest.mark.parametrize("spec", corner_specs())
 def test_gpu_corners(vendor, spec):
+    check_against_reference(spec, "TRITON", device=gpu(vendor))
+
+
+@pytest.mark.parametrize("vendor", VENDORS)
+@pytest.mark.parametrize("spec", prefill_specs())
+def test_gpu_prefill_tiles_match_reference(vendor, spec):
+    """The prefill tiles the planner picks for this GPU (launch.prefill_tiles: per family, and on
+    NVIDIA per compute capability) against the oracle."""
     check_against_reference(spec, "TRITON", device=gpu(vendor))
 
 
