@@ -15,7 +15,10 @@ reference). Each prepared step is timed as a layer calls it (``kvmulti.paged_att
 Decode: % of the memory floor = (K/V read + query + out bytes) / measured copy bandwidth over the
 measured time. Prefill: TFLOP/s of the causal attention's useful flops (4 * heads * head * the
 causal (query, key) pairs) and their % of the measured matmul rate. Each implementation's output on
-the timed shape is also compared with SDPA's (``max_abs_diff_vs_sdpa``).
+the timed shape is also compared with SDPA's (``max_abs_diff_vs_sdpa``). After the eager timings,
+each kvmulti implementation's prepared call is captured in a CUDA graph and its replay timed
+(:func:`graph_rows`: the GPU's time without the host's, the replayed output checked against SDPA's,
+or the reason the call cannot be captured).
 """
 
 from __future__ import annotations
@@ -186,17 +189,65 @@ def bench_shape(shape: Shape, implementations: dict[str, object], ceilings: dict
     return rows
 
 
+def captured(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
+    """``fn`` captured once in a CUDA graph, after warm-up calls on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def graph_rows(shape: Shape, implementations: dict[str, object]) -> list[dict]:
+    """Per implementation: a prepared layer call of ``shape`` captured in a CUDA graph and replayed
+    (``graph_ms``; its output checked against SDPA's, ``graph_max_abs_diff_vs_sdpa``), or why it could
+    not be captured (``graph_error``)."""
+    problem = Problem(shape)
+    reference = problem.sdpa_rows(problem.sdpa()[0]()).float()
+    rows = []
+    for name, backend in implementations.items():
+        row: dict = {"shape": shape.name, "impl": name}
+        try:
+            fn, out = problem.paged(backend)
+            graph = captured(fn)
+            row["graph_ms"] = median_ms(graph.replay)      # the GPU's time for the call, without the host's
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            row["graph_max_abs_diff_vs_sdpa"] = float((out.float() - reference).abs().max())
+        except Exception as e:                        # recorded; the others still run
+            row["graph_error"] = f"{type(e).__name__}: {e}"[:600]
+        rows.append(row)
+    del problem
+    torch.cuda.empty_cache()
+    return rows
+
+
 def run(implementations: dict[str, object], shapes: tuple[Shape, ...] = SHAPES,
         progress: Callable[[dict], None] | None = None) -> dict:
-    """``{"ceilings": {"copy", "matmul"}, "rows": [...]}``; ``implementations``: name -> backend
-    (a name or object) timed beside SDPA. ``progress`` gets the result so far after each shape."""
-    result: dict = {"ceilings": {"copy": copy_bandwidth(), "matmul": matmul_rate()}, "rows": []}
+    """``{"ceilings": {"copy", "matmul"}, "rows": [...], "graphs": [...]}``; ``implementations``:
+    name -> backend (a name or object) timed beside SDPA; ``graphs``: :func:`graph_rows` of every
+    shape, after all eager timings (a failed capture cannot disturb them). ``progress`` gets the
+    result so far after each shape."""
+    result: dict = {"ceilings": {"copy": copy_bandwidth(), "matmul": matmul_rate()}, "rows": [], "graphs": []}
     torch.cuda.empty_cache()
     for shape in shapes:
         try:
             result["rows"] += bench_shape(shape, implementations, result["ceilings"])
         except Exception as e:                        # recorded; the next shape still runs
             result["rows"].append({"shape": shape.name, "impl": "all", "error": f"{type(e).__name__}: {e}"[:600]})
+        if progress:
+            progress(result)
+    for shape in shapes:
+        try:
+            result["graphs"] += graph_rows(shape, implementations)
+        except Exception as e:                        # recorded; the next shape still runs
+            result["graphs"].append({"shape": shape.name, "impl": "all", "graph_error": f"{type(e).__name__}: {e}"[:600]})
         if progress:
             progress(result)
     return result

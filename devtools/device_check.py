@@ -17,7 +17,7 @@ overlaps the steps after it):
 6. ``pytest -m cuda``: waits for the suites, stopping them when the benchmark's reserve
    (:data:`BENCH_RESERVE_S`) would be eaten;
 7. ``benchmark``: ``devtools.device_bench`` on the then quiet GPU (TRITON, SDPA, and HIP when step 3
-   passed; copy bandwidth, matmul rate);
+   passed; copy bandwidth, matmul rate; each kvmulti call also captured in a CUDA graph and replayed);
 8. ``model estimates``: waits for the model's report and reads its estimates (``devtools.device_model``).
 
 Writes ``OUT_DIR/device_check.json``, ``device_check.md``, ``device_check.log`` (every step's
@@ -330,6 +330,11 @@ def step_benchmark(ctx: Context, cap: float) -> Outcome:
     ctx.result["benchmark"] = bench
     errors = [f"{r['impl']} {r['shape']}" for r in bench["rows"] if "error" in r]
     summary = f"{len(bench['rows'])} rows" + (f"; errors: {', '.join(errors)}" if errors else "")
+    graphs = bench.get("graphs") or []
+    if graphs:
+        uncaptured = [f"{g['impl']} {g['shape']}" for g in graphs if "graph_error" in g]
+        summary += f"; CUDA graphs: {len(graphs) - len(uncaptured)} of {len(graphs)} calls captured" + (
+            f" (not: {', '.join(uncaptured)})" if uncaptured else "")
     if "--library" not in cmd:
         summary += "; HIP not timed (it did not pass the oracle step)"
     status = "timeout" if rc is None else "passed" if rc == 0 and not errors else "failed"
@@ -547,6 +552,8 @@ def fake_result() -> dict:
                 row["max_abs_diff_vs_sdpa"] = 0.0078
             rows.append(row)
     rows.append({"shape": "decode 1x32768", "impl": "HIP", "error": "RuntimeError: fake | with a bar"})
+    graphs = [{"shape": "decode 32x4096", "impl": "TRITON", "graph_ms": 0.9, "graph_max_abs_diff_vs_sdpa": 0.0005},
+              {"shape": "decode 32x4096", "impl": "HIP", "graph_error": "RuntimeError: fake capture failure"}]
     return {"schema": 1, "date": "2000-01-01 00:00 UTC", "dry_run": True, "commit": "0" * 40, "dirty": False,
             "budget_s": BUDGET_S, "seconds": 1.0,
             "device": {"name": "FAKE GPU", "arch": "sm_90", "multiprocessors": 132, "memory_gib": 79.2},
@@ -554,7 +561,8 @@ def fake_result() -> dict:
             "steps": [{"name": s.name, "status": "passed", "seconds": 1.0, "cap_s": s.cap_s, "summary": "fake",
                        "details": {}} for s in STEPS],
             "benchmark": {"ceilings": {"copy": {"bytes": 2 << 30, "ms": 1.0, "gb_per_s": 3000.0},
-                                       "matmul": {"n": 8192, "ms": 1.0, "tflops": 700.0}}, "rows": rows},
+                                       "matmul": {"n": 8192, "ms": 1.0, "tflops": 700.0}}, "rows": rows,
+                          "graphs": graphs},
             "model": {"source": "fake", "estimates": [{"impl": "TRITON", "shape": "decode 32x4096", "estimate_ms": 0.25,
                                                        "fraction": 0.6, "bound": "memory", "model_device": "H100 SXM",
                                                        "source": "fake.json: roofline"}]}}
@@ -570,6 +578,7 @@ def check_writers(ctx: Context) -> None:
     md = md_path.read_text()
     table_rows = [line for line in md.splitlines() if line.startswith("| ")]
     assert "| decode 32x4096 | TRITON |" in md and "FAKE GPU" in md and len(table_rows) > 10, md
+    assert "| decode 32x4096 | TRITON | 1.000 | 0.900 |" in md and "not captured" in md, md
     assert all(line.endswith(" |") for line in table_rows), md
     doc = ctx.work / "performance.md"
     shutil.copy(device_report.DOC, doc)

@@ -68,6 +68,25 @@ def timing_table(result: dict) -> list[str]:
                   rows)
 
 
+def graph_table(result: dict) -> list[str]:
+    """Each kvmulti implementation's prepared call captured in a CUDA graph: replay time beside the
+    eager time of the same shape, or why it could not be captured."""
+    graphs = (result.get("benchmark") or {}).get("graphs") or []
+    if not graphs:
+        return ["CUDA graphs: not measured."]
+    eager = {(r["shape"], r["impl"]): r.get("ms") for r in (result.get("benchmark") or {}).get("rows", [])}
+    rows = []
+    for g in graphs:
+        ms = eager.get((g["shape"], g["impl"]))
+        if "graph_error" in g:
+            rows.append([g["shape"], g["impl"], "-" if ms is None else f"{ms:.3f}", "not captured", "-",
+                         g["graph_error"]])
+        else:
+            rows.append([g["shape"], g["impl"], "-" if ms is None else f"{ms:.3f}", f"{g['graph_ms']:.3f}",
+                         f"{g['graph_max_abs_diff_vs_sdpa']:.3g}", ""])
+    return _table(["shape", "impl", "eager ms", "graph replay ms", "max abs diff vs SDPA (replayed)", "error"], rows)
+
+
 def ceilings_lines(result: dict) -> list[str]:
     c = (result.get("benchmark") or {}).get("ceilings")
     if not c:
@@ -94,6 +113,7 @@ def render_markdown(result: dict) -> str:
              "## Timings (CUDA events)", "", *ceilings_lines(result), "", *timing_table(result), ""]
     model = result.get("model", {})
     lines.append(f"Model estimates: {model.get('source') or 'no model estimate (no model output found)'}.")
+    lines += ["", "## CUDA graphs", "", *graph_table(result)]
     return "\n".join(lines) + "\n"
 
 
@@ -102,10 +122,11 @@ def write_markdown(result: dict, path: Path) -> None:
 
 
 def render_docs_block(result: dict) -> str:
-    """The doc's block for one run: header, steps, ceilings and timings."""
+    """The doc's block for one run: header, steps, ceilings, timings and (where measured) CUDA graphs."""
     lines = [BEGIN, f"Last run: {result.get('date')} on {result.get('device', {}).get('name')} "
              f"(commit {result.get('commit')}).", "", *header_lines(result), "", *steps_table(result), "",
-             *ceilings_lines(result), "", *timing_table(result), "", END]
+             *ceilings_lines(result), "", *timing_table(result), "",
+             *((graph_table(result) + [""]) if (result.get("benchmark") or {}).get("graphs") else []), END]
     return "\n".join(lines)
 
 
