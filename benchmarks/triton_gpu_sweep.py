@@ -1,6 +1,6 @@
 """Times the Triton backend's tile and split-KV choices against alternatives on a CUDA GPU.
 
-    python benchmarks/triton_gpu_sweep.py [--json OUT] [--plans]
+    python benchmarks/triton_gpu_sweep.py [--cases prefill|decode|all] [--json OUT] [--plans]
 
 Prefill (causal, no context): each candidate :class:`PrefillTiles` (rows, keys, warps, stages) in
 place of :func:`kvmulti.backends.triton.tiles.prefill_tiles`' choice. Decode over one or few long
@@ -8,7 +8,9 @@ contexts: each split-KV partition size. Shapes and data as in ``devtools/device_
 / 8 KV heads, head 128, bf16, block 16, HND, a shuffled block table); every candidate of a shape
 runs in the same rounds, alternating, and the table gives the median of the rounds' medians, the
 ratio to the shipped choice (``time(shipped) / time(candidate)``: above 1 is faster) and the largest
-difference from torch SDPA's output. ``--plans`` prints the plans the candidates make (no GPU).
+difference from torch SDPA's output. ``--json`` is rewritten after each shape (a stopped run keeps
+the shapes it finished). ``--plans`` prints the plans the candidates make (no GPU). The device check
+(``devtools/device_check.py``) runs the prefill half.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def time_candidates(shape, candidates: dict, setup, rounds: int = 3) -> list[dic
     return rows
 
 
-def run() -> list[dict]:
+def run(cases: str = "all", progress=None) -> list[dict]:
+    """The rows of the ``cases`` ("prefill", "decode" or "all"); ``progress(rows)`` after each shape."""
     from devtools import device_bench
     from kvmulti.backends.triton import launch
     from kvmulti.backends.triton.backend import TritonBackend
@@ -111,15 +114,19 @@ def run() -> list[dict]:
         finally:
             launch.prefill_tiles = tiles.prefill_tiles
 
-    for name, seqs, length in PREFILL_SHAPES:
+    for name, seqs, length in PREFILL_SHAPES if cases in ("prefill", "all") else ():
         shape = device_bench.Shape(name, "prefill", seqs, length)
         rows += time_candidates(shape, {candidate_name(c): c for c in PREFILL_CANDIDATES}, prefill_setup)
         print_rows(rows[-len(PREFILL_CANDIDATES):])
-    for name, seqs, length in DECODE_SHAPES:
+        if progress:
+            progress(rows)
+    for name, seqs, length in DECODE_SHAPES if cases in ("decode", "all") else ():
         shape = device_bench.Shape(name, "decode", seqs, length)
         cands = {("shipped" if p is None else f"partition {p}"): p for p in PARTITIONS}
         rows += time_candidates(shape, cands, lambda problem, p: problem.paged(TritonBackend(partition_size=p)))
         print_rows(rows[-len(PARTITIONS):])
+        if progress:
+            progress(rows)
     return rows
 
 
@@ -137,15 +144,17 @@ def print_rows(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", choices=("prefill", "decode", "all"), default="all")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--plans", action="store_true", help="print the candidates' plans (no GPU)")
     args = parser.parse_args()
     if args.plans:
         print_plans()
         return
-    rows = run()
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    def write(rows: list[dict]) -> None:
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    write(run(args.cases, write))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ overlaps the steps after it):
    (:data:`BENCH_RESERVE_S`) would be eaten;
 7. ``benchmark``: ``devtools.device_bench`` on the then quiet GPU (TRITON, SDPA, and HIP when step 3
    passed; copy bandwidth, matmul rate; each kvmulti call also captured in a CUDA graph and replayed);
-8. ``model estimates``: waits for the model's report and reads its estimates (``devtools.device_model``).
+8. ``model estimates``: waits for the model's report and reads its estimates (``devtools.device_model``);
+9. ``tile sweep``: the Triton prefill tiles shipped for this device against alternatives
+   (``benchmarks/triton_gpu_sweep.py --cases prefill``).
 
 Writes ``OUT_DIR/device_check.json``, ``device_check.md``, ``device_check.log`` (every step's
 output) and ``pytest_cuda.xml``; nothing else lands in OUT_DIR (the device tool returns at most
@@ -470,6 +472,35 @@ def dry_memcheck(ctx: Context, cap: float) -> Outcome:
     return Outcome("passed", f"command wired ({'found' if compute_sanitizer() else 'not on this host'})")
 
 
+SWEEP = ROOT / "benchmarks" / "triton_gpu_sweep.py"
+
+
+def step_sweep(ctx: Context, cap: float) -> Outcome:
+    """The prefill half of benchmarks/triton_gpu_sweep.py: the shipped Triton prefill tiles against
+    the alternatives on this device."""
+    out_json = ctx.work / "sweep.json"
+    rc, out = run_capped(ctx, "tile sweep", [ctx.python, str(SWEEP), "--cases", "prefill", "--json", str(out_json)],
+                         cap)
+    rows = read_json(out_json)               # written after each shape
+    if not rows:
+        return Outcome("timeout" if rc is None else "error", tail(out, 800))
+    ctx.result["sweep"] = rows
+    best = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        timed = [r for r in rows if r["shape"] == shape and "ms" in r]
+        if timed:
+            fastest = min(timed, key=lambda r: r["ms"])
+            best.append(f"{shape}: {fastest['candidate']} fastest ({fastest['speedup_vs_shipped'] or 0:.2f}x the shipped)")
+    status = "timeout" if rc is None else "passed" if rc == 0 else "failed"
+    return Outcome(status, "; ".join(best) or tail(out, 800))
+
+
+def dry_sweep(ctx: Context, cap: float) -> Outcome:
+    rc, out = run_capped(ctx, "tile sweep (plans)", [ctx.python, str(SWEEP), "--plans"], cap)
+    ok = rc == 0 and "prefill 8x2048 shipped" in out
+    return Outcome("passed" if ok else "failed", "candidates' plans printed" if ok else tail(out, 800))
+
+
 STEPS = (
     Step("environment", 30, step_environment, dry_environment),
     Step("hip build (nvcc)", 150, step_hip_build, dry_hip_build),
@@ -479,6 +510,7 @@ STEPS = (
     Step("pytest -m cuda", 300, step_pytest, dry_pytest),
     Step("benchmark", 130, step_benchmark, dry_benchmark),
     Step("model estimates", 30, step_model, dry_model),
+    Step("tile sweep", 100, step_sweep, dry_sweep),
 )
 
 
@@ -552,6 +584,9 @@ def fake_result() -> dict:
                 row["max_abs_diff_vs_sdpa"] = 0.0078
             rows.append(row)
     rows.append({"shape": "decode 1x32768", "impl": "HIP", "error": "RuntimeError: fake | with a bar"})
+    sweep = [{"shape": "prefill 8x2048", "candidate": "shipped", "ms": 1.0, "ms_rounds": [1.0] * 3,
+              "speedup_vs_shipped": 1.0, "max_abs_diff_vs_sdpa": 0.0078},
+             {"shape": "prefill 8x2048", "candidate": "128x128 w8 s2", "error": "OutOfResources: fake"}]
     graphs = [{"shape": "decode 32x4096", "impl": "TRITON", "graph_ms": 0.9, "graph_max_abs_diff_vs_sdpa": 0.0005},
               {"shape": "decode 32x4096", "impl": "HIP", "graph_error": "RuntimeError: fake capture failure"}]
     return {"schema": 1, "date": "2000-01-01 00:00 UTC", "dry_run": True, "commit": "0" * 40, "dirty": False,
@@ -563,6 +598,7 @@ def fake_result() -> dict:
             "benchmark": {"ceilings": {"copy": {"bytes": 2 << 30, "ms": 1.0, "gb_per_s": 3000.0},
                                        "matmul": {"n": 8192, "ms": 1.0, "tflops": 700.0}}, "rows": rows,
                           "graphs": graphs},
+            "sweep": sweep,
             "model": {"source": "fake", "estimates": [{"impl": "TRITON", "shape": "decode 32x4096", "estimate_ms": 0.25,
                                                        "fraction": 0.6, "bound": "memory", "model_device": "H100 SXM",
                                                        "source": "fake.json: roofline"}]}}
@@ -579,6 +615,7 @@ def check_writers(ctx: Context) -> None:
     table_rows = [line for line in md.splitlines() if line.startswith("| ")]
     assert "| decode 32x4096 | TRITON |" in md and "FAKE GPU" in md and len(table_rows) > 10, md
     assert "| decode 32x4096 | TRITON | 1.000 | 0.900 |" in md and "not captured" in md, md
+    assert "| prefill 8x2048 | shipped | 1.000 | 1.00x |" in md and "OutOfResources: fake" in md, md
     assert all(line.endswith(" |") for line in table_rows), md
     doc = ctx.work / "performance.md"
     shutil.copy(device_report.DOC, doc)

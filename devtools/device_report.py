@@ -87,6 +87,21 @@ def graph_table(result: dict) -> list[str]:
     return _table(["shape", "impl", "eager ms", "graph replay ms", "max abs diff vs SDPA (replayed)", "error"], rows)
 
 
+def sweep_table(result: dict) -> list[str]:
+    """The tile sweep's rows (benchmarks/triton_gpu_sweep.py): each candidate against the shipped tiles."""
+    rows = []
+    for r in result.get("sweep") or []:
+        if "error" in r:
+            rows.append([r["shape"], r["candidate"], "error", "-", "-", r["error"]])
+        else:
+            rows.append([r["shape"], r["candidate"], f"{r['ms']:.3f}", f"{r['speedup_vs_shipped'] or 0:.2f}x",
+                         f"{r['max_abs_diff_vs_sdpa']:.3g}", ""])
+    if not rows:
+        return ["Tile sweep: not run."]
+    return _table(["shape", "candidate (rows x keys, warps, stages)", "ms (median)", "speed-up vs shipped",
+                   "max abs diff vs SDPA", "error"], rows)
+
+
 def ceilings_lines(result: dict) -> list[str]:
     c = (result.get("benchmark") or {}).get("ceilings")
     if not c:
@@ -113,7 +128,8 @@ def render_markdown(result: dict) -> str:
              "## Timings (CUDA events)", "", *ceilings_lines(result), "", *timing_table(result), ""]
     model = result.get("model", {})
     lines.append(f"Model estimates: {model.get('source') or 'no model estimate (no model output found)'}.")
-    lines += ["", "## CUDA graphs", "", *graph_table(result)]
+    lines += ["", "## CUDA graphs", "", *graph_table(result), "", "## Triton prefill tiles", "",
+              *sweep_table(result)]
     return "\n".join(lines) + "\n"
 
 
@@ -122,11 +138,13 @@ def write_markdown(result: dict, path: Path) -> None:
 
 
 def render_docs_block(result: dict) -> str:
-    """The doc's block for one run: header, steps, ceilings, timings and (where measured) CUDA graphs."""
+    """The doc's block for one run: header, steps, ceilings, timings and (where measured) CUDA graphs
+    and the tile sweep."""
     lines = [BEGIN, f"Last run: {result.get('date')} on {result.get('device', {}).get('name')} "
              f"(commit {result.get('commit')}).", "", *header_lines(result), "", *steps_table(result), "",
              *ceilings_lines(result), "", *timing_table(result), "",
-             *((graph_table(result) + [""]) if (result.get("benchmark") or {}).get("graphs") else []), END]
+             *((graph_table(result) + [""]) if (result.get("benchmark") or {}).get("graphs") else []),
+             *((sweep_table(result) + [""]) if result.get("sweep") else []), END]
     return "\n".join(lines)
 
 
