@@ -48,7 +48,7 @@ def patched_prefill_tiles(candidate: tuple | None):
 
 
 def print_plans() -> None:
-    """The plan of each prefill candidate and decode partition for the nvidia family (no GPU)."""
+    """The plan of each prefill candidate and decode partition on an H100 / H200 (no GPU)."""
     import torch
 
     from kvmulti.backends.triton import launch
@@ -57,14 +57,14 @@ def print_plans() -> None:
             launch.prefill_tiles = patched_prefill_tiles(cand)
             plan = launch.plan_attention(num_reqs=seqs, num_kv_heads=8, num_qpk=4, max_query_len=length,
                                          max_seq_len=length, head_size=128, head_size_v=128, dtype=torch.bfloat16,
-                                         num_compute_units=132, block_size=16, family="nvidia")
+                                         num_compute_units=132, block_size=16, family="nvidia", arch=90)
             print(name, candidate_name(cand), plan)
     launch.prefill_tiles = tiles.prefill_tiles
     for name, seqs, length in DECODE_SHAPES:
         for part in PARTITIONS:
             plan = launch.plan_attention(num_reqs=seqs, num_kv_heads=8, num_qpk=4, max_query_len=1,
                                          max_seq_len=length, head_size=128, head_size_v=128, dtype=torch.bfloat16,
-                                         num_compute_units=132, block_size=16, family="nvidia",
+                                         num_compute_units=132, block_size=16, family="nvidia", arch=90,
                                          split_kv=None if part is None else True,
                                          partition_size=part or 512)
             print(name, part, plan)
@@ -137,8 +137,8 @@ def print_rows(rows: list[dict]) -> None:
         if "error" in r:
             print(f"| {r['shape']} | {r['candidate']} | error | - | {r['error']} |")
         else:
-            print(f"| {r['shape']} | {r['candidate']} | {r['ms']:.3f} | {r['speedup_vs_shipped']:.2f}x | "
-                  f"{r['max_abs_diff_vs_sdpa']:.3g} |")
+            speedup = "-" if r["speedup_vs_shipped"] is None else f"{r['speedup_vs_shipped']:.2f}x"
+            print(f"| {r['shape']} | {r['candidate']} | {r['ms']:.3f} | {speedup} | {r['max_abs_diff_vs_sdpa']:.3g} |")
     print(flush=True)
 
 

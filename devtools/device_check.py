@@ -490,7 +490,9 @@ def step_sweep(ctx: Context, cap: float) -> Outcome:
         timed = [r for r in rows if r["shape"] == shape and "ms" in r]
         if timed:
             fastest = min(timed, key=lambda r: r["ms"])
-            best.append(f"{shape}: {fastest['candidate']} fastest ({fastest['speedup_vs_shipped'] or 0:.2f}x the shipped)")
+            ratio = fastest["speedup_vs_shipped"]
+            best.append(f"{shape}: {fastest['candidate']} fastest"
+                        + ("" if ratio is None else f" ({ratio:.2f}x the shipped)"))
     status = "timeout" if rc is None else "passed" if rc == 0 else "failed"
     return Outcome(status, "; ".join(best) or tail(out, 800))
 

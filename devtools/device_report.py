@@ -94,7 +94,8 @@ def sweep_table(result: dict) -> list[str]:
         if "error" in r:
             rows.append([r["shape"], r["candidate"], "error", "-", "-", r["error"]])
         else:
-            rows.append([r["shape"], r["candidate"], f"{r['ms']:.3f}", f"{r['speedup_vs_shipped'] or 0:.2f}x",
+            speedup = "-" if r["speedup_vs_shipped"] is None else f"{r['speedup_vs_shipped']:.2f}x"
+            rows.append([r["shape"], r["candidate"], f"{r['ms']:.3f}", speedup,
                          f"{r['max_abs_diff_vs_sdpa']:.3g}", ""])
     if not rows:
         return ["Tile sweep: not run."]
