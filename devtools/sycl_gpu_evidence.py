@@ -304,8 +304,8 @@ def rows_for_target(asm: dict[str, str], target: str, slm_bytes: dict[str, int])
 def _slm_bytes(config: dict, matrix: bool) -> dict[str, int]:
     """Local memory the host gives the attention kernels of a matrix-body or vector-body build."""
     from kvmulti.backends import sycl as S
-    slm = 4 * S.lm_floats(config["head_size_v"], S.WG, matrix)
-    return {k: slm for k in KERNELS if k.startswith("kvm_paged_")}
+    return {k: 4 * S.lm_floats(config["head_size_v"], S.WG, matrix, narrow=k.startswith("kvm_paged_attention"))
+            for k in KERNELS if k.startswith("kvm_paged_")}
 
 
 def _cache_file(config: dict) -> Path:

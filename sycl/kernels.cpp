@@ -731,6 +731,9 @@ constexpr int NC = (D + 15) / 16;       // 16-wide chunks of a Q / K row
 constexpr int NCV = (DV + 15) / 16;     // 16-wide chunks of a V / output row
 static_assert(16 % VW == 0, "a 16-element chunk is whole vector loads");
 constexpr int MMA_LM_FLOATS = NSG * MR * MERGE_STRIDE;
+// attention_body_mma's scratch: the rows of every key split but the first, which merges in its lanes
+// (kvm_paged_attention and the *_terms kernels; the host sizes their local memory to it: lm_floats)
+constexpr int MMA_DECODE_LM_FLOATS = (NSG - 1) * MR * MERGE_STRIDE;
 
 // 16-bit matrix bits of an activation / of a cache element (fp8 codes convert exactly).
 static inline uint32_t mm_bits(elem_t x) {
@@ -815,7 +818,7 @@ static inline vgvec_t load_v_piece(const cache_t *v, int64_t off, int e) {
 
 // Query fragments in local memory, over the merge scratch (when it is large enough: Q_SLM): row group
 // slot g's chunk c holds lane k's row pairs (2r, 2r + 1) as 4 consecutive words, one 16-byte load.
-constexpr bool Q_SLM = NSG * NC * 64 <= MMA_LM_FLOATS;   // NC chunks x 16 lanes x 4 words per slot
+constexpr bool Q_SLM = NSG * NC * 64 <= MMA_DECODE_LM_FLOATS;   // NC chunks x 16 lanes x 4 words per slot
 static inline int q_frag_index(int slot, int c, int lane) { return ((slot * NC + c) * 16 + lane) * 4; }
 static inline void store_q_frag(sycl::decorated_local_ptr<float> lm, int slot, int c, int lane, mma_a_t a) {
   sycl::vec<float, 4> w;
@@ -836,6 +839,67 @@ static inline mma_a_t load_q_frag(sycl::decorated_local_ptr<float> lm, int slot,
     a[2 * r + 1] = static_cast<short>(bits >> 16);
   }
   return a;
+}
+
+// The end of a pass of attention_body_mma, in the first key split of a row group: its rows r0 .. r0 + nr - 1
+// (its own partials in acc / mrow / lsum: lane n holds columns V_COL(n, c); the row statistics are
+// uniform) merged with those the other kspl - 1 splits stored (split s, row m: scratch row
+// ((s - 1) * rgp + rgl) * MR + m), normalised with the sink joined and written to out, or, split, the
+// partition's unnormalised partials and (max, sum) (the sink then joins in kvm_split_reduce).
+static inline void merge_rows_mma(const WorkGroup &w, sycl::decorated_local_ptr<float> lm, const mma_c_t (&acc)[NCV],
+                                  const float (&mrow)[MR], const float (&lsum)[MR], uint32_t nan_rows, int r0, int nr,
+                                  int rgl, int rgp, int kspl, int group, const float *sinks, elem_t *out,
+                                  int64_t o_st, int64_t o_sh, float *part_acc, float *part_ml, int num_parts) {
+  const Tile &t = w.t;
+#pragma unroll
+  for (int m = 0; m < MR; ++m) {
+    if (m >= nr) continue;   // uniform
+    const int flat = t.f0 + r0 + m;
+    const int64_t token = t.q0 + flat / group;
+    const int qh = w.h * group + flat % group;
+    auto slot = [&](int s) { return lm + (((s - 1) * rgp + rgl) * MR + m) * MERGE_STRIDE; };
+    const float sink = (sinks != nullptr && !w.split) ? sinks[qh] : NEG_INF;
+    float mx = sycl::fmax(sink, mrow[m]);
+    bool row_nan = ((nan_rows >> m) & 1u) != 0 || is_nan(lsum[m]);
+    for (int s = 1; s < kspl; ++s) {
+      mx = sycl::fmax(mx, slot(s)[DV]);
+      row_nan |= is_nan(slot(s)[DV + 1]);
+    }
+    float a[NCV];
+    float sum = 0.f;
+    const float own = (row_nan || mrow[m] == NEG_INF) ? 0.f : sycl::exp(mrow[m] - mx);
+#pragma unroll
+    for (int c = 0; c < NCV; ++c) a[c] = acc[c][m] * w.vs * own;
+    if (row_nan) {
+      sum = QNAN;
+    } else if (mx != NEG_INF) {
+      sum = lsum[m] * own;
+      for (int s = 1; s < kspl; ++s) {
+        const auto row = slot(s);
+        const float wt = row[DV] == NEG_INF ? 0.f : sycl::exp(row[DV] - mx);
+        sum += row[DV + 1] * wt;
+#pragma unroll
+        for (int c = 0; c < NCV; ++c) {
+          const int e = V_COL(w.lane, c);
+          if (e < DV) a[c] += row[e] * wt;
+        }
+      }
+      if (sink != NEG_INF) sum += sycl::exp(sink - mx);
+    }
+    const int64_t prow = (token * w.num_q_heads + qh) * num_parts + w.part;
+#pragma unroll
+    for (int c = 0; c < NCV; ++c) {
+      const int e = V_COL(w.lane, c);
+      if (e >= DV) continue;
+      const float v = row_nan ? QNAN : a[c];
+      if (w.split) part_acc[prow * DV + e] = v;
+      else out[token * o_st + qh * o_sh + e] = from_f(row_nan ? QNAN : sum > 0.f ? v / sum : 0.f);
+    }
+    if (w.split && w.lane == 0) {
+      part_ml[prow * 2 + 0] = mx;
+      part_ml[prow * 2 + 1] = sum;
+    }
+  }
 }
 
 template <bool TERMS>
@@ -996,13 +1060,15 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
       off = next_off;
     }
 
-    // Merge the key splits of each row group through local memory.
+    // Merge the key splits of each row group: the splits after the first store their rows in local
+    // memory (split s, row m: scratch row ((s - 1) * rgp + rgl) * MR + m), the first merges them in its lanes.
+    const int rgl = sg_id % rgp;
     if (Q_SLM || pass > 0) sycl::group_barrier(wg);  // the scratch's readers (Q, the previous merge) are done
-    if (active) {
+    if (active && my_split > 0) {
 #pragma unroll
       for (int m = 0; m < MR; ++m) {
         if (m < nr) {
-          auto row = lm + (sg_id * MR + m) * MERGE_STRIDE;
+          auto row = lm + (((my_split - 1) * rgp + rgl) * MR + m) * MERGE_STRIDE;
 #pragma unroll
           for (int c = 0; c < NCV; ++c) {
             const int e = V_COL(lane, c);
@@ -1012,9 +1078,10 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
         }
       }
     }
-    const int pass_rows = sycl::min(rgp * MR, t.nrows - pass * rgp * MR);
-    merge_pass(w, lm, pass * rgp * MR, pass_rows, rgp * MR, kspl, group, sinks, out, o_st, o_sh, part_acc, part_ml,
-               num_parts);
+    if (kspl > 1) sycl::group_barrier(wg);
+    if (active && my_split == 0)
+      merge_rows_mma(w, lm, acc, mrow, lsum, nan_rows, r0, nr, rgl, rgp, kspl, group, sinks, out, o_st, o_sh,
+                     part_acc, part_ml, num_parts);
   }
 }
 

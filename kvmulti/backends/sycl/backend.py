@@ -315,7 +315,8 @@ class SyclBackend(Backend):
             ptr = (lambda t, written=False: t.data_ptr() if t.numel() else 0) if on_xpu else staging.ptr
             matrix = self._matrix(session, query.dtype)
             wg = choose_wg(layout.value_size, session.device.local_mem, matrix)
-            local = [(ARG_LOCAL_F32, lm_floats(layout.value_size, wg, matrix))]
+            # the local scratch of each attention kernel (the narrow ones' is smaller in matrix bundles)
+            local = {narrow: (ARG_LOCAL_F32, lm_floats(layout.value_size, wg, matrix, narrow)) for narrow in (True, False)}
             head_args = [(ARG_PTR, ptr(query)), (ARG_I64, query.stride(0)), (ARG_I64, query.stride(1)),
                          (ARG_I64, num_tokens), (ARG_PTR, ptr(kv_cache)), (ARG_I64, s.block), (ARG_I64, s.token),
                          (ARG_I64, s.head), (ARG_I64, layout.num_blocks),
@@ -326,7 +327,7 @@ class SyclBackend(Backend):
                     (ARG_I32, step.sliding_window or 0), (ARG_F32, softcap or 0.0)] + _scale_args(ptr, k_scale, v_scale)
             sinks_arg = (ARG_PTR, 0 if sinks is None else ptr(sinks))
             terms = [(ARG_PTR, 0 if alibi_slopes is None else ptr(alibi_slopes)),
-                     (ARG_I32, int(bool(step.common.causal)))] + local
+                     (ARG_I32, int(bool(step.common.causal)))]
             out_args = [(ARG_PTR, ptr(target, True)), (ARG_I64, target.stride(0)), (ARG_I64, target.stride(1))]
             if not plan.part_size:
                 rest = out_args + [(ARG_PTR, 0), (ARG_PTR, 0), (ARG_I32, 1), (ARG_I32, 0)] + head + [sinks_arg] + terms
@@ -343,7 +344,8 @@ class SyclBackend(Backend):
             for i, (kernel, a, b) in enumerate(launches):
                 last = i == len(launches) - 1 and not plan.part_size
                 session.launch(bundle, kernel, (b - a) * hkv * parts * wg, wg,
-                               head_args + [(ARG_PTR, ptr(sstep.tiles[a:b]))] + rest, wait=last and not on_xpu)
+                               head_args + [(ARG_PTR, ptr(sstep.tiles[a:b]))] + rest + [local[kernel in (K_ATTN, K_ATTN_TERMS)]],
+                               wait=last and not on_xpu)
             if plan.part_size:
                 # the sinks join once, in the reduction
                 reduce = workspace + out_args + [(ARG_I32, query.shape[1]), (ARG_I32, plan.num_parts), sinks_arg]

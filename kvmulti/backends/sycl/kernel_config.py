@@ -23,10 +23,14 @@ REDUCE_WG = 64
 WRITE_WG = 256
 
 
-def lm_floats(head_size_v: int, wg: int, matrix: bool) -> int:
-    """Floats of the merge scratch of the attention kernels: the matrix body's (``matrix``;
-    MMA_LM_FLOATS in kernels.cpp) or the vector body's (LM_FLOATS)."""
-    return (wg // SG) * (MR if matrix else min(RB, ROWS)) * (head_size_v + 2)
+def lm_floats(head_size_v: int, wg: int, matrix: bool, narrow: bool = False) -> int:
+    """Floats of the merge scratch of the attention kernels: the vector body's (LM_FLOATS in
+    kernels.cpp), the matrix bundles' kvm_paged_prefill (MMA_LM_FLOATS), or with ``narrow`` their
+    kvm_paged_attention (MMA_DECODE_LM_FLOATS: the first key split keeps its rows in registers);
+    at least 1."""
+    if not matrix:
+        return (wg // SG) * min(RB, ROWS) * (head_size_v + 2)
+    return max(1, (wg // SG - (1 if narrow else 0)) * MR * (head_size_v + 2))
 
 
 def choose_wg(head_size_v: int, local_mem: int, matrix: bool) -> int:
