@@ -71,10 +71,22 @@ def vendor_available(vendor: str) -> str | None:
 
 _ran: dict[str, int] = {v: 0 for v in VENDORS}
 
+# Under pytest-xdist (`-n auto --dist loadgroup`, the README's test command) tests are spread over
+# workers one by one, except these modules: their module- or session-scoped fixtures are costly
+# (engine runs, a report subprocess, model checkpoints, a wheel, cross-compiles), so each module
+# runs whole on one worker and pays for them once.
+ONE_WORKER_MODULES = frozenset({
+    "test_gpu_report", "test_model_runner", "test_models", "test_plugins", "test_spec_decode",
+    "test_triton_compile", "test_vllm_engine", "test_vllm_plugin", "test_wheel",
+})
+
 
 def pytest_collection_modifyitems(config, items):
     required = required_vendor()
     for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        if module in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module))
         for vendor in VENDORS:
             if vendor in item.keywords and vendor != required:
                 reason = vendor_available(vendor)
@@ -98,12 +110,16 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):   # an xdist worker: the controller sees every report
+        return
     required = required_vendor()
     if required and _ran[required] == 0 and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter):
+    if hasattr(terminalreporter.config, "workerinput"):
+        return
     parts = [f"{v}: {_ran[v]} passed" if _ran[v] else f"{v}: not run ({vendor_available(v) or 'none selected'})"
              for v in VENDORS]
     terminalreporter.write_line("kvmulti vendor suites -- cpu: ran; " + "; ".join(parts))

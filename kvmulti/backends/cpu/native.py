@@ -33,6 +33,9 @@ _HEADERS = ("kvmulti_cpu.h", "attention_kernel.h", "prefill_tiles.h", "torch_ops
 _CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-maybe-uninitialized")
 _LDFLAGS = ("-fopenmp",)
 
+#: the macro that leaves a variant's translation unit empty (its kernel then reports itself unusable)
+SKIP_MACROS = {"avx2": "KV_SKIP_AVX2", "avx512": "KV_SKIP_AVX512", "avx512bf16": "KV_SKIP_AVX512BF16"}
+
 _lock = threading.Lock()
 _state: tuple[ModuleType | None, str | None] | None = None
 _origin: str | None = None
@@ -77,6 +80,12 @@ def describe(wanted_isa: str | None) -> str:
         return f"native (unusable: {exc})"
     where = "prebuilt" if (_origin or "").startswith("prebuilt") else "JIT-built"
     return f"native ({isa}, {torch.get_num_threads()} threads, {where})"
+
+
+def skip_flags(keep: "set[str] | list[str] | tuple[str, ...]") -> str:
+    """Compiler flags (for ``KVMULTI_CPU_EXTRA_CFLAGS``) that build only the variants in ``keep`` and
+    the generic one, which is always built: a build for a test or a host that runs only those."""
+    return " ".join(f"-D{macro}" for isa, macro in SKIP_MACROS.items() if isa not in keep)
 
 
 def build_inputs(src: Path | None = None) -> tuple[Path, list[Path], list[str], list[str]]:
