@@ -8,7 +8,8 @@
 // over the key positions it can see; a long key range is split into partitions that run as
 // separate items (so few long decodes still use every thread) and are merged with a log-sum-exp
 // reduction. Items run largest first under dynamic OpenMP scheduling.
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <omp.h>
 
@@ -88,36 +89,36 @@ Isa best_isa() {
   return kGeneric;
 }
 
-int dtype_code(const torch::Tensor& t) {
+int dtype_code(const at::Tensor& t) {
   switch (t.scalar_type()) {
-    case torch::kFloat32: return kF32;
-    case torch::kFloat16: return kF16;
-    case torch::kBFloat16: return kBF16;
+    case at::kFloat: return kF32;
+    case at::kHalf: return kF16;
+    case at::kBFloat16: return kBF16;
     default: TORCH_CHECK(false, "kvmulti native CPU attention: unsupported dtype ", t.scalar_type());
   }
   return kF32;
 }
 
 // The cache's DType: the activation dtypes, or the fp8 formats.
-int cache_dtype_code(const torch::Tensor& t) {
-  if (t.scalar_type() == torch::kFloat8_e4m3fn) return kE4M3;
-  if (t.scalar_type() == torch::kFloat8_e5m2) return kE5M2;
+int cache_dtype_code(const at::Tensor& t) {
+  if (t.scalar_type() == at::kFloat8_e4m3fn) return kE4M3;
+  if (t.scalar_type() == at::kFloat8_e5m2) return kE5M2;
   return dtype_code(t);
 }
 
 // A contiguous fp32 CPU tensor of at least `count` values (one per head), or nullptr when absent.
-const float* per_head_floats(const c10::optional<torch::Tensor>& values, int64_t count, const char* name,
+const float* per_head_floats(const c10::optional<at::Tensor>& values, int64_t count, const char* name,
                              const char* heads) {
   if (!values.has_value()) return nullptr;
-  const torch::Tensor& t = *values;
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 1 && t.is_contiguous() &&
+  const at::Tensor& t = *values;
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.is_contiguous() &&
                   t.size(0) >= count,
               name, " must be a contiguous fp32 CPU tensor of ", heads, " values");
   return t.data_ptr<float>();
 }
 
 // An fp8 cache's per-head scale: required, at least num_kv_heads values; its data pointer.
-const float* fp8_scale(const c10::optional<torch::Tensor>& scale, int64_t num_kv_heads, const char* name) {
+const float* fp8_scale(const c10::optional<at::Tensor>& scale, int64_t num_kv_heads, const char* name) {
   TORCH_CHECK(scale.has_value(), name, " is required for an fp8 cache");
   return per_head_floats(scale, num_kv_heads, name, "num_kv_heads");
 }
@@ -146,7 +147,7 @@ int64_t cache_extent(int64_t num_blocks, int64_t block_size, int64_t num_kv_head
 }
 
 // Elements from data_ptr() to the last element of t, +1 (t's strides must be non-negative).
-int64_t tensor_span(const torch::Tensor& t) {
+int64_t tensor_span(const at::Tensor& t) {
   if (t.numel() == 0) return 0;
   int64_t span = 1;
   for (int64_t d = 0; d < t.dim(); ++d) {
@@ -190,23 +191,23 @@ std::vector<Tile> plan_tiles(const int32_t* qsl, const int32_t* seq, int num_req
 // partition_len: 0 = automatic, else keys per context partition.
 // The bounds of every tensor come from the tensors themselves (query / out rows, block-table rows and
 // columns, cache blocks); metadata values never index outside them (see plan_tiles, rows_of).
-void paged_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, torch::Tensor& out,
-                     const torch::Tensor& block_table, const torch::Tensor& query_start_loc_cpu,
-                     const torch::Tensor& seq_lens_cpu, int64_t s_block, int64_t s_token, int64_t s_head,
+void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out,
+                     const at::Tensor& block_table, const at::Tensor& query_start_loc_cpu,
+                     const at::Tensor& seq_lens_cpu, int64_t s_block, int64_t s_token, int64_t s_head,
                      int64_t head_size, int64_t head_size_v, int64_t num_kv_heads, int64_t block_size,
                      double scale, int64_t window, double softcap, bool causal, int64_t partition_len,
-                     int64_t isa_req, const c10::optional<torch::Tensor>& k_scale,
-                     const c10::optional<torch::Tensor>& v_scale,
-                     const c10::optional<torch::Tensor>& sinks,
-                     const c10::optional<torch::Tensor>& alibi_slopes) {
+                     int64_t isa_req, const c10::optional<at::Tensor>& k_scale,
+                     const c10::optional<at::Tensor>& v_scale,
+                     const c10::optional<at::Tensor>& sinks,
+                     const c10::optional<at::Tensor>& alibi_slopes) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && block_table.dim() == 2 && kv_cache.dim() >= 1,
               "query/out [T, H, D], block_table [R, W]");
   TORCH_CHECK((query.size(2) <= 1 || query.stride(2) == 1) && (out.size(2) <= 1 || out.stride(2) == 1),
               "query/out need a contiguous last dimension");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && (block_table.size(1) <= 1 || block_table.stride(1) == 1),
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && (block_table.size(1) <= 1 || block_table.stride(1) == 1),
               "block_table must be int32 with contiguous rows");
-  TORCH_CHECK(query_start_loc_cpu.scalar_type() == torch::kInt32 && seq_lens_cpu.scalar_type() == torch::kInt32, "int32 lens");
+  TORCH_CHECK(query_start_loc_cpu.scalar_type() == at::kInt && seq_lens_cpu.scalar_type() == at::kInt, "int32 lens");
   TORCH_CHECK(query_start_loc_cpu.is_contiguous() && seq_lens_cpu.is_contiguous(), "contiguous lens");
   const int cache_dtype = cache_dtype_code(kv_cache);
   TORCH_CHECK((is_fp8(cache_dtype) || query.scalar_type() == kv_cache.scalar_type()) &&
@@ -466,14 +467,14 @@ struct KVRows {
   }
 };
 
-static KVRows kv_rows(const torch::Tensor& key, const torch::Tensor& value, const torch::Tensor& kv_cache,
-                      const torch::Tensor& slot_mapping, int64_t s_block, int64_t s_token, int64_t s_head,
+static KVRows kv_rows(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
+                      const at::Tensor& slot_mapping, int64_t s_block, int64_t s_token, int64_t s_head,
                       int64_t head_size, int64_t head_size_v, int64_t block_size) {
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && kv_cache.dim() >= 1, "key/value [T, H, D]");
   TORCH_CHECK((key.size(2) <= 1 || key.stride(2) == 1) && (head_size_v <= 1 || value.stride(2) == 1),
               "key/value need a contiguous last dim");
   TORCH_CHECK(value.scalar_type() == key.scalar_type(), "key and value dtypes differ");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping int64");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping int64");
   TORCH_CHECK(block_size > 0 && head_size >= 0 && head_size_v >= 0 && key.size(2) >= head_size &&
               (head_size_v == 0 || (value.size(2) >= head_size_v && value.size(1) >= key.size(1))),
               "key/value smaller than the head sizes");
@@ -492,8 +493,8 @@ static KVRows kv_rows(const torch::Tensor& key, const torch::Tensor& value, cons
 }
 
 // Write token t's K (and V) rows to slot slot_mapping[t] through the named strides (see KVRows).
-void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-              const torch::Tensor& slot_mapping, int64_t s_block, int64_t s_token, int64_t s_head,
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+              const at::Tensor& slot_mapping, int64_t s_block, int64_t s_token, int64_t s_head,
               int64_t head_size, int64_t head_size_v, int64_t block_size) {
   TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type(), "dtype mismatch");
   const KVRows w = kv_rows(key, value, kv_cache, slot_mapping, s_block, s_token, s_head, head_size, head_size_v,
@@ -508,10 +509,10 @@ void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
 
 // write_kv for an fp8 cache: each element is quantised by kvmulti/fp8.py's rule (fp32 division by its
 // head's scale, clamp, round to nearest even); key/value are fp32, fp16 or bf16. Slots as in write_kv.
-void write_kv_fp8(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-                  const torch::Tensor& slot_mapping, int64_t s_block, int64_t s_token, int64_t s_head,
-                  int64_t head_size, int64_t head_size_v, int64_t block_size, const torch::Tensor& k_scale,
-                  const torch::Tensor& v_scale) {
+void write_kv_fp8(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                  const at::Tensor& slot_mapping, int64_t s_block, int64_t s_token, int64_t s_head,
+                  int64_t head_size, int64_t head_size_v, int64_t block_size, const at::Tensor& k_scale,
+                  const at::Tensor& v_scale) {
   const int cache_dtype = cache_dtype_code(kv_cache);
   TORCH_CHECK(is_fp8(cache_dtype), "write_kv_fp8 needs an fp8 cache");
   const int kdt = dtype_code(key);
@@ -539,12 +540,12 @@ void write_kv_fp8(const torch::Tensor& key, const torch::Tensor& value, torch::T
 }
 
 // fp8 codes -> fp32 through one ISA variant's vector loads (tests compare them with torch's conversion).
-torch::Tensor fp8_to_f32(const torch::Tensor& codes, const std::string& isa_name_wanted, bool lut) {
+at::Tensor fp8_to_f32(const at::Tensor& codes, const std::string& isa_name_wanted, bool lut) {
   Isa isa = kGeneric;
   for (int i = 0; i < 4; ++i)
     if (isa_name_wanted == isa_name(i)) isa = Isa(i);
   TORCH_CHECK(isa_name_wanted == isa_name(isa) && usable(isa), "ISA ", isa_name_wanted, " is not available here");
-  torch::Tensor out = torch::empty({codes.numel()}, codes.options().dtype(torch::kFloat32));
+  at::Tensor out = at::empty({codes.numel()}, codes.options().dtype(at::kFloat));
   TORCH_CHECK(widen_fp8_of(isa)(cache_dtype_code(codes), static_cast<const uint8_t*>(codes.data_ptr()),
                                 int(codes.numel()), out.data_ptr<float>(), lut),
               "ISA ", isa_name_wanted, " has no fp8 byte tables");
@@ -574,17 +575,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &kvmulti_cpu::paged_attention, "paged attention over the canonical layout");
   m.def("write_kv", &kvmulti_cpu::write_kv, "write K/V rows to their slots (-1 skips)");
   m.def("write_kv_fp8", &kvmulti_cpu::write_kv_fp8, "quantise K/V rows into an fp8 cache's slots (-1 skips)");
-  m.def("quantize_fp8", [](const torch::Tensor& x, double scale, const torch::Tensor& like) {
-    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32");
+  m.def("quantize_fp8", [](const at::Tensor& x, double scale, const at::Tensor& like) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32");
     const int dt = kvmulti_cpu::cache_dtype_code(like);
     TORCH_CHECK(kvmulti_cpu::is_fp8(dt), "like: an fp8 tensor");
-    torch::Tensor q = torch::empty(x.sizes(), x.options().dtype(like.scalar_type()));
+    at::Tensor q = at::empty(x.sizes(), x.options().dtype(like.scalar_type()));
     const float* src = x.data_ptr<float>();
     uint8_t* dst = static_cast<uint8_t*>(q.data_ptr());
     for (int64_t i = 0; i < x.numel(); ++i) dst[i] = kvmulti_cpu::quantize_fp8(src[i], float(scale), dt);
     return q;
   }, "the scalar quantiser write_kv_fp8 uses (tests)");
-  m.def("fp8_to_f32", [](const torch::Tensor& codes, const std::string& isa, bool lut) {
+  m.def("fp8_to_f32", [](const at::Tensor& codes, const std::string& isa, bool lut) {
     TORCH_CHECK(kvmulti_cpu::is_fp8(kvmulti_cpu::cache_dtype_code(codes)) && codes.is_contiguous(), "fp8 codes");
     return kvmulti_cpu::fp8_to_f32(codes, isa, lut);
   }, "fp8 codes widened by an ISA variant's in-register loads, or (lut) its byte tables (tests)",

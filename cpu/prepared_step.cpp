@@ -8,8 +8,6 @@
 // the Python checks, which either raise the error that names the argument or run the call their way.
 // Each refusal records the id of the rule it applied (last_refusal): the ids are those of the rule table
 // kvmulti/input_rules.py, and tests/test_input_rules.py walks that table through these calls.
-#include <torch/extension.h>
-
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -22,7 +20,7 @@ namespace {
 
 class PreparedStep {
  public:
-  PreparedStep(torch::Tensor block_table, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+  PreparedStep(at::Tensor block_table, at::Tensor query_start_loc, at::Tensor seq_lens,
                at::ScalarType dtype, std::vector<int64_t> cache_sizes, std::vector<int64_t> cache_strides,
                int64_t num_kv_heads, int64_t head_size, int64_t head_size_v, int64_t block_size,
                int64_t num_query_heads, int64_t num_rows, int64_t window, bool causal, int64_t partition_len,
@@ -39,9 +37,9 @@ class PreparedStep {
   // out[:num_rows] = attention of query[:num_rows] (with the optional per-query-head sinks and ALiBi
   // slopes, fp32 [num_query_heads]; the caller has checked the step was prepared with them); out's
   // later rows are zeroed.
-  bool attend(const torch::Tensor& query, const torch::Tensor& kv_cache, torch::Tensor& out, double scale,
-              double softcap, const c10::optional<torch::Tensor>& sinks,
-              const c10::optional<torch::Tensor>& alibi_slopes) {
+  bool attend(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out, double scale,
+              double softcap, const c10::optional<at::Tensor>& sinks,
+              const c10::optional<at::Tensor>& alibi_slopes) {
     if (!std::isfinite(scale)) return refuse("scale.finite");
     if (!(softcap >= 0.0) || !std::isfinite(softcap)) return refuse("softcap");
     if (const char* rule = cache_refusal(kv_cache)) return refuse(rule);
@@ -69,21 +67,21 @@ class PreparedStep {
   int64_t checked_slot_tensors() const { return int64_t(checked_slots_.size()); }
 
   // key / value rows t to slot slot_mapping[t] (-1 skips).
-  bool write(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-             const torch::Tensor& slot_mapping) {
+  bool write(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+             const at::Tensor& slot_mapping) {
     if (const char* rule = cache_refusal(kv_cache)) return refuse(rule);
     if (const char* rule = rows_refusal(key, kKey, num_kv_heads_, head_size_)) return refuse(rule);
     if (const char* rule = rows_refusal(value, kValue, num_kv_heads_, head_size_v_)) return refuse(rule);
     if (value.size(0) != key.size(0)) return refuse("value.tokens");
-    if (slot_mapping.scalar_type() != torch::kInt64 && slot_mapping.scalar_type() != torch::kInt32)
+    if (slot_mapping.scalar_type() != at::kLong && slot_mapping.scalar_type() != at::kInt)
       return refuse("slots.dtype");
     if (slot_mapping.dim() != 1) return refuse("slots.dim");
     if (!slot_mapping.device().is_cpu()) return refuse("slots.device");
     if (slot_mapping.size(0) != key.size(0)) return refuse("slots.tokens");
     if (!slot_mapping.is_contiguous()) return refuse("slots.contiguous");
     if (!slots_checked(slot_mapping)) return refuse("slots.range");
-    const torch::Tensor slots =
-        slot_mapping.scalar_type() == torch::kInt64 ? slot_mapping : slot_mapping.to(torch::kInt64);
+    const at::Tensor slots =
+        slot_mapping.scalar_type() == at::kLong ? slot_mapping : slot_mapping.to(at::kLong);
     write_kv(key, value, kv_cache, slots, cache_strides_[0], cache_strides_[1], cache_strides_[2], head_size_,
              head_size_v_, block_size_);
     return true;
@@ -129,9 +127,9 @@ class PreparedStep {
   static constexpr HeadRules kSinks = {"sinks.dtype", "sinks.shape", "sinks.device", "sinks.contiguous"};
   static constexpr HeadRules kAlibi = {"alibi.dtype", "alibi.shape", "alibi.device", "alibi.contiguous"};
 
-  const char* per_head_refusal(const c10::optional<torch::Tensor>& t, const HeadRules& rules) const {
+  const char* per_head_refusal(const c10::optional<at::Tensor>& t, const HeadRules& rules) const {
     if (!t.has_value()) return nullptr;
-    if (!t->defined() || t->scalar_type() != torch::kFloat32) return rules.dtype;
+    if (!t->defined() || t->scalar_type() != at::kFloat) return rules.dtype;
     if (t->dim() != 1 || t->size(0) != num_query_heads_) return rules.shape;
     if (!t->device().is_cpu()) return rules.device;
     if (!t->is_contiguous()) return rules.contiguous;
@@ -143,14 +141,14 @@ class PreparedStep {
     return false;
   }
 
-  const char* cache_refusal(const torch::Tensor& t) const {
+  const char* cache_refusal(const at::Tensor& t) const {
     if (!t.defined() || t.scalar_type() != dtype_ || t.sizes() != cache_sizes_ || t.strides() != cache_strides_)
       return "cache.layout";
     if (!t.device().is_cpu()) return "cache.device";
     return nullptr;
   }
 
-  const char* rows_refusal(const torch::Tensor& t, const RowRules& rules, int64_t heads, int64_t size) const {
+  const char* rows_refusal(const at::Tensor& t, const RowRules& rules, int64_t heads, int64_t size) const {
     if (!t.defined() || t.scalar_type() != dtype_) return rules.dtype;
     if (t.dim() != 3) return rules.dim;
     if (t.size(1) != heads) return rules.heads;
@@ -162,10 +160,10 @@ class PreparedStep {
 
   // Slot values are checked once per step per slot tensor (the layers of a group share it), which is
   // kept so that its identity cannot be reused by another tensor while the step lives.
-  bool slots_checked(const torch::Tensor& slots) {
-    for (const torch::Tensor& seen : checked_slots_)
+  bool slots_checked(const at::Tensor& slots) {
+    for (const at::Tensor& seen : checked_slots_)
       if (seen.unsafeGetTensorImpl() == slots.unsafeGetTensorImpl()) return true;
-    const bool wide = slots.scalar_type() == torch::kInt64;
+    const bool wide = slots.scalar_type() == at::kLong;
     const void* data = slots.data_ptr();
     for (int64_t i = 0; i < slots.size(0); ++i) {
       const int64_t s = wide ? static_cast<const int64_t*>(data)[i] : static_cast<const int32_t*>(data)[i];
@@ -175,13 +173,13 @@ class PreparedStep {
     return true;
   }
 
-  torch::Tensor block_table_, query_start_loc_, seq_lens_;
+  at::Tensor block_table_, query_start_loc_, seq_lens_;
   at::ScalarType dtype_;
   std::vector<int64_t> cache_sizes_, cache_strides_;
   int64_t num_kv_heads_, head_size_, head_size_v_, block_size_, num_query_heads_, num_rows_, window_;
   bool causal_;
   int64_t partition_len_, isa_, num_slots_ = 0;
-  std::vector<torch::Tensor> checked_slots_;
+  std::vector<at::Tensor> checked_slots_;
   const char* last_refusal_ = "";
 };
 
@@ -190,7 +188,7 @@ class PreparedStep {
 void bind_prepared_step(pybind11::module& m) {
   pybind11::class_<PreparedStep>(m, "PreparedStep",
                                  "one step's layer calls, checked in C++ (kvmulti/backends/cpu/backend.py)")
-      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, at::ScalarType, std::vector<int64_t>,
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::ScalarType, std::vector<int64_t>,
                           std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                           bool, int64_t, int64_t>())
       .def("attend", &PreparedStep::attend, pybind11::arg("query"), pybind11::arg("kv_cache"), pybind11::arg("out"),
