@@ -13,7 +13,7 @@
 # is recorded and the next one runs. Results: OUT_DIR/device_check.json, device_check.md,
 # device_check.log, pytest_cuda.xml (four files). docs/performance.md says what is measured.
 #
-# --dry-run (no GPU; CI runs it): checks every step is wired, compiles the HIP sources with nvcc for
+# --dry-run (no GPU; tests/test_device_check.py runs it): checks every step is wired, compiles the HIP sources with nvcc for
 # sm_90, and writes the reports from a fake result; exit 0 when all of that holds. It uses the
 # Python that already has kvmulti ($PYTHON, else python3) and installs nothing.
 #
