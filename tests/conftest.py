@@ -87,6 +87,7 @@ ONE_WORKER_MODULES = frozenset({
 })
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     required = required_vendor()
     for item in items:
