@@ -734,6 +734,11 @@ constexpr int MMA_LM_FLOATS = NSG * MR * MERGE_STRIDE;
 // attention_body_mma's scratch: the rows of every key split but the first, which merges in its lanes
 // (kvm_paged_attention and the *_terms kernels; the host sizes their local memory to it: lm_floats)
 constexpr int MMA_DECODE_LM_FLOATS = (NSG - 1) * MR * MERGE_STRIDE;
+// That scratch's row of key split `split` (>= 1), row group slot rgl of rgp, row m.
+static inline sycl::decorated_local_ptr<float> decode_merge_row(sycl::decorated_local_ptr<float> lm, int split,
+                                                                int rgp, int rgl, int m) {
+  return lm + (((split - 1) * rgp + rgl) * MR + m) * MERGE_STRIDE;
+}
 
 // 16-bit matrix bits of an activation / of a cache element (fp8 codes convert exactly).
 static inline uint32_t mm_bits(elem_t x) {
@@ -857,7 +862,7 @@ static inline void merge_rows_mma(const WorkGroup &w, sycl::decorated_local_ptr<
     const int flat = t.f0 + r0 + m;
     const int64_t token = t.q0 + flat / group;
     const int qh = w.h * group + flat % group;
-    auto slot = [&](int s) { return lm + (((s - 1) * rgp + rgl) * MR + m) * MERGE_STRIDE; };
+    auto slot = [&](int s) { return decode_merge_row(lm, s, rgp, rgl, m); };
     const float sink = (sinks != nullptr && !w.split) ? sinks[qh] : NEG_INF;
     float mx = sycl::fmax(sink, mrow[m]);
     bool row_nan = ((nan_rows >> m) & 1u) != 0 || is_nan(lsum[m]);
@@ -1068,7 +1073,7 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
 #pragma unroll
       for (int m = 0; m < MR; ++m) {
         if (m < nr) {
-          auto row = lm + (((my_split - 1) * rgp + rgl) * MR + m) * MERGE_STRIDE;
+          auto row = decode_merge_row(lm, my_split, rgp, rgl, m);
 #pragma unroll
           for (int c = 0; c < NCV; ++c) {
             const int e = V_COL(lane, c);
