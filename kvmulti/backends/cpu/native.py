@@ -88,6 +88,13 @@ def skip_flags(keep: "set[str] | list[str] | tuple[str, ...]") -> str:
     return " ".join(f"-D{macro}" for isa, macro in SKIP_MACROS.items() if isa not in keep)
 
 
+def host_skip_flags() -> str:
+    """:func:`skip_flags` keeping the variants the loaded kernel can run on this CPU (builds it if
+    needed): a build for this host only. Empty when no kernel loads."""
+    module = load()
+    return skip_flags(module.available_isas()) if module is not None else ""
+
+
 def build_inputs(src: Path | None = None) -> tuple[Path, list[Path], list[str], list[str]]:
     """(source folder, files hashed, cflags, ldflags) of the kernel build; ``src`` defaults to
     :func:`source_dir`. FileNotFoundError when a source is missing."""
