@@ -227,20 +227,20 @@ def hot_loop_mix(text: str) -> tuple[dict[str, float], int, int, int]:
     the roofline model's Intel targets (devtools/roofline.py), counted in SIMD16-instruction
     equivalents: ``alu`` (an instruction of execution size 32 counts 2), ``math`` (extended math),
     ``send`` (memory messages), ``branch`` (control flow and ``sync``), ``dpas``. A loop is the
-    lines from a label to a later branch back to it; innermost: it holds no other loop. Among loops
-    with equally many load bytes the one with the fewest instructions is taken: a key loop split
-    FlashAttention-style runs its masked copies for the few steps at a causal or window edge and the
-    unmasked copy for the rest (kvm_paged_prefill; an assumption stated with the estimates)."""
+    lines from a label to a later branch back to it; innermost: it holds no other loop."""
     lines = text.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
     loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
              if (m := _BRANCH.search(line)) and labels.get(m.group(1), i) < i]
     innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
     best: tuple[dict[str, float], int, int, int] = ({}, 0, 0, 0)
-    rank = (0, 0.0)
+    most = 0
     for a, b in innermost:
         body = "\n".join(lines[a:b + 1])
         loads = load_message_bytes(body)
+        if sum(loads.values()) <= most:
+            continue
+        most = sum(loads.values())
         mix: dict[str, float] = {}
         for line in lines[a:b + 1]:
             m = _INSTRUCTION.match(line)
@@ -250,9 +250,6 @@ def hot_loop_mix(text: str) -> tuple[dict[str, float], int, int, int]:
             cls = ("send" if op in _SEND_OPS else "branch" if op in _BRANCH_OPS else "math" if op == "math"
                    else "dpas" if op.startswith("dpas") else "alu")
             mix[cls] = mix.get(cls, 0) + (max(1, width // 16) if cls == "alu" else 1)
-        if sum(loads.values()) == 0 or (sum(loads.values()), -sum(mix.values())) <= rank:
-            continue
-        rank = (sum(loads.values()), -sum(mix.values()))
         best = (mix, sum(n * count for n, count in loads.items()), peak_load_bytes_in_flight(lines[a:b + 1]),
                 dpas_flops(lines[a:b + 1]))
     return best
@@ -307,10 +304,8 @@ def rows_for_target(asm: dict[str, str], target: str, slm_bytes: dict[str, int])
 def _slm_bytes(config: dict, matrix: bool) -> dict[str, int]:
     """Local memory the host gives the attention kernels of a matrix-body or vector-body build."""
     from kvmulti.backends import sycl as S
-    sizes = {k: 4 * S.lm_floats(config["head_size_v"], S.WG, matrix, narrow=k.startswith("kvm_paged_attention"))
-             for k in KERNELS if k.startswith("kvm_paged_")}
-    sizes["kvm_paged_prefill"] = 4 * S.prefill_lm_floats(config["head_size"], config["head_size_v"], S.WG, matrix)
-    return sizes
+    return {k: 4 * S.lm_floats(config["head_size_v"], S.WG, matrix, narrow=k.startswith("kvm_paged_attention"))
+            for k in KERNELS if k.startswith("kvm_paged_")}
 
 
 def _cache_file(config: dict) -> Path:

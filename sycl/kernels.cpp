@@ -1108,19 +1108,10 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
 // (as many as the merge scratch holds: KSQ - 1 of them store their rows there, the first merges them
 // in its lanes and writes the rows out, or the partition's partials when split).
 constexpr bool PREFILL_MMA = D % 16 == 0 && DV % 16 == 0 && D <= 128 && DV <= 128 &&
-                            ((ROWS + 15) / 16) * NC * 128 <= MMA_LM_FLOATS;   // Q fragments fit
+                            ((ROWS + 15) / 16) * ((D + 15) / 16) * 128 <= MMA_LM_FLOATS;   // Q fragments fit
 constexpr int PR = 16;                  // rows of a row group: one per lane
 constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
 constexpr int NV8 = DV / 8;             // 8-dimension chunks of a V / output row
-// The key splits' merge moves half of each row per round (DVH dimensions; DV is a multiple of 16 on
-// this body), the first round with the row's max and sum: PREFILL_MERGE_STRIDE floats.
-constexpr int DVH = DV / 2;
-constexpr int PREFILL_MERGE_STRIDE = DVH + 2;
-// kvm_paged_prefill's scratch on this body: the query fragments during the key loop, then the merge's
-// NSG * MR rows (prefill_splits); the host sizes its local memory to it (prefill_lm_floats).
-constexpr int PREFILL_Q_FLOATS = ((ROWS + 15) / 16) * NC * 128;
-constexpr int MMA_PREFILL_LM_FLOATS = PREFILL_Q_FLOATS > NSG * MR * PREFILL_MERGE_STRIDE
-                                          ? PREFILL_Q_FLOATS : NSG * MR * PREFILL_MERGE_STRIDE;
 // K is read in pieces of NP chunks (fewer registers than whole rows); d(c, k) = k_dim(c, k), the head
 // dimension of chunk c at lane (reduction index) k.
 constexpr int NP = NC % 4 == 0 ? 4 : (NC % 2 == 0 ? 2 : 1);
@@ -1161,11 +1152,6 @@ static inline void load_run(const cache_t *src, cache_t (&dst)[N]) {
   }
 }
 
-// The softcap in a key step: compiled out, compiled in, or applied when the argument is > 0.
-enum { CAP_OFF, CAP_ON, CAP_ARG };
-template <int CAP>
-using cap_t = std::integral_constant<int, CAP>;
-
 // tanh(y) = 1 - 2 / (e^(2y) + 1): one exp2, the native reciprocal and one Newton step (the softcap of the
 // prefill body; absolute error about 1e-7, where the precise tanh costs ~100 instructions per score). The
 // native reciprocal's precision is the device's: without the Newton step, the OpenCL CPU device on an AVX2
@@ -1189,26 +1175,37 @@ static inline mma_b_t load_qb(sycl::decorated_local_ptr<float> lm, int slot, int
   return *reinterpret_cast<const local_b *>(lm.get_decorated() + qb_index(slot, c, lane));
 }
 
-// Lane n's row (its key splits already merged: acc unscaled by the V scale, mx its max in natural-log
-// units, l its sum), normalised with the row's sink and stored (or, split, stored as the partition's
-// partials).
+// The 16 rows of lane n's partials merged with the other key splits' (in scratch rows first,
+// first + stride, ...), normalised and stored (or, split, stored as the partition's partials).
 struct LaneRow {
   bool valid, nan;
   int64_t token;
   int qh;
 };
 
-static inline void store_lane_row(const WorkGroup &w, const LaneRow &r, const mma_c_t (&acc)[NV8], float mx,
-                                  float l, const float *sinks, elem_t *out, int64_t o_st, int64_t o_sh,
+static inline void store_lane_row(const WorkGroup &w, sycl::decorated_local_ptr<float> lm, const LaneRow &r,
+                                  const mma_c_t (&acc)[NV8], float mx, float l, int nslots, int first,
+                                  int stride, const float *sinks, elem_t *out, int64_t o_st, int64_t o_sh,
                                   float *part_acc, float *part_ml, int num_parts) {
   if (!r.valid) return;
   const float sink = (sinks != nullptr && !w.split) ? sinks[r.qh] : NEG_INF;
-  const float M = sycl::fmax(sink, mx);
-  const bool row_nan = r.nan || is_nan(l);
-  float wt = 0.f, sum = 0.f;
+  float M = sycl::fmax(sink, mx);
+  bool row_nan = r.nan || is_nan(l);
+  for (int g = 1; g < nslots; ++g) {
+    const auto row = lm + (first + (g - 1) * stride) * MERGE_STRIDE;
+    M = sycl::fmax(M, row[DV]);
+    row_nan |= is_nan(row[DV + 1]);
+  }
+  float wt[5];   // nslots <= 5 (prefill_splits)
+  float sum = 0.f;
   if (!row_nan && M != NEG_INF) {
-    wt = mx == NEG_INF ? 0.f : sycl::exp(mx - M);
-    sum = l * wt;
+    wt[0] = mx == NEG_INF ? 0.f : sycl::exp(mx - M);
+    sum = l * wt[0];
+    for (int g = 1; g < nslots; ++g) {
+      const auto row = lm + (first + (g - 1) * stride) * MERGE_STRIDE;
+      wt[g] = row[DV] == NEG_INF ? 0.f : sycl::exp(row[DV] - M);
+      sum += row[DV + 1] * wt[g];
+    }
     if (sink != NEG_INF) sum += sycl::exp(sink - M);
   }
   const bool zero = !row_nan && M == NEG_INF;
@@ -1219,7 +1216,13 @@ static inline void store_lane_row(const WorkGroup &w, const LaneRow &r, const mm
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
       const int d = 8 * j + m;
-      const float a = row_nan ? QNAN : zero ? 0.f : acc[j][m] * w.vs * wt;
+      float a = 0.f;
+      if (row_nan) {
+        a = QNAN;
+      } else if (!zero) {
+        a = acc[j][m] * w.vs * wt[0];
+        for (int g = 1; g < nslots; ++g) a += lm[(first + (g - 1) * stride) * MERGE_STRIDE + d] * wt[g];
+      }
       if (w.split) part_acc[prow * DV + d] = a;
       else out[r.token * o_st + r.qh * o_sh + d] = from_f(row_nan ? QNAN : a * inv);
     }
@@ -1230,8 +1233,8 @@ static inline void store_lane_row(const WorkGroup &w, const LaneRow &r, const mm
   }
 }
 
-// Key splits per row group: at most NSG / rgp sub-groups, and the merge scratch (NSG * MR rows of
-// PREFILL_MERGE_STRIDE floats) holds the rows of all but the first split.
+// Key splits per row group: at most NSG / rgp sub-groups, and the merge scratch (NSG * MR rows) holds
+// the rows of all but the first split.
 static inline int prefill_splits(int rgp) {
   int k = NSG / rgp;
   const int cap = 1 + NSG * MR / (rgp * PR);
@@ -1326,13 +1329,7 @@ static inline void prefill_body_mma(KVM_ATTENTION_BODY_PARAMS) {
       return w.slot_offset(blk, in);
     };
     int64_t off = offset_at(kpos, kblk, kin);
-    // One 16-key step. MASKED: the step may hold keys some row must not see (a causal or window edge,
-    // the range's end, a bad block id); an unmasked step's keys are all valid and visible to every row.
-    // CAP: CAP_OFF / CAP_ON compile the softcap out / in (the unmasked loop has a copy of each), CAP_ARG
-    // tests the argument (the masked steps).
-    auto key_step = [&](auto masked, auto cap) {
-      constexpr bool MASKED = decltype(masked)::value;
-      constexpr int CAP = decltype(cap)::value;
+    for (; k0 < k_hi; k0 += step) {
       int nin = kin + rs, nblk = kblk + qs;
       if (nin >= bs) {
         nin -= bs;
@@ -1343,7 +1340,7 @@ static inline void prefill_body_mma(KVM_ATTENTION_BODY_PARAMS) {
       kblk = nblk;
       kin = nin;
       if (next_off >= 0) syclexp::prefetch(const_cast<cache_t *>(cache + next_off), E);
-      const int64_t row_off = !MASKED || off >= 0 ? off : 0;   // a masked key reads row 0 (its score is masked)
+      const int64_t row_off = off >= 0 ? off : 0;        // a masked key reads row 0 (its score is masked)
 
       // S^T for the step's two 8-key halves, a piece of NP chunks of all 16 keys' K rows at a time.
       mma_c_t s[2] = {mma_c_t(0.f), mma_c_t(0.f)};
@@ -1366,18 +1363,21 @@ static inline void prefill_body_mma(KVM_ATTENTION_BODY_PARAMS) {
         }
       }
 
-      // Online softmax of this lane's row over the step's 16 keys (key j: s[j / 8][j % 8]), in log2
-      // units, so each probability is one exp2.
+      // Online softmax of this lane's row over the step's 16 keys (key j: s[j / 8][j % 8]).
       const int krel0 = static_cast<int>(static_cast<int64_t>(k0) - t.ctx);
+      const bool all_keys = sycl::all_of_group(sg, off >= 0);
+      const bool inside = all_keys && (!is_causal || krel0 + KS - 1 <= q_first) &&
+                          (window <= 0 || q_last - krel0 < window);   // no row masks any of the keys
+      // Scores in log2 units, so each probability is one exp2.
       float x[KS];
 #pragma unroll
       for (int j = 0; j < KS; ++j) {
         float v = s[j / 8][j % 8] * qk_scale2;
-        if (CAP == CAP_ON || (CAP == CAP_ARG && softcap > 0.f)) v = cap2 * tanh_exp2(v * inv_cap2);
+        if (softcap > 0.f) v = cap2 * tanh_exp2(v * inv_cap2);
         if (use_alibi) v += slope2 * static_cast<float>(krel0 + j - qtok);
         x[j] = v;
       }
-      if constexpr (MASKED) {   // key j is visible when its block is valid and krel0 + j lies in the row's range
+      if (!inside) {   // key j is visible when its block is valid and krel0 + j lies in the row's range
         const uint32_t ok = sycl::reduce_over_group(sg, off >= 0 ? 1u << lane : 0u, sycl::bit_or<uint32_t>());
         const uint32_t d0 = static_cast<uint32_t>(krel0 - vis_lo);
 #pragma unroll
@@ -1400,101 +1400,46 @@ static inline void prefill_body_mma(KVM_ATTENTION_BODY_PARAMS) {
       lsum = lsum * alpha + psum;
       mrow = m_new;
 
-      // O^T += V^T P^T: lane k's own key's V row, 8 dimensions per call. A masked step zeroes the V of
-      // an invalid key (row 0 may hold anything; a mask, not a select: with a select the OpenCL CPU
-      // device computed wrong sums for the masked lanes).
+      // O^T += V^T P^T: lane k's own key's V row, 8 dimensions per call (zero for a masked key: a mask,
+      // not a select: with a select the OpenCL CPU device computed wrong sums for the masked lanes).
       const int64_t v_off = row_off + D;
-      const uint32_t v_mask = !MASKED || off >= 0 ? ~0u : 0u;
+      const uint32_t v_mask = off >= 0 ? ~0u : 0u;
 #pragma unroll
       for (int j = 0; j < NV8; ++j) {
         mma_a_t va;
         if constexpr (!FP8) {   // the 16 loaded bytes are the fragment (8 x 16 bits)
           const auto raw = *reinterpret_cast<const sycl::vec<uint32_t, 4> *>(cache + v_off + 8 * j);
-          if constexpr (MASKED) va = sycl::bit_cast<mma_a_t>(static_cast<sycl::vec<uint32_t, 4>>(raw & v_mask));
-          else va = sycl::bit_cast<mma_a_t>(raw);
+          va = sycl::bit_cast<mma_a_t>(static_cast<sycl::vec<uint32_t, 4>>(raw & v_mask));
         } else {
           cache_t vp[8];
           load_run<8>(cache + v_off + 8 * j, vp);
 #pragma unroll
-          for (int m = 0; m < 8; ++m)
-            va[m] = static_cast<short>(MASKED ? cache_bits(vp[m]) & v_mask : cache_bits(vp[m]));
+          for (int m = 0; m < 8; ++m) va[m] = static_cast<short>(cache_bits(vp[m]) & v_mask);
         }
         // a fresh product per step, folded in with the rescale (one mad per element): IGC keeps the
         // accumulators in registers this way (accumulating in the built-in spilled ~7 KB at head 128)
         acc[j] = acc[j] * alpha + mma<MMA_BF16>(sg, va, pb, mma_c_t(0.f));
       }
       off = next_off;
-      k0 += step;
-    };
-    // Three loops in sequence: the steps before the window's edge passes the row group's last row, masked;
-    // then, while every key of the step is valid and visible to every row, unmasked (the kernel's hot
-    // loop: no mask code); then the rest (the causal diagonal, the range's end), masked.
-    const int64_t win_lo = window > 0 ? t.ctx + q_last - window + 1 : INT64_MIN;
-    const int64_t causal_hi = is_causal ? t.ctx + q_first - KS + 1 : INT64_MAX;
-    const int64_t free_hi = causal_hi < k_hi - KS ? causal_hi : static_cast<int64_t>(k_hi - KS);
-    using masked = std::true_type;
-    using unmasked = std::false_type;
-    while (k0 < k_hi && k0 < win_lo) key_step(masked{}, cap_t<CAP_ARG>{});
-    if (softcap > 0.f)
-      while (k0 <= free_hi && sycl::all_of_group(sg, off >= 0)) key_step(unmasked{}, cap_t<CAP_ON>{});
-    else
-      while (k0 <= free_hi && sycl::all_of_group(sg, off >= 0)) key_step(unmasked{}, cap_t<CAP_OFF>{});
-    while (k0 < k_hi) key_step(masked{}, cap_t<CAP_ARG>{});
+    }
 
-    // Key splits after the first hand their rows to the first, which folds them into its own in its
-    // lanes: two rounds of DVH dimensions each (the first also carries each row's max and sum), so the
-    // scratch holds (kspl - 1) x rgp x PR rows of DVH + 2 floats.
+    // Key splits after the first store their rows; the first merges them in its lanes.
     sycl::group_barrier(wg);                 // every split has read the query fragments
-    float mx = mrow * LN2;
     if (kspl > 1) {
-      const bool gives = active && my_split > 0 && row.valid, takes = active && my_split == 0 && row.valid;
-      auto slot = [&](int split) { return lm + (((split - 1) * rgp + rgl) * PR + lane) * PREFILL_MERGE_STRIDE; };
-      float e[5];   // kspl <= 5 (prefill_splits): each split's weight exp(M_g - M)
-      float M = mx;
-      auto merge_round = [&](auto round) {
-        constexpr int HF = decltype(round)::value, J0 = HF * (NV8 / 2), J1 = J0 + NV8 / 2;
-        if (gives) {
-          auto r = slot(my_split);
+      if (active && my_split > 0 && row.valid) {
+        auto r = lm + (((my_split - 1) * rgp + rgl) * PR + lane) * MERGE_STRIDE;
 #pragma unroll
-          for (int j = J0; j < J1; ++j)
+        for (int j = 0; j < NV8; ++j)
 #pragma unroll
-            for (int m = 0; m < 8; ++m) r[8 * (j - J0) + m] = acc[j][m];
-          if constexpr (HF == 0) {
-            r[DVH] = mx;
-            r[DVH + 1] = row.nan ? QNAN : lsum;
-          }
-        }
-        sycl::group_barrier(wg);
-        if (takes) {
-          if constexpr (HF == 0) {
-            for (int g = 1; g < kspl; ++g) M = sycl::fmax(M, slot(g)[DVH]);
-            e[0] = mx == NEG_INF ? 0.f : sycl::exp(mx - M);
-            float l = lsum * e[0];
-            for (int g = 1; g < kspl; ++g) {
-              const auto r = slot(g);
-              e[g] = r[DVH] == NEG_INF ? 0.f : sycl::exp(r[DVH] - M);
-              l += r[DVH + 1] * e[g];
-            }
-            lsum = l;
-          }
-#pragma unroll
-          for (int j = J0; j < J1; ++j) acc[j] = acc[j] * e[0];
-          for (int g = 1; g < kspl; ++g) {
-            const auto r = slot(g);
-#pragma unroll
-            for (int j = J0; j < J1; ++j)
-#pragma unroll
-              for (int m = 0; m < 8; ++m) acc[j][m] += r[8 * (j - J0) + m] * e[g];
-          }
-        }
-      };
-      merge_round(std::integral_constant<int, 0>{});
-      sycl::group_barrier(wg);     // the second round overwrites the scratch
-      merge_round(std::integral_constant<int, 1>{});
-      mx = M;
+          for (int m = 0; m < 8; ++m) r[8 * j + m] = acc[j][m] * w.vs;
+        r[DV] = mrow * LN2;
+        r[DV + 1] = row.nan ? QNAN : lsum;
+      }
+      sycl::group_barrier(wg);
     }
     if (active && my_split == 0)
-      store_lane_row(w, row, acc, mx, lsum, sinks, out, o_st, o_sh, part_acc, part_ml, num_parts);
+      store_lane_row(w, lm, row, acc, mrow * LN2, lsum, kspl, rgl * PR + lane, rgp * PR, sinks, out, o_st, o_sh,
+                     part_acc, part_ml, num_parts);
   }
 }
 #endif  // KVM_MMA

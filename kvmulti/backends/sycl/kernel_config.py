@@ -33,19 +33,6 @@ def lm_floats(head_size_v: int, wg: int, matrix: bool, narrow: bool = False) -> 
     return max(1, (wg // SG - (1 if narrow else 0)) * MR * (head_size_v + 2))
 
 
-def prefill_lm_floats(head_size: int, head_size_v: int, wg: int, matrix: bool) -> int:
-    """Floats of kvm_paged_prefill's scratch: in a matrix bundle whose head sizes the rows-on-lanes
-    body takes (multiples of 16, up to 128), that body's (MMA_PREFILL_LM_FLOATS in kernels.cpp: the
-    query fragments, or the key splits' merge of half rows, whichever is larger); else the attention
-    body's (:func:`lm_floats`)."""
-    full = lm_floats(head_size_v, wg, matrix)
-    q_floats = -(-ROWS // 16) * -(-head_size // 16) * 128
-    if not (matrix and head_size % 16 == 0 and head_size_v % 16 == 0 and max(head_size, head_size_v) <= 128
-            and q_floats <= full):
-        return full
-    return max(q_floats, (wg // SG) * MR * (head_size_v // 2 + 2))
-
-
 def choose_wg(head_size_v: int, local_mem: int, matrix: bool) -> int:
     """The largest attention work-group size whose merge scratch fits the device's local memory."""
     for wg in WG_CHOICES:
