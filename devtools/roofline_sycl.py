@@ -8,8 +8,9 @@ RGP = min(row groups, 8) of them, and the 8 / RGP sub-groups of a row group spli
 visible keys in steps of KS = 16 keys. Larger tiles (prefill) run ``kvm_paged_prefill``: row groups of
 PR = 16 rows (one per lane), RGP = min(row groups, 8) per pass, each split over ``prefill_splits(RGP)``
 sub-groups (a 64-row tile: 4 row groups x 2 splits). One hot-loop trip of a thread = one 16-key step of
-one row group (``hot_loop_instructions``, read from IGC's assembly in SIMD16-instruction equivalents);
-a pass lasts as long as its slowest sub-group.
+one row group (``hot_loop_instructions``, read from IGC's assembly in SIMD16-instruction equivalents;
+for ``kvm_paged_prefill`` its unmasked loop: the masked steps at a causal or window edge, one or two
+per row group, are counted as unmasked ones); a pass lasts as long as its slowest sub-group.
 Rows of the vector body (DG2's ``acm-g10``): the tile's keys in steps of KB = 4 keys, sub-group ``s``
 taking steps ``s, s + 8, ...``, once per pass of RB = 4 rows; one trip = one 4-key step.
 Split-KV (partitions of 512 keys, a reduce launch) when the longest span exceeds 1024 keys and there

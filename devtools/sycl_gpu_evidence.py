@@ -154,7 +154,9 @@ def load_message_bytes(asm: str) -> dict[int, int]:
 
     A ``dNxM`` load reads M elements of N bits per lane (x the execution size); a transposed
     ``dNxMt`` load (a block load) reads M elements once for the whole message; a 2D block load
-    returns the registers it writes (``rN:count`` x :data:`GRF_BYTES`)."""
+    returns the registers it writes (``rN:count`` x :data:`GRF_BYTES`). An LSC prefetch (a load into
+    ``null``) counts as the bytes its lanes address (4 per lane for ``d32``; it fills whole cache
+    lines, so this undercounts the traffic it starts)."""
     out: dict[int, int] = {}
     for m in _LSC_LOAD.finditer(asm):
         bits, vec, transposed, lanes = int(m.group(1)[1:]), int(m.group(2) or 1), m.group(3) == "t", int(m.group(4))
@@ -185,7 +187,8 @@ def peak_load_bytes_in_flight(lines: list[str]) -> int:
     """Peak global-load bytes one thread has outstanding in a loop body, in steady state (the body
     replayed twice), from IGC's software scoreboard: a ``load.ugm`` message allocates the SBID token
     in its ``{...}`` annotation; an instruction annotated with that token (``$N`` or ``$N.dst``), or
-    a ``sync.allwr`` listing it, waits for the load, which is then no longer in flight."""
+    a ``sync.allwr`` listing it, waits for the load, which is then no longer in flight. A prefetch,
+    which nothing waits for, stays in flight until its token is allocated again."""
     outstanding: dict[str, int] = {}
     peak = 0
     for trip in (0, 1):
@@ -227,20 +230,20 @@ def hot_loop_mix(text: str) -> tuple[dict[str, float], int, int, int]:
     the roofline model's Intel targets (devtools/roofline.py), counted in SIMD16-instruction
     equivalents: ``alu`` (an instruction of execution size 32 counts 2), ``math`` (extended math),
     ``send`` (memory messages), ``branch`` (control flow and ``sync``), ``dpas``. A loop is the
-    lines from a label to a later branch back to it; innermost: it holds no other loop."""
+    lines from a label to a later branch back to it; innermost: it holds no other loop. Among loops
+    with equally many load bytes the one with the fewest instructions is taken: a key loop split
+    FlashAttention-style runs its masked copies for the few steps at a causal or window edge and the
+    unmasked copy for the rest (kvm_paged_prefill; an assumption stated with the estimates)."""
     lines = text.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
     loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
              if (m := _BRANCH.search(line)) and labels.get(m.group(1), i) < i]
     innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
     best: tuple[dict[str, float], int, int, int] = ({}, 0, 0, 0)
-    most = 0
+    rank = (0, 0.0)
     for a, b in innermost:
         body = "\n".join(lines[a:b + 1])
         loads = load_message_bytes(body)
-        if sum(loads.values()) <= most:
-            continue
-        most = sum(loads.values())
         mix: dict[str, float] = {}
         for line in lines[a:b + 1]:
             m = _INSTRUCTION.match(line)
@@ -250,6 +253,9 @@ def hot_loop_mix(text: str) -> tuple[dict[str, float], int, int, int]:
             cls = ("send" if op in _SEND_OPS else "branch" if op in _BRANCH_OPS else "math" if op == "math"
                    else "dpas" if op.startswith("dpas") else "alu")
             mix[cls] = mix.get(cls, 0) + (max(1, width // 16) if cls == "alu" else 1)
+        if sum(loads.values()) == 0 or (sum(loads.values()), -sum(mix.values())) <= rank:
+            continue
+        rank = (sum(loads.values()), -sum(mix.values()))
         best = (mix, sum(n * count for n, count in loads.items()), peak_load_bytes_in_flight(lines[a:b + 1]),
                 dpas_flops(lines[a:b + 1]))
     return best
@@ -304,8 +310,10 @@ def rows_for_target(asm: dict[str, str], target: str, slm_bytes: dict[str, int])
 def _slm_bytes(config: dict, matrix: bool) -> dict[str, int]:
     """Local memory the host gives the attention kernels of a matrix-body or vector-body build."""
     from kvmulti.backends import sycl as S
-    return {k: 4 * S.lm_floats(config["head_size_v"], S.WG, matrix, narrow=k.startswith("kvm_paged_attention"))
-            for k in KERNELS if k.startswith("kvm_paged_")}
+    sizes = {k: 4 * S.lm_floats(config["head_size_v"], S.WG, matrix, narrow=k.startswith("kvm_paged_attention"))
+             for k in KERNELS if k.startswith("kvm_paged_")}
+    sizes["kvm_paged_prefill"] = 4 * S.prefill_lm_floats(config["head_size"], config["head_size_v"], S.WG, matrix)
+    return sizes
 
 
 def _cache_file(config: dict) -> Path:

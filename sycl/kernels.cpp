@@ -22,6 +22,9 @@
 //                           built-in (Intel GPUs with it at sub-group size 16: dpas on PVC)
 //   -DKVM_LARGE_GRF=1       the attention kernels carry grf_size<256> (IGC's 256-register mode);
 //                           GPU-only (the OpenCL CPU device rejects the option it becomes)
+//   -DKVM_SPLIT_KEYS=0|1    kvm_paged_prefill's matrix body splits its key loop into masked and
+//                           unmasked loops, a copy of the step each (default: with KVM_MMA=2; the
+//                           emulated build's JIT takes ~4x as long over the copies)
 //
 // Cache addressing (named strides, in elements): element d of K of (block, token, kv head) is at
 // cache[block * s_block + token * s_token + head * s_head + d]; V follows at + D. Both physical
@@ -40,7 +43,8 @@
 //   * the KB x RB partial dot products are finished with a butterfly reduce-scatter (KB - 1 + log2(SG
 //     / KB) shuffles per row per step, lane l ends with the score of key bitrev(l mod KB));
 //   * probabilities reach every lane by a sub-group broadcast for the P.V update;
-//   * the next step's K/V rows are prefetched (sycl_ext_oneapi_prefetch) while this one computes.
+//   * the next step's K/V rows are prefetched (sycl_ext_oneapi_prefetch) while this one computes
+//     (IGC emits no message for it; the matrix bodies' GPU build prefetches through LSC: prefetch_row).
 // K/V never touch local memory and the key loop has no barrier. At the end of a pass the sub-groups
 // merge their (max, sum, accumulator) through local memory: one group_barrier per pass (and one more
 // before a second pass reuses the scratch). Keys outside the causal / sliding-window range of a tile
@@ -316,6 +320,27 @@ static inline cvec_t load_chunk(const cache_t *row, int64_t off, int e, int n) {
 #ifndef KVM_MMA
 #define KVM_MMA 0
 #endif
+#ifndef KVM_SPLIT_KEYS
+#define KVM_SPLIT_KEYS (KVM_MMA == 2)
+#endif
+
+#if KVM_MMA == 2
+extern "C" SYCL_EXTERNAL void __builtin_IB_lsc_prefetch_global_uint(const __attribute__((opencl_global)) uint32_t *base,
+                                                                     int imm_elem_off, int cache_opt);
+#endif
+// Each lane's cache row of E elements at p into the caches (L1 and L3), one 64-byte line per message on
+// Intel GPUs (IGC's LSC prefetch: its OpenCL prefetch emits no message), else sycl_ext_oneapi_prefetch.
+static inline void prefetch_row(const cache_t *p) {
+#if KVM_MMA == 2
+  const auto g = sycl::address_space_cast<sycl::access::address_space::global_space, sycl::access::decorated::yes>(
+                     reinterpret_cast<const uint32_t *>(p)).get_decorated();
+  constexpr int LINES = (E * static_cast<int>(sizeof(cache_t)) + 63) / 64;
+#pragma unroll
+  for (int i = 0; i < LINES; ++i) __builtin_IB_lsc_prefetch_global_uint(g, 16 * i, 4 /* L1C_L3C */);
+#else
+  syclexp::prefetch(const_cast<cache_t *>(p), E);
+#endif
+}
 using mma_a_t = short __attribute__((ext_vector_type(8)));
 using mma_b_t = int __attribute__((ext_vector_type(8)));
 using mma_c_t = float __attribute__((ext_vector_type(8)));
@@ -766,6 +791,25 @@ static inline uint32_t p_bits(float p) {
   return mm_bits_of(p);
 }
 
+// The B fragment of a lane's row of 16 probabilities (component i: key 2i's bits low, 2i + 1's high),
+// filled a key pair at a time (p_pair) and read as the fragment (p_fragment). The GPU build converts
+// into the 16-bit halves in place (packing words by shift and or costs IGC three more instructions per
+// pair); the emulated build packs words (a vector of halves slows the CPU device's JIT build).
+#if KVM_MMA == 2
+using p_frag_t = uint16_t __attribute__((ext_vector_type(16)));
+static inline void p_pair(p_frag_t &f, int i, float p0, float p1) {
+  f[2 * i] = static_cast<uint16_t>(p_bits(p0));
+  f[2 * i + 1] = static_cast<uint16_t>(p_bits(p1));
+}
+static inline mma_b_t p_fragment(const p_frag_t &f) { return sycl::bit_cast<mma_b_t>(f); }
+#else
+using p_frag_t = mma_b_t;
+static inline void p_pair(p_frag_t &f, int i, float p0, float p1) {
+  f[i] = static_cast<int>(p_bits(p0) | (p_bits(p1) << 16));
+}
+static inline mma_b_t p_fragment(const p_frag_t &f) { return f; }
+#endif
+
 // The B-operand word of two cache elements: a's bits low, b's high. e4m3 into bf16 converts both codes
 // at once, one per 16-bit half (as e4m3_bf16_bits; no carry crosses the halves).
 static inline uint32_t cache_pair_bits(cache_t a, cache_t b) {
@@ -1005,7 +1049,7 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
     int64_t off = key_offset(k0 + lane);
     for (; k0 < k_hi; k0 += step) {
       const int64_t next_off = key_offset(k0 + step + lane);
-      if (next_off >= 0) syclexp::prefetch(const_cast<cache_t *>(cache + next_off), E);
+      if (next_off >= 0) prefetch_row(cache + next_off);
 
       // S = Q K^T over the step's 16 keys: lane n loads its key's K chunk (B: column n).
       mma_c_t s = mma_c_t(0.f);
@@ -1108,10 +1152,19 @@ static inline void attention_body_mma(KVM_ATTENTION_BODY_PARAMS) {
 // (as many as the merge scratch holds: KSQ - 1 of them store their rows there, the first merges them
 // in its lanes and writes the rows out, or the partition's partials when split).
 constexpr bool PREFILL_MMA = D % 16 == 0 && DV % 16 == 0 && D <= 128 && DV <= 128 &&
-                            ((ROWS + 15) / 16) * ((D + 15) / 16) * 128 <= MMA_LM_FLOATS;   // Q fragments fit
+                            ((ROWS + 15) / 16) * NC * 128 <= MMA_LM_FLOATS;   // Q fragments fit
 constexpr int PR = 16;                  // rows of a row group: one per lane
 constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
 constexpr int NV8 = DV / 8;             // 8-dimension chunks of a V / output row
+// The key splits' merge moves half of each row per round (DVH dimensions; DV is a multiple of 16 on
+// this body), the first round with the row's max and sum: PREFILL_MERGE_STRIDE floats.
+constexpr int DVH = DV / 2;
+constexpr int PREFILL_MERGE_STRIDE = DVH + 2;
+// kvm_paged_prefill's scratch on this body: the query fragments during the key loop, then the merge's
+// NSG * MR rows (prefill_splits); the host sizes its local memory to it (prefill_lm_floats).
+constexpr int PREFILL_Q_FLOATS = ((ROWS + 15) / 16) * NC * 128;
+constexpr int MMA_PREFILL_LM_FLOATS = PREFILL_Q_FLOATS > NSG * MR * PREFILL_MERGE_STRIDE
+                                          ? PREFILL_Q_FLOATS : NSG * MR * PREFILL_MERGE_STRIDE;
 // K is read in pieces of NP chunks (fewer registers than whole rows); d(c, k) = k_dim(c, k), the head
 // dimension of chunk c at lane (reduction index) k.
 constexpr int NP = NC % 4 == 0 ? 4 : (NC % 2 == 0 ? 2 : 1);
@@ -1152,6 +1205,11 @@ static inline void load_run(const cache_t *src, cache_t (&dst)[N]) {
   }
 }
 
+// The softcap in a key step: compiled out, compiled in, or applied when the argument is > 0.
+enum { CAP_OFF, CAP_ON, CAP_ARG };
+template <int CAP>
+using cap_t = std::integral_constant<int, CAP>;
+
 // tanh(y) = 1 - 2 / (e^(2y) + 1): one exp2, the native reciprocal and one Newton step (the softcap of the
 // prefill body; absolute error about 1e-7, where the precise tanh costs ~100 instructions per score). The
 // native reciprocal's precision is the device's: without the Newton step, the OpenCL CPU device on an AVX2
@@ -1175,37 +1233,26 @@ static inline mma_b_t load_qb(sycl::decorated_local_ptr<float> lm, int slot, int
   return *reinterpret_cast<const local_b *>(lm.get_decorated() + qb_index(slot, c, lane));
 }
 
-// The 16 rows of lane n's partials merged with the other key splits' (in scratch rows first,
-// first + stride, ...), normalised and stored (or, split, stored as the partition's partials).
+// Lane n's row (its key splits already merged: acc unscaled by the V scale, mx its max in natural-log
+// units, l its sum), normalised with the row's sink and stored (or, split, stored as the partition's
+// partials).
 struct LaneRow {
   bool valid, nan;
   int64_t token;
   int qh;
 };
 
-static inline void store_lane_row(const WorkGroup &w, sycl::decorated_local_ptr<float> lm, const LaneRow &r,
-                                  const mma_c_t (&acc)[NV8], float mx, float l, int nslots, int first,
-                                  int stride, const float *sinks, elem_t *out, int64_t o_st, int64_t o_sh,
+static inline void store_lane_row(const WorkGroup &w, const LaneRow &r, const mma_c_t (&acc)[NV8], float mx,
+                                  float l, const float *sinks, elem_t *out, int64_t o_st, int64_t o_sh,
                                   float *part_acc, float *part_ml, int num_parts) {
   if (!r.valid) return;
   const float sink = (sinks != nullptr && !w.split) ? sinks[r.qh] : NEG_INF;
-  float M = sycl::fmax(sink, mx);
-  bool row_nan = r.nan || is_nan(l);
-  for (int g = 1; g < nslots; ++g) {
-    const auto row = lm + (first + (g - 1) * stride) * MERGE_STRIDE;
-    M = sycl::fmax(M, row[DV]);
-    row_nan |= is_nan(row[DV + 1]);
-  }
-  float wt[5];   // nslots <= 5 (prefill_splits)
-  float sum = 0.f;
+  const float M = sycl::fmax(sink, mx);
+  const bool row_nan = r.nan || is_nan(l);
+  float wt = 0.f, sum = 0.f;
   if (!row_nan && M != NEG_INF) {
-    wt[0] = mx == NEG_INF ? 0.f : sycl::exp(mx - M);
-    sum = l * wt[0];
-    for (int g = 1; g < nslots; ++g) {
-      const auto row = lm + (first + (g - 1) * stride) * MERGE_STRIDE;
-      wt[g] = row[DV] == NEG_INF ? 0.f : sycl::exp(row[DV] - M);
-      sum += row[DV + 1] * wt[g];
-    }
+    wt = mx == NEG_INF ? 0.f : sycl::exp(mx - M);
+    sum = l * wt;
     if (sink != NEG_INF) sum += sycl::exp(sink - M);
   }
   const bool zero = !row_nan && M == NEG_INF;
@@ -1216,13 +1263,7 @@ static inline void store_lane_row(const WorkGroup &w, sycl::decorated_local_ptr<
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
       const int d = 8 * j + m;
-      float a = 0.f;
-      if (row_nan) {
-        a = QNAN;
-      } else if (!zero) {
-        a = acc[j][m] * w.vs * wt[0];
-        for (int g = 1; g < nslots; ++g) a += lm[(first + (g - 1) * stride) * MERGE_STRIDE + d] * wt[g];
-      }
+      const float a = row_nan ? QNAN : zero ? 0.f : acc[j][m] * w.vs * wt;
       if (w.split) part_acc[prow * DV + d] = a;
       else out[r.token * o_st + r.qh * o_sh + d] = from_f(row_nan ? QNAN : a * inv);
     }
@@ -1233,8 +1274,8 @@ static inline void store_lane_row(const WorkGroup &w, sycl::decorated_local_ptr<
   }
 }
 
-// Key splits per row group: at most NSG / rgp sub-groups, and the merge scratch (NSG * MR rows) holds
-// the rows of all but the first split.
+// Key splits per row group: at most NSG / rgp sub-groups, and the merge scratch (NSG * MR rows of
+// PREFILL_MERGE_STRIDE floats) holds the rows of all but the first split.
 static inline int prefill_splits(int rgp) {
   int k = NSG / rgp;
   const int cap = 1 + NSG * MR / (rgp * PR);
@@ -1258,9 +1299,11 @@ static inline void prefill_body_mma(KVM_ATTENTION_BODY_PARAMS) {
   const int my_split = sg_id / rgp;
   const bool has_rows = num_blocks > 0;
   const bool is_causal = w.is_causal, use_alibi = w.use_alibi;
-  // Scores in log2 units: scale, softcap and ALiBi slopes times log2(e)
-  const float qk_scale2 = w.ks * scale * LOG2E, cap2 = softcap * LOG2E;
+  // Scores in log2 units: scale, softcap and ALiBi slopes times log2(e). The query fragments carry the
+  // scale's sign (an exact sign flip of each element), so qk_scale2 >= 0.
+  const float qk_scale2 = sycl::fabs(w.ks * scale * LOG2E), cap2 = softcap * LOG2E;
   const float inv_cap2 = softcap > 0.f ? 1.f / cap2 : 0.f;
+  const uint32_t q_sign = scale < 0.f ? 0x80008000u : 0u;   // both 16-bit halves' sign bits
   auto wg = syclext::this_work_item::get_work_group<1>();
 
   for (int pass = 0; pass < npass; ++pass) {
@@ -1290,7 +1333,7 @@ static inline void prefill_body_mma(KVM_ATTENTION_BODY_PARAMS) {
         for (int i = 0; i < 8; ++i) {
           const elem_t lo = q[k_dim(c, 2 * i)], hi = q[k_dim(c, 2 * i + 1)];   // in bounds for every lane
           any_nan |= is_nan(to_f(lo)) || is_nan(to_f(hi));
-          words[i] = static_cast<int>((mm_bits(lo) | (mm_bits(hi) << 16)) & q_mask);
+          words[i] = static_cast<int>(((mm_bits(lo) | (mm_bits(hi) << 16)) ^ q_sign) & q_mask);
         }
         if (active && my_split == 0) store_qb(lm, rgl, c, lane, words);
       }
@@ -1329,7 +1372,14 @@ static inline void prefill_body_mma(KVM_ATTENTION_BODY_PARAMS) {
       return w.slot_offset(blk, in);
     };
     int64_t off = offset_at(kpos, kblk, kin);
-    for (; k0 < k_hi; k0 += step) {
+    // One 16-key step. masked: the step may hold keys some row must not see (a causal or window edge,
+    // the range's end, a bad block id); an unmasked step's keys are all valid and visible to every row.
+    // cap: CAP_OFF / CAP_ON leave the softcap out / apply it, CAP_ARG tests the argument. Either may be a
+    // compile-time constant (std::integral_constant: the GPU build's loops each compile a copy without
+    // the dead code) or a value known only at run time (one copy: the emulated build).
+    auto key_step = [&](auto masked, auto cap) {
+      const bool MASKED = masked;
+      const int CAP = cap;
       int nin = kin + rs, nblk = kblk + qs;
       if (nin >= bs) {
         nin -= bs;
@@ -1339,8 +1389,26 @@ static inline void prefill_body_mma(KVM_ATTENTION_BODY_PARAMS) {
       kpos += step;
       kblk = nblk;
       kin = nin;
-      if (next_off >= 0) syclexp::prefetch(const_cast<cache_t *>(cache + next_off), E);
-      const int64_t row_off = off >= 0 ? off : 0;        // a masked key reads row 0 (its score is masked)
+      if (next_off >= 0) prefetch_row(cache + next_off);
+      const int64_t row_off = !MASKED || off >= 0 ? off : 0;   // a masked key reads row 0 (its score is masked)
+      // V^T's A fragment of dimensions 8j..8j+7: lane k's own key's V row. A masked step zeroes the V of
+      // an invalid key (row 0 may hold anything; a mask, not a select: with a select the OpenCL CPU
+      // device computed wrong sums for the masked lanes).
+      const int64_t v_off = row_off + D;
+      const uint32_t v_mask = !MASKED || off >= 0 ? ~0u : 0u;
+      auto load_va = [&](int j) {
+        mma_a_t va;
+        if constexpr (!FP8) {   // the 16 loaded bytes are the fragment (8 x 16 bits)
+          const auto raw = *reinterpret_cast<const sycl::vec<uint32_t, 4> *>(cache + v_off + 8 * j);
+          va = sycl::bit_cast<mma_a_t>(static_cast<sycl::vec<uint32_t, 4>>(raw & v_mask));
+        } else {
+          cache_t vp[8];
+          load_run<8>(cache + v_off + 8 * j, vp);
+#pragma unroll
+          for (int m = 0; m < 8; ++m) va[m] = static_cast<short>(cache_bits(vp[m]) & v_mask);
+        }
+        return va;
+      };
 
       // S^T for the step's two 8-key halves, a piece of NP chunks of all 16 keys' K rows at a time.
       mma_c_t s[2] = {mma_c_t(0.f), mma_c_t(0.f)};
@@ -1363,83 +1431,136 @@ static inline void prefill_body_mma(KVM_ATTENTION_BODY_PARAMS) {
         }
       }
 
-      // Online softmax of this lane's row over the step's 16 keys (key j: s[j / 8][j % 8]).
+      // Online softmax of this lane's row over the step's 16 keys (key j: s[j / 8][j % 8]), in log2
+      // units, so each probability is one exp2. The scores are x_j * xs: an unmasked step without
+      // softcap or ALiBi keeps x_j = s_j and xs = qk_scale2 >= 0, so its max is the raw max times
+      // qk_scale2 (multiplying by xs >= 0 keeps the order) and each probability one fma and one exp2.
+      const bool plain = !MASKED && !use_alibi && CAP == CAP_OFF;
       const int krel0 = static_cast<int>(static_cast<int64_t>(k0) - t.ctx);
-      const bool all_keys = sycl::all_of_group(sg, off >= 0);
-      const bool inside = all_keys && (!is_causal || krel0 + KS - 1 <= q_first) &&
-                          (window <= 0 || q_last - krel0 < window);   // no row masks any of the keys
-      // Scores in log2 units, so each probability is one exp2.
       float x[KS];
 #pragma unroll
       for (int j = 0; j < KS; ++j) {
-        float v = s[j / 8][j % 8] * qk_scale2;
-        if (softcap > 0.f) v = cap2 * tanh_exp2(v * inv_cap2);
-        if (use_alibi) v += slope2 * static_cast<float>(krel0 + j - qtok);
+        float v = s[j / 8][j % 8];
+        if (!plain) {
+          v *= qk_scale2;
+          if (CAP == CAP_ON || (CAP == CAP_ARG && softcap > 0.f)) v = cap2 * tanh_exp2(v * inv_cap2);
+          if (use_alibi) v += slope2 * static_cast<float>(krel0 + j - qtok);
+        }
         x[j] = v;
       }
-      if (!inside) {   // key j is visible when its block is valid and krel0 + j lies in the row's range
+      if (MASKED) {   // key j is visible when its block is valid and krel0 + j lies in the row's range
         const uint32_t ok = sycl::reduce_over_group(sg, off >= 0 ? 1u << lane : 0u, sycl::bit_or<uint32_t>());
         const uint32_t d0 = static_cast<uint32_t>(krel0 - vis_lo);
 #pragma unroll
         for (int j = 0; j < KS; ++j) x[j] = (d0 + j < vis_width && ((ok >> j) & 1u)) ? x[j] : NEG_INF;
       }
+      const float xs = plain ? qk_scale2 : 1.f;
       float smax = x[0];
 #pragma unroll
       for (int j = 1; j < KS; ++j) smax = sycl::fmax(smax, x[j]);
+      smax *= xs;
       const float m_new = sycl::fmax(mrow, smax);
       const float m_sub = m_new == NEG_INF ? 0.f : m_new;   // exp2(-inf - m_sub) = 0 for a masked key
       const float alpha = sycl::exp2(mrow - m_sub);          // 0 while the row has seen no key
-      mma_b_t pb;
+      p_frag_t pf;
       float psum = 0.f;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const float p0 = sycl::exp2(x[2 * i] - m_sub), p1 = sycl::exp2(x[2 * i + 1] - m_sub);
+        const float p0 = sycl::exp2(sycl::fma(x[2 * i], xs, -m_sub)), p1 = sycl::exp2(sycl::fma(x[2 * i + 1], xs, -m_sub));
         psum += p0 + p1;
-        pb[i] = static_cast<int>(p_bits(p0) | (p_bits(p1) << 16));
+        p_pair(pf, i, p0, p1);
       }
+      const mma_b_t pb = p_fragment(pf);
       lsum = lsum * alpha + psum;
       mrow = m_new;
 
-      // O^T += V^T P^T: lane k's own key's V row, 8 dimensions per call (zero for a masked key: a mask,
-      // not a select: with a select the OpenCL CPU device computed wrong sums for the masked lanes).
-      const int64_t v_off = row_off + D;
-      const uint32_t v_mask = off >= 0 ? ~0u : 0u;
+      // O^T += V^T P^T, 8 dimensions per call.
 #pragma unroll
       for (int j = 0; j < NV8; ++j) {
-        mma_a_t va;
-        if constexpr (!FP8) {   // the 16 loaded bytes are the fragment (8 x 16 bits)
-          const auto raw = *reinterpret_cast<const sycl::vec<uint32_t, 4> *>(cache + v_off + 8 * j);
-          va = sycl::bit_cast<mma_a_t>(static_cast<sycl::vec<uint32_t, 4>>(raw & v_mask));
-        } else {
-          cache_t vp[8];
-          load_run<8>(cache + v_off + 8 * j, vp);
-#pragma unroll
-          for (int m = 0; m < 8; ++m) va[m] = static_cast<short>(cache_bits(vp[m]) & v_mask);
-        }
         // a fresh product per step, folded in with the rescale (one mad per element): IGC keeps the
         // accumulators in registers this way (accumulating in the built-in spilled ~7 KB at head 128)
-        acc[j] = acc[j] * alpha + mma<MMA_BF16>(sg, va, pb, mma_c_t(0.f));
+        acc[j] = acc[j] * alpha + mma<MMA_BF16>(sg, load_va(j), pb, mma_c_t(0.f));
       }
       off = next_off;
-    }
+      k0 += step;
+    };
+    // A step needs no mask when it starts at or past the window's edge for the row group's last row
+    // (win_lo), its last key is at most the group's first row (causal) and inside the range (free_hi),
+    // and every key's block is valid.
+    const int64_t win_lo = window > 0 ? t.ctx + q_last - window + 1 : INT64_MIN;
+    const int64_t causal_hi = is_causal ? t.ctx + q_first - KS + 1 : INT64_MAX;
+    const int64_t free_hi = causal_hi < k_hi - KS ? causal_hi : static_cast<int64_t>(k_hi - KS);
+#if KVM_SPLIT_KEYS
+    // Three loops in sequence (FlashAttention's split): the masked steps before the window's edge; the
+    // unmasked ones, the kernel's hot loop, in a copy with and one without the softcap; the rest (the
+    // causal diagonal, the range's end, a bad block id), masked.
+    while (k0 < k_hi && k0 < win_lo) key_step(std::true_type{}, cap_t<CAP_ARG>{});
+    if (softcap > 0.f)
+      while (k0 <= free_hi && sycl::all_of_group(sg, off >= 0)) key_step(std::false_type{}, cap_t<CAP_ON>{});
+    else
+      while (k0 <= free_hi && sycl::all_of_group(sg, off >= 0)) key_step(std::false_type{}, cap_t<CAP_OFF>{});
+    while (k0 < k_hi) key_step(std::true_type{}, cap_t<CAP_ARG>{});
+#else
+    // One loop, one copy of the step, the same test per step (the emulated built-ins make each copy
+    // costly for the OpenCL CPU device's JIT to build).
+    while (k0 < k_hi)
+      key_step(!(k0 >= win_lo && k0 <= free_hi && sycl::all_of_group(sg, off >= 0)), int(CAP_ARG));
+#endif
 
-    // Key splits after the first store their rows; the first merges them in its lanes.
+    // Key splits after the first hand their rows to the first, which folds them into its own in its
+    // lanes: two rounds of DVH dimensions each (the first also carries each row's max and sum), so the
+    // scratch holds (kspl - 1) x rgp x PR rows of DVH + 2 floats.
     sycl::group_barrier(wg);                 // every split has read the query fragments
+    float mx = mrow * LN2;
     if (kspl > 1) {
-      if (active && my_split > 0 && row.valid) {
-        auto r = lm + (((my_split - 1) * rgp + rgl) * PR + lane) * MERGE_STRIDE;
+      const bool gives = active && my_split > 0 && row.valid, takes = active && my_split == 0 && row.valid;
+      auto slot = [&](int split) { return lm + (((split - 1) * rgp + rgl) * PR + lane) * PREFILL_MERGE_STRIDE; };
+      float e[5];   // kspl <= 5 (prefill_splits): each split's weight exp(M_g - M)
+      float M = mx;
+      auto merge_round = [&](auto round) {
+        constexpr int HF = decltype(round)::value, J0 = HF * (NV8 / 2), J1 = J0 + NV8 / 2;
+        if (gives) {
+          auto r = slot(my_split);
 #pragma unroll
-        for (int j = 0; j < NV8; ++j)
+          for (int j = J0; j < J1; ++j)
 #pragma unroll
-          for (int m = 0; m < 8; ++m) r[8 * j + m] = acc[j][m] * w.vs;
-        r[DV] = mrow * LN2;
-        r[DV + 1] = row.nan ? QNAN : lsum;
-      }
-      sycl::group_barrier(wg);
+            for (int m = 0; m < 8; ++m) r[8 * (j - J0) + m] = acc[j][m];
+          if constexpr (HF == 0) {
+            r[DVH] = mx;
+            r[DVH + 1] = row.nan ? QNAN : lsum;
+          }
+        }
+        sycl::group_barrier(wg);
+        if (takes) {
+          if constexpr (HF == 0) {
+            for (int g = 1; g < kspl; ++g) M = sycl::fmax(M, slot(g)[DVH]);
+            e[0] = mx == NEG_INF ? 0.f : sycl::exp(mx - M);
+            float l = lsum * e[0];
+            for (int g = 1; g < kspl; ++g) {
+              const auto r = slot(g);
+              e[g] = r[DVH] == NEG_INF ? 0.f : sycl::exp(r[DVH] - M);
+              l += r[DVH + 1] * e[g];
+            }
+            lsum = l;
+          }
+#pragma unroll
+          for (int j = J0; j < J1; ++j) acc[j] = acc[j] * e[0];
+          for (int g = 1; g < kspl; ++g) {
+            const auto r = slot(g);
+#pragma unroll
+            for (int j = J0; j < J1; ++j)
+#pragma unroll
+              for (int m = 0; m < 8; ++m) acc[j][m] += r[8 * (j - J0) + m] * e[g];
+          }
+        }
+      };
+      merge_round(std::integral_constant<int, 0>{});
+      sycl::group_barrier(wg);     // the second round overwrites the scratch
+      merge_round(std::integral_constant<int, 1>{});
+      mx = M;
     }
     if (active && my_split == 0)
-      store_lane_row(w, lm, row, acc, mrow * LN2, lsum, kspl, rgl * PR + lane, rgp * PR, sinks, out, o_st, o_sh,
-                     part_acc, part_ml, num_parts);
+      store_lane_row(w, row, acc, mx, lsum, sinks, out, o_st, o_sh, part_acc, part_ml, num_parts);
   }
 }
 #endif  // KVM_MMA

@@ -148,6 +148,45 @@ def test_gqa_decode_and_long_prefill(group, dtype):
                                                 query_lens=(1, 1, 150, 33), context_lens=(300, 9, 0, 100)), "SYCL")
 
 
+def check_scaled(spec, backend, scale: float | None) -> None:
+    """``spec``'s batch attended by ``backend`` with ``scale`` (its window and softcap) against the oracle."""
+    case = build_case(spec)
+    kvmulti.write_kv(case.key, case.value, case.cache, case.layout, case.metadata.slot_mapping, backend=backend)
+    kw = dict(scale=scale, sliding_window=spec.sliding_window, softcap=spec.softcap)
+    out = kvmulti.paged_attention(case.query, case.cache, case.layout, case.metadata, backend=backend, **kw)
+    want = reference.paged_attention(case.query, case.cache, case.layout, case.metadata, **kw)
+    assert_close_to_reference(out, want, spec.dtype, f"{kw}")
+
+
+#: a long prefill, a chunked prefill and a decode row: most of the prefill tiles' key steps unmasked
+LONG_PREFILL = dataclasses.replace(ALIBI_MIXED, alibi=False, group=2, head_size=64, block_size=16,
+                                   query_lens=(120, 40, 1), context_lens=(0, 90, 50))
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("scale", [-0.125, 0.0, 0.2])
+@pytest.mark.parametrize("softcap, window", [(None, None), (20.0, None), (None, 40)])
+def test_prefill_scale_of_any_sign(dtype, scale, softcap, window):
+    """The prefill body's query fragments carry the scale's sign (its scores use |scale|): negative
+    and zero scales, with and without a softcap or window."""
+    check_scaled(dataclasses.replace(LONG_PREFILL, dtype=dtype, sliding_window=window, softcap=softcap), "SYCL", scale)
+
+
+def test_split_key_loop_on_the_emulated_body(monkeypatch):
+    """The key loop the GPU build of kvm_paged_prefill runs (KVM_SPLIT_KEYS: masked steps, then
+    unmasked ones in a copy with and one without the softcap, the latter taking the row max from the
+    raw scores, then masked ones), built over the emulated built-ins: scales of either sign and zero,
+    softcap, window, a chunk after cached context, invalid block ids past the window's edge, split-KV."""
+    from kvmulti.backends.sycl import SyclBackend, kernel_config
+    monkeypatch.setattr(kernel_config, "split_keys", lambda mma: mma != kernel_config.MMA_OFF)
+    assert "-DKVM_SPLIT_KEYS=1" in kernel_config.kernel_options(BF16, 64, 64)
+    split = SyclBackend()
+    for scale, softcap, window in ((-0.125, None, None), (0.0, None, 40), (0.2, 20.0, None), (None, 30.0, 24)):
+        check_scaled(dataclasses.replace(LONG_PREFILL, dtype=BF16, sliding_window=window, softcap=softcap), split, scale)
+    split.partition_size = 32
+    check_scaled(dataclasses.replace(LONG_PREFILL, dtype=BF16, sliding_window=24, extra_blocks=2, seed=5), split, None)
+
+
 def test_decode_batch(sycl):
     for partition in (0, 16):
         sycl.partition_size = partition

@@ -72,7 +72,8 @@ def test_load_message_parser():
     asm = ("load.ugm.d16u32.a64 (16|M0)  r2 [r4:2]\n"        # 2-byte scalar per lane -> 16 x 4 bytes
            "load.ugm.d32x4.a64 (16|M0)  r8 [r4:2]\n"          # 16 bytes per lane -> 256 bytes
            "load.ugm.d32x64t.a32 (1|M0)  r8 bti[1][r4]\n"    # a 64-dword block -> 256 bytes
-           "load_block2d.ugm.d16.a64 (16|M0)  r18:8 [r1:1]\n")  # a 2D block into 8 registers -> 512 bytes
-    assert G.load_message_bytes(asm) == {64: 1, 256: 2, 512: 1}
+           "load_block2d.ugm.d16.a64 (16|M0)  r18:8 [r1:1]\n"  # a 2D block into 8 registers -> 512 bytes
+           "load.ugm.d32.a64.ca.ca (16|M0)  null:0  [r10:2]\n")  # an LSC prefetch (no destination) -> 64 bytes
+    assert G.load_message_bytes(asm) == {64: 2, 256: 2, 512: 1}
     mix = G.hot_loop_mix("L1:\n" + asm + "(W) jmpi L1\n")[0]
-    assert mix["send"] == 4 and "alu" not in mix, mix
+    assert mix["send"] == 5 and "alu" not in mix, mix

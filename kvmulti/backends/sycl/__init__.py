@@ -1,7 +1,7 @@
 """The SYCL backend: kernels in ``sycl/`` compiled at run time for the device that runs them."""
 
 from .backend import Plan, SyclBackend, SyclStep, check_cache_alignment, plan_attention
-from .kernel_config import RB, ROWS, SG, WG, choose_wg, kernel_options, lm_floats, vector_bytes
+from .kernel_config import RB, ROWS, SG, WG, choose_wg, kernel_options, lm_floats, prefill_lm_floats, vector_bytes
 from .runtime import (SyclBuildError, SyclError, default_session, find_runtime, get_runtime, kernel_source,
                       list_devices, runtime_reasons, source_dir)
 from .usm import usm_allocator, usm_empty
@@ -9,7 +9,7 @@ from .usm import usm_allocator, usm_empty
 __all__ = ["RB", "ROWS", "SG", "WG", "Plan", "SyclBackend", "SyclBuildError", "SyclError", "SyclStep", "check_cache_alignment",
            "choose_wg", "vector_bytes",
            "default_session", "find_runtime", "get_runtime", "kernel_options", "kernel_source", "list_devices",
-           "lm_floats", "plan_attention", "runtime_reasons", "source_dir", "usm_allocator", "usm_empty"]
+           "lm_floats", "plan_attention", "prefill_lm_floats", "runtime_reasons", "source_dir", "usm_allocator", "usm_empty"]
 
 
 def register() -> None:

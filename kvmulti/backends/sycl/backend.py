@@ -41,7 +41,7 @@ from .runtime import (ARG_F32, ARG_I32, ARG_I64, ARG_LOCAL_F32, ARG_PTR, K_ATTN,
                       get_runtime, kernel_source, runtime_reasons, runtime_version, xpu_session)
 from . import kernel_config
 from .kernel_config import (FP8_CACHE_CODES, MMA_OFF, MR, REDUCE_WG, ROWS, WRITE_WG, choose_wg, kernel_options,
-                            lm_floats, vector_bytes)
+                            lm_floats, prefill_lm_floats, vector_bytes)
 from .usm import Staging, usm_allocator, usm_empty
 
 #: Split-KV heuristic (partition_size=-1): split when the longest visible key span of a tile exceeds
@@ -316,7 +316,10 @@ class SyclBackend(Backend):
             matrix = self._matrix(session, query.dtype)
             wg = choose_wg(layout.value_size, session.device.local_mem, matrix)
             # the local scratch of each attention kernel (the narrow ones' is smaller in matrix bundles)
-            local = {narrow: (ARG_LOCAL_F32, lm_floats(layout.value_size, wg, matrix, narrow)) for narrow in (True, False)}
+            local = {K_ATTN: lm_floats(layout.value_size, wg, matrix, narrow=True),
+                     K_PREFILL: prefill_lm_floats(layout.head_size, layout.value_size, wg, matrix),
+                     K_PREFILL_TERMS: lm_floats(layout.value_size, wg, matrix)}
+            local[K_ATTN_TERMS] = local[K_ATTN]
             head_args = [(ARG_PTR, ptr(query)), (ARG_I64, query.stride(0)), (ARG_I64, query.stride(1)),
                          (ARG_I64, num_tokens), (ARG_PTR, ptr(kv_cache)), (ARG_I64, s.block), (ARG_I64, s.token),
                          (ARG_I64, s.head), (ARG_I64, layout.num_blocks),
@@ -344,7 +347,7 @@ class SyclBackend(Backend):
             for i, (kernel, a, b) in enumerate(launches):
                 last = i == len(launches) - 1 and not plan.part_size
                 session.launch(bundle, kernel, (b - a) * hkv * parts * wg, wg,
-                               head_args + [(ARG_PTR, ptr(sstep.tiles[a:b]))] + rest + [local[kernel in (K_ATTN, K_ATTN_TERMS)]],
+                               head_args + [(ARG_PTR, ptr(sstep.tiles[a:b]))] + rest + [(ARG_LOCAL_F32, local[kernel])],
                                wait=last and not on_xpu)
             if plan.part_size:
                 # the sinks join once, in the reduction

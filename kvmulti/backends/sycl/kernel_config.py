@@ -33,6 +33,19 @@ def lm_floats(head_size_v: int, wg: int, matrix: bool, narrow: bool = False) -> 
     return max(1, (wg // SG - (1 if narrow else 0)) * MR * (head_size_v + 2))
 
 
+def prefill_lm_floats(head_size: int, head_size_v: int, wg: int, matrix: bool) -> int:
+    """Floats of kvm_paged_prefill's scratch: in a matrix bundle whose head sizes the rows-on-lanes
+    body takes (multiples of 16, up to 128), that body's (MMA_PREFILL_LM_FLOATS in kernels.cpp: the
+    query fragments, or the key splits' merge of half rows, whichever is larger); else the attention
+    body's (:func:`lm_floats`)."""
+    full = lm_floats(head_size_v, wg, matrix)
+    q_floats = -(-ROWS // 16) * -(-head_size // 16) * 128
+    if not (matrix and head_size % 16 == 0 and head_size_v % 16 == 0 and max(head_size, head_size_v) <= 128
+            and q_floats <= full):
+        return full
+    return max(q_floats, (wg // SG) * MR * (head_size_v // 2 + 2))
+
+
 def choose_wg(head_size_v: int, local_mem: int, matrix: bool) -> int:
     """The largest attention work-group size whose merge scratch fits the device's local memory."""
     for wg in WG_CHOICES:
@@ -69,6 +82,13 @@ def matrix_mode(dtype: torch.dtype, matrix_sg16: bool, gpu: bool = False) -> int
     return MMA_OFF if gpu else MMA_EMULATED
 
 
+def split_keys(mma: int) -> bool:
+    """KVM_SPLIT_KEYS for a build of matrix mode ``mma``: kvm_paged_prefill's key loop split into masked
+    and unmasked loops (a copy of the step each) where the built-ins are the hardware's; one loop where
+    they are emulated (the copies would make the OpenCL CPU device's build of a bundle ~4x as long)."""
+    return mma == MMA_HARDWARE
+
+
 def kernel_options(dtype: torch.dtype, head_size: int, head_size_v: int, wg: int = WG,
                    cache_dtype: torch.dtype | None = None, terms: bool = False,
                    matrix_sg16: bool = False, gpu: bool = False) -> list[str]:
@@ -83,5 +103,5 @@ def kernel_options(dtype: torch.dtype, head_size: int, head_size_v: int, wg: int
     mma = matrix_mode(dtype, matrix_sg16, gpu)
     grf = ["-DKVM_LARGE_GRF=1"] if mma == MMA_HARDWARE else []
     return [f"-DKVM_DTYPE={DTYPE_CODES[dtype]}", f"-DKVM_HEAD_SIZE={head_size}", f"-DKVM_HEAD_SIZE_V={head_size_v}",
-            f"-DKVM_ROWS={ROWS}", f"-DKVM_WG={wg}", f"-DKVM_SG={SG}", f"-DKVM_RB={RB}", f"-DKVM_MMA={mma}"] + \
-        grf + cache
+            f"-DKVM_ROWS={ROWS}", f"-DKVM_WG={wg}", f"-DKVM_SG={SG}", f"-DKVM_RB={RB}", f"-DKVM_MMA={mma}",
+            f"-DKVM_SPLIT_KEYS={int(split_keys(mma))}"] + grf + cache
