@@ -325,18 +325,19 @@ static inline cvec_t load_chunk(const cache_t *row, int64_t off, int e, int n) {
 #endif
 
 #if KVM_MMA == 2
-extern "C" SYCL_EXTERNAL void __builtin_IB_lsc_prefetch_global_uint(const __attribute__((opencl_global)) uint32_t *base,
-                                                                     int imm_elem_off, int cache_opt);
+extern "C" SYCL_EXTERNAL void __builtin_IB_lsc_prefetch_global_uchar(const __attribute__((opencl_global)) uint8_t *base,
+                                                                      int imm_elem_off, int cache_opt);
 #endif
 // Each lane's cache row of E elements at p into the caches (L1 and L3), one 64-byte line per message on
-// Intel GPUs (IGC's LSC prefetch: its OpenCL prefetch emits no message), else sycl_ext_oneapi_prefetch.
+// Intel GPUs (IGC's LSC prefetch, one byte per lane: no alignment needed; IGC's OpenCL prefetch emits
+// no message), else sycl_ext_oneapi_prefetch.
 static inline void prefetch_row(const cache_t *p) {
 #if KVM_MMA == 2
   const auto g = sycl::address_space_cast<sycl::access::address_space::global_space, sycl::access::decorated::yes>(
-                     reinterpret_cast<const uint32_t *>(p)).get_decorated();
+                     reinterpret_cast<const uint8_t *>(p)).get_decorated();
   constexpr int LINES = (E * static_cast<int>(sizeof(cache_t)) + 63) / 64;
 #pragma unroll
-  for (int i = 0; i < LINES; ++i) __builtin_IB_lsc_prefetch_global_uint(g, 16 * i, 4 /* L1C_L3C */);
+  for (int i = 0; i < LINES; ++i) __builtin_IB_lsc_prefetch_global_uchar(g, 64 * i, 4 /* L1C_L3C */);
 #else
   syclexp::prefetch(const_cast<cache_t *>(p), E);
 #endif
