@@ -155,8 +155,8 @@ def load_message_bytes(asm: str) -> dict[int, int]:
     A ``dNxM`` load reads M elements of N bits per lane (x the execution size); a transposed
     ``dNxMt`` load (a block load) reads M elements once for the whole message; a 2D block load
     returns the registers it writes (``rN:count`` x :data:`GRF_BYTES`). An LSC prefetch (a load into
-    ``null``) counts as the bytes its lanes address (4 per lane for ``d32``; it fills whole cache
-    lines, so this undercounts the traffic it starts)."""
+    ``null``) counts as a load of its data size (4 bytes per lane for ``d32`` and ``d8u32`` alike; it
+    fills whole cache lines, so this undercounts the traffic it starts)."""
     out: dict[int, int] = {}
     for m in _LSC_LOAD.finditer(asm):
         bits, vec, transposed, lanes = int(m.group(1)[1:]), int(m.group(2) or 1), m.group(3) == "t", int(m.group(4))

@@ -1391,12 +1391,13 @@ static inline void prefill_body_mma(KVM_ATTENTION_BODY_PARAMS) {
       kblk = nblk;
       kin = nin;
       if (next_off >= 0) prefetch_row(cache + next_off);
-      const int64_t row_off = !MASKED || off >= 0 ? off : 0;   // a masked key reads row 0 (its score is masked)
+      const bool row_ok = !MASKED || off >= 0;             // a masked key reads row 0 (its score is masked)
+      const int64_t row_off = row_ok ? off : 0;
       // V^T's A fragment of dimensions 8j..8j+7: lane k's own key's V row. A masked step zeroes the V of
       // an invalid key (row 0 may hold anything; a mask, not a select: with a select the OpenCL CPU
       // device computed wrong sums for the masked lanes).
       const int64_t v_off = row_off + D;
-      const uint32_t v_mask = !MASKED || off >= 0 ? ~0u : 0u;
+      const uint32_t v_mask = row_ok ? ~0u : 0u;
       auto load_va = [&](int j) {
         mma_a_t va;
         if constexpr (!FP8) {   // the 16 loaded bytes are the fragment (8 x 16 bits)
@@ -1491,21 +1492,22 @@ static inline void prefill_body_mma(KVM_ATTENTION_BODY_PARAMS) {
     const int64_t win_lo = window > 0 ? t.ctx + q_last - window + 1 : INT64_MIN;
     const int64_t causal_hi = is_causal ? t.ctx + q_first - KS + 1 : INT64_MAX;
     const int64_t free_hi = causal_hi < k_hi - KS ? causal_hi : static_cast<int64_t>(k_hi - KS);
+    auto free_from_edge = [&] { return k0 <= free_hi && sycl::all_of_group(sg, off >= 0); };   // given k0 >= win_lo
 #if KVM_SPLIT_KEYS
     // Three loops in sequence (FlashAttention's split): the masked steps before the window's edge; the
     // unmasked ones, the kernel's hot loop, in a copy with and one without the softcap; the rest (the
     // causal diagonal, the range's end, a bad block id), masked.
     while (k0 < k_hi && k0 < win_lo) key_step(std::true_type{}, cap_t<CAP_ARG>{});
     if (softcap > 0.f)
-      while (k0 <= free_hi && sycl::all_of_group(sg, off >= 0)) key_step(std::false_type{}, cap_t<CAP_ON>{});
+      while (free_from_edge()) key_step(std::false_type{}, cap_t<CAP_ON>{});
     else
-      while (k0 <= free_hi && sycl::all_of_group(sg, off >= 0)) key_step(std::false_type{}, cap_t<CAP_OFF>{});
+      while (free_from_edge()) key_step(std::false_type{}, cap_t<CAP_OFF>{});
     while (k0 < k_hi) key_step(std::true_type{}, cap_t<CAP_ARG>{});
 #else
     // One loop, one copy of the step, the same test per step (the emulated built-ins make each copy
     // costly for the OpenCL CPU device's JIT to build).
     while (k0 < k_hi)
-      key_step(!(k0 >= win_lo && k0 <= free_hi && sycl::all_of_group(sg, off >= 0)), int(CAP_ARG));
+      key_step(!(k0 >= win_lo && free_from_edge()), int(CAP_ARG));
 #endif
 
     // Key splits after the first hand their rows to the first, which folds them into its own in its
