@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """GPU evidence without GPUs: one static report for every shipped kernel, from compiler output.
 
-    python benchmarks/gpu_report.py [--sections triton,hip,sycl] [--json OUT] [--full]
+    python benchmarks/gpu_report.py [--sections triton,hip,sycl] [--json OUT] [--full] [--targets sm_90,gfx940]
+
+``--targets`` (or ``KVMULTI_EVIDENCE_TARGETS``, devtools/evidence_targets.py) limits the Triton and HIP
+sections to the named targets; by default each compiles for all of its own.
 
 Sections come from a registry (:data:`SECTIONS`): each is ``name -> "module:function"``, the
 function returning ``list[dict]`` rows with at least ``kernel`` and ``target``. A section whose
@@ -118,7 +121,7 @@ def hip_rows_from_resource_usage() -> list[dict]:
     if cc.hipcc() is None:
         raise RuntimeError("hipcc not found")
     rows = []
-    for arch in cc.AMD_ARCHS:
+    for arch in cc.amd_archs():
         cmd = [cc.hipcc(), "-O3", "-std=c++17", f"--offload-arch={arch}", "--cuda-device-only", "-c",
                str(cc.SOURCE), "-o", os.devnull, "-Rpass-analysis=kernel-resource-usage"]
         rc, log, _ = cc._run(cmd, cc._amd_env())
@@ -346,7 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full", action="store_true",
                    help="every Triton kernel (write_kv, reduce too), not only attention; every HIP row")
     p.add_argument("-j", "--jobs", type=int, default=2, help="compile worker processes")
+    p.add_argument("--targets", help="comma-separated compile targets of the Triton and HIP sections "
+                                     "(sets KVMULTI_EVIDENCE_TARGETS; default: every target)")
     a = p.parse_args(argv)
+    if a.targets:
+        os.environ["KVMULTI_EVIDENCE_TARGETS"] = a.targets
     names = [n for n in a.sections.split(",") if n]
     unknown = set(names) - set(SECTIONS)
     if unknown:

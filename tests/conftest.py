@@ -30,6 +30,12 @@ _VENV_BIN = os.path.dirname(sys.executable)
 if _VENV_BIN not in os.environ.get("PATH", "").split(os.pathsep):
     os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
 
+import tiers  # noqa: E402
+
+# The gate compiles the GPU evidence for one target per vendor family; the exhaustive tier for all.
+if not tiers.full():
+    os.environ.setdefault("KVMULTI_EVIDENCE_TARGETS", ",".join(tiers.GATE_EVIDENCE_TARGETS))
+
 settings.register_profile("kvmulti", deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                             HealthCheck.data_too_large])
 # Under the sanitizers (tests/test_sanitizers.py) every native call is several times slower.
@@ -94,6 +100,7 @@ def pytest_collection_modifyitems(config, items):
         module = item.module.__name__.rpartition(".")[2] if item.module else ""
         if module in COMPILE_EVIDENCE:
             item.add_marker(pytest.mark.xdist_group("compile_evidence"))
+            item.add_marker(pytest.mark.evidence)
         elif module in ONE_WORKER_MODULES:
             item.add_marker(pytest.mark.xdist_group(module))
         for vendor in VENDORS:

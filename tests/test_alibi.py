@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 from hypothesis import given, settings
+from tiers import examples
 
 import kvmulti
 from kvmulti import reference
@@ -53,7 +54,7 @@ def test_alibi_changes_the_output():
     assert (plain - with_alibi).abs().max() > 0.1
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(batch_cases(head_sizes=(16, 64, 80)))
 def test_cpu_native_matches_oracle(spec):
     check_against_reference(dataclasses.replace(spec, alibi=True), "CPU")

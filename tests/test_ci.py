@@ -69,7 +69,8 @@ def test_install_time_variables_are_on_the_install_step():
 
 def _run_vendor_suite(tmp_path: Path, require: str | None) -> subprocess.CompletedProcess:
     """pytest on a one-test file marked ``cuda`` with this repository's conftest (no such GPU here)."""
-    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    for name in ("conftest.py", "tiers.py"):
+        (tmp_path / name).write_text((ROOT / "tests" / name).read_text())
     (tmp_path / "test_vendor.py").write_text("import pytest\n\n@pytest.mark.cuda\ndef test_on_gpu():\n    pass\n")
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: x\n    rocm: x\n    xpu: x\n")
     env = {k: v for k, v in os.environ.items() if k != "KVMULTI_REQUIRE_VENDOR"}
@@ -102,3 +103,45 @@ def test_setup_installs_every_compile_toolchain_for_ci():
     for package in ("hipcc", "libamdhip64-dev", "rocm-device-libs", "cuda-toolkit[nvcc"):
         assert package in text
     assert "for tool in hipcc nvcc g++" in text
+
+
+def _readme_test_command() -> str:
+    """Command 2 of the README's set-up block, its continuation lines joined."""
+    block = (ROOT / "README.md").read_text().split("# 2. ", 1)[1].split("```", 1)[0]
+    return " ".join(line.strip().rstrip("\\").strip() for line in block.splitlines()[1:] if line.strip())
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run is the README's command 2: set-up, the gate, the IPEX suite (in that order)."""
+    command = _readme_test_command()
+    parts = [p.strip() for p in command.split("&&")]
+    lines = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()
+             if ln.strip() and not ln.lstrip().startswith(("#", "set ", "cd ", "export "))]
+    assert lines == parts, (lines, parts)
+    gate = parts[1]
+    assert '-m "not ipex and not exhaustive"' in gate and "--durations=25" in gate, gate
+
+
+def test_check_all_runs_what_the_gate_leaves_out():
+    """scripts/check_all.sh selects the exhaustive tier (marked tests, every compile-evidence target,
+    property tests at full counts); the nightly job runs it; the gate's other jobs do not."""
+    script = (ROOT / "scripts" / "check_all.sh").read_text()
+    assert "export KVMULTI_CHECK_TIER=all" in script
+    assert '-m "not ipex and (exhaustive or evidence or hypothesis)"' in script
+    jobs = _jobs()
+    assert [s.get("run") for s in jobs["exhaustive"]["steps"]][-1] == "./scripts/check_all.sh"
+    assert "schedule" in jobs["exhaustive"]["if"] and "schedule" not in jobs["cpu"]["if"]
+    assert "schedule" in yaml.safe_load(WORKFLOW.read_text())[True]     # YAML reads the key `on` as True
+
+
+def test_every_test_that_left_the_gate_is_listed_in_docs():
+    """Nothing is lost: each test marked `exhaustive` is named in docs/ci.md (module and test name)."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist",
+                           "-p", "no:cacheprovider", "-m", "exhaustive", "tests"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    ids = [ln for ln in done.stdout.splitlines() if "::" in ln]
+    assert ids, done.stdout + done.stderr
+    doc = (ROOT / "docs" / "ci.md").read_text()
+    missing = sorted({i.split("[")[0] for i in ids if i.split("::")[-1].split("[")[0] not in doc
+                      or i.split("::")[0].removeprefix("tests/") not in doc})
+    assert not missing, f"not listed in docs/ci.md: {missing}"

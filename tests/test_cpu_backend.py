@@ -3,11 +3,12 @@
 import pytest
 import torch
 from hypothesis import given, settings
+from tiers import examples
 
 from batches import CaseSpec, batch_cases, check_against_reference
 
 
-@settings(max_examples=120)
+@settings(max_examples=examples(120))
 @given(batch_cases(head_sizes=(16, 64, 80)))
 def test_cpu_matches_reference(spec):
     check_against_reference(spec, "CPU")

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from hypothesis import given, settings
+from tiers import examples
 
 import kvmulti
 from kvmulti import reference
@@ -98,14 +99,14 @@ def test_native_builds_and_describes(native):
     assert get_backend("CPU").describe().startswith("cpu: native (")
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(batch_cases(block_sizes=(1, 16, 32, 128), head_sizes=(16, 64, 80)))
 def test_native_matches_reference(native, spec):
     check_native(spec)
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 @given(spec=batch_cases(block_sizes=(1, 16, 128), head_sizes=(16, 80)))
 def test_other_isa_variants_match_reference(native, isa, spec):
     if isa not in native.available_isas():
@@ -114,7 +115,7 @@ def test_other_isa_variants_match_reference(native, isa, spec):
         check_native(spec)
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(batch_cases(block_sizes=(1, 16, 32), max_context=400, max_query=40))
 def test_forced_partitions_match_reference(native, spec):
     with patched(get_backend("CPU"), "partition_size", 64):   # split every span > 64 keys
@@ -181,7 +182,7 @@ def test_write_kv_strided_inputs_and_padding(native):
 
 
 # ---- the fallback -------------------------------------------------------------------------------
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(batch_cases(block_sizes=(1, 16, 128)))
 def test_fallback_matches_reference(spec):
     called = []
@@ -306,6 +307,7 @@ print("ok")
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_portable_16_lane_build_runs_the_avx512_lane_logic(native):
     # The AVX-512 variants cannot run on an AVX2 host; the generic variant built with 16 portable
     # lanes (and vdpbf16ps emulated) runs the same lane logic: transposing tree, key-major scores,
@@ -319,6 +321,7 @@ def test_portable_16_lane_build_runs_the_avx512_lane_logic(native):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_kernels_never_read_workspace_they_did_not_write(native):
     # Each thread's kernel scratch is kept between calls, not cleared. Built with KV_WS_POISON, the
     # scratch is filled with NaN before every call: any read of a part the call did not write first
@@ -333,3 +336,24 @@ def test_kernels_never_read_workspace_they_did_not_write(native):
     result = subprocess.run([sys.executable, "-c", "LANES = None\n" + PORTABLE_CHECK], env=env, capture_output=True,
                             text=True, timeout=1800)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
+
+
+def test_host_isas_read_the_cpu_flags_the_kernel_tests():
+    avx2 = "flags\t\t: fpu sse2 avx avx2 fma f16c"
+    zen4 = avx2 + " avx512f avx512dq avx512bw avx512vl avx512vbmi avx512_bf16"
+    assert cpu_native.host_isas(avx2) == ("avx2",)
+    assert cpu_native.host_isas(zen4) == ("avx512bf16", "avx512", "avx2")
+    assert cpu_native.host_isas(zen4.replace(" avx512vbmi", "")) == ("avx512", "avx2")
+    assert cpu_native.host_isas(avx2.replace(" f16c", "")) == ()
+    assert cpu_native.host_isas("processor\t: 0") is None     # no flags line: build every variant
+    assert cpu_native.skip_flags(("avx2",)) == "-DKV_SKIP_AVX512 -DKV_SKIP_AVX512BF16"
+
+
+def test_jit_build_holds_the_variants_this_cpu_runs(native):
+    """A JIT build leaves out what this CPU cannot run, and keeps everything it can."""
+    if not (cpu_native.origin() or "").startswith("JIT"):
+        pytest.skip(f"the kernel is not a JIT build here: {cpu_native.origin()}")
+    host = cpu_native.host_isas()
+    if host is None:
+        pytest.skip("this CPU's features cannot be read from /proc/cpuinfo: every variant is built")
+    assert native.available_isas() == [*host, "generic"]

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 import kvmulti
 from kvmulti import fp8, reference
@@ -98,7 +99,7 @@ def test_fixed_batches_match_the_oracle(backend, fmt):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(data=st.data())
 def test_mixed_batches_match_the_oracle(backend, data):
     spec = data.draw(batch_cases(head_sizes=(64, 128), **small(backend)))

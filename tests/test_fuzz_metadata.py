@@ -21,6 +21,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 import kvmulti
 from kvmulti import reference
@@ -102,7 +103,7 @@ CORRUPTIONS = {
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 @given(case=batches())
 def test_directly_built_valid_metadata_matches_oracle(backend, case):
     layout, cache, query, md, window = case
@@ -116,7 +117,7 @@ def test_directly_built_valid_metadata_matches_oracle(backend, case):
 
 
 @pytest.mark.parametrize("corruption", CORRUPTIONS)
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(case=batches())
 def test_corrupted_metadata_is_a_clear_error(corruption, case):
     layout, cache, query, md, window = case
@@ -159,7 +160,7 @@ def corruptions(draw, md: kvmulti.CommonAttentionMetadata):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(case=batches(), data=st.data())
 def test_unvalidated_path_stays_inside_its_tensors(backend, case, data):
     """The path an accelerator takes without KVMULTI_VALIDATE=1: corrupted metadata straight to the

@@ -25,6 +25,12 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_report  # noqa: E402
+from devtools import evidence_targets, roofline_hip, triton_cross_compile  # noqa: E402
+from devtools import hip_compile_check as cc  # noqa: E402
+
+#: the targets compiled here (KVMULTI_EVIDENCE_TARGETS: the gate's, or all in the exhaustive tier)
+TRITON_TARGETS = evidence_targets.selected(list(triton_cross_compile.TARGETS))
+HIP_MFMA_ARCHS = tuple(a for a in cc.amd_archs() if a in cc.MFMA_ARCHS)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +57,8 @@ def test_report_prints_every_target_and_its_threshold_failures(report):
     for failure in report["threshold_failures"]:
         assert failure in report["stdout"]
     rows = _triton(report)
-    assert {r["target"] for r in rows} == {"sm_80", "sm_90", "gfx90a", "gfx942"}
-    for target in ("sm_80", "sm_90", "gfx90a", "gfx942"):
+    assert {r["target"] for r in rows} == set(TRITON_TARGETS) >= {"sm_90", "gfx942"}
+    for target in TRITON_TARGETS:
         assert f"{target} " in report["stdout"]
 
 
@@ -112,11 +118,12 @@ def test_roofline_estimates_every_shipped_attention_kernel(report):
     rows = report["roofline"]
     assert not [r for r in rows if r.get("problem")], [r for r in rows if r.get("problem")]
     have = {(r["section"], r["target"], r["case"]) for r in rows}
+    assert HIP_MFMA_ARCHS
     for case in ("decode", "prefill"):
-        for target in ("sm_80", "sm_90", "gfx90a", "gfx942"):
+        for target in TRITON_TARGETS:
             assert ("triton", target, case) in have
-        for target in ("gfx90a", "gfx942"):
-            assert ("hip", target, case) in have
+        for arch in HIP_MFMA_ARCHS:
+            assert ("hip", roofline_hip.ARCH_TO_TARGET[arch], case) in have
     for r in rows:
         assert r["bound"] in roofline.BOUNDS and 0 < r["fraction"] <= 1, r
         assert r["estimate_us"] == max(r[b + "_us"] for b in roofline.BOUNDS)
@@ -141,11 +148,11 @@ def test_hip_fp8_caches_take_the_mfma_engine_on_cdna(report):
     attention = [r for r in section["rows"] if r.get("kind") == "attention"]
     fp8 = [r for r in attention if r.get("cache") in ("e4m3", "e5m2")]
     assert {(r["target"], r["dtype"], r["cache"]) for r in fp8} == {
-        (t, d, c) for t in ("gfx90a", "gfx940", "gfx1030") for d in ("fp32", "fp16", "bf16") for c in ("e4m3", "e5m2")}
+        (t, d, c) for t in cc.amd_archs() for d in ("fp32", "fp16", "bf16") for c in ("e4m3", "e5m2")}
     for r in fp8:
-        mfma = r["target"] in ("gfx90a", "gfx940") and r["dtype"] != "fp32"
+        mfma = r["target"] in cc.MFMA_ARCHS and r["dtype"] != "fp32"
         assert (r["matrix_instructions"] > 0) == mfma, r
-    for target in ("gfx90a", "gfx940"):
+    for target in HIP_MFMA_ARCHS:
         for dtype in ("fp16", "bf16"):
             for cache in ("e4m3", "e5m2"):
                 line = rf"^{target}\s+{dtype}\s+{cache}\s+MFMA\s"

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from batches import (ALL_DTYPES, TOLERANCE, CaseSpec, assert_close_to_reference, batch_cases, build_case,
                      check_against_reference)
@@ -259,13 +260,13 @@ MIXED = dict(block_sizes=(1, 16, 32), head_sizes=(64, 128), groups=(1, 4, 8), kv
              max_reqs=4, max_context=70, max_query=12)
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(spec=batch_cases(**MIXED), wave=st.sampled_from([32, 64]))
 def test_hip_kernels_match_reference(hip_backend, spec, wave):
     assert _run_case(hip_backend, spec, wave=wave, partition_size=0).num_partitions == 1
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(spec=batch_cases(**MIXED), wave=st.sampled_from([32, 64]), partition=st.sampled_from([5, 16, 48]))
 def test_partitioned_decode_matches_reference(hip_backend, spec, wave, partition):
     """Split-KV path (forced with a small partition size) + its reduce kernel."""

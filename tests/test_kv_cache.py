@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from kvmulti.kv_cache import (NO_BLOCK, AttentionSpec, BlockPool, BlockTables, KVCacheConfig, KVCacheGroup,
                               OutOfBlocksError, group_layers)
@@ -75,7 +76,7 @@ def test_block_pool_allocate_free():
     assert sorted(pool.allocate(2)) == sorted([a[1], 3])
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 5)), max_size=40))
 def test_block_pool_never_hands_out_a_block_twice(ops):
     pool, held = BlockPool(12), []

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from kvmulti.kv_cache import OutOfBlocksError
 from kvmulti.metadata import CommonAttentionMetadata
@@ -318,7 +319,7 @@ def test_runner_sized_from_a_memory_budget(models):
     assert budget - used < per_block
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(data=st.data())
 def test_random_schedules_match_transformers(models, data):
     """Random joins, token budgets (chunked prefill next to decodes), appends, rollbacks and

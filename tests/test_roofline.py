@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # devtools/ lives at the repo root
 from devtools import roofline as R  # noqa: E402
@@ -128,7 +129,7 @@ def test_every_target_cites_its_figures():
         assert t.bandwidth == pytest.approx(t.peak_bandwidth * t.dram_efficiency)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(target=st.sampled_from(sorted(R.TARGETS)), programs=st.integers(1, 20000), waves=st.sampled_from([1, 2, 4, 8]),
        iterations=st.floats(1, 4096), alu=st.integers(0, 5000), extra=st.floats(1.0, 3.0),
        resident=st.integers(1, 16), in_flight=st.floats(64, 1 << 20), second=st.floats(0, 1e8),

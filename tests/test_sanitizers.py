@@ -50,6 +50,7 @@ def sanitizer_runtime() -> str | None:
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_native_paths_under_asan_and_ubsan(tmp_path):
     runtime = sanitizer_runtime()
     if runtime is None:

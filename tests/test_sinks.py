@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 from hypothesis import given, settings
+from tiers import examples
 
 import kvmulti
 from kvmulti import reference
@@ -48,7 +49,7 @@ def test_oracle_sinks_are_an_extra_logit_without_value():
     assert out.norm() < plain.norm()          # the sink takes mass and gives no value
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(batch_cases(head_sizes=(16, 64, 80), sinks=True))
 def test_cpu_native_matches_oracle(spec):
     check_against_reference(dataclasses.replace(spec, sinks=True), "CPU")

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 from hypothesis import given, settings
+from tiers import examples
 
 import kvmulti
 from batches import CaseSpec, assert_close_to_reference, batch_cases, build_case, check_against_reference
@@ -33,7 +34,7 @@ def sycl_backend():
 
 
 # ------------------------------------------------------------------------------------ oracle
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(batch_cases(head_sizes=(64, 80), block_sizes=(1, 16, 32), groups=(1, 4, 8)))
 def test_sycl_matches_reference(spec):
     check_against_reference(spec, "SYCL")

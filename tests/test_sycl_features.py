@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 import kvmulti
 from batches import (assert_close_to_reference, batch_cases, build_case, check_against_reference,
@@ -74,7 +75,7 @@ def test_plain_kernel_unless_alibi_or_non_causal(sycl, launches):
 
 
 # ------------------------------------------------------------------------------------ random batches
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(batch_cases(head_sizes=(64, 80), block_sizes=(1, 16, 32), groups=(1, 4, 8), sinks=True), st.booleans(),
        st.sampled_from([0, 16]))
 def test_random_batches_with_sinks_and_alibi(spec, alibi, partition):
@@ -82,7 +83,7 @@ def test_random_batches_with_sinks_and_alibi(spec, alibi, partition):
     check_against_reference(dataclasses.replace(spec, alibi=alibi or not spec.sinks), "SYCL")
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(batch_cases(head_sizes=(64, 80), block_sizes=(1, 16, 32), groups=(1, 4, 8), windows=False, sinks=True),
        st.booleans(), st.sampled_from([0, 16]))
 def test_random_non_causal_batches(spec, alibi, partition):

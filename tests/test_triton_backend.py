@@ -21,6 +21,7 @@ if not torch.cuda.is_available() and not (hasattr(torch, "xpu") and torch.xpu.is
 import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from tiers import examples
 
 import kvmulti  # noqa: E402
 from kvmulti import reference  # noqa: E402
@@ -185,7 +186,7 @@ def _to_device(case, device):
 
 # ---------------------------------------------------------------- interpreter suite (CPU tensors)
 @ON_CPU
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(batch_cases(head_sizes=(64, 80)))
 def test_triton_matches_reference(spec):
     check_against_reference(spec, "TRITON")
@@ -270,7 +271,7 @@ def test_split_kv_matches_single_pass(spec):
 
 
 @ON_CPU
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 @given(batch_cases(head_sizes=(64, 80), max_reqs=3, max_query=4, block_sizes=(1, 16)), st.sampled_from([16, 32]))
 def test_split_kv_matches_single_pass_random(spec, partition_size):
     run_split_vs_single(spec, "cpu", partition_size)

@@ -1,6 +1,7 @@
 """Every Triton kernel specialisation kvmulti launches cross-compiles for NVIDIA sm_80/sm_90 and
 AMD gfx90a/gfx942 (``devtools.triton_cross_compile``: the launches the backend builds for
-a fixed set of batches, specialised exactly as ``@triton.jit`` does at run time).
+a fixed set of batches, specialised exactly as ``@triton.jit`` does at run time). The gate compiles
+for sm_90 and gfx942 (tests/tiers.py); the exhaustive tier for all four.
 
 No GPU is needed: the whole pipeline runs down to PTX/cubin and AMDGCN/hsaco, so a kernel that
 only works in the interpreter cannot pass. The compile workers run in subprocesses without
@@ -16,15 +17,19 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from devtools import evidence_targets  # noqa: E402
 from devtools import triton_cross_compile as xc  # noqa: E402
 from kvmulti.backends.triton import launch  # noqa: E402
+
+#: the targets compiled here (KVMULTI_EVIDENCE_TARGETS: the gate's, or all in the exhaustive tier)
+COMPILED_TARGETS = evidence_targets.selected(list(xc.TARGETS))
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
 @pytest.fixture(scope="session")
 def compiled() -> dict[str, list[dict]]:
-    """{target: results} for every target (Triton's on-disk cache makes a repeat cheap)."""
+    """{target: results} for every compiled target (Triton's on-disk cache makes a repeat cheap)."""
     return xc.compile_in_subprocesses()
 
 
@@ -73,14 +78,16 @@ def test_launch_set_covers_every_tile_choice(target_name):
 
 def test_large_cache_variant_is_compiled_separately_on_amd(compiled):
     """A cache over 2 GiB loses Triton's AMD buffer-load specialisation: both variants compile."""
-    for target in ("gfx90a", "gfx942"):
+    amd = [t for t in COMPILED_TARGETS if xc.TARGETS[t].family == "amd"]
+    assert amd
+    for target in amd:
         names = {r["name"] for r in compiled[target]}
         for case in ("decode", "prefill"):
             small = f"unified_attention-model_{case}_{target}"
             assert small in names and small + "_large_cache" in names, (target, case)
 
 
-@pytest.mark.parametrize("target_name", list(xc.TARGETS))
+@pytest.mark.parametrize("target_name", COMPILED_TARGETS)
 def test_cross_compiles(target_name, compiled):
     results = compiled[target_name]
     # Every dtype x head pad x {prefill, decode, split} launch, its reduce and write, plus corners.
@@ -99,7 +106,7 @@ def test_cross_compiles(target_name, compiled):
 MATRIX_KIND = {"sm_80": "mma.sync", "sm_90": "wgmma.mma_async", "gfx90a": "v_mfma", "gfx942": "v_mfma"}
 
 
-@pytest.mark.parametrize("target_name", list(xc.TARGETS))
+@pytest.mark.parametrize("target_name", COMPILED_TARGETS)
 def test_prefill_tiles_run_on_the_matrix_units(target_name, compiled):
     """Every prefill specialisation with 16-bit dots (launch.prefill_tiles) compiles to the target's
     matrix instruction (wgmma on sm_90, mma.sync on sm_80, v_mfma on gfx9) without spills; on NVIDIA

@@ -114,7 +114,8 @@ def vllm_check(script: str, timeout: int) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("layout", ["BLHNC", "BLNHC", "BHLNC", "LHBNC"])
+@pytest.mark.parametrize("layout", ["BLHNC", *(pytest.param(x, marks=pytest.mark.exhaustive)
+                                               for x in ("BLNHC", "BHLNC", "LHBNC"))])
 def test_cross_layer_layouts_equal_cpu_attn(cpu_attn, layout):
     # one allocation for all layers; each layer's view spans the others (CPU_ATTN reads LBHNC only)
     result = kvmulti_run("--block-size", "16", "--layout", layout)
@@ -143,7 +144,7 @@ def test_encoder_only_layer_with_a_window_equals_cpu_attn():
         assert (effect > 0.1) == (window in ("1", "5", "16", "40")), (case, effect)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", pytest.param("fp8_e5m2", marks=pytest.mark.exhaustive)])
 def test_fp8_kv_cache_runs_on_kvmulti(cpu_attn, kv_cache_dtype):
     # CPU_ATTN refuses fp8 caches at block 16 (its AVX-512 vec16 kernel has none; on AVX2 hosts it has
     # none at all), so there is no exact peer: the run must be served
@@ -183,14 +184,14 @@ def gptoss_model(tmp_path_factory) -> str:
     return tiny_checkpoint(tmp_path_factory, "vllm_gptoss_model.py")
 
 
-@pytest.mark.parametrize("block_size", ["32", "16"])
+@pytest.mark.parametrize("block_size", [pytest.param("32", marks=pytest.mark.exhaustive), "16"])
 def test_gemma3_style_sliding_window_model_equals_cpu_attn(gemma3_model, block_size):
     # sliding-window (8) and full-attention layers: two KV-cache groups; prompts of 9-40 tokens
     # cross the window
     assert_ids_equal_cpu_attn(gemma3_model, block_size)
 
 
-@pytest.mark.parametrize("block_size", ["32", "16"])
+@pytest.mark.parametrize("block_size", [pytest.param("32", marks=pytest.mark.exhaustive), "16"])
 def test_gptoss_style_sinks_model_equals_cpu_attn(gptoss_model, block_size):
     # attention sinks on every layer, sliding-window (8) and full layers alternating (two KV-cache
     # groups); prompts of 9-40 tokens cross the window
@@ -202,12 +203,13 @@ def bloom_model(tmp_path_factory) -> str:
     return tiny_checkpoint(tmp_path_factory, "vllm_bloom_model.py")
 
 
-@pytest.mark.parametrize("block_size", ["32", "16"])
+@pytest.mark.parametrize("block_size", [pytest.param("32", marks=pytest.mark.exhaustive), "16"])
 def test_bloom_style_alibi_model_equals_cpu_attn(bloom_model, block_size):
     # ALiBi on every layer (8 heads, slopes 2^-1 .. 2^-8); prompts of 9-40 tokens, 16 new tokens
     assert_ids_equal_cpu_attn(bloom_model, block_size)
 
 
+@pytest.mark.exhaustive
 def test_alibi_model_with_draft_model_speculative_equals_cpu_attn(bloom_model, tmp_path_factory):
     # target and a one-layer draft both Bloom-style (ALiBi); the verification step runs ALiBi over
     # several query rows per request
@@ -229,7 +231,8 @@ def test_default_multiprocess_engine_builds_the_kernel_at_start_up(cpu_attn, tmp
     env = {k: v for k, v in os.environ.items() if k not in ("KVMULTI_VLLM", "VLLM_ENABLE_V1_MULTIPROCESSING")}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1", KVMULTI_VLLM="1",
                KVMULTI_CACHE_DIR=str(tmp_path))
-    env["KVMULTI_CPU_EXTRA_CFLAGS"] = cpu_native.host_skip_flags()   # leaves out what this host cannot run
+    # the build at start-up is under test, not the kernel's speed: -O0, the generic variant only
+    env["KVMULTI_CPU_EXTRA_CFLAGS"] = "-O0 " + cpu_native.skip_flags(())
     result = tmp_path / "result.json"
     cmd = [str(VLLM_PYTHON), "-m", "kvmulti.integrations.vllm.engine_run", "--model", str(MODELS / "target"),
            "--block-size", "32", "--out", str(result)]
@@ -241,6 +244,7 @@ def test_default_multiprocess_engine_builds_the_kernel_at_start_up(cpu_attn, tmp
     assert json.loads(result.read_text())["token_ids"] == cpu_attn["token_ids"]
 
 
+@pytest.mark.exhaustive
 def test_tensor_parallel_2_gives_cpu_attn_ids_with_each_rank_on_its_own_kv_heads(cpu_attn, tmp_path):
     config = json.loads((MODELS / "target" / "config.json").read_text())
     env = {k: v for k, v in os.environ.items() if k not in ("KVMULTI_VLLM", "VLLM_ENABLE_V1_MULTIPROCESSING")}
@@ -281,7 +285,8 @@ def embed(model: str, kvmulti: bool, block_size: str) -> dict:
     return result
 
 
-@pytest.mark.parametrize("script", ["vllm_bert_model.py", "vllm_modernbert_model.py"],
+@pytest.mark.parametrize("script", [pytest.param("vllm_bert_model.py", marks=pytest.mark.exhaustive),
+                                    "vllm_modernbert_model.py"],
                          ids=["bert_style", "modernbert_style_local_attention"])
 def test_encoder_only_embeddings_equal_cpu_attn(tmp_path_factory, script):
     """An embedding model of encoder-only, non-causal layers (vLLM gives them no KV cache):

@@ -5,9 +5,10 @@ this interpreter, else built from ``kvmulti.cpu_src`` (cpu/) and cached (the JIT
 The sources are compiled with :func:`torch.utils.cpp_extension.load` (ninja + the host C++
 compiler, OpenMP) into ``<cache>/cpu/<name>``, where the name hashes everything that goes into the
 build (:func:`kvmulti.native_build.build_key`: sources, flags, compiler, Python/torch versions and
-install paths). One binary holds every ISA variant (AVX-512 with bf16 dot products, AVX-512, AVX2,
-generic); the best one the CPU supports is picked at run time (cpuid). Its variables are
-declared in :mod:`kvmulti.settings`.
+install paths). A wheel's binary holds every ISA variant (AVX-512 with bf16 dot products, AVX-512,
+AVX2, generic); a JIT build holds the generic one and those this CPU can run (:func:`host_isas`).
+The best one the CPU supports is picked at run time (cpuid). Its variables are declared in
+:mod:`kvmulti.settings`.
 
 If anything is missing (no compiler, no ninja, a build error), :func:`status` returns the reason and
 the CPU backend uses its vectorised torch path instead; ``kvmulti info`` and ``kvmulti generate``
@@ -88,11 +89,38 @@ def skip_flags(keep: "set[str] | list[str] | tuple[str, ...]") -> str:
     return " ".join(f"-D{macro}" for isa, macro in SKIP_MACROS.items() if isa not in keep)
 
 
+#: The CPU features each variant needs, as /proc/cpuinfo spells them: the kernel's own cpuid test
+#: (``cpu_has`` in cpu/paged_attention.cpp).
+_CPU_FLAGS = {
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}),
+    "avx512bf16": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx512_bf16",
+                             "avx512vbmi"}),
+}
+
+
+def host_isas(cpuinfo: str | None = None) -> tuple[str, ...] | None:
+    """The vector variants this CPU can run, from the ``flags`` line of ``cpuinfo`` (default: the
+    text of /proc/cpuinfo), best first; None where there is no such line to read (another OS or
+    processor: then every variant is built and the kernel's cpuid test decides at run time)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), None)
+    if line is None:
+        return None
+    flags = set(line.partition(":")[2].split())
+    return tuple(isa for isa in ("avx512bf16", "avx512", "avx2") if _CPU_FLAGS[isa] <= flags)
+
+
 def host_skip_flags() -> str:
-    """:func:`skip_flags` keeping the variants the loaded kernel can run on this CPU (builds it if
-    needed): a build for this host only. Empty when no kernel loads."""
-    module = load()
-    return skip_flags(module.available_isas()) if module is not None else ""
+    """:func:`skip_flags` keeping the variants this CPU can run (:func:`host_isas`): the flags of a
+    build for this host only, which the JIT build adds by itself. Empty where the CPU's features
+    cannot be read."""
+    isas = host_isas()
+    return "" if isas is None else skip_flags(isas)
 
 
 def build_inputs(src: Path | None = None) -> tuple[Path, list[Path], list[str], list[str]]:
@@ -126,7 +154,10 @@ def _build() -> tuple[ModuleType | None, str | None]:
     if module is not None:
         _origin = note
         return module, None
-    module, reason, build_dir = build_jit(src, files, cflags, ldflags)
+    # A JIT build runs where it was built: the variants this CPU cannot run are left out (a wheel's
+    # build, build_for_wheel, keeps them all).
+    host_only = [flag for flag in host_skip_flags().split() if flag not in cflags]
+    module, reason, build_dir = build_jit(src, files, [*cflags, *host_only], ldflags)
     if module is not None:
         _origin = f"JIT build in {build_dir} ({note})"
     return module, reason

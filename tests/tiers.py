@@ -1,0 +1,30 @@
+"""The suite's two tiers (docs/ci.md).
+
+* The gate: the README's test command, which ``.ci/run`` calls (``-m "not ipex and not
+  exhaustive"``). Every backend's oracle suites, every contract and bad-input suite, the vLLM
+  engine at its smallest useful size, and the compile evidence for one target per vendor family
+  (:data:`GATE_EVIDENCE_TARGETS`).
+* The exhaustive tier: ``scripts/check_all.sh`` (``KVMULTI_CHECK_TIER=all``): the tests marked
+  ``exhaustive``, the compile evidence for every target, and the property tests at their full
+  example counts.
+"""
+
+from __future__ import annotations
+
+from kvmulti import settings
+
+#: The gate's compile-evidence targets (``KVMULTI_EVIDENCE_TARGETS``): HIP for a CDNA (gfx940) and
+#: an RDNA (gfx1030) target and, through hip/compat, for sm_90; Triton for sm_90 and gfx942; SYCL
+#: for PVC. The exhaustive tier adds HIP's gfx90a and sm_80 and Triton's sm_80 and gfx90a.
+GATE_EVIDENCE_TARGETS = ("gfx940", "gfx1030", "sm_90", "gfx942", "pvc")
+
+
+def full() -> bool:
+    """True in the exhaustive tier (``KVMULTI_CHECK_TIER=all``)."""
+    return settings.get("KVMULTI_CHECK_TIER") == "all"
+
+
+def examples(count: int) -> int:
+    """``max_examples`` of a property test whose full count is ``count``: all of them in the
+    exhaustive tier, a quarter (at least 4) in the gate."""
+    return count if full() else max(4, count // 4)
