@@ -483,3 +483,28 @@ def test_slm_traffic_and_barriers_at_least_4x_lower():
         assert m["slm_per_kv_byte_before"] >= 4 * m["slm_per_kv_byte_after"]
         assert m["barriers_per_32_keys_before"] >= 4 * m["barriers_per_32_keys_after"]
     assert T.after_slm_bytes_per_pass(4, 128, S.WG, S.SG) == 82176
+
+
+def test_a_bundle_compiles_under_a_lock_other_processes_wait_on(monkeypatch, sycl_backend, tmp_path):
+    """Session.build holds a file lock per (device, source, options, kernels) while it compiles, so a
+    second process building the same bundle waits, then loads it from SYCL's persistent cache."""
+    import fcntl
+    monkeypatch.setenv("KVMULTI_CACHE_DIR", str(tmp_path))
+    session = S.runtime.default_session()
+    held = []
+
+    def compile_checking_the_lock(key, source, options, names):
+        (lock_dir,) = (tmp_path / "sycl" / "bundle-locks").iterdir()
+        with open(lock_dir / ".lock", "w") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held.append(lock_dir.name)
+            else:
+                fcntl.flock(other, fcntl.LOCK_UN)
+        return 12345
+
+    monkeypatch.setattr(session, "_compile", compile_checking_the_lock)
+    source = "// a bundle no other test builds\n" + S.build.kernel_source()
+    assert session.build(source, ["-DKVM_TEST_LOCK=1"]) == 12345
+    assert len(held) == 1, "the bundle's lock was not held during its compile"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ... import settings
+from ... import native_build, settings
 from .build import (SHIM_ABI, SHIM_FLAGS, SyclBuildError, SyclError, build_shim, cache_root,  # noqa: F401
                     compiler, configure_environment, find_runtime, kernel_source, runtime_candidates,
                     runtime_version, shim_command, shim_path, source_dir)
@@ -187,27 +187,36 @@ class Session:
 
     # -- kernels -----------------------------------------------------------------------------
     def build(self, source: str, options: list[str], names: tuple[str, ...] = PLAIN_KERNEL_NAMES) -> int:
-        """Compile ``source`` with ``options`` for this device (cached per session); a bundle handle."""
+        """Compile ``source`` with ``options`` for this device (cached per session); a bundle handle.
+
+        Processes building the same bundle for the same device take turns (a file lock per bundle
+        in the kvmulti cache): the first compiles, the others then load it from SYCL's persistent
+        cache instead of compiling it again beside it."""
         key = (self.key, hashlib.sha256(source.encode()).hexdigest(), tuple(options), tuple(names))
         bundles = self.runtime.bundles
         with self.runtime.build_lock:
             if key in bundles:
                 return bundles[key]
-            t0 = time.perf_counter()
-            opts = (ctypes.c_char_p * max(1, len(options)))(*[o.encode() for o in options])
-            nms = (ctypes.c_char_p * len(names))(*[n.encode() for n in names])
-            handle = self.shim.lib.kvm_build(self.handle, source.encode(), opts, len(options), nms, len(names))
-            if not handle:
-                msg = self.shim.error()
-                raise SyclBuildError(f"compiling SYCL kernels for {self.device.name} ({' '.join(options)}) "
-                                     f"failed:\n{msg}", log=msg)
-            elapsed = time.perf_counter() - t0
-            if elapsed > 1.5:
-                print(f"kvmulti: compiled SYCL kernels ({' '.join(options)}) for {self.device.name} in "
-                      f"{elapsed:.1f} s; kept in the persistent cache {os.environ.get('SYCL_CACHE_DIR', '')}",
-                      file=sys.stderr, flush=True)
-            bundles[key] = handle
-            return handle
+            bundle_id = hashlib.sha256(repr((self.device.name, *key[1:])).encode()).hexdigest()[:16]
+            with native_build.build_lock(cache_root() / "bundle-locks" / bundle_id):
+                return self._compile(key, source, options, names)
+
+    def _compile(self, key: tuple, source: str, options: list[str], names: tuple[str, ...]) -> int:
+        t0 = time.perf_counter()
+        opts = (ctypes.c_char_p * max(1, len(options)))(*[o.encode() for o in options])
+        nms = (ctypes.c_char_p * len(names))(*[n.encode() for n in names])
+        handle = self.shim.lib.kvm_build(self.handle, source.encode(), opts, len(options), nms, len(names))
+        if not handle:
+            msg = self.shim.error()
+            raise SyclBuildError(f"compiling SYCL kernels for {self.device.name} ({' '.join(options)}) "
+                                 f"failed:\n{msg}", log=msg)
+        elapsed = time.perf_counter() - t0
+        if elapsed > 1.5:
+            print(f"kvmulti: compiled SYCL kernels ({' '.join(options)}) for {self.device.name} in "
+                  f"{elapsed:.1f} s; kept in the persistent cache {os.environ.get('SYCL_CACHE_DIR', '')}",
+                  file=sys.stderr, flush=True)
+        self.runtime.bundles[key] = handle
+        return handle
 
     def launch(self, bundle: int, kernel: int, global_size: int, local_size: int, args: list[tuple[int, object]],
                wait: bool) -> None:
