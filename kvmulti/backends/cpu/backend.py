@@ -14,7 +14,7 @@ import torch
 from ... import host_memory, settings
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata
-from ..base import ALL_DTYPES, FP8_DTYPES, Backend, StepMetadata
+from ..base import ALL_DTYPES, FP8_DTYPES, OCP_FP8_DTYPES, Backend, StepMetadata
 from . import native
 from .torch_path import paged_attention_torch, write_kv_torch
 
@@ -47,7 +47,7 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 class CPUBackend(Backend):
     name = "CPU"
     platforms = ("cpu",)
-    dtypes = ALL_DTYPES + FP8_DTYPES
+    dtypes = ALL_DTYPES + OCP_FP8_DTYPES
     supports_latent = True
     supports_non_causal = True
     supports_sinks = True
