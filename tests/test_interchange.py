@@ -15,6 +15,8 @@ from kvmulti.interchange import MAGIC, VERSION, InterchangeError, export_blocks,
 from kvmulti.kv_cache import AttentionSpec, KVCacheConfig
 from kvmulti.layout import KVCacheLayout
 
+from fp8_codes import reference_code
+
 DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 #: layer -> (num_kv_heads, head_size, head_size_v): two groups, the second with its own V size
 LAYERS = {"a": (2, 8, 8), "b": (2, 8, 8), "c": (1, 16, 4)}
@@ -106,20 +108,6 @@ def test_dtype_conversions_follow_the_write_and_read_rules(src_dtype, dst_dtype)
             assert torch.equal(_bits(got[..., part]), _bits(want)), name
 
 
-def _reference_code(v: float, dtype: torch.dtype) -> int | None:
-    """The code of ``dtype`` that stores ``v``: saturate beyond the largest finite value, else the
-    nearest value, ties to the even code; a zero's sign as the format allows. None: NaN."""
-    if v != v:
-        return None
-    values = torch.arange(128, dtype=torch.uint8).view(dtype).float().tolist()     # sign bit clear
-    mag = min(abs(v), torch.finfo(dtype).max)
-    best = min((abs(x - mag), code % 2, code) for code, x in enumerate(values) if x == x and x != float("inf"))
-    code = best[2]
-    if v < 0 or (v == 0 and str(v).startswith("-")):
-        code = code | 0x80 if code or not fp8.is_fnuz(dtype) else 0
-    return code
-
-
 PAIRS = [(torch.float8_e4m3fn, torch.float8_e4m3fnuz), (torch.float8_e4m3fnuz, torch.float8_e4m3fn),
          (torch.float8_e5m2, torch.float8_e5m2fnuz), (torch.float8_e5m2fnuz, torch.float8_e5m2),
          (torch.float8_e4m3fn, torch.float8_e5m2fnuz), (torch.float8_e5m2fnuz, torch.float8_e4m3fnuz)]
@@ -139,7 +127,7 @@ def test_every_fp8_code_converts_by_the_reference_quantiser(src_dtype, dst_dtype
     values = torch.arange(256, dtype=torch.uint8).view(src_dtype).float()     # torch's own decode
     dst_values = got.view(dst_dtype).float()
     for code, v in enumerate(values.tolist()):
-        want = _reference_code(v, dst_dtype)
+        want = reference_code(v, dst_dtype)
         if want is None:
             assert dst_values[code].isnan(), f"code {code:#04x} (NaN) -> {int(got[code]):#04x}"
         else:
