@@ -3,16 +3,17 @@
 Two families: the OCP formats (:data:`OCP_FP8_DTYPES`: ``float8_e4m3fn``, largest finite 448, NaN
 0x7F/0xFF, a negative zero; ``float8_e5m2``, 57344, inf and NaNs) and the FNUZ formats of AMD's
 gfx942 (:data:`FNUZ_FP8_DTYPES`: ``float8_e4m3fnuz``, 240; ``float8_e5m2fnuz``, 57344): exponent
-bias one higher, no infinities, no negative zero, a single NaN code 0x80. Every finite FNUZ value
-of a code is half the OCP value of the same code (e4m3fn 0x7F, NaN there, is 240 in e4m3fnuz).
+bias one higher, no infinities, no negative zero, a single NaN code 0x80. Where a code is finite in
+both, its FNUZ value is half its OCP value; e4m3fn's NaN 0x7F is 240 in e4m3fnuz, and e5m2's
+infinities and NaNs (exponent 31) are finite in e5m2fnuz.
 
 A cache whose ``KVCacheLayout.dtype`` is one of :data:`FP8_DTYPES` stores ``fp8(x / scale)``:
 ``x`` (fp32, fp16 or bf16) is widened to fp32, divided by its head's scale in fp32 (a true IEEE
 division, not a multiplication by the reciprocal), clamped to the format's largest finite value
 (so ±inf and overflows saturate; NaN stays NaN: in FNUZ the code 0x80; a zero is +0 there) and
-rounded to nearest, ties to even. Reads
-compute ``float(fp8) * scale`` and accumulate in fp32. Every backend follows this rule bit for
-bit, so a cache written by one backend reads identically in all others.
+rounded to nearest, ties to even. Reads compute ``float(fp8) * scale`` and accumulate in fp32.
+Every backend serving a format follows this rule bit for bit, so a cache written by one backend
+reads identically in all others.
 
 Scales reach the backends already normalised by :func:`scale_tensor`: a contiguous fp32 tensor of
 shape ``[num_kv_heads]`` on the cache's device, or None for a cache that is not fp8.

@@ -5,8 +5,8 @@ the Triton interpreter (``TRITON_INTERPRET=1``, numpy underneath) has no fp8 typ
 code compiles identically for NVIDIA and AMD targets. The format is a constexpr ``FP8``:
 :data:`FP8_NONE` (not an fp8 cache), :data:`FP8_E4M3` (``torch.float8_e4m3fn``),
 :data:`FP8_E5M2` (``torch.float8_e5m2``), :data:`FP8_E4M3FNUZ` (``torch.float8_e4m3fnuz``) or
-:data:`FP8_E5M2FNUZ` (``torch.float8_e5m2fnuz``). An FNUZ code's finite value is half the OCP
-format's value of the same code (exponent bias one higher); 0x80 is its one NaN.
+:data:`FP8_E5M2FNUZ` (``torch.float8_e5m2fnuz``). Where a code is finite in both, its FNUZ
+value is half its OCP value (exponent bias one higher); 0x80 is the one FNUZ NaN.
 
 * :func:`fp8_decode` (read): e5m2 is the upper byte of an fp16, so its bits shifted left by 8 are
   that fp16 exactly (subnormals, inf and NaN included). e4m3fn's 4 exponent / 3 mantissa bits
