@@ -10,7 +10,8 @@ __version__ = "0.1.0"
 
 __all__ = ["AttentionConfig", "AttentionSpec", "Backend", "BackendSelectionError", "CommonAttentionMetadata",
            "FP8_DTYPES", "KVCacheConfig", "KVCacheLayout", "LayoutStrides", "ModelRunner", "ROLES", "SpeculativeRunner",
-           "StepMetadata", "available_backends", "paged_attention", "prepare_step", "prepare_steps",
+           "StepMetadata", "available_backends", "export_blocks", "import_blocks", "paged_attention", "prepare_step",
+           "prepare_steps",
            "register_backend",
            "register_platform", "resolve_backend", "select_backend", "write_kv"]
 
@@ -26,7 +27,8 @@ _LAZY = {"AttentionConfig": "kvmulti.backends", "Backend": "kvmulti.backends",
          "prepare_steps": "kvmulti.ops", "resolve_backend": "kvmulti.ops",
          "write_kv": "kvmulti.ops", "register_platform": "kvmulti.platform",
          "SpeculativeRunner": "kvmulti.spec_decode.runner", "ModelRunner": "kvmulti.engine",
-         "KVCacheConfig": "kvmulti.kv_cache", "AttentionSpec": "kvmulti.kv_cache"}
+         "KVCacheConfig": "kvmulti.kv_cache", "AttentionSpec": "kvmulti.kv_cache",
+         "export_blocks": "kvmulti.interchange", "import_blocks": "kvmulti.interchange"}
 
 
 def __getattr__(name: str):

@@ -153,6 +153,10 @@ class KVCacheConfig:
     def layer_to_group(self) -> dict[str, int]:
         return {name: g.group_id for g in self.groups for name in g.layer_names}
 
+    def layer_layouts(self) -> dict[str, KVCacheLayout]:
+        """Each layer's layout (its group's), e.g. for :func:`kvmulti.export_blocks`."""
+        return {name: lay for g, lay in zip(self.groups, self.layouts) for name in g.layer_names}
+
     def memory_bytes(self) -> int:
         return sum(lay.page_size_bytes * lay.num_blocks * len(g.layer_names)
                    for g, lay in zip(self.groups, self.layouts))

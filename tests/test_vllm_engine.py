@@ -337,6 +337,10 @@ except NotImplementedError as exc:
     assert "whole sequence in one step" in str(exc)
 else:
     raise AssertionError("a cached prefix accepted")
+from kvmulti.integrations.vllm.backend import fp8_cache_dtype
+assert fp8_cache_dtype("fp8", False) is torch.float8_e4m3fn and fp8_cache_dtype("auto", True) is None
+assert fp8_cache_dtype("fp8", True) is fp8_cache_dtype("fp8_e4m3", True) is torch.float8_e4m3fnuz
+assert fp8_cache_dtype("fp8_e5m2", True) is torch.float8_e5m2
 print("ok")
 """
 
@@ -344,7 +348,8 @@ print("ok")
 def test_attention_types_served_and_refused():
     """ENCODER_ONLY is served, with or without a sliding window (the scratch metadata lays each
     request's tokens out in blocks of its own); ENCODER and ENCODER_DECODER are refused with the
-    reason; so is an encoder-only step over a cached prefix."""
+    reason; so is an encoder-only step over a cached prefix. vLLM's "fp8" is e4m3fnuz where its
+    platform's fp8 is FNUZ."""
     require_vllm()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([str(VLLM_PYTHON), "-c", ATTN_TYPE_CHECK], capture_output=True, text=True, timeout=600,

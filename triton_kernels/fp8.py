@@ -3,19 +3,23 @@
 The kernels see an fp8 cache as ``uint8`` and convert with integer operations and bitcasts only:
 the Triton interpreter (``TRITON_INTERPRET=1``, numpy underneath) has no fp8 types, and integer
 code compiles identically for NVIDIA and AMD targets. The format is a constexpr ``FP8``:
-:data:`FP8_NONE` (not an fp8 cache), :data:`FP8_E4M3` (``torch.float8_e4m3fn``) or
-:data:`FP8_E5M2` (``torch.float8_e5m2``).
+:data:`FP8_NONE` (not an fp8 cache), :data:`FP8_E4M3` (``torch.float8_e4m3fn``),
+:data:`FP8_E5M2` (``torch.float8_e5m2``), :data:`FP8_E4M3FNUZ` (``torch.float8_e4m3fnuz``) or
+:data:`FP8_E5M2FNUZ` (``torch.float8_e5m2fnuz``). Where a code is finite in both, its FNUZ
+value is half its OCP value (exponent bias one higher); 0x80 is the one FNUZ NaN.
 
 * :func:`fp8_decode` (read): e5m2 is the upper byte of an fp16, so its bits shifted left by 8 are
   that fp16 exactly (subnormals, inf and NaN included). e4m3fn's 4 exponent / 3 mantissa bits
   shifted left by 7 are an fp16 whose value is 2**-8 times the fp8's (exponent bias 15 vs 7,
-  subnormals included); the code 0x7F (either sign) is NaN.
+  subnormals included); the code 0x7F (either sign) is NaN. e4m3fnuz: the same fp16 times 2**7.
+  e5m2fnuz: the e5m2 fp16 halved, except exponent 31 (finite in FNUZ), read as exponent 30 unhalved.
 * :func:`fp8_encode` (write): the fp32 quotient's bits are saturated to the format's largest
   finite value (so ±inf saturate; NaN is kept apart and becomes 0x7F with its sign), then rounded
   to nearest, ties to even, in integers: the normal range by adding half an fp8 ulp minus one plus
   the kept lowest bit and truncating (a carry moves into the exponent, as it must); the subnormal
   range by shifting the 24-bit significand right by its distance to the fp8 subnormal quantum,
-  with the same rounding term. Bit-identical to ``torch.Tensor.to(fp8)`` of the clamped quotient.
+  with the same rounding term. FNUZ: the same with its bias; NaN becomes 0x80 and a zero drops its
+  sign. Bit-identical to ``torch.Tensor.to(fp8)`` of the clamped quotient.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_NONE, FP8_E4M3, FP8_E5M2 = 0, 1, 2
-_CODES = {torch.float8_e4m3fn: FP8_E4M3, torch.float8_e5m2: FP8_E5M2}
+FP8_NONE, FP8_E4M3, FP8_E5M2, FP8_E4M3FNUZ, FP8_E5M2FNUZ = 0, 1, 2, 3, 4
+_CODES = {torch.float8_e4m3fn: FP8_E4M3, torch.float8_e5m2: FP8_E5M2, torch.float8_e4m3fnuz: FP8_E4M3FNUZ,
+          torch.float8_e5m2fnuz: FP8_E5M2FNUZ}
 
 
 def fp8_code(dtype: torch.dtype) -> int:
@@ -46,6 +51,13 @@ def fp8_decode(bits, FP8: tl.constexpr):
     if FP8 == 2:      # e5m2
         half = (b << 8).to(tl.uint16).to(tl.float16, bitcast=True)
         return half.to(tl.float32)
+    elif FP8 == 4:    # e5m2fnuz
+        top = (b & 0x7C) == 0x7C
+        half = ((b << 8) - tl.where(top, 1 << 10, 0)).to(tl.uint16).to(tl.float16, bitcast=True)
+        return tl.where(b == 0x80, float("nan"), half.to(tl.float32) * tl.where(top, 1.0, 0.5))
+    elif FP8 == 3:    # e4m3fnuz
+        half = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+        return tl.where(b == 0x80, float("nan"), half.to(tl.float32) * 128.0)
     else:             # e4m3fn
         half = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
         return tl.where((b & 0x7F) == 0x7F, float("nan"), half.to(tl.float32) * 256.0)
@@ -58,6 +70,14 @@ def fp8_encode(y, FP8: tl.constexpr):
         MANT: tl.constexpr = 2
         BIAS: tl.constexpr = 15
         MAX_BITS: tl.constexpr = 0x47600000
+    elif FP8 == 4:    # e5m2fnuz: bias 16, largest finite 57344
+        MANT: tl.constexpr = 2
+        BIAS: tl.constexpr = 16
+        MAX_BITS: tl.constexpr = 0x47600000
+    elif FP8 == 3:    # e4m3fnuz: bias 8, largest finite 240
+        MANT: tl.constexpr = 3
+        BIAS: tl.constexpr = 8
+        MAX_BITS: tl.constexpr = 0x43700000
     else:             # e4m3fn: 3 mantissa bits, bias 7, largest finite 448
         MANT: tl.constexpr = 3
         BIAS: tl.constexpr = 7
@@ -75,7 +95,10 @@ def fp8_encode(y, FP8: tl.constexpr):
     significand = (mag & 0x7FFFFF) | 0x800000
     subnormal = (significand + (1 << (shift - 1)) - 1 + ((significand >> shift) & 1)) >> shift
     code = tl.where(exponent >= 128 - BIAS, normal, subnormal)
-    code = tl.where(is_nan, 0x7F, code) | sign
+    if FP8 >= 3:      # FNUZ: one NaN, no negative zero
+        code = tl.where(is_nan, 0x80, tl.where(code == 0, 0, code | sign))
+    else:
+        code = tl.where(is_nan, 0x7F, code) | sign
     return code.to(tl.uint8)
 
 

@@ -14,7 +14,8 @@ from ..metadata import CommonAttentionMetadata
 from .. import settings
 from ..platform import platform_of
 
-from ..fp8 import ACTIVATION_DTYPES as ALL_DTYPES, FP8_DTYPES  # noqa: F401 (re-exported for backends)
+from ..fp8 import (ACTIVATION_DTYPES as ALL_DTYPES, FNUZ_FP8_DTYPES, FP8_DTYPES,  # noqa: F401 (re-exported
+                  OCP_FP8_DTYPES)                                                   # for backends)
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,10 @@ class Backend(abc.ABC):
     def capability_reasons(self, config: AttentionConfig) -> list[str]:
         """Why this backend's kernels cannot serve ``config`` (dtype, sizes, features)."""
         reasons = []
-        if config.dtype not in self.dtypes:
+        if config.dtype in FNUZ_FP8_DTYPES and config.dtype not in self.dtypes:
+            reasons.append(f"fp8 FNUZ cache {config.dtype} not supported: {self.name}'s kernels decode "
+                           f"{', '.join(str(d) for d in self.dtypes if d in FP8_DTYPES) or 'no fp8 format'}")
+        elif config.dtype not in self.dtypes:
             reasons.append(f"dtype {config.dtype} not supported (supports {', '.join(map(str, self.dtypes))})")
         for what, size in (("head_size", config.head_size), ("head_size_v", config.head_size_v)):
             if size == 0:

@@ -14,7 +14,7 @@ import torch
 from ... import host_memory, settings
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata
-from ..base import ALL_DTYPES, FP8_DTYPES, Backend, StepMetadata
+from ..base import ALL_DTYPES, FNUZ_FP8_DTYPES, FP8_DTYPES, Backend, StepMetadata
 from . import native
 from .torch_path import paged_attention_torch, write_kv_torch
 
@@ -47,6 +47,7 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 class CPUBackend(Backend):
     name = "CPU"
     platforms = ("cpu",)
+    #: fp8 FNUZ caches run on the torch path: the native kernel's fp8 loads decode the OCP formats
     dtypes = ALL_DTYPES + FP8_DTYPES
     supports_latent = True
     supports_non_causal = True
@@ -90,7 +91,7 @@ class CPUBackend(Backend):
     def plan(self, common: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int,
              sliding_window: int | None) -> CPUPlan:
         part = {-1: 0, 0: NEVER_SPLIT}.get(self.partition_size, self.partition_size)
-        module, isa = self._variant()
+        module, isa = (None, 0) if layout.dtype in FNUZ_FP8_DTYPES else self._variant()
         s = layout.expected_strides()
         cache_args = (s.block, s.token, s.head, layout.head_size, layout.value_size, layout.num_kv_heads,
                       layout.block_size)
@@ -115,7 +116,7 @@ class CPUBackend(Backend):
     def write_kv(self, key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,
                  layout: KVCacheLayout, slot_mapping: torch.Tensor,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
-        module = self.module()
+        module = None if layout.dtype in FNUZ_FP8_DTYPES else self.module()
         if module is None:
             write_kv_torch(key, value, kv_cache, layout, slot_mapping, k_scale, v_scale)
             return

@@ -70,7 +70,7 @@ def _kernels():
 class TritonBackend(Backend):
     name = "TRITON"
     platforms = ("cuda", "rocm", "xpu")
-    dtypes = ALL_DTYPES + FP8_DTYPES    # fp8 caches: triton_kernels/fp8.py
+    dtypes = ALL_DTYPES + FP8_DTYPES    # fp8 caches, OCP and FNUZ: triton_kernels/fp8.py
     max_head_size = 256          # any head size up to 256 (padded to a power of two in the kernel)
     supports_sinks = True        # added where a row is normalised (triton_kernels/unified_attention.py)
     supports_non_causal = True   # every row sees its request's seq_len keys (encoder-only attention)

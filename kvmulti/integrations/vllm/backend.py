@@ -47,6 +47,16 @@ FP8_KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_
                                                "fp8_e5m2": torch.float8_e5m2}
 
 
+def fp8_cache_dtype(kv_cache_dtype: str, fp8_fnuz: bool) -> torch.dtype | None:
+    """The cache dtype kvmulti reads vLLM's ``kv_cache_dtype`` as (None: not an fp8 cache).
+    ``fp8_fnuz``: vLLM's ``current_platform.is_fp8_fnuz()`` (gfx94x, MI300), where vLLM stores
+    "fp8" / "fp8_e4m3" as e4m3fnuz and has already doubled a checkpoint's e4m3fn k/v scales when
+    loading them (``vllm/model_executor/layers/quantization/kv_cache.py``): kvmulti then reads
+    e4m3fnuz with the layer's scales as they are."""
+    dtype = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
+    return torch.float8_e4m3fnuz if fp8_fnuz and dtype == torch.float8_e4m3fn else dtype
+
+
 #: vLLM attention types served: decoder layers over the paged cache, and encoder-only layers
 #: (non-causal over the step's own tokens, :mod:`.encoder_only`). ENCODER and ENCODER_DECODER
 #: (cross-attention to encoder outputs vLLM keeps outside the paged cache) are not.
@@ -199,7 +209,8 @@ class KvmultiAttentionImpl(AttentionImpl):
         self.sliding_window = sliding_window if sliding_window and sliding_window > 0 else None
         self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
         self.kv_cache_dtype = kv_cache_dtype
-        self._fp8_dtype = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype)
+        from vllm.platforms import current_platform
+        self._fp8_dtype = fp8_cache_dtype(kv_cache_dtype, current_platform.is_fp8_fnuz())
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         #: the layer's attention-sink logits [num_heads] (gpt-oss; loaded in place after construction)
@@ -209,7 +220,6 @@ class KvmultiAttentionImpl(AttentionImpl):
         self._backend: Backend | None = None
         # the backends this layer may dispatch to are constructed now, at model construction (engine
         # start-up): a native build happens here, with its message, never in the first forward
-        from vllm.platforms import current_platform
         construct_for(torch.device(current_platform.device_type))
         self._cache_key: tuple | None = None
         self._cache_view: tuple[torch.Tensor, KVCacheLayout] | None = None
