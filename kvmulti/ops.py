@@ -26,9 +26,12 @@ from .backends.base import Backend, StepMetadata
 from .backends.registry import get_backend, select_backend_for_layout
 from .fp8 import is_fp8, scale_tensor
 from .layout import CROSS_LAYER_ORDERS, KVCacheLayout, token_order
+from .capture import CaptureBucket
 from .metadata import CommonAttentionMetadata
 from .custom_ops import register_custom_ops
-from .validation import (check_alibi_values_once, check_attention_args, check_group_metadata, check_lengths,
+from .step_cache import StepCache
+from .validation import (check_alibi_values_once, check_attention_args, check_capture, check_group_metadata,
+                         check_lengths,
                          check_slot_values, check_slot_values_once, check_window, check_write,
                          prepared_attention_is_plain, prepared_attention_tensors_fit, prepared_write_is_plain,
                          prepared_write_tensors_fit)
@@ -65,7 +68,8 @@ def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_q
                  softcap: float | None = None, backend: str | Backend | None = None,
                  role: str = "target", device: torch.device | None = None,
                  check_values: bool = True, sinks: torch.Tensor | bool | None = None,
-                 alibi_slopes: torch.Tensor | bool | None = None) -> StepMetadata:
+                 alibi_slopes: torch.Tensor | bool | None = None,
+                 capture: CaptureBucket | None = None) -> StepMetadata:
     """The per-step hook: validate ``metadata`` for one KV-cache group (query of ``num_query_rows``
     rows, default ``num_actual_tokens``; tensors on ``device``, default the metadata's), resolve its
     backend and let it prepare what every layer of the group reuses this step. Pass the result to
@@ -80,13 +84,23 @@ def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_q
 
     ``sinks``: the group's layers pass attention sinks to :func:`paged_attention` (a layer's sinks
     tensor, or True; None / False: they do not). Only a backend serving sinks is chosen.
-    ``alibi_slopes`` likewise: the layers pass ALiBi slopes (only a backend serving ALiBi)."""
+    ``alibi_slopes`` likewise: the layers pass ALiBi slopes (only a backend serving ALiBi).
+
+    ``capture``: prepare the step for graph capture (a backend with ``supports_capture``): its
+    launches are fixed for the bucket's maxima, so one captured layer call replays correctly after
+    the metadata's device tensors are updated in place for another batch within the bucket (see
+    docs/design.md, "Steps prepared for graph capture"). ``metadata`` then holds the bucket's
+    ``max_num_seqs`` requests and the query ``num_query_rows`` = ``max_num_tokens`` rows (the
+    default with a bucket)."""
     device = _metadata_device(metadata, device)
-    rows = metadata.num_actual_tokens if num_query_rows is None else num_query_rows
+    rows = (metadata.num_actual_tokens if capture is None else capture.max_num_tokens) if num_query_rows is None \
+        else num_query_rows
     _check_group_args(layout, num_query_heads, sliding_window)
     longest = check_lengths(metadata, rows, device)
+    if capture is not None:
+        check_capture(metadata, rows, capture)
     return _prepare_group(metadata, layout, num_query_heads, sliding_window, softcap, backend, role, device,
-                          check_values, longest, sinks, alibi_slopes)
+                          check_values, longest, sinks, alibi_slopes, capture)
 
 
 def prepare_steps(metadata: Mapping[K, CommonAttentionMetadata], layouts: Mapping[K, KVCacheLayout],
@@ -95,11 +109,12 @@ def prepare_steps(metadata: Mapping[K, CommonAttentionMetadata], layouts: Mappin
                   backends: Mapping[K, str | Backend | None] | None = None, role: str = "target",
                   device: torch.device | None = None, check_values: bool = True,
                   sinks: Mapping[K, torch.Tensor | bool | None] | None = None,
-                  alibi_slopes: Mapping[K, torch.Tensor | bool | None] | None = None) -> dict[K, StepMetadata]:
+                  alibi_slopes: Mapping[K, torch.Tensor | bool | None] | None = None,
+                  capture: CaptureBucket | None = None) -> dict[K, StepMetadata]:
     """:func:`prepare_step` for every KV-cache group of one step: ``metadata[g]`` over a cache of
     ``layouts[g]`` with window ``sliding_windows[g]`` (default None), backend ``backends[g]``
     (default: dispatch), ``sinks[g]`` and ``alibi_slopes[g]`` (default None), the other arguments as there. Returns
-    ``{g: StepMetadata}``.
+    ``{g: StepMetadata}``; ``capture``: every group's step prepared for graph capture in that bucket.
 
     The length checks (query_start_loc, seq_lens, their host copies and the scalar fields) run once
     for all groups whose metadata hold the very same length tensors and scalars, as an engine's
@@ -111,14 +126,17 @@ def prepare_steps(metadata: Mapping[K, CommonAttentionMetadata], layouts: Mappin
     for group, md in metadata.items():
         layout, window = layouts[group], windows.get(group)
         dev = _metadata_device(md, device)
-        rows = md.num_actual_tokens if num_query_rows is None else num_query_rows
+        rows = (md.num_actual_tokens if capture is None else capture.max_num_tokens) if num_query_rows is None \
+            else num_query_rows
         _check_group_args(layout, num_query_heads, window)
         longest = next((n for seen, n in checked if _same_lengths(seen, md)), None)
         if longest is None:
             longest = check_lengths(md, rows, dev)
             checked.append((md, longest))
+        if capture is not None:
+            check_capture(md, rows, capture)
         steps[group] = _prepare_group(md, layout, num_query_heads, window, softcap, chosen.get(group), role, dev,
-                                      check_values, longest, group_sinks.get(group), group_alibi.get(group))
+                                      check_values, longest, group_sinks.get(group), group_alibi.get(group), capture)
     return steps
 
 
@@ -152,8 +170,10 @@ def _prepare_group(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num
                    sliding_window: int | None, softcap: float | None, backend: str | Backend | None, role: str,
                    device: torch.device, check_values: bool, longest: int,
                    sinks: torch.Tensor | bool | None = None,
-                   alibi_slopes: torch.Tensor | bool | None = None) -> StepMetadata:
-    """One group's step after :func:`check_lengths` passed (``longest``: its longest seq_len)."""
+                   alibi_slopes: torch.Tensor | bool | None = None,
+                   capture: CaptureBucket | None = None) -> StepMetadata:
+    """One group's step after :func:`check_lengths` (and with ``capture`` :func:`check_capture`)
+    passed (``longest``: its longest seq_len)."""
     check_group_metadata(metadata, layout, sliding_window, device, longest, check_values)
     has_sinks = sinks is not None and sinks is not False
     has_alibi = alibi_slopes is not None and alibi_slopes is not False
@@ -163,7 +183,7 @@ def _prepare_group(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num
         raise ValueError(f"backend {backend.name} does not serve attention sinks")
     if has_alibi and isinstance(backend, Backend) and not backend.supports_alibi:
         raise ValueError(f"backend {backend.name}: ALiBi not supported")
-    step = chosen.build_metadata(metadata, layout, num_query_heads, sliding_window)
+    step = chosen.build_metadata(metadata, layout, num_query_heads, sliding_window, capture)
     step.sinks = has_sinks
     step.alibi = has_alibi
     return step
@@ -247,6 +267,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
                                             backend, sinks, alibi_slopes):
         # a prepared layer's call: only its own tensors checked, by the backend's step calls or here
         calls, scale = metadata.calls, layout.default_scale if scale is None else scale
+        if out is None and metadata.capture is not None:
+            raise ValueError("a step prepared for graph capture needs out= (a buffer of the bucket's rows made "
+                             "before capture)")
         if calls is not None and (sinks is None or metadata.sinks) and (alibi_slopes is None or metadata.alibi):
             target = out if out is not None or query.dim() != 3 else \
                 query.new_zeros(query.shape[0], metadata.num_query_heads, layout.value_size)
@@ -341,7 +364,11 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, sca
             v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
             alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     n = step.common.num_actual_tokens
-    if out is None:
+    if step.capture is not None:      # the kernels write the rows of the replay's requests, nothing else
+        if out is None:
+            raise ValueError("a step prepared for graph capture needs out= (a buffer of the bucket's rows made "
+                             "before capture)")
+    elif out is None:
         out = torch.zeros(query.shape[0], query.shape[1], step.layout.value_size, dtype=query.dtype,
                           device=query.device)
     elif out.shape[0] > n:
@@ -373,15 +400,27 @@ def _paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, query_sta
                           sinks: torch.Tensor | None = None,
                           alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, num_layers, kv_cache.dtype)
-    metadata = CommonAttentionMetadata(
-        query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
-        slot_mapping=query_start_loc.new_empty(0, dtype=torch.int64), num_reqs=seq_lens.shape[0],
-        num_actual_tokens=num_actual_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
-        causal=causal, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu)
-    step = prepare_step(metadata, layout, query.shape[1], num_query_rows=query.shape[0],
-                        sliding_window=sliding_window, softcap=softcap, backend=backend, device=kv_cache.device,
-                        sinks=sinks, alibi_slopes=alibi_slopes)
+
+    def prepare() -> StepMetadata:
+        metadata = CommonAttentionMetadata(
+            query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
+            slot_mapping=query_start_loc.new_empty(0, dtype=torch.int64), num_reqs=seq_lens.shape[0],
+            num_actual_tokens=num_actual_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
+            causal=causal, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu)
+        return prepare_step(metadata, layout, query.shape[1], num_query_rows=query.shape[0],
+                            sliding_window=sliding_window, softcap=softcap, backend=backend, device=kv_cache.device,
+                            sinks=sinks, alibi_slopes=alibi_slopes)
+
+    step = _COMPILED_STEPS.get(
+        (query_start_loc, seq_lens, block_table, query_start_loc_cpu, seq_lens_cpu),
+        (layout, query.shape[0], query.shape[1], num_actual_tokens, max_query_len, max_seq_len, causal,
+         sliding_window, bool(softcap), backend, sinks is not None, alibi_slopes is not None, kv_cache.device),
+        prepare)
     return _attend(query, kv_cache, step, scale, softcap, None, k_scale, v_scale, sinks, alibi_slopes)
+
+
+#: the torch.compile path's steps: one per step's metadata, shared by its layers
+_COMPILED_STEPS = StepCache()
 
 
 # eager calls go straight to _write / _attend; torch.compile traces the custom ops
