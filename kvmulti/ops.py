@@ -16,7 +16,6 @@ so ``torch.compile(fullgraph=True)`` traces calls to them.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Hashable, Mapping
 from typing import TypeVar
 
@@ -25,11 +24,10 @@ import torch
 from .backends.base import Backend, StepMetadata
 from .backends.registry import get_backend, select_backend_for_layout
 from .fp8 import is_fp8, scale_tensor
-from .layout import CROSS_LAYER_ORDERS, KVCacheLayout, token_order
+from .layout import KVCacheLayout
 from .capture import CaptureBucket
 from .metadata import CommonAttentionMetadata
-from .custom_ops import register_custom_ops
-from .step_cache import StepCache
+from .custom_ops import layout_args, register_custom_ops
 from .validation import (check_alibi_values_once, check_attention_args, check_capture, check_group_metadata,
                          check_lengths,
                          check_slot_values, check_slot_values_once, check_window, check_write,
@@ -37,6 +35,7 @@ from .validation import (check_alibi_values_once, check_attention_args, check_ca
                          prepared_write_tensors_fit)
 
 K = TypeVar("K", bound=Hashable)
+CAPTURE_NEEDS_OUT = "a step prepared for graph capture needs out= (a buffer of the bucket's rows made before capture)"
 
 
 def resolve_backend(layout: KVCacheLayout, device: torch.device | str, *, sliding_window: int | None = None,
@@ -233,7 +232,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tens
         value = key.new_empty((key.shape[0], layout.num_kv_heads, 0))
     if torch.compiler.is_compiling():
         name = _backend_name(layout, kv_cache.device, None, None, True, backend, role)
-        torch.ops.kvmulti.write_kv(key, value, kv_cache, slot_mapping, *_layout_args(layout), name, k_scale, v_scale)
+        torch.ops.kvmulti.write_kv(key, value, kv_cache, slot_mapping, *layout_args(layout), name, k_scale, v_scale)
     else:
         _write(key, value, kv_cache, layout, slot_mapping, resolve_backend(layout, kv_cache.device, backend=backend,
                                                                            role=role), k_scale, v_scale, step)
@@ -268,8 +267,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         # a prepared layer's call: only its own tensors checked, by the backend's step calls or here
         calls, scale = metadata.calls, layout.default_scale if scale is None else scale
         if out is None and metadata.capture is not None:
-            raise ValueError("a step prepared for graph capture needs out= (a buffer of the bucket's rows made "
-                             "before capture)")
+            raise ValueError(CAPTURE_NEEDS_OUT)
         if calls is not None and (sinks is None or metadata.sinks) and (alibi_slopes is None or metadata.alibi):
             target = out if out is not None or query.dim() != 3 else \
                 query.new_zeros(query.shape[0], metadata.num_query_heads, layout.value_size)
@@ -295,7 +293,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         result = torch.ops.kvmulti.paged_attention(
             query, kv_cache, common.query_start_loc, common.seq_lens, common.block_table,
             common.query_start_loc_cpu, common.seq_lens_cpu, common.num_actual_tokens, common.max_query_len,
-            common.max_seq_len, common.causal, *_layout_args(layout), scale, sliding_window, softcap, name,
+            common.max_seq_len, common.causal, *layout_args(layout), scale, sliding_window, softcap, name,
             k_scale, v_scale, sinks, alibi_slopes)
         return result if out is None else out.copy_(result)
     if isinstance(metadata, StepMetadata):
@@ -333,21 +331,6 @@ def get_backend_name(backend: str | Backend) -> str:
     return backend.name if isinstance(backend, Backend) else get_backend(backend).name
 
 
-def _layout_args(layout: KVCacheLayout) -> tuple:
-    """The layout as custom-op arguments; ``order`` is the cross-layer order where there is one."""
-    return (layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_size, layout.value_size,
-            layout.cross_layer_order or layout.order, layout.num_layers)
-
-
-@functools.lru_cache(maxsize=256)
-def _layout(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, head_size_v: int,
-            order: str, num_layers: int, dtype: torch.dtype) -> KVCacheLayout:
-    if order in CROSS_LAYER_ORDERS:
-        return KVCacheLayout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, dtype, token_order(order),
-                             order, num_layers)
-    return KVCacheLayout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, dtype, order)
-
-
 def _write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
            slot_mapping: torch.Tensor, backend: Backend, k_scale: torch.Tensor | None,
            v_scale: torch.Tensor | None, step: StepMetadata | None = None) -> None:
@@ -366,8 +349,7 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, sca
     n = step.common.num_actual_tokens
     if step.capture is not None:      # the kernels write the rows of the replay's requests, nothing else
         if out is None:
-            raise ValueError("a step prepared for graph capture needs out= (a buffer of the bucket's rows made "
-                             "before capture)")
+            raise ValueError(CAPTURE_NEEDS_OUT)
     elif out is None:
         out = torch.zeros(query.shape[0], query.shape[1], step.layout.value_size, dtype=query.dtype,
                           device=query.device)
@@ -382,46 +364,5 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, sca
     return out
 
 
-def _write_kv_impl(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, head_size_v: int,
-                   order: str, num_layers: int, backend: str, k_scale: torch.Tensor | None = None,
-                   v_scale: torch.Tensor | None = None) -> None:
-    layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, num_layers, kv_cache.dtype)
-    _write(key, value, kv_cache, layout, slot_mapping, get_backend(backend), k_scale, v_scale)
-
-
-def _paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
-                          seq_lens: torch.Tensor, block_table: torch.Tensor, query_start_loc_cpu: torch.Tensor,
-                          seq_lens_cpu: torch.Tensor, num_actual_tokens: int, max_query_len: int,
-                          max_seq_len: int, causal: bool, num_blocks: int, block_size: int, num_kv_heads: int,
-                          head_size: int, head_size_v: int, order: str, num_layers: int, scale: float,
-                          sliding_window: int | None, softcap: float | None, backend: str,
-                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                          sinks: torch.Tensor | None = None,
-                          alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
-    layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, num_layers, kv_cache.dtype)
-
-    def prepare() -> StepMetadata:
-        metadata = CommonAttentionMetadata(
-            query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
-            slot_mapping=query_start_loc.new_empty(0, dtype=torch.int64), num_reqs=seq_lens.shape[0],
-            num_actual_tokens=num_actual_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
-            causal=causal, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu)
-        return prepare_step(metadata, layout, query.shape[1], num_query_rows=query.shape[0],
-                            sliding_window=sliding_window, softcap=softcap, backend=backend, device=kv_cache.device,
-                            sinks=sinks, alibi_slopes=alibi_slopes)
-
-    step = _COMPILED_STEPS.get(
-        (query_start_loc, seq_lens, block_table, query_start_loc_cpu, seq_lens_cpu),
-        (layout, query.shape[0], query.shape[1], num_actual_tokens, max_query_len, max_seq_len, causal,
-         sliding_window, bool(softcap), backend, sinks is not None, alibi_slopes is not None, kv_cache.device),
-        prepare)
-    return _attend(query, kv_cache, step, scale, softcap, None, k_scale, v_scale, sinks, alibi_slopes)
-
-
-#: the torch.compile path's steps: one per step's metadata, shared by its layers
-_COMPILED_STEPS = StepCache()
-
-
 # eager calls go straight to _write / _attend; torch.compile traces the custom ops
-register_custom_ops(_write_kv_impl, _paged_attention_impl)
+register_custom_ops()
