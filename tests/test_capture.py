@@ -187,6 +187,27 @@ def test_capture_refusals_name_the_mismatch(one_torch_thread):
         kvmulti.prepare_step(md, engine.layout, HQ, backend=CPUBackend(native_kernel=False), capture=bucket)
     with pytest.raises(ValueError, match="must be an int >= 1"):
         kvmulti.CaptureBucket(0, 4, 1, 16)
+    with pytest.raises(ValueError, match="max_num_tokens=4 rows"):
+        kvmulti.paged_attention(engine.query[:3], engine.caches[0], engine.layout, step, out=engine.outs[0][:3])
     other = kvmulti.KVCacheLayout(BLOCKS + 1, BLOCK, HKV, HEAD, dtype=torch.float32).allocate()
     with pytest.raises(ValueError, match="cache.layout"):      # a cache of another shape: refused loudly
         kvmulti.paged_attention(engine.query, other, engine.layout, step, out=engine.outs[0])
+
+
+def test_a_dropped_step_is_freed_with_its_workspace(one_torch_thread):
+    """A step and its calls form no reference cycle: dropping the step frees it (and the split-KV
+    workspace its calls own) at once, without waiting for the cyclic garbage collector."""
+    import gc
+    import weakref
+    engine = Engine()
+    real = engine.fill([5, 9, 2])
+    step = kvmulti.prepare_step(real, engine.layout, HQ, num_query_rows=SEQS,
+                                backend=TritonBackend(partition_size=16))
+    kvmulti.paged_attention(engine.query, engine.caches[0], engine.layout, step, out=engine.outs[0])
+    workspace = weakref.ref(step.calls.workspace[0])
+    gc.disable()
+    try:
+        del step
+        assert workspace() is None
+    finally:
+        gc.enable()

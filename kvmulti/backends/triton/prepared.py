@@ -23,6 +23,8 @@ by its layers, whose launches run one after another on the stream.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ...capture import CaptureBucket
@@ -91,10 +93,14 @@ class TritonStepCalls:
     """``StepMetadata.calls`` of a TRITON step (the contract of :meth:`Backend.prepared_calls`)."""
 
     def __init__(self, step: StepMetadata, device: torch.device):
-        self.step, self.device = step, device
+        # the step holds these calls: a weak reference back keeps the pair out of a reference cycle,
+        # so a step and its workspace are freed as soon as the engine drops the step
+        self._step, self.device = weakref.ref(step), device
+        self.layout, self.common, self.plan = step.layout, step.common, step.plan
+        self.sliding_window = step.sliding_window
         capture: CaptureBucket | None = step.capture
         self.capture = capture
-        common, plan = step.common, step.plan
+        common, plan = self.common, self.plan
         #: query rows the kernels cover, requests they walk, and the lengths their plan is for
         if capture is None:
             self.rows, self.num_reqs = common.num_actual_tokens, common.num_reqs
@@ -121,13 +127,14 @@ class TritonStepCalls:
                                                   alibi_slopes.device))
         form = self._attention.get(key)
         if form is None:
-            if not prepared_attention_tensors_fit(query, kv_cache, self.step, out, scale, softcap or None, sinks,
-                                                  alibi_slopes):
+            step = self._step()
+            if step is None or not prepared_attention_tensors_fit(query, kv_cache, step, out, scale, softcap or None,
+                                                                  sinks, alibi_slopes):
                 return False
             form = self._attention[key] = self._attention_form(query, kv_cache, out, scale, softcap, sinks,
                                                                alibi_slopes)
         if alibi_slopes is not None:
-            check_alibi_values_once(self.step, alibi_slopes)
+            check_alibi_values_once(self._step(), alibi_slopes)
         self._run_attention(form, query, kv_cache, out, sinks, alibi_slopes)
         return True
 
@@ -136,8 +143,8 @@ class TritonStepCalls:
                       alibi_slopes: torch.Tensor | None = None) -> None:
         """:meth:`attend` for a call already checked (the backend's ``paged_attention``): rows
         past the step's are the caller's."""
-        key = ("checked", query.shape, query.stride(), out.shape, out.stride(), kv_cache.stride(), query.dtype,
-               scale, softcap, sinks is None, alibi_slopes is None)
+        key = ("checked", query.shape, query.stride(), out.shape, out.stride(), kv_cache.shape, kv_cache.stride(),
+               query.dtype, scale, softcap, sinks is None, alibi_slopes is None)
         form = self._attention.get(key)
         if form is None:
             form = self._attention[key] = self._attention_form(query, kv_cache, out, scale, softcap, sinks,
@@ -162,15 +169,18 @@ class TritonStepCalls:
     def _attention_form(self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float,
                         softcap: float, sinks: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
                         zero: bool = True) -> _AttentionForm:
-        step, layout, common = self.step, self.step.layout, self.step.common
+        layout, common = self.layout, self.common
+        if self.capture is not None and (query.shape[0], out.shape[0]) != (self.rows, self.rows):
+            raise ValueError(f"a step prepared for graph capture takes query and out of the bucket's "
+                             f"max_num_tokens={self.rows} rows, got {query.shape[0]} and {out.shape[0]}")
         s = layout.strides(kv_cache)
         _, launches = kernels.attention_launches(
             query, kv_cache, out, common.query_start_loc, common.seq_lens, common.block_table,
             cache_strides=(s.block, s.token, s.head), block_size=layout.block_size,
             num_kv_heads=layout.num_kv_heads, head_size=layout.head_size, head_size_v=layout.value_size,
             num_reqs=self.num_reqs, num_tokens=self.rows, max_query_len=self.max_query_len,
-            max_seq_len=self.max_seq_len, scale=scale, sliding_window=step.sliding_window,
-            softcap=softcap or None, plan=step.plan, sinks=sinks, alibi_slopes=alibi_slopes,
+            max_seq_len=self.max_seq_len, scale=scale, sliding_window=self.sliding_window,
+            softcap=softcap or None, plan=self.plan, sinks=sinks, alibi_slopes=alibi_slopes,
             causal=common.causal, workspace=self.workspace)
         zero_from = self.rows if zero and self.capture is None and out.shape[0] > self.rows else None
         prepared = []
@@ -192,9 +202,10 @@ class TritonStepCalls:
                     key.dtype, value.dtype, kv_cache.dtype, id(slot_mapping), slot_mapping.shape)
         form = self._writes.get(form_key)
         if form is None or form[0] is not slot_mapping:
-            if not prepared_write_tensors_fit(key, value, kv_cache, slot_mapping, self.step):
+            step = self._step()
+            if step is None or not prepared_write_tensors_fit(key, value, kv_cache, slot_mapping, step):
                 return False
-            check_slot_values_once(self.step, slot_mapping, self.step.layout)
+            check_slot_values_once(step, slot_mapping, self.layout)
             form = self._writes[form_key] = (slot_mapping, self._write_launches(key, value, kv_cache, slot_mapping))
         for launch in form[1]:
             launch((key, value, kv_cache))
@@ -202,7 +213,7 @@ class TritonStepCalls:
 
     def _write_launches(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                         slot_mapping: torch.Tensor) -> list[PreparedLaunch]:
-        layout = self.step.layout
+        layout = self.layout
         s = layout.strides(kv_cache)
         launches = kernels.write_kv_launches(key, value, kv_cache, slot_mapping, cache_strides=(s.block, s.token, s.head),
                                              block_size=layout.block_size, num_kv_heads=layout.num_kv_heads,
