@@ -18,7 +18,9 @@ causal (query, key) pairs) and their % of the measured matmul rate. Each impleme
 the timed shape is also compared with SDPA's (``max_abs_diff_vs_sdpa``). After the eager timings,
 each kvmulti implementation's prepared call is captured in a CUDA graph and its replay timed
 (:func:`graph_rows`: the GPU's time without the host's, the replayed output checked against SDPA's,
-or the reason the call cannot be captured).
+or the reason the call cannot be captured). Last, per decode shape, a step prepared for graph capture
+(:func:`capture_bucket`) runs one layer and a :data:`DECODE_STEP_LAYERS`-layer decode step over the
+same cache, eager and replayed (:func:`decode_step_rows`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ ROUNDS = 3
 COPY_BYTES = 1 << 30
 MATMUL_N = 8192
 DEVICE = "cuda"
+DECODE_STEP_LAYERS = 32
 
 
 @dataclass(frozen=True)
@@ -228,13 +231,55 @@ def graph_rows(shape: Shape, implementations: dict[str, object]) -> list[dict]:
     return rows
 
 
+def capture_bucket(shape: Shape) -> "kvmulti.CaptureBucket":
+    """The capture bucket of one shape's batch: its requests, rows, query length and sequence length."""
+    return kvmulti.CaptureBucket(max_num_seqs=shape.seqs, max_num_tokens=shape.seqs * shape.query_len,
+                                 max_query_len=shape.query_len, max_seq_len=shape.length)
+
+
+def decode_step_rows(shape: Shape, name: str, backend, layers: int = DECODE_STEP_LAYERS) -> dict:
+    """One layer and a ``layers``-layer decode step (the same cache per layer, an out buffer each) of a
+    step prepared for capture: eager and replayed medians (``eager_layer_ms``, ``eager_step_ms``,
+    ``graph_layer_ms``, ``graph_step_ms``), the replayed step against ``layers`` replayed layers
+    (``graph_step_vs_layers``), the replayed output against the eager one; or ``error``."""
+    problem = Problem(shape)
+    row: dict = {"shape": shape.name, "impl": name, "layers": layers}
+    try:
+        step = kvmulti.prepare_step(problem.metadata, problem.layout, HQ, backend=backend,
+                                    capture=capture_bucket(shape))
+        outs = [torch.empty_like(problem.q) for _ in range(layers)]
+
+        def layer() -> None:
+            kvmulti.paged_attention(problem.q, problem.cache, problem.layout, step, out=outs[0])
+
+        def decode_step() -> None:
+            for out in outs:
+                kvmulti.paged_attention(problem.q, problem.cache, problem.layout, step, out=out)
+        row["eager_layer_ms"], row["eager_step_ms"] = median_ms(layer), median_ms(decode_step)
+        eager = outs[-1].clone()
+        layer_graph, step_graph = captured(layer), captured(decode_step)
+        row["graph_layer_ms"], row["graph_step_ms"] = median_ms(layer_graph.replay), median_ms(step_graph.replay)
+        row["graph_step_vs_layers"] = row["graph_step_ms"] / (layers * row["graph_layer_ms"])
+        outs[-1].zero_()
+        step_graph.replay()
+        torch.cuda.synchronize()
+        row["graph_max_abs_diff_vs_eager"] = float((outs[-1].float() - eager.float()).abs().max())
+    except Exception as e:                            # recorded; the others still run
+        row["error"] = f"{type(e).__name__}: {e}"[:600]
+    del problem
+    torch.cuda.empty_cache()
+    return row
+
+
 def run(implementations: dict[str, object], shapes: tuple[Shape, ...] = SHAPES,
         progress: Callable[[dict], None] | None = None) -> dict:
     """``{"ceilings": {"copy", "matmul"}, "rows": [...], "graphs": [...]}``; ``implementations``:
     name -> backend (a name or object) timed beside SDPA; ``graphs``: :func:`graph_rows` of every
-    shape, after all eager timings (a failed capture cannot disturb them). ``progress`` gets the
-    result so far after each shape."""
-    result: dict = {"ceilings": {"copy": copy_bandwidth(), "matmul": matmul_rate()}, "rows": [], "graphs": []}
+    shape, after all eager timings (a failed capture cannot disturb them); ``decode_steps``:
+    :func:`decode_step_rows` of every decode shape for the implementations that prepare steps for
+    capture. ``progress`` gets the result so far after each shape."""
+    result: dict = {"ceilings": {"copy": copy_bandwidth(), "matmul": matmul_rate()}, "rows": [], "graphs": [],
+                    "decode_steps": []}
     torch.cuda.empty_cache()
     for shape in shapes:
         try:
@@ -248,6 +293,13 @@ def run(implementations: dict[str, object], shapes: tuple[Shape, ...] = SHAPES,
             result["graphs"] += graph_rows(shape, implementations)
         except Exception as e:                        # recorded; the next shape still runs
             result["graphs"].append({"shape": shape.name, "impl": "all", "graph_error": f"{type(e).__name__}: {e}"[:600]})
+        if progress:
+            progress(result)
+    for shape in (s for s in shapes if s.kind == "decode"):
+        for name, backend in implementations.items():
+            if kvmulti.resolve_backend(kvmulti.KVCacheLayout(1, BLOCK, HKV, HEAD, dtype=DTYPE, order="HND"), DEVICE,
+                                       backend=backend).supports_capture:
+                result["decode_steps"].append(decode_step_rows(shape, name, backend))
         if progress:
             progress(result)
     return result

@@ -337,6 +337,12 @@ def step_benchmark(ctx: Context, cap: float) -> Outcome:
         uncaptured = [f"{g['impl']} {g['shape']}" for g in graphs if "graph_error" in g]
         summary += f"; CUDA graphs: {len(graphs) - len(uncaptured)} of {len(graphs)} calls captured" + (
             f" (not: {', '.join(uncaptured)})" if uncaptured else "")
+    steps = bench.get("decode_steps") or []
+    if steps:
+        replayed = [f"{r['impl']} {r['shape']}: {r['layers']} layers replayed in {r['graph_step_ms']:.3f} ms "
+                    f"({r['graph_step_vs_layers']:.2f}x {r['layers']} replayed layers)" for r in steps if "error" not in r]
+        failed = [f"{r['impl']} {r['shape']}" for r in steps if "error" in r]
+        summary += "; decode steps: " + "; ".join(replayed) + (f" (failed: {', '.join(failed)})" if failed else "")
     if "--library" not in cmd:
         summary += "; HIP not timed (it did not pass the oracle step)"
     status = "timeout" if rc is None else "passed" if rc == 0 and not errors else "failed"
@@ -346,8 +352,11 @@ def step_benchmark(ctx: Context, cap: float) -> Outcome:
 def dry_benchmark(ctx: Context, cap: float) -> Outcome:
     work = device_bench.shape_work(device_bench.SHAPES[0])
     assert work["bytes"] == 32 * 4096 * 8 * 256 * 2 + 2 * 32 * 32 * 128 * 2, work
-    assert callable(device_bench.run) and callable(device_bench.main)
-    return Outcome("passed", f"{len(device_bench.SHAPES)} shapes; decode 32x4096 moves {work['bytes'] / 1e6:.0f} MB")
+    assert callable(device_bench.run) and callable(device_bench.main) and callable(device_bench.decode_step_rows)
+    bucket = device_bench.capture_bucket(device_bench.SHAPES[0])
+    assert (bucket.max_num_seqs, bucket.max_num_tokens, bucket.max_query_len, bucket.max_seq_len) == (32, 32, 1, 4096)
+    return Outcome("passed", f"{len(device_bench.SHAPES)} shapes; decode 32x4096 moves {work['bytes'] / 1e6:.0f} MB; "
+                   f"{device_bench.DECODE_STEP_LAYERS}-layer decode steps replayed from a capture bucket")
 
 
 def _model_result(ctx: Context, path: Path | None) -> Outcome:

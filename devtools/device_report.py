@@ -87,6 +87,24 @@ def graph_table(result: dict) -> list[str]:
     return _table(["shape", "impl", "eager ms", "graph replay ms", "max abs diff vs SDPA (replayed)", "error"], rows)
 
 
+def decode_step_table(result: dict) -> list[str]:
+    """Decode steps of a step prepared for graph capture: one layer and every layer over the same
+    cache, eager and replayed."""
+    steps = (result.get("benchmark") or {}).get("decode_steps") or []
+    if not steps:
+        return ["Decode steps from a capture bucket: not measured."]
+    rows = []
+    for r in steps:
+        if "error" in r:
+            rows.append([r["shape"], r["impl"], str(r.get("layers", "-")), "-", "-", "-", "-", "-", r["error"]])
+            continue
+        rows.append([r["shape"], r["impl"], str(r["layers"]), f"{r['eager_layer_ms']:.3f}", f"{r['graph_layer_ms']:.3f}",
+                     f"{r['eager_step_ms']:.3f}", f"{r['graph_step_ms']:.3f}", f"{r['graph_step_vs_layers']:.2f}x",
+                     f"replayed vs eager: {r['graph_max_abs_diff_vs_eager']:.3g}"])
+    return _table(["shape", "impl", "layers", "layer eager ms", "layer replay ms", "step eager ms", "step replay ms",
+                   "step replay / layers x layer replay", "note"], rows)
+
+
 def sweep_table(result: dict) -> list[str]:
     """The tile sweep's rows (benchmarks/triton_gpu_sweep.py): each candidate against the shipped tiles."""
     rows = []
@@ -129,8 +147,8 @@ def render_markdown(result: dict) -> str:
              "## Timings (CUDA events)", "", *ceilings_lines(result), "", *timing_table(result), ""]
     model = result.get("model", {})
     lines.append(f"Model estimates: {model.get('source') or 'no model estimate (no model output found)'}.")
-    lines += ["", "## CUDA graphs", "", *graph_table(result), "", "## Triton prefill tiles", "",
-              *sweep_table(result)]
+    lines += ["", "## CUDA graphs", "", *graph_table(result), "", *decode_step_table(result), "",
+              "## Triton prefill tiles", "", *sweep_table(result)]
     return "\n".join(lines) + "\n"
 
 

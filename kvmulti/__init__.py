@@ -8,7 +8,8 @@ the SYCL runtime and the HIP library load inside the backend that needs them.
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionConfig", "AttentionSpec", "Backend", "BackendSelectionError", "CommonAttentionMetadata",
+__all__ = ["AttentionConfig", "AttentionSpec", "Backend", "BackendSelectionError", "CaptureBucket",
+           "CommonAttentionMetadata",
            "FP8_DTYPES", "KVCacheConfig", "KVCacheLayout", "LayoutStrides", "ModelRunner", "ROLES", "SpeculativeRunner",
            "StepMetadata", "available_backends", "export_blocks", "import_blocks", "paged_attention", "prepare_step",
            "prepare_steps",
@@ -21,7 +22,7 @@ _LAZY = {"AttentionConfig": "kvmulti.backends", "Backend": "kvmulti.backends",
          "BackendSelectionError": "kvmulti.backends", "available_backends": "kvmulti.backends",
          "register_backend": "kvmulti.backends", "select_backend": "kvmulti.backends",
          "ROLES": "kvmulti.backends.registry", "FP8_DTYPES": "kvmulti.fp8",
-         "KVCacheLayout": "kvmulti.layout", "LayoutStrides": "kvmulti.layout",
+         "CaptureBucket": "kvmulti.capture", "KVCacheLayout": "kvmulti.layout", "LayoutStrides": "kvmulti.layout",
          "CommonAttentionMetadata": "kvmulti.metadata", "StepMetadata": "kvmulti.backends.base",
          "paged_attention": "kvmulti.ops", "prepare_step": "kvmulti.ops",
          "prepare_steps": "kvmulti.ops", "resolve_backend": "kvmulti.ops",

@@ -16,7 +16,6 @@ so ``torch.compile(fullgraph=True)`` traces calls to them.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Hashable, Mapping
 from typing import TypeVar
 
@@ -25,15 +24,18 @@ import torch
 from .backends.base import Backend, StepMetadata
 from .backends.registry import get_backend, select_backend_for_layout
 from .fp8 import is_fp8, scale_tensor
-from .layout import CROSS_LAYER_ORDERS, KVCacheLayout, token_order
+from .layout import KVCacheLayout
+from .capture import CaptureBucket
 from .metadata import CommonAttentionMetadata
-from .custom_ops import register_custom_ops
-from .validation import (check_alibi_values_once, check_attention_args, check_group_metadata, check_lengths,
+from .custom_ops import layout_args, register_custom_ops
+from .validation import (check_alibi_values_once, check_attention_args, check_capture, check_group_metadata,
+                         check_lengths,
                          check_slot_values, check_slot_values_once, check_window, check_write,
                          prepared_attention_is_plain, prepared_attention_tensors_fit, prepared_write_is_plain,
                          prepared_write_tensors_fit)
 
 K = TypeVar("K", bound=Hashable)
+CAPTURE_NEEDS_OUT = "a step prepared for graph capture needs out= (a buffer of the bucket's rows made before capture)"
 
 
 def resolve_backend(layout: KVCacheLayout, device: torch.device | str, *, sliding_window: int | None = None,
@@ -65,7 +67,8 @@ def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_q
                  softcap: float | None = None, backend: str | Backend | None = None,
                  role: str = "target", device: torch.device | None = None,
                  check_values: bool = True, sinks: torch.Tensor | bool | None = None,
-                 alibi_slopes: torch.Tensor | bool | None = None) -> StepMetadata:
+                 alibi_slopes: torch.Tensor | bool | None = None,
+                 capture: CaptureBucket | None = None) -> StepMetadata:
     """The per-step hook: validate ``metadata`` for one KV-cache group (query of ``num_query_rows``
     rows, default ``num_actual_tokens``; tensors on ``device``, default the metadata's), resolve its
     backend and let it prepare what every layer of the group reuses this step. Pass the result to
@@ -80,13 +83,23 @@ def prepare_step(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num_q
 
     ``sinks``: the group's layers pass attention sinks to :func:`paged_attention` (a layer's sinks
     tensor, or True; None / False: they do not). Only a backend serving sinks is chosen.
-    ``alibi_slopes`` likewise: the layers pass ALiBi slopes (only a backend serving ALiBi)."""
+    ``alibi_slopes`` likewise: the layers pass ALiBi slopes (only a backend serving ALiBi).
+
+    ``capture``: prepare the step for graph capture (a backend with ``supports_capture``): its
+    launches are fixed for the bucket's maxima, so one captured layer call replays correctly after
+    the metadata's device tensors are updated in place for another batch within the bucket (see
+    docs/design.md, "Steps prepared for graph capture"). ``metadata`` then holds the bucket's
+    ``max_num_seqs`` requests and the query ``num_query_rows`` = ``max_num_tokens`` rows (the
+    default with a bucket)."""
     device = _metadata_device(metadata, device)
-    rows = metadata.num_actual_tokens if num_query_rows is None else num_query_rows
+    rows = (metadata.num_actual_tokens if capture is None else capture.max_num_tokens) if num_query_rows is None \
+        else num_query_rows
     _check_group_args(layout, num_query_heads, sliding_window)
     longest = check_lengths(metadata, rows, device)
+    if capture is not None:
+        check_capture(metadata, rows, capture)
     return _prepare_group(metadata, layout, num_query_heads, sliding_window, softcap, backend, role, device,
-                          check_values, longest, sinks, alibi_slopes)
+                          check_values, longest, sinks, alibi_slopes, capture)
 
 
 def prepare_steps(metadata: Mapping[K, CommonAttentionMetadata], layouts: Mapping[K, KVCacheLayout],
@@ -95,11 +108,12 @@ def prepare_steps(metadata: Mapping[K, CommonAttentionMetadata], layouts: Mappin
                   backends: Mapping[K, str | Backend | None] | None = None, role: str = "target",
                   device: torch.device | None = None, check_values: bool = True,
                   sinks: Mapping[K, torch.Tensor | bool | None] | None = None,
-                  alibi_slopes: Mapping[K, torch.Tensor | bool | None] | None = None) -> dict[K, StepMetadata]:
+                  alibi_slopes: Mapping[K, torch.Tensor | bool | None] | None = None,
+                  capture: CaptureBucket | None = None) -> dict[K, StepMetadata]:
     """:func:`prepare_step` for every KV-cache group of one step: ``metadata[g]`` over a cache of
     ``layouts[g]`` with window ``sliding_windows[g]`` (default None), backend ``backends[g]``
     (default: dispatch), ``sinks[g]`` and ``alibi_slopes[g]`` (default None), the other arguments as there. Returns
-    ``{g: StepMetadata}``.
+    ``{g: StepMetadata}``; ``capture``: every group's step prepared for graph capture in that bucket.
 
     The length checks (query_start_loc, seq_lens, their host copies and the scalar fields) run once
     for all groups whose metadata hold the very same length tensors and scalars, as an engine's
@@ -111,14 +125,17 @@ def prepare_steps(metadata: Mapping[K, CommonAttentionMetadata], layouts: Mappin
     for group, md in metadata.items():
         layout, window = layouts[group], windows.get(group)
         dev = _metadata_device(md, device)
-        rows = md.num_actual_tokens if num_query_rows is None else num_query_rows
+        rows = (md.num_actual_tokens if capture is None else capture.max_num_tokens) if num_query_rows is None \
+            else num_query_rows
         _check_group_args(layout, num_query_heads, window)
         longest = next((n for seen, n in checked if _same_lengths(seen, md)), None)
         if longest is None:
             longest = check_lengths(md, rows, dev)
             checked.append((md, longest))
+        if capture is not None:
+            check_capture(md, rows, capture)
         steps[group] = _prepare_group(md, layout, num_query_heads, window, softcap, chosen.get(group), role, dev,
-                                      check_values, longest, group_sinks.get(group), group_alibi.get(group))
+                                      check_values, longest, group_sinks.get(group), group_alibi.get(group), capture)
     return steps
 
 
@@ -152,8 +169,10 @@ def _prepare_group(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num
                    sliding_window: int | None, softcap: float | None, backend: str | Backend | None, role: str,
                    device: torch.device, check_values: bool, longest: int,
                    sinks: torch.Tensor | bool | None = None,
-                   alibi_slopes: torch.Tensor | bool | None = None) -> StepMetadata:
-    """One group's step after :func:`check_lengths` passed (``longest``: its longest seq_len)."""
+                   alibi_slopes: torch.Tensor | bool | None = None,
+                   capture: CaptureBucket | None = None) -> StepMetadata:
+    """One group's step after :func:`check_lengths` (and with ``capture`` :func:`check_capture`)
+    passed (``longest``: its longest seq_len)."""
     check_group_metadata(metadata, layout, sliding_window, device, longest, check_values)
     has_sinks = sinks is not None and sinks is not False
     has_alibi = alibi_slopes is not None and alibi_slopes is not False
@@ -163,7 +182,7 @@ def _prepare_group(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num
         raise ValueError(f"backend {backend.name} does not serve attention sinks")
     if has_alibi and isinstance(backend, Backend) and not backend.supports_alibi:
         raise ValueError(f"backend {backend.name}: ALiBi not supported")
-    step = chosen.build_metadata(metadata, layout, num_query_heads, sliding_window)
+    step = chosen.build_metadata(metadata, layout, num_query_heads, sliding_window, capture)
     step.sinks = has_sinks
     step.alibi = has_alibi
     return step
@@ -213,7 +232,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tens
         value = key.new_empty((key.shape[0], layout.num_kv_heads, 0))
     if torch.compiler.is_compiling():
         name = _backend_name(layout, kv_cache.device, None, None, True, backend, role)
-        torch.ops.kvmulti.write_kv(key, value, kv_cache, slot_mapping, *_layout_args(layout), name, k_scale, v_scale)
+        torch.ops.kvmulti.write_kv(key, value, kv_cache, slot_mapping, *layout_args(layout), name, k_scale, v_scale)
     else:
         _write(key, value, kv_cache, layout, slot_mapping, resolve_backend(layout, kv_cache.device, backend=backend,
                                                                            role=role), k_scale, v_scale, step)
@@ -247,6 +266,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
                                             backend, sinks, alibi_slopes):
         # a prepared layer's call: only its own tensors checked, by the backend's step calls or here
         calls, scale = metadata.calls, layout.default_scale if scale is None else scale
+        if out is None and metadata.capture is not None:
+            raise ValueError(CAPTURE_NEEDS_OUT)
         if calls is not None and (sinks is None or metadata.sinks) and (alibi_slopes is None or metadata.alibi):
             target = out if out is not None or query.dim() != 3 else \
                 query.new_zeros(query.shape[0], metadata.num_query_heads, layout.value_size)
@@ -272,7 +293,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         result = torch.ops.kvmulti.paged_attention(
             query, kv_cache, common.query_start_loc, common.seq_lens, common.block_table,
             common.query_start_loc_cpu, common.seq_lens_cpu, common.num_actual_tokens, common.max_query_len,
-            common.max_seq_len, common.causal, *_layout_args(layout), scale, sliding_window, softcap, name,
+            common.max_seq_len, common.causal, *layout_args(layout), scale, sliding_window, softcap, name,
             k_scale, v_scale, sinks, alibi_slopes)
         return result if out is None else out.copy_(result)
     if isinstance(metadata, StepMetadata):
@@ -310,21 +331,6 @@ def get_backend_name(backend: str | Backend) -> str:
     return backend.name if isinstance(backend, Backend) else get_backend(backend).name
 
 
-def _layout_args(layout: KVCacheLayout) -> tuple:
-    """The layout as custom-op arguments; ``order`` is the cross-layer order where there is one."""
-    return (layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_size, layout.value_size,
-            layout.cross_layer_order or layout.order, layout.num_layers)
-
-
-@functools.lru_cache(maxsize=256)
-def _layout(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, head_size_v: int,
-            order: str, num_layers: int, dtype: torch.dtype) -> KVCacheLayout:
-    if order in CROSS_LAYER_ORDERS:
-        return KVCacheLayout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, dtype, token_order(order),
-                             order, num_layers)
-    return KVCacheLayout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, dtype, order)
-
-
 def _write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
            slot_mapping: torch.Tensor, backend: Backend, k_scale: torch.Tensor | None,
            v_scale: torch.Tensor | None, step: StepMetadata | None = None) -> None:
@@ -341,7 +347,10 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, sca
             v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
             alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     n = step.common.num_actual_tokens
-    if out is None:
+    if step.capture is not None:      # the kernels write the rows of the replay's requests, nothing else
+        if out is None:
+            raise ValueError(CAPTURE_NEEDS_OUT)
+    elif out is None:
         out = torch.zeros(query.shape[0], query.shape[1], step.layout.value_size, dtype=query.dtype,
                           device=query.device)
     elif out.shape[0] > n:
@@ -355,34 +364,5 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, sca
     return out
 
 
-def _write_kv_impl(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, head_size_v: int,
-                   order: str, num_layers: int, backend: str, k_scale: torch.Tensor | None = None,
-                   v_scale: torch.Tensor | None = None) -> None:
-    layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, num_layers, kv_cache.dtype)
-    _write(key, value, kv_cache, layout, slot_mapping, get_backend(backend), k_scale, v_scale)
-
-
-def _paged_attention_impl(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
-                          seq_lens: torch.Tensor, block_table: torch.Tensor, query_start_loc_cpu: torch.Tensor,
-                          seq_lens_cpu: torch.Tensor, num_actual_tokens: int, max_query_len: int,
-                          max_seq_len: int, causal: bool, num_blocks: int, block_size: int, num_kv_heads: int,
-                          head_size: int, head_size_v: int, order: str, num_layers: int, scale: float,
-                          sliding_window: int | None, softcap: float | None, backend: str,
-                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                          sinks: torch.Tensor | None = None,
-                          alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
-    layout = _layout(num_blocks, block_size, num_kv_heads, head_size, head_size_v, order, num_layers, kv_cache.dtype)
-    metadata = CommonAttentionMetadata(
-        query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
-        slot_mapping=query_start_loc.new_empty(0, dtype=torch.int64), num_reqs=seq_lens.shape[0],
-        num_actual_tokens=num_actual_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
-        causal=causal, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu)
-    step = prepare_step(metadata, layout, query.shape[1], num_query_rows=query.shape[0],
-                        sliding_window=sliding_window, softcap=softcap, backend=backend, device=kv_cache.device,
-                        sinks=sinks, alibi_slopes=alibi_slopes)
-    return _attend(query, kv_cache, step, scale, softcap, None, k_scale, v_scale, sinks, alibi_slopes)
-
-
 # eager calls go straight to _write / _attend; torch.compile traces the custom ops
-register_custom_ops(_write_kv_impl, _paged_attention_impl)
+register_custom_ops()

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from . import input_rules, settings
+from .capture import CaptureBucket
 from .layout import KVCacheLayout
 from .metadata import CommonAttentionMetadata, first_visible_position
 
@@ -146,6 +147,27 @@ def check_metadata(metadata: CommonAttentionMetadata, layout: KVCacheLayout, num
     :func:`check_group_metadata`. Raises TypeError/ValueError naming the field and the rule."""
     longest = check_lengths(metadata, num_query_rows, device)
     check_group_metadata(metadata, layout, sliding_window, device, longest, check_values)
+
+
+def check_capture(metadata: CommonAttentionMetadata, num_query_rows: int, capture: CaptureBucket) -> None:
+    """A step prepared for graph capture launches for ``capture``'s maxima: ``metadata`` holds its
+    ``max_num_seqs`` requests (the real ones, then padding with query length 0), the query its
+    ``max_num_tokens`` rows, and the batch lies within its maximum query and sequence lengths.
+    Raises ValueError naming the field."""
+    if not isinstance(capture, CaptureBucket):
+        raise TypeError(f"capture must be a kvmulti.CaptureBucket, got {type(capture).__name__}")
+    if metadata.num_reqs != capture.max_num_seqs:
+        raise ValueError(f"metadata.num_reqs is {metadata.num_reqs}, the capture bucket's max_num_seqs "
+                         f"{capture.max_num_seqs}: pad the batch to the bucket (requests with query length 0)")
+    if num_query_rows != capture.max_num_tokens:
+        raise ValueError(f"the query has {num_query_rows} rows, the capture bucket's max_num_tokens "
+                         f"{capture.max_num_tokens}")
+    if metadata.max_query_len > capture.max_query_len:
+        raise ValueError(f"metadata.max_query_len {metadata.max_query_len} exceeds the capture bucket's "
+                         f"max_query_len {capture.max_query_len}")
+    if metadata.max_seq_len > capture.max_seq_len:
+        raise ValueError(f"metadata.max_seq_len {metadata.max_seq_len} exceeds the capture bucket's "
+                         f"max_seq_len {capture.max_seq_len}")
 
 
 def check_group_metadata(metadata: CommonAttentionMetadata, layout: KVCacheLayout, sliding_window: int | None,

@@ -225,3 +225,17 @@ def registered_backends() -> list[str]:
     backend's reasons where it cannot run, or fails in CI): the registry's, less :data:`OWN_VENV`."""
     from kvmulti.backends.registry import backend_names
     return [name for name in backend_names() if name not in OWN_VENV]
+
+
+def record_triton_launches(monkeypatch) -> list:
+    """Every attention ``Launch`` the TRITON backend builds from now on (the launches it runs: a
+    step builds each form's launches once, kvmulti/backends/triton/prepared.py)."""
+    from kvmulti.backends.triton import launch
+    launches, build = [], launch.attention_launches
+
+    def recording(*args, **kwargs):
+        plan, built = build(*args, **kwargs)
+        launches.extend(built)
+        return plan, built
+    monkeypatch.setattr(launch, "attention_launches", recording)
+    return launches

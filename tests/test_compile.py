@@ -59,3 +59,34 @@ def test_compile_fullgraph_prepared_layer_call():
     torch.compile(layer, fullgraph=True, backend="aot_eager")(q, k, v, cache, out)
     torch.testing.assert_close(cache, expected_cache)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_compiled_layers_prepare_their_step_once(monkeypatch):
+    """Under torch.compile every layer's custom op gets the metadata tensors; the layers of one
+    forward share one prepared step, and a step's metadata changed in place is prepared again."""
+    import kvmulti.ops as ops
+    layout = kvmulti.KVCacheLayout(4, 4, 2, 16, dtype=torch.float32, order="HND")
+    caches = [layout.allocate() for _ in range(3)]
+    for cache in caches:
+        cache.copy_(torch.randn(layout.shape))
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    md = kvmulti.CommonAttentionMetadata.from_lens([5, 1], [5, 7], table, block_size=4)
+    q = torch.randn(6, 4, 16)
+    kvmulti.paged_attention(q, caches[0], layout, md)          # eager: the backend's selection made
+    prepared = []
+    real_prepare = ops.prepare_step
+    monkeypatch.setattr(ops, "prepare_step", lambda *a, **k: prepared.append(1) or real_prepare(*a, **k))
+
+    def forward(q):
+        return [kvmulti.paged_attention(q, cache, layout, md) for cache in caches]
+
+    compiled = torch.compile(forward, fullgraph=True, backend="eager")
+    for out, cache in zip(compiled(q), caches):
+        torch.testing.assert_close(out, reference.paged_attention(q, cache, layout, md), atol=2e-5, rtol=2e-5)
+    assert len(prepared) == 1
+    compiled(q)
+    assert len(prepared) == 1
+    md.seq_lens.copy_(torch.tensor([5, 6], dtype=torch.int32))     # in place: the next step's lengths
+    md.seq_lens_cpu.copy_(md.seq_lens)
+    compiled(q)
+    assert len(prepared) == 2

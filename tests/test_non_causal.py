@@ -24,7 +24,7 @@ from kvmulti.backends import triton as triton_backend  # noqa: E402
 from kvmulti.backends.cpu.backend import CPUBackend  # noqa: E402
 from kvmulti.backends.triton import TritonBackend  # noqa: E402
 
-from batches import CaseSpec, assert_close_to_reference, build_case  # noqa: E402
+from batches import CaseSpec, assert_close_to_reference, build_case, record_triton_launches  # noqa: E402
 from availability import require_native_cpu_kernel  # noqa: E402
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -160,8 +160,7 @@ def test_triton_single_pass_window_matches_oracle(case_spec):
 def test_triton_prefill_loop_matches_oracle(family, monkeypatch):
     from kvmulti.backends.triton import launch
     monkeypatch.setattr(launch, "device_family", lambda device: family)
-    launches, run = [], launch.run
-    monkeypatch.setattr(launch, "run", lambda ls: (launches.extend(ls), run(ls))[1])
+    launches = record_triton_launches(monkeypatch)
     check_backend(spec(dtype=BF16, query_lens=(70, 1, 9), context_lens=(0, 30, 20)), "TRITON")
     for window in (3, 20, 100):   # windows shorter than a key tile, longer, wider than the requests
         check_backend(spec(dtype=BF16, sliding_window=window, query_lens=(150, 1, 9), context_lens=(0, 30, 20)),

@@ -30,7 +30,8 @@ from kvmulti.backends import triton as triton_backend  # noqa: E402
 from kvmulti.backends.triton import TritonBackend  # noqa: E402
 from kvmulti.backends.base import AttentionConfig  # noqa: E402
 
-from batches import CaseSpec, assert_close_to_reference, batch_cases, build_case, check_against_reference  # noqa: E402
+from batches import (CaseSpec, assert_close_to_reference, batch_cases, build_case, check_against_reference,  # noqa: E402
+                     record_triton_launches)
 
 triton = pytest.importorskip("triton")
 
@@ -231,8 +232,7 @@ def run_with_target_tiles(spec: CaseSpec, family: str, monkeypatch, arch: int | 
     from kvmulti.backends.triton import launch
     monkeypatch.setattr(launch, "device_family", lambda device: family)
     monkeypatch.setattr(launch, "device_arch", lambda device: arch)
-    launches, run = [], launch.run
-    monkeypatch.setattr(launch, "run", lambda ls: (launches.extend(ls), run(ls))[1])
+    launches = record_triton_launches(monkeypatch)
     check_against_reference(spec, "TRITON")
     return [ln for ln in launches if ln.kernel == "unified_attention"]
 

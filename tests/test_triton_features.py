@@ -20,7 +20,7 @@ from kvmulti.backends import triton as triton_backend  # noqa: E402
 from kvmulti.backends.triton import TritonBackend  # noqa: E402
 
 from batches import (CaseSpec, assert_close_to_reference, build_case, check_against_reference,  # noqa: E402
-                     check_fp8_against_reference)
+                     check_fp8_against_reference, record_triton_launches)
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not triton_backend.interpreting(),
@@ -68,8 +68,7 @@ def test_single_pass_matches_oracle(feature, kw):
 def test_prefill_loop_matches_oracle(feature, family, kw, monkeypatch):
     from kvmulti.backends.triton import launch
     monkeypatch.setattr(launch, "device_family", lambda device: family)   # the GPU plan: the prefill loop
-    launches, run = [], launch.run
-    monkeypatch.setattr(launch, "run", lambda ls: (launches.extend(ls), run(ls))[1])
+    launches = record_triton_launches(monkeypatch)
     check_against_reference(spec(feature, **kw), "TRITON")
     (attention,) = [ln for ln in launches if ln.kernel == "unified_attention"]
     assert attention.args["PREFILL"] and attention.args[FEATURES[feature][2]]   # log2 units: the term converted

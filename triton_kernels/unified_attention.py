@@ -38,7 +38,7 @@ Two kernels serve every batch:
   past that end of the last row or wholly before the window start of the first row are never loaded. Scores are kept
   in log2 units (log2(e) folded into the scale) and the softmax runs on ``exp2``.
 * Split-KV (``SPLIT=True``): the same kernel with the context cut in partitions of
-  ``PART_SIZE`` positions (grid dim 2); each program writes its unnormalised partial output,
+  ``PART_SIZE`` positions (grid dim 2; the last one runs to the request's end); each program writes its unnormalised partial output,
   running max and sum to a fp32 workspace, and ``reduce_partitions_kernel`` combines them.
 
 * Attention sinks (``SINKS``): query head h's fp32 logit ``sinks[h]`` joins each row's softmax
@@ -257,8 +257,10 @@ def unified_attention_kernel(
     if WINDOW > 0:
         k_lo = tl.maximum(ctx_len + q_block * BLOCK_Q - WINDOW + 1, 0)
     if SPLIT:
+        # the last partition runs to the request's end: a launch planned for fewer partitions than
+        # the request spans (a captured step whose contexts outgrew its bucket) still reads every key
         k_lo = tl.maximum(k_lo, part * PART_SIZE)
-        k_end = tl.minimum(k_end, (part + 1) * PART_SIZE)
+        k_end = tl.where(part + 1 < num_parts, tl.minimum(k_end, (part + 1) * PART_SIZE), k_end)
     # Never past the block table's width; a request without a table row sees no keys.
     k_end = tl.minimum(k_end, tl.where(req < table_rows, table_cols * BLOCK_SIZE, 0))
     tile_start = (k_lo // TILE_N) * TILE_N          # whole tiles before the window are skipped

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..capture import CaptureBucket
 from ..layout import Allocator, KVCacheLayout
 from ..metadata import CommonAttentionMetadata
 from .. import settings
@@ -72,6 +73,8 @@ class StepMetadata:
     sinks: bool = False
     #: the step was prepared for layers that pass ALiBi slopes (its backend serves them)
     alibi: bool = False
+    #: the bucket of a step prepared for graph capture (fixed launch shapes, see kvmulti/capture.py), or None
+    capture: CaptureBucket | None = None
 
     @cached_property
     def call_signature(self) -> tuple:
@@ -120,6 +123,9 @@ class Backend(abc.ABC):
     #: ALiBi: ``paged_attention(..., alibi_slopes=)`` fp32 [num_q_heads], score += slope[h] * (k_pos - q_pos)
     #: after scale and softcap; a backend without it reports "ALiBi not supported"
     supports_alibi: ClassVar[bool] = False
+    #: steps prepared for graph capture (``prepare_step(..., capture=CaptureBucket(...))``): launches
+    #: fixed for the bucket, lengths read on the device, workspaces owned by the step
+    supports_capture: ClassVar[bool] = False
 
     def __init__(self, partition_size: int | None = None):
         """``partition_size``: split-KV (see the class doc); None reads ``KVMULTI_PARTITION_SIZE``."""
@@ -189,12 +195,17 @@ class Backend(abc.ABC):
         return self.unavailable_reasons() + self.platform_reasons(config.platform) + self.capability_reasons(config)
 
     def build_metadata(self, common: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int,
-                       sliding_window: int | None) -> StepMetadata:
+                       sliding_window: int | None, capture: CaptureBucket | None = None) -> StepMetadata:
         """The per-step hook: everything this backend derives from ``common`` for a group whose
         layers have ``num_query_heads`` query heads and ``sliding_window``, computed once per step.
-        ``common`` must already be validated (:func:`kvmulti.validation.check_metadata`)."""
-        step = StepMetadata(common, self, layout, num_query_heads, sliding_window,
-                            self.plan(common, layout, num_query_heads, sliding_window))
+        ``common`` must already be validated (:func:`kvmulti.validation.check_metadata`), and with
+        ``capture`` checked against the bucket (:func:`kvmulti.validation.check_capture`); a backend
+        without ``supports_capture`` raises ValueError for it."""
+        if capture is not None and not self.supports_capture:
+            raise ValueError(f"backend {self.name} cannot prepare steps for graph capture")
+        step = StepMetadata(common, self, layout, num_query_heads, sliding_window, capture=capture)
+        step.plan = self.plan(common, layout, num_query_heads, sliding_window) if capture is None else \
+            self.capture_plan(common, layout, num_query_heads, sliding_window, capture)
         step.calls = self.prepared_calls(step)
         return step
 
@@ -202,6 +213,12 @@ class Backend(abc.ABC):
              sliding_window: int | None) -> Any:
         """What :meth:`build_metadata` stores as ``StepMetadata.plan`` (None: nothing to prepare)."""
         return None
+
+    def capture_plan(self, common: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int,
+                     sliding_window: int | None, capture: CaptureBucket) -> Any:
+        """:meth:`plan` for a step prepared for graph capture: decided from the bucket's maxima, not
+        from ``common``'s lengths (a backend with ``supports_capture`` implements it)."""
+        raise ValueError(f"backend {self.name} cannot prepare steps for graph capture")
 
     def prepared_calls(self, step: StepMetadata) -> Any:
         """What :func:`kvmulti.paged_attention` / :func:`kvmulti.write_kv` hand a layer call of

@@ -20,6 +20,7 @@ import sys
 import torch
 
 from ... import settings
+from ...capture import CaptureBucket
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata
 from ..base import ALL_DTYPES, FP8_DTYPES, Backend, StepMetadata
@@ -75,6 +76,7 @@ class TritonBackend(Backend):
     supports_sinks = True        # added where a row is normalised (triton_kernels/unified_attention.py)
     supports_non_causal = True   # every row sees its request's seq_len keys (encoder-only attention)
     supports_alibi = True        # added where scores are formed (triton_kernels/unified_attention.py)
+    supports_capture = True      # fixed launches per bucket, lengths read on the device (prepared.py)
 
     def __init__(self, partition_size: int | None = None):
         super().__init__(partition_size)
@@ -117,18 +119,42 @@ class TritonBackend(Backend):
 
     def plan(self, common: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int,
              sliding_window: int | None):
+        return self._plan(common, layout, num_query_heads, sliding_window, common.num_reqs, common.max_query_len,
+                          common.max_seq_len)
+
+    def capture_plan(self, common: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int,
+                     sliding_window: int | None, capture: CaptureBucket):
+        """The plan for the bucket's maxima: its requests, longest query and longest sequence (split-KV
+        partitions cover the bucket's max_seq_len). fp16 / bf16 / fp32 caches only: fp8 and latent
+        caches launch per call."""
+        if layout.is_latent or layout.dtype in FP8_DTYPES:
+            raise ValueError(f"TRITON prepares steps for graph capture over fp32 / fp16 / bf16 caches, not "
+                             f"{'a latent cache' if layout.is_latent else layout.dtype}")
+        return self._plan(common, layout, num_query_heads, sliding_window, capture.max_num_seqs,
+                          capture.max_query_len, capture.max_seq_len)
+
+    def _plan(self, common: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int,
+              sliding_window: int | None, num_reqs: int, max_query_len: int, max_seq_len: int):
         launch = _kernels()
         split_kv, partition = self._split()
         # keys past the table's width are never read (the kernel stops there)
-        max_seq_len = max(0, min(common.max_seq_len, common.block_table.shape[1] * layout.block_size))
+        max_seq_len = max(0, min(max_seq_len, common.block_table.shape[1] * layout.block_size))
         return launch.plan_attention(
-            num_reqs=common.num_reqs, num_kv_heads=layout.num_kv_heads,
-            num_qpk=num_query_heads // layout.num_kv_heads, max_query_len=common.max_query_len,
+            num_reqs=num_reqs, num_kv_heads=layout.num_kv_heads,
+            num_qpk=num_query_heads // layout.num_kv_heads, max_query_len=max_query_len,
             max_seq_len=max_seq_len, head_size=layout.head_size, head_size_v=layout.value_size,
             dtype=layout.dtype, num_compute_units=launch.num_compute_units(common.device),
             block_size=layout.block_size, split_kv=split_kv,
             partition_size=partition, family=launch.device_family(common.device), sliding_window=sliding_window,
             arch=launch.device_arch(common.device))
+
+    def prepared_calls(self, step: StepMetadata):
+        """The step's launches (prepared.py): a layer call's checks and kernel launches with the
+        argument lists, grids and split-KV workspace made once per step. None for fp8 and latent
+        caches, which take :meth:`paged_attention`'s launches per call."""
+        if step.layout.is_latent or step.layout.dtype in FP8_DTYPES:
+            return None
+        return importlib.import_module("kvmulti.backends.triton.prepared").TritonStepCalls(step, step.common.device)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layout: KVCacheLayout,
                  slot_mapping: torch.Tensor,
@@ -143,6 +169,12 @@ class TritonBackend(Backend):
                         softcap: float | None, out: torch.Tensor,
                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                         sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> None:
+        if step.calls is not None and k_scale is None:
+            # the step's own launches (for a step prepared for capture: the bucket's)
+            step.calls.run_attention(query, kv_cache, out, scale, softcap or 0.0, sinks, alibi_slopes)
+            return
+        if step.capture is not None:
+            raise ValueError("a step prepared for graph capture launches through its own calls (StepMetadata.calls)")
         layout, common = step.layout, step.common
         s = layout.strides(kv_cache)
         _kernels().unified_attention(

@@ -197,10 +197,11 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
                        v_scale: torch.Tensor | None = None,
                        sinks: torch.Tensor | None = None,
                        alibi_slopes: torch.Tensor | None = None,
-                       causal: bool = True, arch: int | None = None) -> tuple[AttentionPlan, list[Launch]]:
+                       causal: bool = True, arch: int | None = None,
+                       workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[AttentionPlan, list[Launch]]:
     """The plan (``plan`` when given: made once per step by the backend's per-step hook) and the
     launches (one, or two on the split path) for one attention call; the split path's fp32
-    workspace is allocated here. ``family`` and ``arch`` (default: the query's device's, see
+    workspace is ``workspace`` (:func:`split_workspace`, made once per step) or allocated here. ``family`` and ``arch`` (default: the query's device's, see
     :func:`device_arch`) pick the target's tiles; the cross-compilation names them.
 
     Bounds for the kernels come from the tensors, not the metadata values: rows =
@@ -247,10 +248,12 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
     k_scale, v_scale = _scale_args(fp8, k_scale, v_scale, num_kv_heads, out)
     num_q_heads = query.shape[1]
     if plan.split:
-        part_acc = torch.empty(num_rows * num_q_heads * plan.num_parts * plan.head_pad_v,
-                               dtype=torch.float32, device=query.device)
-        part_ml = torch.empty(num_rows * num_q_heads * plan.num_parts * 2, dtype=torch.float32,
-                              device=query.device)
+        part_acc, part_ml = split_workspace(plan, num_rows, num_q_heads, query.device) if workspace is None \
+            else workspace
+        if part_acc.numel() < num_rows * num_q_heads * plan.num_parts * plan.head_pad_v \
+                or part_ml.numel() < num_rows * num_q_heads * plan.num_parts * 2:
+            raise ValueError(f"the split-KV workspace holds {part_acc.numel()} / {part_ml.numel()} values, the "
+                             f"launch needs {num_rows} rows x {num_q_heads} heads x {plan.num_parts} partitions")
     else:
         part_acc = part_ml = out   # unused on the single pass
     sb, st, sh = cache_strides
@@ -283,6 +286,17 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
             HEAD_SIZE_V=head_size_v, HEAD_PAD_V=plan.head_pad_v, PART_CHUNK=REDUCE_PART_CHUNK,
             SINKS=sinks is not None)))
     return plan, launches
+
+
+def split_workspace(plan: AttentionPlan, num_rows: int, num_q_heads: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split path's fp32 workspace for ``num_rows`` query rows of ``num_q_heads`` heads: the
+    partial outputs [rows * heads * parts * head_pad_v] and their (max, sum) pairs
+    [rows * heads * parts * 2], every value written by the attention kernel before the reduction reads it."""
+    part_acc = torch.empty(num_rows * num_q_heads * plan.num_parts * plan.head_pad_v, dtype=torch.float32,
+                           device=device)
+    part_ml = torch.empty(num_rows * num_q_heads * plan.num_parts * 2, dtype=torch.float32, device=device)
+    return part_acc, part_ml
 
 
 def unified_attention(*args, **kwargs) -> AttentionPlan:

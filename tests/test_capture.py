@@ -1,0 +1,213 @@
+"""Steps prepared for graph capture (``prepare_step(..., capture=CaptureBucket(...))``), on CPU tensors
+under Triton's interpreter: the per-layer calls of such a step allocate nothing, fill nothing and
+read nothing back to the host (a dispatch mode records every aten op they make outside the kernels),
+and the same step, re-used after the engine updated the metadata's tensors in place for a batch
+with grown contexts (what a graph replay sees), matches the oracle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import kvmulti  # noqa: E402
+from kvmulti import reference  # noqa: E402
+from kvmulti.backends.cpu import CPUBackend  # noqa: E402
+from kvmulti.backends.triton import TritonBackend, interpreting  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU-tensor Triton tests need TRITON_INTERPRET=1")
+
+HQ, HKV, HEAD, BLOCK, BLOCKS, WIDTH, LAYERS = 4, 2, 16, 4, 48, 10, 2
+SEQS = 4                                        # the bucket's requests (decode: one row each)
+
+
+class OpRecorder(TorchDispatchMode):
+    """Every aten op made while active, except inside the kernels (:meth:`kernel`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+        self._in_kernel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._in_kernel:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def kernel(self):
+        self._in_kernel += 1
+        try:
+            yield
+        finally:
+            self._in_kernel -= 1
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """An OpRecorder whose kernel launches (the interpreter's numpy emulation of a GPU launch) are
+    not recorded: on a device they are one launch each, no aten op."""
+    from kvmulti.backends.triton.launch import KERNELS
+    rec = OpRecorder()
+    for fn in KERNELS.values():
+        original = fn.run
+
+        def run(*args, _original=original, **kwargs):
+            with rec.kernel():
+                return _original(*args, **kwargs)
+        monkeypatch.setattr(fn, "run", run)
+    return rec
+
+
+class Engine:
+    """An engine's persistent buffers for one decode bucket of SEQS requests: the metadata tensors,
+    the layers' query / key / value / out, their caches. :meth:`fill` writes a batch into them in
+    place (requests past the real ones padded with query length 0, slots with -1)."""
+
+    def __init__(self, dtype=torch.float32):
+        gen = torch.Generator().manual_seed(0)
+        self.layout = kvmulti.KVCacheLayout(BLOCKS, BLOCK, HKV, HEAD, dtype=dtype)
+        self.caches = [self.layout.allocate() for _ in range(LAYERS)]
+        for cache in self.caches:
+            cache.copy_(torch.randn(self.layout.shape, generator=gen).to(dtype))
+        self.tables = torch.randperm(BLOCKS, generator=gen).to(torch.int32)[:SEQS * WIDTH].view(SEQS, WIDTH)
+        self.query_start_loc = torch.zeros(SEQS + 1, dtype=torch.int32)
+        self.seq_lens = torch.zeros(SEQS, dtype=torch.int32)
+        self.block_table = torch.zeros(SEQS, WIDTH, dtype=torch.int32)
+        self.slot_mapping = torch.full((SEQS,), -1, dtype=torch.int64)
+        self.query = torch.zeros(SEQS, HQ, HEAD, dtype=dtype)
+        self.key = torch.zeros(SEQS, HKV, HEAD, dtype=dtype)
+        self.value = torch.zeros(SEQS, HKV, HEAD, dtype=dtype)
+        self.outs = [torch.zeros(SEQS, HQ, HEAD, dtype=dtype) for _ in range(LAYERS)]
+        self.gen = gen
+
+    def fill(self, seq_lens: list[int]) -> kvmulti.CommonAttentionMetadata:
+        """Write a decode batch (one new token per request, ``seq_lens`` with it) into the buffers;
+        returns the real batch's metadata (the oracle's)."""
+        n = len(seq_lens)
+        real = kvmulti.CommonAttentionMetadata.from_lens([1] * n, seq_lens, self.tables[:n].clone(), BLOCK)
+        self.query_start_loc.copy_(torch.tensor([min(i, n) for i in range(SEQS + 1)], dtype=torch.int32))
+        self.seq_lens.copy_(torch.tensor(seq_lens + [0] * (SEQS - n), dtype=torch.int32))
+        self.block_table.copy_(self.tables)
+        self.slot_mapping.fill_(-1)
+        self.slot_mapping[:n] = real.slot_mapping
+        dtype = self.query.dtype
+        for buffer in (self.query, self.key, self.value):
+            buffer.copy_(torch.randn(buffer.shape, generator=self.gen).to(dtype))
+        return real
+
+    def metadata(self, real: kvmulti.CommonAttentionMetadata) -> kvmulti.CommonAttentionMetadata:
+        """The bucket's metadata over the persistent buffers (host copies: the CPU tensors themselves)."""
+        return kvmulti.CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_table=self.block_table,
+            slot_mapping=self.slot_mapping, num_reqs=SEQS, num_actual_tokens=real.num_actual_tokens,
+            max_query_len=1, max_seq_len=real.max_seq_len, query_start_loc_cpu=self.query_start_loc,
+            seq_lens_cpu=self.seq_lens)
+
+    def layer_calls(self, step) -> None:
+        """What a captured decode step records per layer: the write, then attention into its out."""
+        for cache, out in zip(self.caches, self.outs):
+            kvmulti.write_kv(self.key, self.value, cache, self.layout, self.slot_mapping, step=step)
+            kvmulti.paged_attention(self.query, cache, self.layout, step, out=out)
+
+    def check(self, real: kvmulti.CommonAttentionMetadata, expected_caches: list[torch.Tensor]) -> None:
+        """Each layer's cache equals the oracle's writes, its out rows of the real requests the oracle."""
+        n = real.num_actual_tokens
+        for cache, expected_cache, out in zip(self.caches, expected_caches, self.outs):
+            reference.write_kv(self.key[:n], self.value[:n], expected_cache, self.layout, real.slot_mapping)
+            assert torch.equal(cache, expected_cache)
+            expected = reference.paged_attention(self.query[:n], cache, self.layout, real)
+            torch.testing.assert_close(out[:n], expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("partition_size", [0, 16], ids=["single_pass", "split_kv"])
+def test_a_captured_step_replays_grown_contexts_without_allocating_or_host_reads(partition_size, recorder,
+                                                                               one_torch_thread):
+    engine = Engine()
+    bucket = kvmulti.CaptureBucket(max_num_seqs=SEQS, max_num_tokens=SEQS, max_query_len=1, max_seq_len=17)
+    real = engine.fill([5, 9, 2])
+    step = kvmulti.prepare_step(engine.metadata(real), engine.layout, HQ, capture=bucket,
+                                backend=TritonBackend(partition_size=partition_size))
+    assert (step.plan.split, step.plan.num_parts) == ((True, 2) if partition_size else (False, 1))
+    expected_caches = [cache.clone() for cache in engine.caches]
+    engine.layer_calls(step)                   # the warm-up an engine runs before capturing
+    engine.check(real, expected_caches)
+
+    # a replay: contexts grow by one (two cross a block boundary), a fourth request joins, and one
+    # outgrows the bucket's max_seq_len and its two partitions (the last one runs to its end)
+    real = engine.fill([6, 10, 3, 36])
+    with recorder:
+        engine.layer_calls(step)
+    assert recorder.ops == [], f"per-layer calls of a captured step made aten ops: {recorder.ops}"
+    engine.check(real, expected_caches)
+
+    real = engine.fill([4])                    # a smaller batch in the same bucket
+    engine.layer_calls(step)
+    engine.check(real, expected_caches)
+
+
+def test_the_recorder_sees_what_an_eager_step_does(recorder, one_torch_thread):
+    """The same calls through an eager step of a padded query record the zeroing of its padding rows:
+    the recorder is not blind."""
+    engine = Engine()
+    real = engine.fill([5, 9, 2])
+    step = kvmulti.prepare_step(real, engine.layout, HQ, num_query_rows=SEQS, backend="TRITON")
+    kvmulti.paged_attention(engine.query, engine.caches[0], engine.layout, step, out=engine.outs[0])
+    with recorder:
+        kvmulti.paged_attention(engine.query, engine.caches[0], engine.layout, step, out=engine.outs[0])
+    assert any("zero_" in op or "fill_" in op for op in recorder.ops), recorder.ops
+    assert not engine.outs[0][3:].any()
+
+
+def test_capture_refusals_name_the_mismatch(one_torch_thread):
+    engine = Engine()
+    real = engine.fill([5, 9, 2])
+    md = engine.metadata(real)
+    bucket = kvmulti.CaptureBucket(max_num_seqs=SEQS, max_num_tokens=SEQS, max_query_len=1, max_seq_len=16)
+    step = kvmulti.prepare_step(md, engine.layout, HQ, capture=bucket, backend="TRITON")
+    with pytest.raises(ValueError, match="needs out="):
+        kvmulti.paged_attention(engine.query, engine.caches[0], engine.layout, step)
+    with pytest.raises(ValueError, match="max_num_seqs 8"):
+        kvmulti.prepare_step(md, engine.layout, HQ, backend="TRITON",
+                             capture=kvmulti.CaptureBucket(8, 8, 1, 16))
+    with pytest.raises(ValueError, match="max_seq_len 8"):
+        kvmulti.prepare_step(md, engine.layout, HQ, backend="TRITON",
+                             capture=kvmulti.CaptureBucket(SEQS, SEQS, 1, 8))
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        kvmulti.prepare_step(md, engine.layout, HQ, backend="TRITON", num_query_rows=SEQS + 1, capture=bucket)
+    with pytest.raises(ValueError, match="cannot prepare steps for graph capture"):
+        kvmulti.prepare_step(md, engine.layout, HQ, backend=CPUBackend(native_kernel=False), capture=bucket)
+    with pytest.raises(ValueError, match="must be an int >= 1"):
+        kvmulti.CaptureBucket(0, 4, 1, 16)
+    with pytest.raises(ValueError, match="max_num_tokens=4 rows"):
+        kvmulti.paged_attention(engine.query[:3], engine.caches[0], engine.layout, step, out=engine.outs[0][:3])
+    other = kvmulti.KVCacheLayout(BLOCKS + 1, BLOCK, HKV, HEAD, dtype=torch.float32).allocate()
+    with pytest.raises(ValueError, match="cache.layout"):      # a cache of another shape: refused loudly
+        kvmulti.paged_attention(engine.query, other, engine.layout, step, out=engine.outs[0])
+
+
+def test_a_dropped_step_is_freed_with_its_workspace(one_torch_thread):
+    """A step and its calls form no reference cycle: dropping the step frees it (and the split-KV
+    workspace its calls own) at once, without waiting for the cyclic garbage collector."""
+    import gc
+    import weakref
+    engine = Engine()
+    real = engine.fill([5, 9, 2])
+    step = kvmulti.prepare_step(real, engine.layout, HQ, num_query_rows=SEQS,
+                                backend=TritonBackend(partition_size=16))
+    kvmulti.paged_attention(engine.query, engine.caches[0], engine.layout, step, out=engine.outs[0])
+    workspace = weakref.ref(step.calls.workspace[0])
+    gc.disable()
+    try:
+        del step
+        assert workspace() is None
+    finally:
+        gc.enable()
