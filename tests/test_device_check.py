@@ -20,7 +20,7 @@ from devtools import device_check  # noqa: E402
 def test_dry_run_wires_every_step(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
     done = subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh"), str(tmp_path), "--dry-run"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads((tmp_path / "device_check.json").read_text())
     assert result["dry_run"] is True
