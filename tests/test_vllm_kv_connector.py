@@ -6,6 +6,8 @@ engines (each a subprocess in ``.venv-vllm``, ``kvmulti.integrations.vllm.engine
   file in a shared directory; engine B, kvmulti's backend (``KVMULTI_VLLM=1``) at block 16, loads
   32 tokens of each prompt from it (the last prompt token is always recomputed; whole blocks only)
   and decodes: B's greedy ids equal A's, which A computed alone (nothing loaded);
+* the same on a random-weight Qwen3-0.6B-shaped model (``benchmarks/model_configs/qwen3-0.6b``,
+  ``--load-format dummy``: 28 layers, 8 KV heads of 128; 2 prompts of 40 tokens, 4 new tokens);
 * a file with one byte flipped makes the loading engine fail with the interchange format's
   checksum error (never a silently wrong cache);
 * CPU_ATTN's page orders (its ISA's key and value orders inside a block) convert to per-token rows
@@ -26,16 +28,18 @@ import pytest
 from test_vllm_engine import MODELS, ROOT, VLLM_PYTHON, require_vllm
 
 PROMPTS = ("--prompts", "3", "--prompt-len", "40", "--max-tokens", "8")
+QWEN3 = ROOT / "benchmarks" / "model_configs" / "qwen3-0.6b"
 
 
-def engine(store: Path, block_size: int, kvmulti: bool, *args: str) -> subprocess.CompletedProcess:
-    """One engine run with kvmulti's connector over ``store`` (kvmulti from this checkout)."""
+def engine(store: Path, block_size: int, kvmulti: bool, *args: str,
+           model: Path = MODELS / "target") -> subprocess.CompletedProcess:
+    """One engine run of ``model`` with kvmulti's connector over ``store`` (kvmulti from this checkout)."""
     env = {k: v for k, v in os.environ.items() if k != "KVMULTI_VLLM"}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     if kvmulti:
         env["KVMULTI_VLLM"] = "1"
-    cmd = [str(VLLM_PYTHON), "-m", "kvmulti.integrations.vllm.engine_run", "--model", str(MODELS / "target"),
+    cmd = [str(VLLM_PYTHON), "-m", "kvmulti.integrations.vllm.engine_run", "--model", str(model),
            "--count-calls", "--block-size", str(block_size), "--kv-connector-dir", str(store), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
 
@@ -64,6 +68,17 @@ def test_cpu_attn_block_32_prefill_to_kvmulti_block_16_decode(saved):
     assert decode["connector_loaded_tokens"] == [32, 32, 32]
     assert decode["token_ids"] == prefill["token_ids"]
     assert all(len(ids) == 8 for ids in decode["token_ids"])
+
+
+def test_qwen3_shaped_random_weights_cpu_attn_prefill_to_kvmulti_decode(tmp_path):
+    require_vllm()
+    args = ("--load-format", "dummy", "--prompts", "2", "--prompt-len", "40", "--max-tokens", "4")
+    prefill = result(engine(tmp_path, 32, False, *args, model=QWEN3))
+    assert prefill["kvmulti_forward_calls"] == 0 and prefill["connector_loaded_tokens"] == [0, 0]
+    decode = result(engine(tmp_path, 16, True, *args, model=QWEN3))
+    assert decode["kvmulti_forward_calls"] > 0
+    assert decode["connector_loaded_tokens"] == [32, 32]
+    assert decode["token_ids"] == prefill["token_ids"]
 
 
 def test_a_corrupt_file_fails_the_load(saved, tmp_path):
