@@ -6,6 +6,9 @@ engines (each a subprocess in ``.venv-vllm``, ``kvmulti.integrations.vllm.engine
   file in a shared directory; engine B, kvmulti's backend (``KVMULTI_VLLM=1``) at block 16, loads
   32 tokens of each prompt from it (the last prompt token is always recomputed; whole blocks only)
   and decodes: B's greedy ids equal A's, which A computed alone (nothing loaded);
+* B with an fp8 (e4m3) cache loads the same fp32 files (converted by the interchange format, read
+  with the layer's scales) and decodes; no exact peer (fp8 rounding), so every prompt's first token
+  must equal A's (the measured run matched all 24 tokens);
 * the same on a random-weight Qwen3-0.6B-shaped model (``benchmarks/model_configs/qwen3-0.6b``,
   ``--load-format dummy``: 28 layers, 8 KV heads of 128; 2 prompts of 40 tokens, 4 new tokens);
 * a file with one byte flipped makes the loading engine fail with the interchange format's
@@ -68,6 +71,14 @@ def test_cpu_attn_block_32_prefill_to_kvmulti_block_16_decode(saved):
     assert decode["connector_loaded_tokens"] == [32, 32, 32]
     assert decode["token_ids"] == prefill["token_ids"]
     assert all(len(ids) == 8 for ids in decode["token_ids"])
+
+
+def test_fp32_prefill_to_fp8_kvmulti_decode(saved):
+    store, prefill = saved
+    decode = result(engine(store, 16, True, *PROMPTS, "--kv-cache-dtype", "fp8"))
+    assert decode["kvmulti_forward_calls"] > 0
+    assert decode["connector_loaded_tokens"] == [32, 32, 32]
+    assert [ids[0] for ids in decode["token_ids"]] == [ids[0] for ids in prefill["token_ids"]]
 
 
 def test_qwen3_shaped_random_weights_cpu_attn_prefill_to_kvmulti_decode(tmp_path):
