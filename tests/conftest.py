@@ -89,7 +89,7 @@ COMPILE_EVIDENCE = frozenset({
 })
 ONE_WORKER_MODULES = frozenset({
     "test_model_runner", "test_models", "test_plugins", "test_spec_decode", "test_vllm_engine",
-    "test_vllm_plugin", "test_wheel",
+    "test_vllm_plugin", "test_vllm_kv_connector", "test_wheel",
 })
 
 

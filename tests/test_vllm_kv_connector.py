@@ -73,6 +73,7 @@ def test_cpu_attn_block_32_prefill_to_kvmulti_block_16_decode(saved):
     assert all(len(ids) == 8 for ids in decode["token_ids"])
 
 
+@pytest.mark.exhaustive
 def test_fp32_prefill_to_fp8_kvmulti_decode(saved):
     store, prefill = saved
     decode = result(engine(store, 16, True, *PROMPTS, "--kv-cache-dtype", "fp8"))
