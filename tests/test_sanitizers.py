@@ -57,8 +57,7 @@ def test_native_paths_under_asan_and_ubsan(tmp_path):
         unavailable("no libasan.so next to gcc (CI needs it for the sanitizer run)")
     env = dict(os.environ)
     # the CPU kernel's variants this host cannot run are not built (they could not run under the sanitizers)
-    env["KVMULTI_CPU_EXTRA_CFLAGS"] = " ".join(
-        [env.get("KVMULTI_CPU_EXTRA_CFLAGS", ""), cpu_native.host_skip_flags()]).strip()
+    env["KVMULTI_CPU_EXTRA_CFLAGS"] = cpu_native.host_only_extra_cflags(env.get("KVMULTI_CPU_EXTRA_CFLAGS", ""))
     env.update(KVMULTI_SANITIZE="1", LD_PRELOAD=runtime,
                KVMULTI_CACHE_DIR=os.environ.get("KVMULTI_SANITIZE_CACHE_DIR", str(Path.home() / ".cache" /
                                                                                    "kvmulti-sanitize")),

@@ -50,8 +50,8 @@ FIRST_CALL = textwrap.dedent("""
 #: build is the JIT build already in this environment's cache: what is under test is the wiring
 #: (manifest, ABI key, loading without a compiler), not a second compile. Its first call runs with
 #: the same flags, which are part of the prebuilt kernel's key.
-HOST_ONLY = {"KVMULTI_CPU_EXTRA_CFLAGS": " ".join(
-    [os.environ.get("KVMULTI_CPU_EXTRA_CFLAGS", ""), cpu_native.host_skip_flags()]).strip()}
+HOST_ONLY = {"KVMULTI_CPU_EXTRA_CFLAGS": cpu_native.host_only_extra_cflags(
+    os.environ.get("KVMULTI_CPU_EXTRA_CFLAGS", ""))}
 
 
 @pytest.fixture(scope="module")

@@ -123,6 +123,13 @@ def host_skip_flags() -> str:
     return "" if isas is None else skip_flags(isas)
 
 
+def host_only_extra_cflags(extra: str = "") -> str:
+    """``extra`` (a ``KVMULTI_CPU_EXTRA_CFLAGS`` value) with :func:`host_skip_flags` appended: the
+    value that makes a build outside the JIT (a wheel, a sanitizer build) compile only the variants
+    this host runs, under the same key as the JIT build."""
+    return " ".join([extra, host_skip_flags()]).strip()
+
+
 def build_inputs(src: Path | None = None) -> tuple[Path, list[Path], list[str], list[str]]:
     """(source folder, files hashed, cflags, ldflags) of the kernel build; ``src`` defaults to
     :func:`source_dir`. FileNotFoundError when a source is missing."""
