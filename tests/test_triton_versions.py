@@ -64,6 +64,9 @@ def _plan(version, *, family="nvidia", dtype=F16, hs=64, max_q=1, split=False, s
     # NVIDIA fp16 / bf16 decode of 32-wide heads: 3 stages spill 8 B on sm_90 with 3.7.1, 4 none
     (dict(dtype=F16, hs=32), (4, 3), (4, 4)),
     (dict(dtype=BF16, hs=32, split=True), (4, 3), (4, 4)),
+    # NVIDIA fp32 decode of 16-wide heads: 3 stages spill 8 B on sm_80 (split) with 3.7.1, 4 none
+    (dict(dtype=F32, hs=16, split=True), (4, 3), (4, 4)),
+    (dict(dtype=F32, hs=16), (4, 3), (4, 4)),
     # AMD prefill with a softcap: 128 x 32 spills 15 VGPRs on gfx90a with 3.7.1, 128 x 16 none
     (dict(family="amd", hs=128, max_q=300, softcap=30.0), (4, 2, 128, 32), (4, 2, 128, 16)),
 ])
@@ -79,7 +82,8 @@ def test_every_other_choice_is_the_same_on_both_releases():
     for target in ("sm_90", "gfx942"):
         differing = set(triton_versions.differing_spec_names(target, (PINNED, NEWEST)))
         expected = ({"fp32_hs256_mixed", "fp32_hs256_decode", "fp32_hs256_split", "fp32_hs256_prefill",
-                     "fp16_hs32_decode", "fp16_hs32_split", "bf16_hs32_decode", "bf16_hs32_split"}
+                     "fp16_hs32_decode", "fp16_hs32_split", "bf16_hs32_decode", "bf16_hs32_split",
+                     "fp32_hs16_decode", "fp32_hs16_split"}
                     if target == "sm_90" else {"prefill_softcap_fp16"})
         assert differing == expected, target
 

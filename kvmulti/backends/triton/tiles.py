@@ -163,8 +163,9 @@ def pipeline_stages(decode: bool, family: str, dtype: torch.dtype, table_reads: 
     5 stages when the table is read per key (``table_reads == 0``); read as scalars, 3 stages keep
     the next K/V tile in flight during the dots (4 for heads padded to 64, whose split tiles spill
     8 B at 3 on sm_90, and before Triton 3.9 for heads padded to 32, whose decode tiles spill 8 B at
-    3 on sm_90 with Triton 3.7.1); everything else 3 (at 5 stages fp32 decode tiles spill, and so does fp8
-    decode on sm_80). AMD: 2 for decode (the next tile prefetched into registers) and 1 for prefill
+    3 on sm_90 with Triton 3.7.1); everything else 3 (at 5 stages fp32 decode tiles spill, and so
+    does fp8 decode on sm_80), except before Triton 3.9 fp32 decode of heads padded to 16 with the
+    table read per block: 4 (its split tiles spill 8 B at 3 on sm_80 with Triton 3.7.1). AMD: 2 for decode (the next tile prefetched into registers) and 1 for prefill
     (the prefetch's live registers made gfx942 spill SGPRs; two work-groups per CU hide the latency
     instead)."""
     if family == "nvidia":
@@ -172,6 +173,8 @@ def pipeline_stages(decode: bool, family: str, dtype: torch.dtype, table_reads: 
             if not table_reads:
                 return 5
             return 4 if widest == 64 or widest == 32 and _before_lean(version) else 3
+        if decode and dtype == torch.float32 and table_reads and widest == 16 and _before_lean(version):
+            return 4
         return 3
     if family == "amd":
         return 2 if decode else 1
