@@ -19,7 +19,10 @@ Compilation must run in a process where ``TRITON_INTERPRET`` was never set (once
 ``triton.language`` is imported under the interpreter nothing compiles any more), hence
 :func:`compile_in_subprocesses`, which runs this module as a script once per target::
 
-    python devtools/triton_cross_compile.py sm_90 results.json
+    python devtools/triton_cross_compile.py sm_90 results.json [SPEC,SPEC...]
+
+With another Triton release first on PYTHONPATH (``compile_in_subprocesses(triton_dir=...)``) the
+same launches are planned and compiled for that release (devtools/triton_versions.py).
 """
 
 from __future__ import annotations
@@ -241,9 +244,10 @@ def _cache(spec: BatchSpec, num_blocks: int):
     return layout, layout.allocate("meta", zero=False)
 
 
-def launches(spec: BatchSpec, family: str, arch: int | None = None):
+def launches(spec: BatchSpec, family: str, arch: int | None = None, version: tuple[int, int] | None = None):
     """[(name, launch.Launch)] of one batch planned for ``family`` (and the NVIDIA ``arch``, 90 for
-    sm_90): its attention launches and its write_kv launch."""
+    sm_90) and the Triton release ``version`` (None: the running one): its attention launches and
+    its write_kv launch."""
     import kvmulti
     from kvmulti.backends.triton import launch
     seq_lens = [c + q for c, q in zip(spec.context_lens, spec.query_lens)]
@@ -269,7 +273,7 @@ def launches(spec: BatchSpec, family: str, arch: int | None = None):
         num_reqs=md.num_reqs, num_tokens=tokens, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
         scale=spec.head_size ** -0.5, sliding_window=spec.sliding_window, softcap=spec.softcap,
         split_kv=spec.split_kv, partition_size=spec.partition_size, num_compute_units_=spec.compute_units,
-        family=family, arch=arch, **scales)
+        family=family, arch=arch, version=version, **scales)
     writes = launch.write_kv_launches(key, value, cache, md.slot_mapping, cache_strides=strides, block_size=bs,
                                       num_kv_heads=hkv, head_size=spec.head_size, head_size_v=layout.value_size,
                                       **scales)
@@ -281,12 +285,12 @@ def launches(spec: BatchSpec, family: str, arch: int | None = None):
     return result
 
 
-def all_launches(target_name: str, specs: list[BatchSpec] | None = None):
+def all_launches(target_name: str, specs: list[BatchSpec] | None = None, version: tuple[int, int] | None = None):
     """[(name, Launch)] for every batch of ``specs`` (default: :func:`batch_specs` of the target),
-    planned for ``target_name``."""
+    planned for ``target_name`` and the Triton release ``version`` (None: the running one)."""
     specs = batch_specs(target_name) if specs is None else specs
     target = TARGETS[target_name]
-    return [item for spec in specs for item in launches(spec, target.family, target.planner_arch)]
+    return [item for spec in specs for item in launches(spec, target.family, target.planner_arch, version)]
 
 
 # --------------------------------------------------------------------------------------- compile
@@ -312,8 +316,9 @@ def specialise(fn, ln, backend) -> tuple[dict, dict, dict]:
 def compile_target(target_name: str, specs: list[BatchSpec] | None = None) -> list[dict]:
     """Compile every distinct specialisation for one target (in a process without the interpreter).
 
-    One dict per specialisation: name (of the first launch that needs it), kernel, constexprs,
-    num_warps, num_stages, problem (None, or why it failed), and the :func:`analyse` figures."""
+    One dict per specialisation: name (of the first launch that needs it), kernel, triton (the
+    release that compiled it), constexprs, num_warps, num_stages, problem (None, or why it failed),
+    and the :func:`analyse` figures."""
     import triton
     import triton.runtime.jit
     from triton.compiler import ASTSource
@@ -331,7 +336,8 @@ def compile_target(target_name: str, specs: list[BatchSpec] | None = None) -> li
         if key in seen:
             continue
         seen.add(key)
-        result = {"name": name, "kernel": ln.kernel, "target": target_name, "problem": None,
+        result = {"name": name, "kernel": ln.kernel, "target": target_name, "triton": triton.__version__,
+                  "problem": None,
                   "num_warps": ln.num_warps, "num_stages": ln.num_stages,
                   "constexprs": {p.name: repr(v) for (i,), v in constexprs.items() for p in [fn.params[i]]}}
         try:
@@ -356,21 +362,28 @@ def _problem(compiled, target: Target) -> str | None:
     return None
 
 
-def compile_in_subprocesses(target_names: list[str] | None = None, jobs: int = 2,
-                            timeout: float = 1800) -> dict[str, list[dict]]:
+def compile_in_subprocesses(target_names: list[str] | None = None, jobs: int = 2, timeout: float = 1800,
+                            triton_dir: str | None = None,
+                            spec_names: dict[str, list[str]] | None = None) -> dict[str, list[dict]]:
     """{target: compile_target(target)} with one worker process per target (``jobs`` at a time),
     TRITON_INTERPRET removed from their environment; ``target_names`` defaults to the
     :data:`TARGETS` that ``KVMULTI_EVIDENCE_TARGETS`` selects (devtools/evidence_targets.py).
-    Raises RuntimeError when a worker fails."""
+    ``triton_dir``: a directory holding another Triton release (``pip install --target``), put first
+    on the workers' PYTHONPATH so that they compile with it (devtools/triton_versions.py); None: the
+    installed one. ``spec_names``: {target: names of the :func:`batch_specs` to compile} (a target
+    left out: all of them). Raises RuntimeError when a worker fails."""
     from devtools import evidence_targets
     names = list(evidence_targets.selected(list(TARGETS))) if target_names is None else list(target_names)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")      # Triton 3.9's default, without its warning
+    if triton_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(triton_dir), *filter(None, [env.get("PYTHONPATH")])])
 
     def work(name: str) -> list[dict]:
         with tempfile.TemporaryDirectory(prefix="kvmulti_xc_") as tmp:
             out = os.path.join(tmp, f"{name}.json")
-            done = subprocess.run([sys.executable, os.path.abspath(__file__), name, out],
+            selection = [",".join(spec_names[name])] if spec_names and name in spec_names else []
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), name, out, *selection],
                                   env=env, capture_output=True, text=True, timeout=timeout)
             if done.returncode != 0 or not os.path.exists(out):
                 raise RuntimeError(f"cross-compile worker for {name} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
@@ -605,7 +618,13 @@ if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "run the compile worker without TRITON_INTERPRET"
     target_arg, out_path = sys.argv[1], sys.argv[2]
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # devtools as a package
-    all_results = compile_target(target_arg)
+    chosen = None
+    if len(sys.argv) > 3:        # a comma-separated selection of batch_specs' names
+        wanted = set(sys.argv[3].split(","))
+        chosen = [spec for spec in batch_specs(target_arg) if spec.name in wanted]
+        missing = wanted - {spec.name for spec in chosen}
+        assert not missing, f"no batch specs named {sorted(missing)} for {target_arg}"
+    all_results = compile_target(target_arg, chosen)
     with open(out_path, "w") as fh:
         json.dump(all_results, fh, indent=1)
     bad = sum(1 for r in all_results if r["problem"])

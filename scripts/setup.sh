@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install kvmulti into ./.venv. With --test, also everything the full test suite needs:
 # the test/triton/sycl extras, where apt-get can run Debian's HIP compiler packages, and where no
-# nvcc is on PATH NVIDIA's nvcc from PyPI (cuda-toolkit[nvcc] wheels) into the venv.
+# nvcc is on PATH NVIDIA's nvcc from PyPI (cuda-toolkit[nvcc] wheels) into the venv, and the Triton
+# release torch's CUDA wheels pin into .triton/ (the compile evidence compiles with it too).
 # --test --vendor (the GPU jobs): the extras only; the compile-check toolchains are the cpu job's.
 # --test-core: --test without the IPEX and vLLM venvs (.venv-ipex, .venv-vllm; ~10 GB together):
 # enough for the core suite, `.venv/bin/python -m pytest -q -m "not ipex and not exhaustive"`, where the vLLM tests
@@ -59,6 +60,17 @@ if [ "$mode" = "--test" ]; then
   "${pip[@]}" -e ".[test,triton,sycl]"
 else
   "${pip[@]}" -e .
+fi
+
+# The Triton torch 2.13's CUDA wheels pin (torch==2.13.0 requires triton==3.7.1) beside the newest,
+# which the triton extra installs: the Triton compile evidence compiles with both
+# (devtools/triton_versions.py). --target keeps it out of the venv's site-packages; a compile worker
+# puts it first on its PYTHONPATH. About 700 MB (its ptxas, cuobjdump and ld.lld included).
+triton_pinned=3.7.1
+if [ "$toolchains" = yes ] && [ ! -d ".triton/$triton_pinned/triton-$triton_pinned.dist-info" ]; then
+  echo "setup: installing triton==$triton_pinned (torch 2.13's CUDA pin) into .triton/$triton_pinned for the compile evidence"
+  rm -rf ".triton/$triton_pinned"
+  "${pip[@]}" --no-deps --target ".triton/$triton_pinned" "triton==$triton_pinned"
 fi
 
 # nvcc for the NVIDIA compile checks: the wheels put a CUDA tree in site-packages/nvidia/cu13 whose

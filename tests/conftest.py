@@ -79,17 +79,17 @@ _ran: dict[str, int] = {v: 0 for v in VENDORS}
 
 # Under pytest-xdist (`-n auto --dist loadgroup`, the README's test command) tests are spread over
 # workers one by one, except these modules: their module- or session-scoped fixtures are costly
-# (engine runs, model checkpoints, a wheel), so each module runs whole on one worker and pays for
-# them once. The compile-evidence modules share one worker: they read the same cross-compiles and
-# device passes (Triton's cache, <kvmulti cache>/hip_check, sycl/gpu_evidence), which two workers
-# would otherwise compute side by side.
+# (engine runs, model checkpoints, a wheel, cross-compiles with a second Triton), so each module
+# runs whole on one worker and pays for them once. The compile-evidence modules share one worker:
+# they read the same cross-compiles and device passes (Triton's cache, <kvmulti cache>/hip_check,
+# sycl/gpu_evidence), which two workers would otherwise compute side by side.
 COMPILE_EVIDENCE = frozenset({
     "test_gpu_report", "test_triton_compile", "test_hip_compile", "test_hip_byte_permutes", "test_roofline",
     "test_sycl_gpu_evidence",
 })
 ONE_WORKER_MODULES = frozenset({
     "test_model_runner", "test_models", "test_plugins", "test_spec_decode", "test_vllm_engine",
-    "test_vllm_plugin", "test_vllm_kv_connector", "test_wheel",
+    "test_vllm_plugin", "test_vllm_kv_connector", "test_wheel", "test_triton_versions",
 })
 
 

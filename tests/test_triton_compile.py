@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 
 from devtools import evidence_targets  # noqa: E402
 from devtools import triton_cross_compile as xc  # noqa: E402
-from kvmulti.backends.triton import launch  # noqa: E402
+from kvmulti.backends.triton import launch, tiles  # noqa: E402
 
 #: the targets compiled here (KVMULTI_EVIDENCE_TARGETS: the gate's, or all in the exhaustive tier)
 COMPILED_TARGETS = evidence_targets.selected(list(xc.TARGETS))
@@ -33,16 +33,18 @@ def compiled() -> dict[str, list[dict]]:
     return xc.compile_in_subprocesses()
 
 
+@pytest.mark.parametrize("version", tiles.GATED_TRITON)
 @pytest.mark.parametrize("target_name", ["sm_80", "sm_90", "gfx942"])
-def test_launch_set_covers_every_tile_choice(target_name):
+def test_launch_set_covers_every_tile_choice(target_name, version):
     """Every (cache dtype, head pad, BLOCK_M, TILE_N, path, table reads, stages, warps, prefill loop,
     window and softcap in the prefill loop) the planner picks on the target for head sizes <= 256,
     GQA groups <= 16, with and without a sliding window and softcap, at block size 16 (fp8 caches:
     head 128), and for blocks small enough that a tile reads the table per key position, is among
-    the compiled launches; all kernels are there."""
+    the launches compiled for the target, with each Triton release the compiles cover
+    (test_triton_versions.py compiles the pinned one's); all kernels are there."""
     target = xc.TARGETS[target_name]
     family, arch = target.family, target.planner_arch
-    launches = xc.all_launches(target.name)
+    launches = xc.all_launches(target.name, version=version)
     compiled = {((ln.args["kv_ptr"].dtype, ln.args["FP8"]), ln.args["HEAD_PAD"], ln.args["HEAD_PAD_V"], ln.args["BLOCK_M"],
                  ln.args["TILE_N"], ln.args["SPLIT"], ln.args["TABLE_READS"], ln.num_stages, ln.num_warps,
                  ln.args["PREFILL"], ln.args["PREFILL"] and ln.args["WINDOW"] > 0, ln.args["PREFILL"] and ln.args["SOFTCAP"] > 0)
@@ -53,7 +55,8 @@ def test_launch_set_covers_every_tile_choice(target_name):
         plan = launch.plan_attention(num_reqs=2, num_kv_heads=2, num_qpk=group, max_query_len=max_q,
                                      max_seq_len=4096, head_size=hs, head_size_v=hs, dtype=dtype,
                                      num_compute_units=132, block_size=block_size, split_kv=split, family=family,
-                                     sliding_window=window, query_dtype=query_dtype, softcap=softcap, arch=arch)
+                                     sliding_window=window, query_dtype=query_dtype, softcap=softcap, arch=arch,
+                                     version=version)
         cache = (launch.raw_cache(torch.empty(0, dtype=dtype)).dtype, launch.fp8_code(dtype))
         return (cache, plan.head_pad, plan.head_pad_v, plan.block_m, plan.tile_n, plan.split, plan.table_reads,
                 plan.num_stages, plan.num_warps, plan.prefill, plan.prefill and bool(window),

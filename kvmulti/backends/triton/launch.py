@@ -20,7 +20,8 @@ devtools/triton_cross_compile.py reads that from the TTGIR) at 3 stages. A tile 
 :data:`MAX_TABLE_READS` whole blocks reads the block table once per block, as scalars
 (:func:`table_reads`); with smaller blocks the table is read per key position, that read takes a
 pipeline stage of its own, and fp16 / bf16 decode needs 5 stages for the same overlap. Other
-targets (XPU, the interpreter) keep the base tiles.
+targets (XPU, the interpreter) keep the base tiles. A few choices also depend on the Triton
+release (tiles.py: those that spill with a release before 3.9 take an alternative there).
 
 Prefill (:data:`PREFILL_MIN_QUERY_LEN`, :func:`prefill_tiles`): a step whose longest query has at
 least 64 new tokens and whose dots run on 16-bit operands gets the matrix-unit tiles of its target
@@ -48,8 +49,8 @@ from ...settings import DEFAULT_PARTITION_SIZE
 from ...triton_kernels.fp8 import fp8_code, raw_cache
 from ...triton_kernels.unified_attention import reduce_partitions_kernel, unified_attention_kernel
 from ...triton_kernels.write_kv import write_kv_kernel
-from .tiles import (FAMILIES, MAX_TABLE_READS, PREFILL_MIN_QUERY_LEN, PrefillTiles, pipeline_stages,  # noqa: F401
-                    prefill_tiles, table_reads, tile_sizes)
+from .tiles import (FAMILIES, MAX_TABLE_READS, PREFILL_MIN_QUERY_LEN, PrefillTiles, base_warps,  # noqa: F401
+                    pipeline_stages, prefill_tiles, table_reads, tile_sizes, triton_version)
 
 #: Head sizes (K and V) the kernels are built and cross-compile-tested for: any size up to this,
 #: padded inside the kernel to the next power of two >= 16.
@@ -107,13 +108,16 @@ def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_
                    split_kv: bool | None = None, partition_size: int = DEFAULT_PARTITION_SIZE,
                    family: str = "other", query_dtype: torch.dtype | None = None,
                    sliding_window: int | None = None, softcap: float | None = None,
-                   arch: int | None = None) -> AttentionPlan:
+                   arch: int | None = None, version: tuple[int, int] | None = None) -> AttentionPlan:
     """Tiles and path for one batch (see the module docstring for the split-KV heuristic).
     ``dtype``: the cache's; ``query_dtype``: the query's when it matters for the tiles (an fp8 cache
     read by fp32 queries; None: the cache's); ``sliding_window`` / ``softcap``: the layer's (None or 0:
-    none), which the prefill tiles depend on; ``arch``: :func:`device_arch` of the device."""
+    none), which the prefill tiles depend on; ``arch``: :func:`device_arch` of the device;
+    ``version``: the Triton release (major, minor) that compiles the launch (None: the running one,
+    :func:`triton_version`), for the few tiles that differ per release (tiles.py)."""
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
+    version = triton_version() if version is None else version
     if split_kv is None:
         split_kv = (max_query_len == 1 and max_seq_len >= 2 * partition_size
                     and num_reqs * num_kv_heads < num_compute_units)
@@ -122,7 +126,8 @@ def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_
     block_m, tile_n = tile_sizes(decode, num_qpk, hp, hpv, dtype, family, query_dtype)
     dots_16bit = not (dtype == torch.float32 or dtype in FP8_DTYPES and query_dtype == torch.float32)
     big = (prefill_tiles(family, max(hp, hpv), dots_16bit, exact_head=(head_size, head_size_v) == (hp, hpv),
-                         window=bool(sliding_window), softcap=bool(softcap), fp8=dtype in FP8_DTYPES, arch=arch)
+                         window=bool(sliding_window), softcap=bool(softcap), fp8=dtype in FP8_DTYPES, arch=arch,
+                         version=version)
            if not split_kv and max_query_len >= PREFILL_MIN_QUERY_LEN else None)
     if big is not None:
         block_m, tile_n = max(big.block_m, triton.next_power_of_2(num_qpk)), big.tile_n
@@ -136,7 +141,8 @@ def plan_attention(*, num_reqs: int, num_kv_heads: int, num_qpk: int, max_query_
         tile_n = min(tile_n, 16 if family == "amd" else 32)
         reads = table_reads(block_size, tile_n)
     warps, stages = ((big.num_warps, big.num_stages) if big is not None else
-                     (4, pipeline_stages(decode, family, dtype, reads, max(hp, hpv))))
+                     (base_warps(family, not dots_16bit, max(hp, hpv), version),
+                      pipeline_stages(decode, family, dtype, reads, max(hp, hpv), version)))
     return AttentionPlan(split=bool(split_kv), block_m=block_m, block_q=block_m // num_qpk, tile_n=tile_n,
                          head_pad=hp, head_pad_v=hpv, partition_size=partition_size, num_parts=num_parts,
                          table_reads=reads, num_warps=warps, num_stages=stages, prefill=big is not None)
@@ -197,12 +203,13 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
                        v_scale: torch.Tensor | None = None,
                        sinks: torch.Tensor | None = None,
                        alibi_slopes: torch.Tensor | None = None,
-                       causal: bool = True, arch: int | None = None,
+                       causal: bool = True, arch: int | None = None, version: tuple[int, int] | None = None,
                        workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[AttentionPlan, list[Launch]]:
     """The plan (``plan`` when given: made once per step by the backend's per-step hook) and the
     launches (one, or two on the split path) for one attention call; the split path's fp32
     workspace is ``workspace`` (:func:`split_workspace`, made once per step) or allocated here. ``family`` and ``arch`` (default: the query's device's, see
-    :func:`device_arch`) pick the target's tiles; the cross-compilation names them.
+    :func:`device_arch`) pick the target's tiles, ``version`` the Triton release's (default: the
+    running one); the cross-compilation names them.
 
     Bounds for the kernels come from the tensors, not the metadata values: rows =
     min(num_tokens, query rows, out rows); requests = min(num_reqs, len(seq_lens),
@@ -238,7 +245,8 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
                               num_compute_units=(num_compute_units(query.device) if num_compute_units_ is None
                                                  else num_compute_units_),
                               block_size=block_size, split_kv=split_kv, partition_size=partition_size,
-                              family=family, sliding_window=sliding_window, softcap=softcap, arch=arch)
+                              family=family, sliding_window=sliding_window, softcap=softcap, arch=arch,
+                              version=version)
     num_rows = min(num_tokens, query.shape[0], out.shape[0])
     num_reqs = min(num_reqs, seq_lens.shape[0], query_start_loc.shape[0] - 1)
     if num_rows <= 0 or num_reqs <= 0:

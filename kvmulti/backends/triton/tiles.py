@@ -1,10 +1,18 @@
 """Tile choices of the Triton kernels per target family: the base tiles (:func:`tile_sizes`), the
 prefill tiles for the matrix units (:func:`prefill_tiles`), block-table reads per tile
-(:func:`table_reads`) and pipeline depth (:func:`pipeline_stages`). Each is chosen from the
-cross-compiled output of ``benchmarks/gpu_report.py``; launch.py explains the choices."""
+(:func:`table_reads`), pipeline depth (:func:`pipeline_stages`) and warps (:func:`base_warps`).
+Each is chosen from the cross-compiled output of ``benchmarks/gpu_report.py``; launch.py explains
+the choices.
+
+Triton versions (:data:`GATED_TRITON`, :func:`triton_version`): every choice is compiled with the
+Triton that torch 2.13's CUDA wheels pin (3.7) and with the newest (3.9). The choices are the
+newest's; one that spills registers with an older Triton has an alternative for it (``version <
+LEAN_FROM``), so neither ships a tile that spills on it."""
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +24,29 @@ MAX_TABLE_READS = 8
 
 
 FAMILIES = ("nvidia", "amd", "other")
+
+#: (major, minor) of the Triton releases the compile gate compiles every tile choice with: the one
+#: torch 2.13's CUDA wheels pin (``triton==3.7.1``) and the newest (3.9.0).
+GATED_TRITON = ((3, 7), (3, 9))
+#: The first Triton whose register allocation fits the newest choices everywhere; before it the few
+#: that spill take the alternatives marked "before 3.9" below.
+LEAN_FROM = (3, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the Triton that compiles the kernels in this process (``triton.__version__``)."""
+    import triton
+    return parse_triton_version(triton.__version__)
+
+
+def parse_triton_version(text: str) -> tuple[int, int]:
+    """(major, minor) of a Triton version string ("3.7.1", "3.9.0+git1234"); ValueError when it is
+    not one."""
+    m = re.match(r"(\d+)\.(\d+)", text)
+    if m is None:
+        raise ValueError(f"cannot read a Triton version from {text!r}")
+    return int(m.group(1)), int(m.group(2))
 
 
 def tile_sizes(decode: bool, num_qpk: int, head_pad_: int, head_pad_v: int, dtype: torch.dtype,
@@ -61,13 +92,15 @@ class PrefillTiles:
 
 
 def prefill_tiles(family: str, widest: int, dots_16bit: bool, *, exact_head: bool = True, window: bool = False,
-                  softcap: bool = False, fp8: bool = False, arch: int | None = None) -> PrefillTiles | None:
+                  softcap: bool = False, fp8: bool = False, arch: int | None = None,
+                  version: tuple[int, int] | None = None) -> PrefillTiles | None:
     """The prefill tiles of one target family for heads padded to ``widest`` whose dots run on 16-bit
     operands (fp16 / bf16 queries; fp32 dots have no matrix instruction and keep :func:`tile_sizes`);
     None: :func:`tile_sizes`' tiles. ``exact_head``: K and V head sizes equal their pads (no masked
     head lanes); ``window`` / ``softcap``: the layer has a sliding window / a logit softcap; ``fp8``:
     an fp8 cache (its tiles decoded in registers); ``arch``: the NVIDIA compute capability as
-    major x 10 + minor (90: Hopper), None where unknown. The one place prefill tiles are chosen, each
+    major x 10 + minor (90: Hopper), None where unknown; ``version``: the Triton release
+    (:func:`triton_version`, the running one when None). The one place prefill tiles are chosen, each
     from the cross-compiled evidence (devtools/triton_cross_compile.py: no spills on any target of the
     family; the spills quoted are of the larger tiles rejected) and, on Hopper, from timings on an
     H200 (benchmarks/triton_gpu_sweep.py)."""
@@ -105,6 +138,9 @@ def prefill_tiles(family: str, widest: int, dots_16bit: bool, *, exact_head: boo
         return PrefillTiles(128, 16, 4, 2)
     if not exact_head:
         return PrefillTiles(64, 32, 4, 2)
+    if softcap and _before_lean(version):
+        # before 3.9: a softcap at 128 x 32 spills 15 VGPRs on gfx90a (Triton 3.7.1); 128 x 16 none
+        return PrefillTiles(128, 16, 4, 2)
     return PrefillTiles(128, 32, 4, 2)
 
 
@@ -119,20 +155,42 @@ def table_reads(block_size: int, tile_n: int) -> int:
     return 0
 
 
-def pipeline_stages(decode: bool, family: str, dtype: torch.dtype, table_reads: int, widest: int) -> int:
+def pipeline_stages(decode: bool, family: str, dtype: torch.dtype, table_reads: int, widest: int,
+                    version: tuple[int, int] | None = None) -> int:
     """Triton num_stages. NVIDIA: a tile's block-table read per key position takes a pipeline stage
     of its own before the K/V loads it addresses; with fewer than 5 stages the pipeliner then waits
     for every ``cp.async`` group at the top of each iteration. So decode over fp16 / bf16 caches runs
     5 stages when the table is read per key (``table_reads == 0``); read as scalars, 3 stages keep
     the next K/V tile in flight during the dots (4 for heads padded to 64, whose split tiles spill
-    8 B at 3 on sm_90); everything else 3 (at 5 stages fp32 decode tiles spill, and so does fp8
-    decode on sm_80). AMD: 2 for decode (the next tile prefetched into registers) and 1 for prefill
+    8 B at 3 on sm_90, and before Triton 3.9 for heads padded to 32, whose decode tiles spill 8 B at
+    3 on sm_90 with Triton 3.7.1); everything else 3 (at 5 stages fp32 decode tiles spill, and so
+    does fp8 decode on sm_80), except before Triton 3.9 fp32 decode of heads padded to 16 with the
+    table read per block: 4 (its split tiles spill 8 B at 3 on sm_80 with Triton 3.7.1). AMD: 2 for decode (the next tile prefetched into registers) and 1 for prefill
     (the prefetch's live registers made gfx942 spill SGPRs; two work-groups per CU hide the latency
     instead)."""
     if family == "nvidia":
         if decode and dtype in (torch.float16, torch.bfloat16):
-            return 5 if not table_reads else 4 if widest == 64 else 3
+            if not table_reads:
+                return 5
+            return 4 if widest == 64 or widest == 32 and _before_lean(version) else 3
+        if decode and dtype == torch.float32 and table_reads and widest == 16 and _before_lean(version):
+            return 4
         return 3
     if family == "amd":
         return 2 if decode else 1
     return 2
+
+
+def base_warps(family: str, fp32_dots: bool, widest: int, version: tuple[int, int] | None = None) -> int:
+    """num_warps of the base tiles (:func:`tile_sizes`; the prefill tiles carry their own): 4.
+    Before Triton 3.9, NVIDIA's fp32 tiles (``fp32_dots``: fp32 queries) of heads padded to 256
+    take 8: at 4 warps they spill 8 B on sm_90 with Triton 3.7.1, at 8 none, at the same CTAs per
+    SM and with the next K/V tile still in flight during the dots."""
+    if family == "nvidia" and fp32_dots and widest > 128 and _before_lean(version):
+        return 8
+    return 4
+
+
+def _before_lean(version: tuple[int, int] | None) -> bool:
+    """``version`` (the running Triton when None) is older than :data:`LEAN_FROM`."""
+    return (triton_version() if version is None else version) < LEAN_FROM
