@@ -37,7 +37,7 @@ import weakref
 import torch
 
 from ...capture import CaptureBucket
-from ...fp8 import FP8_DTYPES, check_scale_float, check_scale_tensor, constant_scale
+from ...fp8 import FP8_DTYPES, check_scale_float, check_scale_tensor, check_scale_values, constant_scale
 from ...triton_kernels.fp8 import raw_cache
 from ...validation import (check_alibi_values_once, check_scale_values_once, check_slot_values_once,
                            prepared_attention_tensors_fit, prepared_write_tensors_fit)
@@ -164,19 +164,24 @@ class TritonStepCalls:
     def _constant(self, scale: float | None, name: str) -> torch.Tensor:
         """A float scale (None: 1.0) as the kernels' fp32 [] tensor; checked when first seen."""
         value = 1.0 if scale is None else scale
-        tensor = self._constants.get(value)
+        tensor = self._constants.get(value) if type(value) is float else None   # never a bool's 1.0
         if tensor is None:
-            tensor = self._constants[value] = constant_scale(check_scale_float(value, name), self.device)
+            value = check_scale_float(value, name)
+            tensor = self._constants[value] = constant_scale(value, self.device)
         return tensor
 
-    def _layer_scales(self, step: StepMetadata, k_scale: float | torch.Tensor | None,
+    def _layer_scales(self, step: StepMetadata | None, k_scale: float | torch.Tensor | None,
                       v_scale: float | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernels' scale tensors of a layer call: a tensor as it is (its values checked once
-        per step, CPU tensors only), a float or None as :meth:`_constant`."""
+        per step, CPU tensors only; every call once the step is gone), a float or None as
+        :meth:`_constant`."""
         scales = []
         for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
             if type(scale) is torch.Tensor:
-                check_scale_values_once(step, scale, name)
+                if step is None:
+                    check_scale_values(scale, name)
+                else:
+                    check_scale_values_once(step, scale, name)
                 scales.append(scale)
             else:
                 scales.append(self._constant(scale, name))
