@@ -14,6 +14,9 @@ alternate in rounds. Printed: median microseconds per call, and ratios.
   into Triton's launch entry (``CompiledKernel[grid]`` with the step's argument lists): what kvmulti
   cannot shave; ``kvmulti's share`` = the call minus that.
 * ``kvmulti write``: ``kvmulti.write_kv(k, v, cache, layout, slots, step=step)``.
+* ``fp8``: the same calls (single pass) over an fp8 e4m3 cache of the same shape, with the layer's
+  per-tensor ``k_scale`` / ``v_scale`` as fp32 ``[]`` tensors (vLLM's ``layer._k_scale``), which
+  the step calls pass to the kernels as launch arguments.
 * ``vLLM forward`` / ``vLLM write``: the impl's ``forward`` (decode: 3D kernel + segment reduction)
   and ``do_kv_cache_update`` (``triton_reshape_and_cache_flash``) with the metadata its builder
   would make.
@@ -29,6 +32,7 @@ call does not depend on them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -119,16 +123,27 @@ def kvmulti_rows(layout, cache: torch.Tensor) -> dict[str, Callable[[], None]]:
     out = torch.empty(REQS, HQ, HEAD, dtype=DTYPE)
     single = kvmulti.prepare_step(md, layout, HQ, backend=TritonBackend(partition_size=0))
     split = kvmulti.prepare_step(md, layout, HQ, backend=TritonBackend(partition_size=32))
+    fp8_layout = dataclasses.replace(layout, dtype=torch.float8_e4m3fn)
+    fp8_cache = fp8_layout.allocate()
+    fp8_cache.copy_(cache.to(torch.float8_e4m3fn))
+    fp8 = kvmulti.prepare_step(md, fp8_layout, HQ, backend=TritonBackend(partition_size=0))
+    k_scale, v_scale = torch.tensor(0.5), torch.tensor(2.0)
     rows = {
         "kvmulti attention (single pass)": lambda: kvmulti.paged_attention(query, cache, layout, single, out=out),
         "kvmulti attention (split-KV)": lambda: kvmulti.paged_attention(query, cache, layout, split, out=out),
         "kvmulti write": lambda: kvmulti.write_kv(key, key, cache, layout, md.slot_mapping, step=single),
+        "kvmulti attention (fp8)": lambda: kvmulti.paged_attention(query, fp8_cache, fp8_layout, fp8, out=out,
+                                                                   k_scale=k_scale, v_scale=v_scale),
+        "kvmulti write (fp8)": lambda: kvmulti.write_kv(key, key, fp8_cache, fp8_layout, md.slot_mapping, step=fp8,
+                                                        k_scale=k_scale, v_scale=v_scale),
     }
     for fn in rows.values():
         fn()                       # compile (cached by Triton after the first run) and build the step's launches
     rows["Triton's share: attention (single pass)"] = triton_share(single.calls._attention.values())
     rows["Triton's share: attention (split-KV)"] = triton_share(split.calls._attention.values())
-    rows["Triton's share: write"] = triton_share([form[1] for form in single.calls._writes.values()])
+    rows["Triton's share: write"] = triton_share([form.launches for form in single.calls._writes.values()])
+    rows["Triton's share: attention (fp8)"] = triton_share(fp8.calls._attention.values())
+    rows["Triton's share: write (fp8)"] = triton_share([form.launches for form in fp8.calls._writes.values()])
     return rows
 
 
@@ -235,7 +250,8 @@ def main() -> None:
         ratio = f"{us / base:8.2f}x" if base else ""
         print(f"{name:<44} {us:>12.1f} {ratio:>9}")
     for kind, key in (("attention (single pass)", "attention (single pass)"),
-                      ("attention (split-KV)", "attention (split-KV)"), ("write", "write")):
+                      ("attention (split-KV)", "attention (split-KV)"), ("write", "write"),
+                      ("attention (fp8)", "attention (fp8)"), ("write (fp8)", "write (fp8)")):
         share = medians[f"kvmulti {key}"] - medians[f"Triton's share: {key}"]
         print(f"kvmulti's share, {kind:<28} {share:>12.1f}")
 

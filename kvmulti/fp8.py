@@ -16,7 +16,10 @@ Every backend serving a format follows this rule bit for bit, so a cache written
 reads identically in all others.
 
 Scales reach the backends already normalised by :func:`scale_tensor`: a contiguous fp32 tensor of
-shape ``[num_kv_heads]`` on the cache's device, or None for a cache that is not fp8.
+shape ``[num_kv_heads]`` on the cache's device, or None for a cache that is not fp8. The TRITON
+backend's prepared step calls take a layer's scale as it is given instead (a ``[]`` tensor, a
+``[num_kv_heads]`` tensor of any stride, a float as :func:`constant_scale`), checked by the same
+functions (:func:`check_scale_float`, :func:`check_scale_tensor`, :func:`check_scale_values`).
 """
 
 from __future__ import annotations
@@ -108,26 +111,47 @@ def scale_tensor(scale: float | torch.Tensor | None, name: str, cache_dtype: tor
     if scale is None:
         return _constant_scale(1.0, num_kv_heads, device)
     if isinstance(scale, torch.Tensor):
-        return _tensor_scale(scale, name, num_kv_heads, device)
+        check_scale_tensor(scale, name, num_kv_heads, device)
+        check_scale_values(scale, name)
+        return scale.expand(num_kv_heads).contiguous()
+    return _constant_scale(check_scale_float(scale, name), num_kv_heads, device)
+
+
+def check_scale_float(scale: object, name: str) -> float:
+    """A scale argument that is not a tensor: a finite Python float (or int) > 0, returned as a float."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{name} must be a float, an fp32 tensor or None, got {type(scale).__name__}")
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"{name} must be finite and > 0, got {scale}")
-    return _constant_scale(float(scale), num_kv_heads, device)
+    return float(scale)
 
 
-def _tensor_scale(scale: torch.Tensor, name: str, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+def check_scale_tensor(scale: torch.Tensor, name: str, num_kv_heads: int, device: torch.device) -> None:
+    """A scale tensor's form: fp32, shape ``[]`` (per tensor) or ``[num_kv_heads]`` (per head, any
+    stride), on the cache's ``device``. Its values: :func:`check_scale_values`."""
     if scale.dtype != torch.float32:
         raise TypeError(f"{name} must be an fp32 tensor, got {scale.dtype}")
     if tuple(scale.shape) not in ((), (num_kv_heads,)):
         raise ValueError(f"{name} must have shape [] or [num_kv_heads={num_kv_heads}], got {tuple(scale.shape)}")
     if scale.device != device:
         raise ValueError(f"{name} is on {scale.device} but the kv_cache is on {device}")
-    if device.type == "cpu" and not bool(((scale > 0) & torch.isfinite(scale)).all()):
+
+
+def check_scale_values(scale: torch.Tensor, name: str) -> None:
+    """Every value of a scale tensor is finite and > 0; checked for CPU tensors only (elsewhere it
+    would cost a device sync)."""
+    if scale.device.type == "cpu" and not bool(((scale > 0) & torch.isfinite(scale)).all()):
         raise ValueError(f"{name} must be finite and > 0 in every head, got {scale.tolist()}")
-    return scale.expand(num_kv_heads).contiguous()
 
 
 @functools.lru_cache(maxsize=64)
 def _constant_scale(value: float, num_kv_heads: int, device: torch.device) -> torch.Tensor:
     return torch.full((num_kv_heads,), value, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def constant_scale(value: float, device: torch.device) -> torch.Tensor:
+    """A per-tensor scale ``value`` (checked by :func:`check_scale_float`) as an fp32 ``[]`` tensor
+    on ``device``, made once per value and device. The cache is bounded: a caller that needs the
+    tensor's address to stay valid (a captured graph reads it) keeps a reference of its own."""
+    return torch.full((), value, dtype=torch.float32, device=device)

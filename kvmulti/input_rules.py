@@ -239,8 +239,8 @@ def _prepared_source(name: str, op: str, params: str) -> str:
     """One expression: every ``prepared`` rule of ``op`` holds (sizes from the step's signature)."""
     terms = [r.condition for r in rules(op, PREPARED)]
     return (f"def {name}({params}):\n"
-            "    signature, heads, size, vsize, qheads, rows, fast = step.call_signature\n"
-            "    dtypes, device, layout = (signature[0],), kv_cache.device, step.layout\n"
+            "    signature, heads, size, vsize, qheads, rows, dtypes, fast = step.call_signature\n"
+            "    device, layout = kv_cache.device, step.layout\n"
             f"    return fast and {' and '.join(terms)}\n")
 
 

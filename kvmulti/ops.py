@@ -207,18 +207,21 @@ def write_kv(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tens
     ``step``: the prepared step (:func:`prepare_step`) this write belongs to, for a cache of its
     layout. Its backend serves the write (unless ``backend`` names one), and the slot VALUES are
     checked once per step per ``slot_mapping`` tensor instead of once per layer (the layers of a
-    group share it); ``slot_mapping`` must then not change while the step is in use.
+    group share it); ``slot_mapping`` must then not change while the step is in use. An fp8 cache's
+    scales then reach the step's calls as they are given (TRITON: launch arguments, no copy per
+    call; see docs/design.md), checked by the same rules as without a step.
     """
-    if type(step) is StepMetadata and backend is None and k_scale is None and v_scale is None \
-            and not torch.compiler.is_compiling() \
-            and prepared_write_is_plain(key, value, kv_cache, layout, slot_mapping, step):
+    if type(step) is StepMetadata and backend is None and not torch.compiler.is_compiling() \
+            and prepared_write_is_plain(key, value, kv_cache, layout, slot_mapping, step, k_scale, v_scale):
         # a prepared layer's write: only its own tensors checked, by the backend's step calls or here
         calls = step.calls
-        if calls is not None and calls.write(key, value, kv_cache, slot_mapping):
+        scales = () if k_scale is None and v_scale is None else (k_scale, v_scale)    # an fp8 cache's only
+        if calls is not None and calls.write(key, value, kv_cache, slot_mapping, *scales):
             return
         if prepared_write_tensors_fit(key, value, kv_cache, slot_mapping, step):
+            k_scale, v_scale = _scales(k_scale, v_scale, layout, kv_cache.device)
             check_slot_values_once(step, slot_mapping, layout)
-            step.backend.write_kv(key, value, kv_cache, layout, slot_mapping)
+            _write_with(step.backend, key, value, kv_cache, layout, slot_mapping, k_scale, v_scale)
             return
     check_write(key, value, kv_cache, layout, slot_mapping)
     if step is not None:
@@ -249,9 +252,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
 
     query [T, Hq, head_size] (cache dtype; fp32/fp16/bf16 for an fp8 cache) -> out
     [T, Hq, head_size_v], the query's dtype; rows past ``num_actual_tokens`` are zero. An fp8
-    cache is read as ``float(k) * k_scale`` / ``float(v) * v_scale`` (scales as in :func:`write_kv`). ``scale`` defaults to head_size ** -0.5; ``sliding_window`` W
-    keeps keys with q_pos - k_pos < W; ``softcap`` c > 0 applies c * tanh(score / c) after scaling
-    (0 or None: off). ``out``: a caller's buffer of that shape to fill (and return) instead of a new
+    cache is read as ``float(k) * k_scale`` / ``float(v) * v_scale`` (scales as in :func:`write_kv`,
+    also with a step). ``scale`` defaults to head_size ** -0.5; ``sliding_window`` W keeps keys
+    with q_pos - k_pos < W; ``softcap`` c > 0 applies c * tanh(score / c) after scaling (0 or None:
+    off). ``out``: a caller's buffer of that shape to fill (and return) instead of a new
     tensor. ``metadata`` from :func:`prepare_step` skips validation, selection and planning; its
     window and backend are the ones it was prepared with (with ``sinks``, a step prepared with
     ``sinks``). ``sinks`` fp32 [Hq] on the cache's device: head h's logit joins the softmax
@@ -260,10 +264,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
     position q against the key at position k gains ``alibi_slopes[h] * (k - q)`` after scale and
     softcap (with a step, one prepared with ``alibi_slopes``); only backends serving ALiBi take them.
     """
-    if type(metadata) is StepMetadata and k_scale is None and v_scale is None \
-            and not torch.compiler.is_compiling() \
+    if type(metadata) is StepMetadata and not torch.compiler.is_compiling() \
             and prepared_attention_is_plain(query, kv_cache, layout, metadata, out, scale, sliding_window, softcap,
-                                            backend, sinks, alibi_slopes):
+                                            backend, sinks, alibi_slopes, k_scale, v_scale):
         # a prepared layer's call: only its own tensors checked, by the backend's step calls or here
         calls, scale = metadata.calls, layout.default_scale if scale is None else scale
         if out is None and metadata.capture is not None:
@@ -271,13 +274,15 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: KVCache
         if calls is not None and (sinks is None or metadata.sinks) and (alibi_slopes is None or metadata.alibi):
             target = out if out is not None or query.dim() != 3 else \
                 query.new_zeros(query.shape[0], metadata.num_query_heads, layout.value_size)
+            scales = () if k_scale is None and v_scale is None else (k_scale, v_scale)    # an fp8 cache's only
             if target is not None and calls.attend(query, kv_cache, target, scale, softcap or 0.0, sinks,
-                                                   alibi_slopes):
+                                                   alibi_slopes, *scales):
                 return target
         if prepared_attention_tensors_fit(query, kv_cache, metadata, out, scale, softcap, sinks, alibi_slopes):
+            k_scale, v_scale = _scales(k_scale, v_scale, layout, kv_cache.device)
             check_alibi_values_once(metadata, alibi_slopes)
-            return _attend(query, kv_cache, metadata, scale, softcap or None, out, sinks=sinks,
-                           alibi_slopes=alibi_slopes)
+            return _attend(query, kv_cache, metadata, scale, softcap or None, out, k_scale, v_scale, sinks,
+                           alibi_slopes)
     check_attention_args(query, kv_cache, layout, scale, sliding_window, softcap, out,
                          metadata if isinstance(metadata, StepMetadata) else None, sinks, alibi_slopes)
     softcap = float(softcap) if softcap else None
@@ -338,8 +343,15 @@ def _write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layou
         check_slot_values(slot_mapping, layout)
     else:
         check_slot_values_once(step, slot_mapping, layout)
-    scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}   # fp8 caches only
-    backend.write_kv(key, None if layout.is_latent else value, kv_cache, layout, slot_mapping, **scales)
+    _write_with(backend, key, None if layout.is_latent else value, kv_cache, layout, slot_mapping, k_scale, v_scale)
+
+
+def _write_with(backend: Backend, key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,
+                layout: KVCacheLayout, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None,
+                v_scale: torch.Tensor | None) -> None:
+    """``backend.write_kv`` of a checked write, scales (normalised) passed for an fp8 cache only."""
+    scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+    backend.write_kv(key, value, kv_cache, layout, slot_mapping, **scales)
 
 
 def _attend(query: torch.Tensor, kv_cache: torch.Tensor, step: StepMetadata, scale: float,

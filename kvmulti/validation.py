@@ -27,6 +27,7 @@ import torch
 
 from . import input_rules, settings
 from .capture import CaptureBucket
+from .fp8 import FP8_DTYPES, check_scale_values
 from .layout import KVCacheLayout
 from .metadata import CommonAttentionMetadata, first_visible_position
 
@@ -63,39 +64,51 @@ def check_write(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.T
 
 
 def prepared_attention_is_plain(query, kv_cache, layout, step, out, scale, sliding_window, softcap,
-                                backend, sinks=None, alibi_slopes=None) -> bool:
+                                backend, sinks=None, alibi_slopes=None, k_scale=None, v_scale=None) -> bool:
     """The gate of a prepared attention call's fast paths (not input rules: what lets the call skip
     the rules these imply): ``layout`` is the step's own object, no backend named, the step's
     window, plain tensors (``out``, ``sinks``, ``alibi_slopes`` None or one), a float (or None)
-    scale and softcap. The rules follow: the step's own calls (``step.calls``) or
-    :func:`prepared_attention_tensors_fit`."""
+    scale and softcap, and scales as :func:`prepared_scales_are_plain` says. The rules follow: the
+    step's own calls (``step.calls``) or :func:`prepared_attention_tensors_fit`."""
     return not (layout is not step.layout or backend is not None or sliding_window != step.sliding_window
                 or type(query) is not torch.Tensor or type(kv_cache) is not torch.Tensor
                 or out is not None and type(out) is not torch.Tensor
                 or sinks is not None and type(sinks) is not torch.Tensor
                 or alibi_slopes is not None and type(alibi_slopes) is not torch.Tensor
-                or not (scale is None or type(scale) is float) or not (softcap is None or type(softcap) is float))
+                or not (scale is None or type(scale) is float) or not (softcap is None or type(softcap) is float)
+                or not (k_scale is None and v_scale is None or prepared_scales_are_plain(k_scale, v_scale, layout)))
+
+
+def prepared_scales_are_plain(k_scale, v_scale, layout) -> bool:
+    """The scale part of the prepared gates: the cache is fp8 and each scale is None, a Python float
+    or a plain tensor (a scale for another cache, or of another type, takes the full checks, which
+    name what is wrong). Their rules (kvmulti/fp8.py: ``check_scale_*``) are checked by the step's
+    calls, or by the normalisation the other fast path does (:func:`kvmulti.fp8.scale_tensor`)."""
+    return (layout.dtype in FP8_DTYPES and (k_scale is None or type(k_scale) is float or type(k_scale) is torch.Tensor)
+            and (v_scale is None or type(v_scale) is float or type(v_scale) is torch.Tensor))
 
 
 def prepared_attention_tensors_fit(query, kv_cache, step, out, scale=None, softcap=None, sinks=None,
                                    alibi_slopes=None) -> bool:
     """Every ``prepared`` attention rule of :mod:`kvmulti.input_rules` holds, after
-    :func:`prepared_attention_is_plain` (and the layout takes the fast paths: not fp8, not latent).
+    :func:`prepared_attention_is_plain` (and the layout takes the fast paths: not latent).
     False sends the call through the full checks."""
     return input_rules.prepared_attention_fits(query, kv_cache, out, scale, softcap, step, sinks, alibi_slopes)
 
 
-def prepared_write_is_plain(key, value, kv_cache, layout, slot_mapping, step) -> bool:
-    """The gate of a prepared write's fast paths: ``layout`` is ``step``'s own object and every
-    argument a plain tensor (the rules follow: ``step.calls`` or :func:`prepared_write_tensors_fit`)."""
+def prepared_write_is_plain(key, value, kv_cache, layout, slot_mapping, step, k_scale=None, v_scale=None) -> bool:
+    """The gate of a prepared write's fast paths: ``layout`` is ``step``'s own object, every
+    argument a plain tensor and scales as :func:`prepared_scales_are_plain` says (the rules follow:
+    ``step.calls`` or :func:`prepared_write_tensors_fit`)."""
     return (layout is step.layout and type(key) is torch.Tensor and type(value) is torch.Tensor
-            and type(kv_cache) is torch.Tensor and type(slot_mapping) is torch.Tensor)
+            and type(kv_cache) is torch.Tensor and type(slot_mapping) is torch.Tensor
+            and (k_scale is None and v_scale is None or prepared_scales_are_plain(k_scale, v_scale, layout)))
 
 
 def prepared_write_tensors_fit(key, value, kv_cache, slot_mapping, step) -> bool:
     """Every ``prepared`` write rule of :mod:`kvmulti.input_rules` holds, after
-    :func:`prepared_write_is_plain` (and the layout takes the fast paths). False sends the call
-    through the full checks."""
+    :func:`prepared_write_is_plain` (and the layout takes the fast paths: not latent). False sends
+    the call through the full checks."""
     return input_rules.prepared_write_fits(key, value, kv_cache, slot_mapping, step)
 
 
@@ -118,6 +131,12 @@ def _once(step: "StepMetadata", kind: str, tensor: torch.Tensor, check) -> None:
 def check_slot_values_once(step: "StepMetadata", slot_mapping: torch.Tensor, layout: KVCacheLayout) -> None:
     """:func:`check_slot_values`, once per step per slot tensor."""
     _once(step, "checked_slot_mappings", slot_mapping, lambda slots: check_slot_values(slots, layout))
+
+
+def check_scale_values_once(step: "StepMetadata", scale: torch.Tensor, name: str) -> None:
+    """:func:`kvmulti.fp8.check_scale_values` (CPU tensors only), once per step per scale tensor."""
+    if scale.device.type == "cpu":
+        _once(step, "checked_scales", scale, lambda values: check_scale_values(values, name))
 
 
 def check_alibi_values_once(step: "StepMetadata", alibi_slopes: torch.Tensor | None) -> None:

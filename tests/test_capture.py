@@ -2,7 +2,9 @@
 under Triton's interpreter: the per-layer calls of such a step allocate nothing, fill nothing and
 read nothing back to the host (a dispatch mode records every aten op they make outside the kernels),
 and the same step, re-used after the engine updated the metadata's tensors in place for a batch
-with grown contexts (what a graph replay sees), matches the oracle.
+with grown contexts (what a graph replay sees), matches the oracle. fp8 caches too, their layers'
+scales (per tensor and per head, tensors and floats) passed as launch arguments: bit for bit what
+the unprepared path computes, and a bad scale raises the unprepared path's error.
 """
 
 from __future__ import annotations
@@ -72,12 +74,16 @@ class Engine:
     the layers' query / key / value / out, their caches. :meth:`fill` writes a batch into them in
     place (requests past the real ones padded with query length 0, slots with -1)."""
 
-    def __init__(self, dtype=torch.float32):
+    def __init__(self, dtype=torch.float32, cache_dtype=None, scales=None):
+        """``dtype``: query, key, value and out's; ``cache_dtype``: the caches' (default ``dtype``);
+        ``scales``: each layer's (k_scale, v_scale) for an fp8 cache (default: none passed)."""
         gen = torch.Generator().manual_seed(0)
-        self.layout = kvmulti.KVCacheLayout(BLOCKS, BLOCK, HKV, HEAD, dtype=dtype)
+        cache_dtype = dtype if cache_dtype is None else cache_dtype
+        self.layout = kvmulti.KVCacheLayout(BLOCKS, BLOCK, HKV, HEAD, dtype=cache_dtype)
         self.caches = [self.layout.allocate() for _ in range(LAYERS)]
         for cache in self.caches:
-            cache.copy_(torch.randn(self.layout.shape, generator=gen).to(dtype))
+            cache.copy_(torch.randn(self.layout.shape, generator=gen).to(cache_dtype))
+        self.scales = [(None, None)] * LAYERS if scales is None else scales
         self.tables = torch.randperm(BLOCKS, generator=gen).to(torch.int32)[:SEQS * WIDTH].view(SEQS, WIDTH)
         self.query_start_loc = torch.zeros(SEQS + 1, dtype=torch.int32)
         self.seq_lens = torch.zeros(SEQS, dtype=torch.int32)
@@ -114,17 +120,21 @@ class Engine:
 
     def layer_calls(self, step) -> None:
         """What a captured decode step records per layer: the write, then attention into its out."""
-        for cache, out in zip(self.caches, self.outs):
-            kvmulti.write_kv(self.key, self.value, cache, self.layout, self.slot_mapping, step=step)
-            kvmulti.paged_attention(self.query, cache, self.layout, step, out=out)
+        for cache, out, (k_scale, v_scale) in zip(self.caches, self.outs, self.scales):
+            kvmulti.write_kv(self.key, self.value, cache, self.layout, self.slot_mapping, step=step,
+                             k_scale=k_scale, v_scale=v_scale)
+            kvmulti.paged_attention(self.query, cache, self.layout, step, out=out, k_scale=k_scale, v_scale=v_scale)
 
     def check(self, real: kvmulti.CommonAttentionMetadata, expected_caches: list[torch.Tensor]) -> None:
         """Each layer's cache equals the oracle's writes, its out rows of the real requests the oracle."""
         n = real.num_actual_tokens
-        for cache, expected_cache, out in zip(self.caches, expected_caches, self.outs):
-            reference.write_kv(self.key[:n], self.value[:n], expected_cache, self.layout, real.slot_mapping)
-            assert torch.equal(cache, expected_cache)
-            expected = reference.paged_attention(self.query[:n], cache, self.layout, real)
+        for cache, expected_cache, out, (k_scale, v_scale) in zip(self.caches, expected_caches, self.outs,
+                                                                   self.scales):
+            reference.write_kv(self.key[:n], self.value[:n], expected_cache, self.layout, real.slot_mapping,
+                               k_scale, v_scale)
+            assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
+            expected = reference.paged_attention(self.query[:n], cache, self.layout, real, k_scale=k_scale,
+                                                 v_scale=v_scale)
             torch.testing.assert_close(out[:n], expected, atol=2e-5, rtol=2e-5)
 
 
@@ -152,6 +162,115 @@ def test_a_captured_step_replays_grown_contexts_without_allocating_or_host_reads
     real = engine.fill([4])                    # a smaller batch in the same bucket
     engine.layer_calls(step)
     engine.check(real, expected_caches)
+
+
+def fp8_scales(kind: str) -> list[tuple]:
+    """Each layer's (k_scale, v_scale) of a scale ``kind``: ``per_head``: fp32 [HKV] tensors, one a
+    strided view (a column of a [HKV, LAYERS] tensor); ``per_tensor``: a [] tensor and a float, then
+    a float and None (1.0)."""
+    gen = torch.Generator().manual_seed(1)
+    if kind == "per_head":
+        columns = torch.rand(HKV, LAYERS, generator=gen) + 0.5
+        return [(columns[:, layer], torch.rand(HKV, generator=gen) + 0.5) for layer in range(LAYERS)]
+    return [(torch.tensor(0.75), 1.25), (0.5, None)]
+
+
+FP8_CASES = [pytest.param(torch.float8_e4m3fn, "per_head", 0, id="e4m3fn-per_head-single_pass"),
+             pytest.param(torch.float8_e4m3fnuz, "per_tensor", 16, id="e4m3fnuz-per_tensor-split_kv")]
+
+
+@pytest.mark.parametrize("cache_dtype, kind, partition_size", FP8_CASES)
+def test_a_captured_fp8_step_passes_the_layers_scales_without_allocating_or_host_reads(
+        cache_dtype, kind, partition_size, recorder, one_torch_thread):
+    """An fp8 cache's step prepared for capture: each layer's scales are launch arguments of its
+    calls (a [] tensor as it is, a float as a constant the step keeps), so replays make no aten op
+    and match the oracle as contexts grow."""
+    engine = Engine(cache_dtype=cache_dtype, scales=fp8_scales(kind))
+    bucket = kvmulti.CaptureBucket(max_num_seqs=SEQS, max_num_tokens=SEQS, max_query_len=1, max_seq_len=17)
+    real = engine.fill([5, 9, 2])
+    step = kvmulti.prepare_step(engine.metadata(real), engine.layout, HQ, capture=bucket,
+                                backend=TritonBackend(partition_size=partition_size))
+    assert step.calls is not None and step.plan.split == bool(partition_size)
+    expected_caches = [cache.clone() for cache in engine.caches]
+    engine.layer_calls(step)
+    engine.check(real, expected_caches)
+
+    real = engine.fill([6, 10, 3, 36])
+    with recorder:
+        engine.layer_calls(step)
+    assert recorder.ops == [], f"per-layer calls of a captured fp8 step made aten ops: {recorder.ops}"
+    engine.check(real, expected_caches)
+
+
+def test_prepared_fp8_calls_equal_the_unprepared_path_bit_for_bit(one_torch_thread):
+    """The prepared calls of an eager step (scales as launch arguments, uncopied: a layer of
+    per-head tensors, one a strided view, and a layer of a [] tensor and a float) write the same
+    bytes and compute the same outputs as the public ops without a step (scales normalised to fp32
+    [HKV] copies)."""
+    engine = Engine(cache_dtype=torch.float8_e4m3fn, scales=[fp8_scales("per_head")[0], fp8_scales("per_tensor")[0]])
+    real = engine.fill([5, 9, 2, 7])
+    step = kvmulti.prepare_step(real, engine.layout, HQ, backend="TRITON")
+    unprepared = [cache.clone() for cache in engine.caches]
+    engine.layer_calls(step)
+    assert all(form.scaled for form in step.calls._attention.values()) and len(step.calls._attention) == LAYERS
+    for cache, out, (k_scale, v_scale) in zip(unprepared, engine.outs, engine.scales):
+        kvmulti.write_kv(engine.key, engine.value, cache, engine.layout, real.slot_mapping, backend="TRITON",
+                         k_scale=k_scale, v_scale=v_scale)
+        want = kvmulti.paged_attention(engine.query, cache, engine.layout, real, backend="TRITON",
+                                       k_scale=k_scale, v_scale=v_scale)
+        assert torch.equal(out, want)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(engine.caches, unprepared))
+
+
+BAD_SCALES = {"zero": 0.0, "nan": float("nan"), "negative": -1.0, "bool": True,
+              "wrong_shape": torch.ones(HKV + 1), "a_zero_head": torch.tensor([1.0, 0.0]),
+              "inf_head": torch.tensor([1.0, float("inf")]), "fp64": torch.ones((), dtype=torch.float64),
+              "int": torch.ones(HKV, dtype=torch.int32)}
+
+
+def _error(call) -> tuple[type, str]:
+    with pytest.raises((TypeError, ValueError)) as info:
+        call()
+    return info.type, str(info.value)
+
+
+@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+def test_a_bad_scale_raises_the_unprepared_paths_error_on_the_prepared_path(which, one_torch_thread):
+    """Every bad scale, before and after the calls' forms were built with good scales of each kind:
+    the prepared calls raise exactly what the public ops without a step raise, and the cache stays
+    untouched. A scale for a cache that is not fp8 is refused by the step calls and raised."""
+    engine = Engine(cache_dtype=torch.float8_e4m3fn)
+    real = engine.fill([5, 9, 2, 7])
+    step = kvmulti.prepare_step(real, engine.layout, HQ, backend="TRITON")
+    cache, out, layout = engine.caches[0], engine.outs[0], engine.layout
+    good = {"k_scale": torch.ones(HKV), "v_scale": 0.5}
+    for built in (False, True):
+        if built:                   # the forms of the good scales' kinds exist: only the values differ
+            kvmulti.write_kv(engine.key, engine.value, cache, layout, real.slot_mapping, step=step, **good)
+            kvmulti.paged_attention(engine.query, cache, layout, step, out=out, **good)
+        for bad in BAD_SCALES.values():
+            scales = dict(good, **{which: bad}) if built else {which: bad}
+            before = cache.clone()
+            want = _error(lambda: kvmulti.write_kv(engine.key, engine.value, cache, layout, real.slot_mapping,
+                                                   backend="TRITON", **scales))
+            assert _error(lambda: kvmulti.write_kv(engine.key, engine.value, cache, layout, real.slot_mapping,
+                                                   step=step, **scales)) == want
+            assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+            want = _error(lambda: kvmulti.paged_attention(engine.query, cache, layout, real, backend="TRITON",
+                                                          **scales))
+            assert _error(lambda: kvmulti.paged_attention(engine.query, cache, layout, step, out=out,
+                                                          **scales)) == want
+    plain = Engine()
+    step = kvmulti.prepare_step(real, plain.layout, HQ, backend="TRITON")
+    for scale in (1.0, torch.tensor(1.0)):
+        assert not step.calls.write(plain.key, plain.value, plain.caches[0], real.slot_mapping, **{which: scale})
+        assert not step.calls.attend(plain.query, plain.caches[0], plain.outs[0], 0.25, 0.0, **{which: scale})
+        with pytest.raises(ValueError, match=f"{which} applies to fp8 caches only"):
+            kvmulti.write_kv(plain.key, plain.value, plain.caches[0], plain.layout, real.slot_mapping, step=step,
+                             **{which: scale})
+        with pytest.raises(ValueError, match=f"{which} applies to fp8 caches only"):
+            kvmulti.paged_attention(plain.query, plain.caches[0], plain.layout, step, out=plain.outs[0],
+                                    **{which: scale})
 
 
 def test_the_recorder_sees_what_an_eager_step_does(recorder, one_torch_thread):

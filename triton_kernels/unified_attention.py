@@ -51,8 +51,10 @@ Two kernels serve every batch:
 * fp8 caches (``FP8`` != 0; kvmulti/fp8.py): the cache arrives as its uint8 bytes; each K/V tile
   is decoded in registers (``fp8_decode``, exact) to the query's dtype (every fp8 value is exact
   in fp16 and bf16), so the dots are those of a query-dtype cache holding the unscaled values. The
-  program's KV head has one ``k_scale`` and one ``v_scale``: ``k_scale`` joins the softmax scale
-  and ``v_scale`` multiplies the fp32 accumulator before it is stored.
+  program's KV head has one ``k_scale`` and one ``v_scale``, read at ``kvh * stride_ks`` /
+  ``kvh * stride_vs`` (stride 0: one per-tensor scale for every head, as an engine's ``[]`` scale
+  tensor is passed, uncopied): ``k_scale`` joins the softmax scale and ``v_scale`` multiplies the
+  fp32 accumulator before it is stored.
 
 ``DOT_F32`` exists for the Triton interpreter only (TRITON_INTERPRET=1), whose ``tl.dot`` on
 bf16 operands is wrong (numpy has no bf16): the operands are rounded to their real dtype first
@@ -187,7 +189,7 @@ def unified_attention_kernel(
     num_rows, num_blocks, table_rows, table_cols,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
-    stride_bt, stride_bn,
+    stride_bt, stride_bn, stride_ks, stride_vs,
     STRIDE_CB: tl.constexpr, STRIDE_CT: tl.constexpr, STRIDE_CH: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     NUM_QPK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -240,7 +242,7 @@ def unified_attention_kernel(
         q = q.to(tl.float32)
     qk_scale = scale
     if FP8 > 0:
-        qk_scale = scale * tl.load(k_scale_ptr + kvh)
+        qk_scale = scale * tl.load(k_scale_ptr + kvh * stride_ks)
     slope = tl.full([BLOCK_M], 0.0, tl.float32)
     if ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0)
@@ -306,7 +308,7 @@ def unified_attention_kernel(
                                  True, PREFILL, CAUSAL, slope, ALIBI)
 
     if FP8 > 0:
-        acc = acc * tl.load(v_scale_ptr + kvh)
+        acc = acc * tl.load(v_scale_ptr + kvh * stride_vs)
     if SPLIT:
         row = (tok * num_q_heads + head) * num_parts + part
         tl.store(part_acc_ptr + row[:, None] * HEAD_PAD_V + offs_dv[None, :], acc, mask=row_ok[:, None])

@@ -9,8 +9,9 @@ V after the ``head_size`` K elements), the key/value inputs through their own st
 views (e.g. slices of a fused qkv projection) need no copy.
 
 fp8 caches (``FP8`` != 0, the cache passed as its uint8 bytes): each row is divided by its head's
-scale (``k_scale_ptr`` / ``v_scale_ptr``, fp32 [num_kv_heads]) with IEEE rounding (``div_rn``)
-and stored as ``fp8_encode`` of the quotient (kvmulti/fp8.py's rule, bit for bit).
+scale (``k_scale_ptr`` / ``v_scale_ptr``: fp32, head h's at ``h * stride_ks`` / ``h * stride_vs``;
+stride 0 for one per-tensor scale) with IEEE rounding (``div_rn``) and stored as ``fp8_encode`` of
+the quotient (kvmulti/fp8.py's rule, bit for bit).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def write_kv_kernel(
     num_kv_heads, num_slots,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
-    stride_cb, stride_ct, stride_ch,
+    stride_cb, stride_ct, stride_ch, stride_ks, stride_vs,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
     BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr, FP8: tl.constexpr,
 ):
@@ -45,7 +46,7 @@ def write_kv_kernel(
     k_mask = h_ok[:, None] & (offs_d < HEAD_SIZE)[None, :]
     k = tl.load(key_ptr + tok * stride_kt + heads[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=k_mask)
     if FP8 > 0:
-        k = _quantize(k, k_scale_ptr, heads, h_ok, FP8)
+        k = _quantize(k, k_scale_ptr, stride_ks, heads, h_ok, FP8)
     tl.store(dst + offs_d[None, :], k, mask=k_mask)
 
     offs_dv = tl.arange(0, HEAD_PAD_V)
@@ -53,12 +54,12 @@ def write_kv_kernel(
     v = tl.load(value_ptr + tok * stride_vt + heads[:, None] * stride_vh + offs_dv[None, :] * stride_vd,
                 mask=v_mask)
     if FP8 > 0:
-        v = _quantize(v, v_scale_ptr, heads, h_ok, FP8)
+        v = _quantize(v, v_scale_ptr, stride_vs, heads, h_ok, FP8)
     tl.store(dst + HEAD_SIZE + offs_dv[None, :], v, mask=v_mask)
 
 
 @triton.jit
-def _quantize(x, scale_ptr, heads, h_ok, FP8: tl.constexpr):
-    """rows x [BLOCK_H, D] of heads ``heads`` -> uint8 codes of fp8(x / scale[head])."""
-    head_scale = tl.load(scale_ptr + heads, mask=h_ok, other=1.0)
+def _quantize(x, scale_ptr, stride_s, heads, h_ok, FP8: tl.constexpr):
+    """rows x [BLOCK_H, D] of heads ``heads`` -> uint8 codes of fp8(x / scale[head * stride_s])."""
+    head_scale = tl.load(scale_ptr + heads * stride_s, mask=h_ok, other=1.0)
     return fp8_encode(tl.div_rn(x.to(tl.float32), head_scale[:, None]), FP8)

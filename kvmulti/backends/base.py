@@ -16,7 +16,7 @@ from .. import settings
 from ..platform import platform_of
 
 from ..fp8 import (ACTIVATION_DTYPES as ALL_DTYPES, FNUZ_FP8_DTYPES, FP8_DTYPES,  # noqa: F401 (re-exported
-                  OCP_FP8_DTYPES)                                                   # for backends)
+                  OCP_FP8_DTYPES, activation_dtypes)                                # for backends)
 
 
 @dataclass(frozen=True)
@@ -81,11 +81,12 @@ class StepMetadata:
         """What a layer call of this step is checked against on the prepared paths of
         :mod:`kvmulti.input_rules` (``prepared_*_fits``): the cache's (dtype, shape,
         strides), then num_kv_heads, head_size, head_size_v, num_query_heads, num_actual_tokens,
-        and whether the layout takes the fast paths at all (not fp8, not latent)."""
+        the activation dtypes the cache takes (:func:`kvmulti.fp8.activation_dtypes`) and whether
+        the layout takes the fast paths at all (not latent)."""
         layout = self.layout
         return (layout._exact_signature, layout.num_kv_heads, layout.head_size, layout.value_size,
-                self.num_query_heads, self.common.num_actual_tokens,
-                not layout.is_latent and layout.dtype not in FP8_DTYPES)
+                self.num_query_heads, self.common.num_actual_tokens, activation_dtypes(layout.dtype),
+                not layout.is_latent)
 
 
 class Backend(abc.ABC):
@@ -228,7 +229,10 @@ class Backend(abc.ABC):
         :mod:`kvmulti.input_rules`, including the slot values once per slot tensor) and run it, or
         return False having done nothing. ``softcap`` is 0.0 for off; ``sinks`` / ``alibi_slopes``
         are None or the layer's tensors (passed only for a step prepared with them); ``out`` rows
-        past ``num_actual_tokens`` are zeroed."""
+        past ``num_actual_tokens`` are zeroed. Calls of a step over an fp8 cache also take the
+        layer's scales as they were given, ``attend(..., alibi_slopes, k_scale, v_scale)`` and
+        ``write(..., slot_mapping, k_scale, v_scale)`` (each None, a float or a plain tensor, checked
+        by kvmulti/fp8.py's ``check_scale_*``); no scales are passed for other caches."""
         return None
 
     @abc.abstractmethod

@@ -125,11 +125,11 @@ class TritonBackend(Backend):
     def capture_plan(self, common: CommonAttentionMetadata, layout: KVCacheLayout, num_query_heads: int,
                      sliding_window: int | None, capture: CaptureBucket):
         """The plan for the bucket's maxima: its requests, longest query and longest sequence (split-KV
-        partitions cover the bucket's max_seq_len). fp16 / bf16 / fp32 caches only: fp8 and latent
-        caches launch per call."""
-        if layout.is_latent or layout.dtype in FP8_DTYPES:
-            raise ValueError(f"TRITON prepares steps for graph capture over fp32 / fp16 / bf16 caches, not "
-                             f"{'a latent cache' if layout.is_latent else layout.dtype}")
+        partitions cover the bucket's max_seq_len). Every cache TRITON serves (fp8 ones included: the
+        layer's scales are launch arguments of its step calls) but a latent one, which has no step calls."""
+        if layout.is_latent:
+            raise ValueError("TRITON prepares steps for graph capture over fp32 / fp16 / bf16 / fp8 caches, not a "
+                             "latent cache")
         return self._plan(common, layout, num_query_heads, sliding_window, capture.max_num_seqs,
                           capture.max_query_len, capture.max_seq_len)
 
@@ -150,9 +150,10 @@ class TritonBackend(Backend):
 
     def prepared_calls(self, step: StepMetadata):
         """The step's launches (prepared.py): a layer call's checks and kernel launches with the
-        argument lists, grids and split-KV workspace made once per step. None for fp8 and latent
-        caches, which take :meth:`paged_attention`'s launches per call."""
-        if step.layout.is_latent or step.layout.dtype in FP8_DTYPES:
+        argument lists, grids and split-KV workspace made once per step (an fp8 cache's scales are
+        per-layer launch arguments). None for latent caches, which take :meth:`paged_attention`'s
+        launches per call."""
+        if step.layout.is_latent:
             return None
         return importlib.import_module("kvmulti.backends.triton.prepared").TritonStepCalls(step, step.common.device)
 
@@ -169,9 +170,10 @@ class TritonBackend(Backend):
                         softcap: float | None, out: torch.Tensor,
                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                         sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> None:
-        if step.calls is not None and k_scale is None:
+        if step.calls is not None:
             # the step's own launches (for a step prepared for capture: the bucket's)
-            step.calls.run_attention(query, kv_cache, out, scale, softcap or 0.0, sinks, alibi_slopes)
+            step.calls.run_attention(query, kv_cache, out, scale, softcap or 0.0, sinks, alibi_slopes, k_scale,
+                                     v_scale)
             return
         if step.capture is not None:
             raise ValueError("a step prepared for graph capture launches through its own calls (StepMetadata.calls)")

@@ -216,9 +216,9 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
     len(query_start_loc) - 1); the block table's shape; the cache's num_blocks; max_seq_len is
     capped at the table's width in positions (the kernel stops there).
 
-    An fp8 cache needs ``k_scale`` / ``v_scale`` (fp32 [num_kv_heads], kvmulti/fp8.py); the
-    query (and ``out``) may then be fp32, fp16 or bf16. ``sinks``: fp32 [num_q_heads] attention-sink
-    logits on the query's device (checked here: the kernels read num_q_heads of them), or None;
+    An fp8 cache needs ``k_scale`` / ``v_scale`` (fp32 ``[]`` or ``[num_kv_heads]``, kvmulti/fp8.py;
+    :func:`_scale_args`); the query (and ``out``) may then be fp32, fp16 or bf16. ``sinks``: fp32
+    [num_q_heads] attention-sink logits on the query's device (checked here: the kernels read num_q_heads of them), or None;
     ``alibi_slopes`` likewise fp32 [num_q_heads] ALiBi slopes, or None. ``causal=False``: every row
     sees all ``seq_len`` keys of its request, with a window only those with |q_pos - k_pos| < window."""
     if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()
@@ -253,7 +253,7 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
         return plan, []
     dot_f32 = interpreting() and query.dtype == torch.bfloat16
     fp8 = fp8_code(kv_cache.dtype)
-    k_scale, v_scale = _scale_args(fp8, k_scale, v_scale, num_kv_heads, out)
+    k_scale, v_scale, stride_ks, stride_vs = _scale_args(fp8, k_scale, v_scale, num_kv_heads, out)
     num_q_heads = query.shape[1]
     if plan.split:
         part_acc, part_ml = split_workspace(plan, num_rows, num_q_heads, query.device) if workspace is None \
@@ -276,6 +276,7 @@ def attention_launches(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.T
         stride_qt=query.stride(0), stride_qh=query.stride(1), stride_qd=query.stride(2),
         stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2),
         stride_bt=block_table.stride(0), stride_bn=block_table.stride(1),
+        stride_ks=stride_ks, stride_vs=stride_vs,
         STRIDE_CB=sb, STRIDE_CT=st, STRIDE_CH=sh, WINDOW=int(sliding_window or 0), SOFTCAP=float(softcap or 0.0),
         NUM_QPK=num_qpk, BLOCK_Q=plan.block_q, BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_SIZE_V=head_size_v,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, HEAD_PAD=plan.head_pad, HEAD_PAD_V=plan.head_pad_v,
@@ -316,17 +317,23 @@ def unified_attention(*args, **kwargs) -> AttentionPlan:
 
 
 def _scale_args(fp8: int, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, num_kv_heads: int,
-                placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' scale pointers: the fp32 [num_kv_heads] scales of an fp8 cache (checked here:
-    the kernels read num_kv_heads of each), ``placeholder`` (never read) for other caches."""
+                placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The kernels' scale pointers and head strides: an fp8 cache's fp32 scales (checked here), each
+    of shape ``[]`` (one per-tensor scale: stride 0) or ``[num_kv_heads]`` (head h's at ``h *
+    stride``), passed as they are; ``placeholder`` (never read) and strides 0 for other caches."""
     if not fp8:
-        return placeholder, placeholder
+        return placeholder, placeholder, 0, 0
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if (scale is None or scale.dtype != torch.float32 or not scale.is_contiguous()
-                or scale.shape != (num_kv_heads,) or scale.device != placeholder.device):
-            raise ValueError(f"an fp8 cache needs {name} as a contiguous fp32 [{num_kv_heads}] tensor on "
+        if (scale is None or scale.dtype != torch.float32 or tuple(scale.shape) not in ((), (num_kv_heads,))
+                or scale.device != placeholder.device):
+            raise ValueError(f"an fp8 cache needs {name} as an fp32 [] or [{num_kv_heads}] tensor on "
                              f"{placeholder.device}, got {None if scale is None else (scale.dtype, tuple(scale.shape))}")
-    return k_scale, v_scale
+    return k_scale, v_scale, scale_stride(k_scale), scale_stride(v_scale)
+
+
+def scale_stride(scale: torch.Tensor) -> int:
+    """The kernels' head stride of a scale tensor: 0 for one scale (``[]``, or ``[1]``), else its stride."""
+    return scale.stride(0) if scale.dim() and scale.shape[0] > 1 else 0
 
 
 def write_block_h(num_kv_heads: int, head_pad_: int, head_pad_v: int) -> int:
@@ -339,14 +346,15 @@ def write_kv_launches(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
                       v_scale: torch.Tensor | None = None) -> list[Launch]:
     """The write_kv launch: one program per token row that key, value and slot_mapping all have;
     the kernel skips slots outside [0, num_blocks * block_size). An fp8 cache needs ``k_scale`` /
-    ``v_scale`` (fp32 [num_kv_heads]); key and value may then be fp32, fp16 or bf16."""
+    ``v_scale`` (fp32 ``[]`` or ``[num_kv_heads]``, :func:`_scale_args`); key and value may then be
+    fp32, fp16 or bf16."""
     num_tokens = min(slot_mapping.shape[0], key.shape[0], value.shape[0])
     if num_tokens <= 0:
         return []
     hp, hpv = head_pad(head_size), head_pad(head_size_v)
     block_h = write_block_h(num_kv_heads, hp, hpv)
     fp8 = fp8_code(kv_cache.dtype)
-    k_scale, v_scale = _scale_args(fp8, k_scale, v_scale, num_kv_heads, key)
+    k_scale, v_scale, stride_ks, stride_vs = _scale_args(fp8, k_scale, v_scale, num_kv_heads, key)
     sb, st, sh = cache_strides
     return [Launch("write_kv", (num_tokens, triton.cdiv(num_kv_heads, block_h)), dict(
         key_ptr=key, value_ptr=value, kv_ptr=raw_cache(kv_cache), slot_ptr=slot_mapping, k_scale_ptr=k_scale,
@@ -354,8 +362,8 @@ def write_kv_launches(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         num_slots=kv_cache.shape[0] * block_size,
         stride_kt=key.stride(0), stride_kh=key.stride(1), stride_kd=key.stride(2),
         stride_vt=value.stride(0), stride_vh=value.stride(1), stride_vd=value.stride(2),
-        stride_cb=sb, stride_ct=st, stride_ch=sh, BLOCK_SIZE=block_size, HEAD_SIZE=head_size,
-        HEAD_SIZE_V=head_size_v, BLOCK_H=block_h, HEAD_PAD=hp, HEAD_PAD_V=hpv, FP8=fp8))]
+        stride_cb=sb, stride_ct=st, stride_ch=sh, stride_ks=stride_ks, stride_vs=stride_vs,
+        BLOCK_SIZE=block_size, HEAD_SIZE=head_size, HEAD_SIZE_V=head_size_v, BLOCK_H=block_h, HEAD_PAD=hp, HEAD_PAD_V=hpv, FP8=fp8))]
 
 
 def write_kv(*args, **kwargs) -> None:
