@@ -4,23 +4,29 @@ measured in the same run:
 * the device's copy bandwidth: a 1 GiB device-to-device copy, counting bytes read plus written;
 * dense bf16 matmul: 8192 x 8192 x 8192 on random data (torch / cuBLAS).
 
-Shapes (:data:`SHAPES`; 32 query / 8 KV heads, head 128, bf16, block 16, HND, a shuffled block
-table): decode 32 x 4096, decode 1 x 32768, causal prefill 8 x 2048 and 1 x 8192 (no context). Implementations:
-``TRITON`` (kvmulti's Triton backend), ``HIP`` (the HIP kernels built with nvcc,
-:mod:`devtools.hip_on_cuda`), ``SDPA`` (torch's flash attention on contiguous K/V: the dense
-reference). Each prepared step is timed as a layer calls it (``kvmulti.paged_attention`` with the
-``prepare_step`` result and an ``out`` buffer). The implementations alternate within each of
-:data:`ROUNDS` rounds; the figure is the median of the rounds' medians.
+Shapes (:data:`SHAPES`; :data:`GPU`: 32 query / 8 KV heads, head 128, bf16, block 16, HND, a
+shuffled block table): decode 32 x 4096, decode 1 x 32768, causal prefill 8 x 2048 and 1 x 8192
+(no context). Implementations: ``TRITON`` (kvmulti's Triton backend), ``HIP`` (the HIP kernels
+built with nvcc, :mod:`devtools.hip_on_cuda`), the peers of :mod:`devtools.device_peers` that
+load (vLLM's Triton kernels, FlashInfer FA2 / FA3; each on the same cache, zero copy) and ``SDPA``
+(torch's flash attention on contiguous K/V: the dense reference). Each kvmulti step is timed as a
+layer calls it (``kvmulti.paged_attention`` with the ``prepare_step`` result and an ``out``
+buffer), each peer's call with its planning done beforehand. The implementations alternate within
+each of ``rounds`` rounds; the figure is the median of the rounds' medians.
 
 Decode: % of the memory floor = (K/V read + query + out bytes) / measured copy bandwidth over the
 measured time. Prefill: TFLOP/s of the causal attention's useful flops (4 * heads * head * the
 causal (query, key) pairs) and their % of the measured matmul rate. Each implementation's output on
 the timed shape is also compared with SDPA's (``max_abs_diff_vs_sdpa``). After the eager timings,
-each kvmulti implementation's prepared call is captured in a CUDA graph and its replay timed
-(:func:`graph_rows`: the GPU's time without the host's, the replayed output checked against SDPA's,
-or the reason the call cannot be captured). Last, per decode shape, a step prepared for graph capture
-(:func:`capture_bucket`) runs one layer and a :data:`DECODE_STEP_LAYERS`-layer decode step over the
-same cache, eager and replayed (:func:`decode_step_rows`).
+every implementation's call is captured in a CUDA graph and its replay timed (:func:`graph_rows`:
+the GPU's time without the host's, the replayed output checked against SDPA's, or the reason the
+call cannot be captured); a kvmulti backend that prepares steps for capture is captured from a step
+prepared for the shape's bucket (:func:`capture_bucket`). Last, per decode shape, a ``layers``-layer
+decode step over the same cache (one output buffer per layer), eager and replayed, for every
+implementation (:func:`decode_step_rows`).
+
+``--dry-run`` runs the same code on CPU tensors (:data:`DRY`: tiny shapes, the Triton kernels under
+Triton's interpreter, :class:`devtools.device_runtime.StandInRuntime` for timing and "graphs").
 """
 
 from __future__ import annotations
@@ -34,13 +40,28 @@ import torch.nn.functional as F
 
 import kvmulti
 
-HQ, HKV, HEAD, BLOCK = 32, 8, 128, 16
-DTYPE = torch.bfloat16
-ROUNDS = 3
+from . import device_peers
+from .device_runtime import CudaRuntime, StandInRuntime
+
 COPY_BYTES = 1 << 30
 MATMUL_N = 8192
-DEVICE = "cuda"
 DECODE_STEP_LAYERS = 32
+Call = Callable[[], object]
+
+
+@dataclass(frozen=True)
+class Config:
+    """The problem's fixed dimensions, dtype and device, and how much is timed."""
+
+    hq: int = 32
+    hkv: int = 8
+    head: int = 128
+    block: int = 16
+    dtype: torch.dtype = torch.bfloat16
+    order: str = "HND"
+    device: str = "cuda"
+    rounds: int = 3
+    layers: int = DECODE_STEP_LAYERS
 
 
 @dataclass(frozen=True)
@@ -55,71 +76,87 @@ class Shape:
         return 1 if self.kind == "decode" else self.length
 
 
+GPU = Config()
 SHAPES = (Shape("decode 32x4096", "decode", 32, 4096), Shape("decode 1x32768", "decode", 1, 32768),
           Shape("prefill 8x2048", "prefill", 8, 2048), Shape("prefill 1x8192", "prefill", 1, 8192))
+#: the dry run: CPU tensors, fp32, shapes small enough for Triton's interpreter
+DRY = Config(hq=4, hkv=2, head=16, block=4, dtype=torch.float32, device="cpu", rounds=1, layers=2)
+DRY_SHAPES = (Shape("decode 2x8", "decode", 2, 8), Shape("prefill 1x8", "prefill", 1, 8))
 
 
-def median_ms(fn: Callable[[], object]) -> float:
-    from triton.testing import do_bench
-    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+def median_ms(fn: Call) -> float:
+    """Median ms of ``fn`` on the GPU (:meth:`CudaRuntime.median_ms`)."""
+    return CudaRuntime().median_ms(fn)
 
 
-def copy_bandwidth() -> dict:
+def copy_bandwidth(rt: CudaRuntime, cfg: Config) -> dict:
     """Device-to-device copy of COPY_BYTES: bytes read + written per second."""
-    src = torch.empty(COPY_BYTES // 2, dtype=DTYPE, device=DEVICE).normal_()
+    src = torch.empty(COPY_BYTES // 2, dtype=torch.bfloat16, device=cfg.device).normal_()
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
+    ms = rt.median_ms(lambda: dst.copy_(src))
     return {"bytes": 2 * COPY_BYTES, "ms": ms, "gb_per_s": 2 * COPY_BYTES / (ms * 1e-3) / 1e9}
 
 
-def matmul_rate() -> dict:
+def matmul_rate(rt: CudaRuntime, cfg: Config) -> dict:
     """bf16 MATMUL_N^3 matmul on random data: TFLOP/s."""
-    a = torch.randn(MATMUL_N, MATMUL_N, dtype=DTYPE, device=DEVICE)
-    b = torch.randn(MATMUL_N, MATMUL_N, dtype=DTYPE, device=DEVICE)
-    ms = median_ms(lambda: a @ b)
+    a = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=cfg.device)
+    b = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=cfg.device)
+    ms = rt.median_ms(lambda: a @ b)
     return {"n": MATMUL_N, "ms": ms, "tflops": 2 * MATMUL_N ** 3 / (ms * 1e-3) / 1e12}
 
 
-def shape_work(shape: Shape) -> dict:
+def shape_work(shape: Shape, cfg: Config = GPU) -> dict:
     """Bytes (decode floor) and useful flops (prefill) of one shape."""
-    kv = shape.seqs * shape.length * HKV * 2 * HEAD * DTYPE.itemsize
-    q_out = 2 * shape.seqs * shape.query_len * HQ * HEAD * DTYPE.itemsize
+    kv = shape.seqs * shape.length * cfg.hkv * 2 * cfg.head * cfg.dtype.itemsize
+    q_out = 2 * shape.seqs * shape.query_len * cfg.hq * cfg.head * cfg.dtype.itemsize
     causal_pairs = shape.seqs * (shape.length * (shape.length + 1) // 2 if shape.kind == "prefill" else shape.length)
-    return {"bytes": kv + q_out, "flops": 4 * HQ * HEAD * causal_pairs}
+    return {"bytes": kv + q_out, "flops": 4 * cfg.hq * cfg.head * causal_pairs}
 
 
 class Problem:
-    """One shape's tensors: dense K/V [seqs, HKV, length, HEAD] and the same data in a paged cache."""
+    """One shape's tensors: dense K/V [seqs, hkv, length, head] and the same data in a paged cache."""
 
-    def __init__(self, shape: Shape):
-        self.shape = shape
-        b, s, qlen = shape.seqs, shape.length, shape.query_len
-        self.k = torch.randn(b, HKV, s, HEAD, dtype=DTYPE, device=DEVICE)
-        self.v = torch.randn(b, HKV, s, HEAD, dtype=DTYPE, device=DEVICE)
-        self.q = torch.randn(b * qlen, HQ, HEAD, dtype=DTYPE, device=DEVICE)
-        blocks_per_seq = s // BLOCK
-        self.layout = kvmulti.KVCacheLayout(num_blocks=b * blocks_per_seq, block_size=BLOCK, num_kv_heads=HKV,
-                                            head_size=HEAD, dtype=DTYPE, order="HND")
-        self.cache = self.layout.allocate(DEVICE)
-        table = torch.randperm(b * blocks_per_seq, device=DEVICE).to(torch.int32).view(b, blocks_per_seq)
-        pos = torch.arange(s, device=DEVICE)
-        slots = (table.long()[:, pos // BLOCK] * BLOCK + pos % BLOCK).reshape(-1)
-        kvmulti.write_kv(self.k.transpose(1, 2).reshape(b * s, HKV, HEAD), self.v.transpose(1, 2).reshape(b * s, HKV, HEAD),
-                         self.cache, self.layout, slots, backend="TRITON")
-        self.metadata = kvmulti.CommonAttentionMetadata.from_lens([qlen] * b, [s] * b, table, BLOCK, device=DEVICE)
+    def __init__(self, shape: Shape, cfg: Config = GPU):
+        self.shape, self.cfg = shape, cfg
+        b, s, qlen, dev = shape.seqs, shape.length, shape.query_len, cfg.device
+        self.k = torch.randn(b, cfg.hkv, s, cfg.head, dtype=cfg.dtype, device=dev)
+        self.v = torch.randn(b, cfg.hkv, s, cfg.head, dtype=cfg.dtype, device=dev)
+        self.q = torch.randn(b * qlen, cfg.hq, cfg.head, dtype=cfg.dtype, device=dev)
+        blocks_per_seq = s // cfg.block
+        self.layout = kvmulti.KVCacheLayout(num_blocks=b * blocks_per_seq, block_size=cfg.block,
+                                            num_kv_heads=cfg.hkv, head_size=cfg.head, dtype=cfg.dtype,
+                                            order=cfg.order)
+        self.cache = self.layout.allocate(dev)
+        table = torch.randperm(b * blocks_per_seq, device=dev).to(torch.int32).view(b, blocks_per_seq)
+        pos = torch.arange(s, device=dev)
+        slots = (table.long()[:, pos // cfg.block] * cfg.block + pos % cfg.block).reshape(-1)
+        kvmulti.write_kv(self.k.transpose(1, 2).reshape(b * s, cfg.hkv, cfg.head),
+                         self.v.transpose(1, 2).reshape(b * s, cfg.hkv, cfg.head), self.cache, self.layout, slots,
+                         backend="TRITON")
+        self.metadata = kvmulti.CommonAttentionMetadata.from_lens([qlen] * b, [s] * b, table, cfg.block, device=dev)
 
-    def paged(self, backend) -> tuple[Callable[[], object], torch.Tensor]:
-        """A prepared layer call of ``backend`` (a name or a backend object) and its output buffer."""
-        step = kvmulti.prepare_step(self.metadata, self.layout, HQ, backend=backend)
+    def paged(self, backend, capture: bool = False) -> tuple[Call, torch.Tensor]:
+        """A prepared layer call of ``backend`` (a name or a backend object) and its output buffer;
+        ``capture``: the step prepared for this shape's :func:`capture_bucket`."""
+        bucket = capture_bucket(self.shape) if capture else None
+        step = kvmulti.prepare_step(self.metadata, self.layout, self.cfg.hq, backend=backend, capture=bucket)
         out = torch.empty_like(self.q)
         return (lambda: kvmulti.paged_attention(self.q, self.cache, self.layout, step, out=out)), out
 
-    def sdpa(self) -> tuple[Callable[[], torch.Tensor], str]:
+    def peer_problem(self) -> device_peers.PeerProblem:
+        """This batch as the peers see it (the same query and cache tensors)."""
+        m = self.metadata
+        return device_peers.PeerProblem(q=self.q, cache=self.cache, order=self.cfg.order,
+                                        query_start_loc=m.query_start_loc, seq_lens=m.seq_lens,
+                                        block_table=m.block_table, max_query_len=m.max_query_len,
+                                        max_seq_len=m.max_seq_len, scale=self.layout.default_scale)
+
+    def sdpa(self) -> tuple[Call, str]:
         """torch SDPA restricted to flash attention on contiguous K/V (GQA through enable_gqa, else K/V
-        repeated to HQ heads) and the variant used."""
+        repeated to hq heads) and the variant used."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        b, qlen = self.shape.seqs, self.shape.query_len
-        q = self.q.view(b, qlen, HQ, HEAD).transpose(1, 2)
+        b, qlen, hq, head = self.shape.seqs, self.shape.query_len, self.cfg.hq, self.cfg.head
+        q = self.q.view(b, qlen, hq, head).transpose(1, 2)
         causal = self.shape.kind == "prefill"
 
         def gqa():
@@ -129,49 +166,77 @@ class Problem:
             gqa()
             return gqa, "flash, enable_gqa"
         except RuntimeError:
-            k, v = (t.repeat_interleave(HQ // HKV, dim=1) for t in (self.k, self.v))
+            k, v = (t.repeat_interleave(hq // self.cfg.hkv, dim=1) for t in (self.k, self.v))
 
             def repeated():
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
             repeated()
-            return repeated, "flash, K/V repeated to 32 heads (4x the K/V bytes)"
+            return repeated, f"flash, K/V repeated to {hq} heads ({hq // self.cfg.hkv}x the K/V bytes)"
 
     def sdpa_rows(self, result: torch.Tensor) -> torch.Tensor:
-        """SDPA's [b, HQ, qlen, HEAD] output as the paged ops' [tokens, HQ, HEAD]."""
-        return result.transpose(1, 2).reshape(-1, HQ, HEAD)
+        """SDPA's [b, hq, qlen, head] output as the paged ops' [tokens, hq, head]."""
+        return result.transpose(1, 2).reshape(-1, self.cfg.hq, self.cfg.head)
 
-
-def bench_shape(shape: Shape, implementations: dict[str, object], ceilings: dict) -> list[dict]:
-    """Rows for one shape: each implementation's median ms (over ROUNDS alternating rounds), its
-    fraction of the measured floor / matmul rate and its max abs difference from SDPA."""
-    problem = Problem(shape)
-    work = shape_work(shape)
-    fns, outs, notes, errors = {}, {}, {}, {}
-    for name, backend in implementations.items():
+    def calls(self, implementations: dict[str, object], peers: tuple[str, ...], capture: bool = False
+              ) -> tuple[dict[str, Call], dict[str, torch.Tensor], dict[str, str], dict[str, str]]:
+        """Every implementation's call on this problem: (calls, output buffers, notes, errors by name).
+        kvmulti's (``implementations``: name -> backend) first, then the ``peers`` that run this
+        kind, then SDPA (its output: the call's return value, no buffer); ``capture``: kvmulti's
+        steps prepared for capture where their backend supports it."""
+        fns, outs, notes, errors = {}, {}, {}, {}
+        for name, backend in implementations.items():
+            try:
+                fns[name], outs[name] = self.paged(backend, capture=capture and supports_capture(backend, self.cfg))
+            except Exception as e:                    # recorded; the others still run
+                errors[name] = _error(e)
+        for peer in peers:
+            if self.shape.kind not in device_peers.KINDS[peer]:
+                continue
+            try:
+                fns[peer], outs[peer] = device_peers.prepare(peer, self.peer_problem())
+            except Exception as e:
+                errors[peer] = _error(e)
         try:
-            fns[name], outs[name] = problem.paged(backend)
-        except Exception as e:                        # recorded; the others still run
-            errors[name] = f"{type(e).__name__}: {e}"[:600]
-    try:
-        sdpa_fn, notes["SDPA"] = problem.sdpa()
-        fns["SDPA"] = sdpa_fn
-    except Exception as e:
-        errors["SDPA"] = f"{type(e).__name__}: {e}"[:600]
+            fns["SDPA"], notes["SDPA"] = self.sdpa()
+        except Exception as e:
+            errors["SDPA"] = _error(e)
+        return fns, outs, notes, errors
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:600]
+
+
+def supports_capture(backend, cfg: Config) -> bool:
+    """Whether ``backend`` prepares steps for graph capture (``prepare_step(capture=...)``)."""
+    layout = kvmulti.KVCacheLayout(1, cfg.block, cfg.hkv, cfg.head, dtype=cfg.dtype, order=cfg.order)
+    return kvmulti.resolve_backend(layout, cfg.device, backend=backend).supports_capture
+
+
+def bench_shape(rt, shape: Shape, implementations: dict[str, object], peers: tuple[str, ...], ceilings: dict,
+                cfg: Config = GPU) -> list[dict]:
+    """Rows for one shape: each implementation's median ms (over ``cfg.rounds`` alternating rounds),
+    its fraction of the measured floor / matmul rate and its max abs difference from SDPA."""
+    problem = Problem(shape, cfg)
+    work = shape_work(shape, cfg)
+    fns, outs, notes, errors = problem.calls(implementations, peers)
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(ROUNDS):
+    for _ in range(cfg.rounds):
         for name, fn in list(fns.items()):
             try:
-                times[name].append(median_ms(fn))
+                times[name].append(rt.median_ms(fn))
             except Exception as e:                    # recorded; the others still run
-                errors[name] = f"{type(e).__name__}: {e}"[:600]
+                errors[name] = _error(e)
                 del fns[name]
     try:
         reference = problem.sdpa_rows(fns["SDPA"]()).float() if "SDPA" in fns else None
     except Exception:
         reference = None
     rows = []
-    for name in [*implementations, "SDPA"]:
+    for name in [*implementations, *peers, "SDPA"]:
+        if name not in fns and name not in errors:
+            continue                                  # a peer that does not run this kind
         row = {"shape": shape.name, "impl": name, **work}
         if name in errors:
             rows.append(dict(row, error=errors[name]))
@@ -188,46 +253,51 @@ def bench_shape(shape: Shape, implementations: dict[str, object], ceilings: dict
             row["max_abs_diff_vs_sdpa"] = float((outs[name].float() - reference).abs().max())
         rows.append(row)
     del problem
-    torch.cuda.empty_cache()
+    rt.release()
     return rows
 
 
-def captured(fn: Callable[[], object]) -> "torch.cuda.CUDAGraph":
-    """``fn`` captured once in a CUDA graph, after warm-up calls on a side stream."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def graph_rows(shape: Shape, implementations: dict[str, object]) -> list[dict]:
-    """Per implementation: a prepared layer call of ``shape`` captured in a CUDA graph and replayed
-    (``graph_ms``; its output checked against SDPA's, ``graph_max_abs_diff_vs_sdpa``), or why it could
-    not be captured (``graph_error``)."""
-    problem = Problem(shape)
-    reference = problem.sdpa_rows(problem.sdpa()[0]()).float()
+def graph_rows(rt, shape: Shape, implementations: dict[str, object], peers: tuple[str, ...],
+               cfg: Config = GPU) -> list[dict]:
+    """Per implementation: its call on ``shape`` captured in a graph and replayed (``graph_ms``; the
+    replayed output checked against SDPA's eager one, ``graph_max_abs_diff_vs_sdpa``), or why it
+    could not be captured (``graph_error``). kvmulti's steps are prepared for the shape's bucket
+    where their backend supports it (``captured_step``)."""
+    problem = Problem(shape, cfg)
+    fns, outs, _, errors = problem.calls(implementations, peers, capture=True)
+    reference = problem.sdpa_rows(fns["SDPA"]()).float() if "SDPA" in fns else None
     rows = []
-    for name, backend in implementations.items():
+    for name in [*implementations, *peers, "SDPA"]:
+        if name not in fns and name not in errors:
+            continue
         row: dict = {"shape": shape.name, "impl": name}
+        if name in implementations:
+            row["captured_step"] = "capture bucket" if supports_capture(implementations[name], cfg) else "plain"
+        if name in errors:
+            rows.append(dict(row, graph_error=errors[name]))
+            continue
         try:
-            fn, out = problem.paged(backend)
-            graph = captured(fn)
-            row["graph_ms"] = median_ms(graph.replay)      # the GPU's time for the call, without the host's
-            out.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            row["graph_max_abs_diff_vs_sdpa"] = float((out.float() - reference).abs().max())
+            if name == "SDPA":
+                result: dict = {}
+                replay = rt.capture(lambda: result.__setitem__("o", fns["SDPA"]()))
+                row["graph_ms"] = rt.median_ms(replay)
+                replay()
+                rt.synchronize()
+                got = problem.sdpa_rows(result["o"])
+            else:
+                replay = rt.capture(fns[name])
+                row["graph_ms"] = rt.median_ms(replay)      # the GPU's time for the call, without the host's
+                outs[name].zero_()
+                replay()
+                rt.synchronize()
+                got = outs[name]
+            if reference is not None:
+                row["graph_max_abs_diff_vs_sdpa"] = float((got.float() - reference).abs().max())
         except Exception as e:                        # recorded; the others still run
-            row["graph_error"] = f"{type(e).__name__}: {e}"[:600]
+            row["graph_error"] = _error(e)
         rows.append(row)
     del problem
-    torch.cuda.empty_cache()
+    rt.release()
     return rows
 
 
@@ -237,69 +307,83 @@ def capture_bucket(shape: Shape) -> "kvmulti.CaptureBucket":
                                  max_query_len=shape.query_len, max_seq_len=shape.length)
 
 
-def decode_step_rows(shape: Shape, name: str, backend, layers: int = DECODE_STEP_LAYERS) -> dict:
-    """One layer and a ``layers``-layer decode step (the same cache per layer, an out buffer each) of a
-    step prepared for capture: eager and replayed medians (``eager_layer_ms``, ``eager_step_ms``,
-    ``graph_layer_ms``, ``graph_step_ms``), the replayed step against ``layers`` replayed layers
-    (``graph_step_vs_layers``), the replayed output against the eager one; or ``error``."""
-    problem = Problem(shape)
-    row: dict = {"shape": shape.name, "impl": name, "layers": layers}
-    try:
-        step = kvmulti.prepare_step(problem.metadata, problem.layout, HQ, backend=backend,
-                                    capture=capture_bucket(shape))
+def layer_calls(problem: Problem, name: str, implementations: dict[str, object], layers: int
+                ) -> tuple[list[Call], list[torch.Tensor]]:
+    """``layers`` calls of ``name`` over ``problem``'s cache, one output buffer each: kvmulti's from one
+    step (prepared for capture where its backend supports it), a peer's from one planning each."""
+    if name in implementations:
+        backend = implementations[name]
+        bucket = capture_bucket(problem.shape) if supports_capture(backend, problem.cfg) else None
+        step = kvmulti.prepare_step(problem.metadata, problem.layout, problem.cfg.hq, backend=backend, capture=bucket)
         outs = [torch.empty_like(problem.q) for _ in range(layers)]
 
-        def layer() -> None:
-            kvmulti.paged_attention(problem.q, problem.cache, problem.layout, step, out=outs[0])
+        def call(out: torch.Tensor) -> Call:
+            return lambda: kvmulti.paged_attention(problem.q, problem.cache, problem.layout, step, out=out)
+        return [call(o) for o in outs], outs
+    pairs = [device_peers.prepare(name, problem.peer_problem()) for _ in range(layers)]
+    return [fn for fn, _ in pairs], [out for _, out in pairs]
+
+
+def decode_step_rows(rt, shape: Shape, name: str, implementations: dict[str, object], cfg: Config = GPU) -> dict:
+    """One layer and a ``cfg.layers``-layer decode step (the same cache per layer, an out buffer
+    each) of ``name``: eager and replayed medians (``eager_layer_ms``, ``eager_step_ms``,
+    ``graph_layer_ms``, ``graph_step_ms``), the replayed step against ``layers`` replayed layers
+    (``graph_step_vs_layers``), the replayed output against the eager one; or ``error``."""
+    problem = Problem(shape, cfg)
+    row: dict = {"shape": shape.name, "impl": name, "layers": cfg.layers}
+    try:
+        calls, outs = layer_calls(problem, name, implementations, cfg.layers)
 
         def decode_step() -> None:
-            for out in outs:
-                kvmulti.paged_attention(problem.q, problem.cache, problem.layout, step, out=out)
-        row["eager_layer_ms"], row["eager_step_ms"] = median_ms(layer), median_ms(decode_step)
+            for fn in calls:
+                fn()
+        row["eager_layer_ms"], row["eager_step_ms"] = rt.median_ms(calls[0]), rt.median_ms(decode_step)
         eager = outs[-1].clone()
-        layer_graph, step_graph = captured(layer), captured(decode_step)
-        row["graph_layer_ms"], row["graph_step_ms"] = median_ms(layer_graph.replay), median_ms(step_graph.replay)
-        row["graph_step_vs_layers"] = row["graph_step_ms"] / (layers * row["graph_layer_ms"])
+        layer_replay, step_replay = rt.capture(calls[0]), rt.capture(decode_step)
+        row["graph_layer_ms"], row["graph_step_ms"] = rt.median_ms(layer_replay), rt.median_ms(step_replay)
+        row["graph_step_vs_layers"] = row["graph_step_ms"] / (cfg.layers * row["graph_layer_ms"])
         outs[-1].zero_()
-        step_graph.replay()
-        torch.cuda.synchronize()
+        step_replay()
+        rt.synchronize()
         row["graph_max_abs_diff_vs_eager"] = float((outs[-1].float() - eager.float()).abs().max())
     except Exception as e:                            # recorded; the others still run
-        row["error"] = f"{type(e).__name__}: {e}"[:600]
+        row["error"] = _error(e)
     del problem
-    torch.cuda.empty_cache()
+    rt.release()
     return row
 
 
-def run(implementations: dict[str, object], shapes: tuple[Shape, ...] = SHAPES,
-        progress: Callable[[dict], None] | None = None) -> dict:
-    """``{"ceilings": {"copy", "matmul"}, "rows": [...], "graphs": [...]}``; ``implementations``:
-    name -> backend (a name or object) timed beside SDPA; ``graphs``: :func:`graph_rows` of every
-    shape, after all eager timings (a failed capture cannot disturb them); ``decode_steps``:
-    :func:`decode_step_rows` of every decode shape for the implementations that prepare steps for
-    capture. ``progress`` gets the result so far after each shape."""
-    result: dict = {"ceilings": {"copy": copy_bandwidth(), "matmul": matmul_rate()}, "rows": [], "graphs": [],
-                    "decode_steps": []}
-    torch.cuda.empty_cache()
+def run(implementations: dict[str, object], shapes: tuple[Shape, ...] = SHAPES, peers: tuple[str, ...] = (),
+        progress: Callable[[dict], None] | None = None, cfg: Config = GPU, rt=None) -> dict:
+    """``{"ceilings": {"copy", "matmul"}, "rows": [...], "graphs": [...], "decode_steps": [...]}``;
+    ``implementations``: kvmulti's, name -> backend (a name or object); ``peers``: the
+    :mod:`devtools.device_peers` names timed beside them and SDPA. ``graphs``: :func:`graph_rows` of
+    every shape, after all eager timings (a failed capture cannot disturb them); ``decode_steps``:
+    :func:`decode_step_rows` of every decode shape and implementation. ``progress`` gets the result
+    so far after each shape. ``rt``: a :mod:`devtools.device_runtime` runtime (default CUDA; the
+    stand-in measures no ceilings)."""
+    rt = rt or CudaRuntime()
+    ceilings = ({"copy": copy_bandwidth(rt, cfg), "matmul": matmul_rate(rt, cfg)} if rt.captures else
+                {"copy": {"gb_per_s": 1.0}, "matmul": {"tflops": 1.0}})
+    result: dict = {"ceilings": ceilings, "peers": list(peers), "rows": [], "graphs": [], "decode_steps": []}
+    rt.release()
     for shape in shapes:
         try:
-            result["rows"] += bench_shape(shape, implementations, result["ceilings"])
+            result["rows"] += bench_shape(rt, shape, implementations, peers, result["ceilings"], cfg)
         except Exception as e:                        # recorded; the next shape still runs
-            result["rows"].append({"shape": shape.name, "impl": "all", "error": f"{type(e).__name__}: {e}"[:600]})
+            result["rows"].append({"shape": shape.name, "impl": "all", "error": _error(e)})
         if progress:
             progress(result)
     for shape in shapes:
         try:
-            result["graphs"] += graph_rows(shape, implementations)
+            result["graphs"] += graph_rows(rt, shape, implementations, peers, cfg)
         except Exception as e:                        # recorded; the next shape still runs
-            result["graphs"].append({"shape": shape.name, "impl": "all", "graph_error": f"{type(e).__name__}: {e}"[:600]})
+            result["graphs"].append({"shape": shape.name, "impl": "all", "graph_error": _error(e)})
         if progress:
             progress(result)
     for shape in (s for s in shapes if s.kind == "decode"):
-        for name, backend in implementations.items():
-            if kvmulti.resolve_backend(kvmulti.KVCacheLayout(1, BLOCK, HKV, HEAD, dtype=DTYPE, order="HND"), DEVICE,
-                                       backend=backend).supports_capture:
-                result["decode_steps"].append(decode_step_rows(shape, name, backend))
+        for name in [*implementations, *(p for p in peers if "decode" in device_peers.KINDS[p])]:
+            result["decode_steps"].append(decode_step_rows(rt, shape, name, implementations, cfg))
         if progress:
             progress(result)
     return result
@@ -312,12 +396,26 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=Path, required=True, help="write the result here")
     p.add_argument("--library", help="the nvcc-built HIP library (absent: HIP is not timed)")
+    p.add_argument("--peers", type=Path, help="the device_peers/ bundle (absent: no peers are timed)")
+    p.add_argument("--peers-scratch", type=Path, help="where the bundle's wheels are installed (default: a temp dir)")
+    p.add_argument("--dry-run", action="store_true", help="CPU tensors, tiny shapes, Triton's interpreter")
     a = p.parse_args(argv)
     implementations: dict[str, object] = {"TRITON": "TRITON"}
     if a.library:
         from .hip_on_cuda import NvidiaHipBackend
         implementations["HIP"] = NvidiaHipBackend(Path(a.library))
-    result = run(implementations, progress=lambda r: a.json.write_text(json.dumps(r, indent=1)))
+    peers: tuple[str, ...] = ()
+    unavailable = {}
+    if a.peers:
+        found = device_peers.availability(a.peers, a.peers_scratch)
+        peers = tuple(peer for peer in device_peers.PEERS if found[peer]["loaded"])
+        unavailable = {peer: found[peer]["error"] for peer in device_peers.PEERS if not found[peer]["loaded"]}
+    cfg, shapes, rt = (DRY, DRY_SHAPES, StandInRuntime()) if a.dry_run else (GPU, SHAPES, CudaRuntime())
+
+    def write(r: dict) -> None:
+        a.json.write_text(json.dumps(dict(r, unavailable_peers=unavailable), indent=1))
+    result = run(implementations, shapes, peers, progress=write, cfg=cfg, rt=rt)
+    write(result)
     return 0 if not any("error" in r for r in result["rows"]) else 1
 
 

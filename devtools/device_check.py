@@ -16,11 +16,15 @@ overlaps the steps after it):
 5. ``memcheck triton``: the same over one Triton decode and one Triton prefill launch;
 6. ``pytest -m cuda``: waits for the suites, stopping them when the benchmark's reserve
    (:data:`BENCH_RESERVE_S`) would be eaten;
-7. ``benchmark``: ``devtools.device_bench`` on the then quiet GPU (TRITON, SDPA, and HIP when step 3
-   passed; copy bandwidth, matmul rate; each kvmulti call also captured in a CUDA graph and replayed);
-8. ``model estimates``: waits for the model's report and reads its estimates (``devtools.device_model``);
-9. ``tile sweep``: the Triton prefill tiles shipped for this device against alternatives
-   (``benchmarks/triton_gpu_sweep.py --cases prefill``).
+7. ``peers``: which peers of the carried ``device_peers/`` bundle (``scripts/build_device_peers.sh``)
+   load: vLLM's Triton kernels, FlashInfer FA2 / FA3 (``devtools.device_peers``); one that does not
+   is recorded with its error;
+8. ``benchmark``: ``devtools.device_bench`` on the then quiet GPU (TRITON, the loaded peers, SDPA,
+   and HIP when step 3 passed; copy bandwidth, matmul rate; every call also captured in a CUDA
+   graph and replayed, and a 32-layer decode step eager and replayed per implementation);
+9. ``model estimates``: waits for the model's report and reads its estimates (``devtools.device_model``);
+10. ``tile sweep``: the Triton prefill tiles shipped for this device against alternatives
+    (``benchmarks/triton_gpu_sweep.py --cases prefill``).
 
 Writes ``OUT_DIR/device_check.json``, ``device_check.md``, ``device_check.log`` (every step's
 output) and ``pytest_cuda.xml``; nothing else lands in OUT_DIR (the device tool returns at most
@@ -28,7 +32,9 @@ output) and ``pytest_cuda.xml``; nothing else lands in OUT_DIR (the device tool 
 
 ``--dry-run`` (no GPU): each step's dry form checks its wiring instead (modules import, commands
 build, the HIP sources compile with nvcc for sm_90 and the library binds through the launcher ABI,
-the cuda-marked tests collect, the report writers produce valid JSON and markdown from a fake result).
+the cuda-marked tests collect, the peers load or are recorded as not loading, the benchmark's eager,
+graph and decode-step code runs on CPU tensors for TRITON and the peers that load here, the report
+writers produce valid JSON and markdown from a fake result).
 """
 
 from __future__ import annotations
@@ -51,13 +57,13 @@ from glob import glob
 from pathlib import Path
 from typing import Callable
 
-from . import device_bench, device_kernels, device_model, device_report
+from . import device_bench, device_kernels, device_model, device_peers, device_peers_build, device_report
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 450           # the driver's whole run; the script's set-up comes on top (8 minutes in all)
 #: the model report rendered for the committed kernels (benchmarks/gpu_report.py --json)
 COMMITTED_REPORT = ROOT / "docs" / "data" / "gpu_report.json"
-BENCH_RESERVE_S = 150    # kept for the benchmark and the model when waiting for pytest
+BENCH_RESERVE_S = 250    # kept for the peers, the benchmark and the model when waiting for pytest
 PYTEST_TEST_TIMEOUT_S = 280
 DRY_RUN_ARCH = "sm_90"
 SANITIZER_EXIT = 86
@@ -76,6 +82,8 @@ class Context:
     library: str | None = None           # the nvcc-built HIP library, once built
     hip_ok: bool = False                 # it matched the oracle (then the benchmark times it)
     arch: str | None = None
+    peers_bundle: Path | None = None     # the device_peers/ bundle whose peers load, once found
+    peers_timed: bool = True             # the benchmark times them (the dry run: a bundle built here)
     log: list[str] = field(default_factory=list)
 
     def remaining(self) -> float:
@@ -322,7 +330,7 @@ def dry_hip_oracle(ctx: Context, cap: float) -> Outcome:
 
 def step_benchmark(ctx: Context, cap: float) -> Outcome:
     out_json = ctx.work / "bench.json"
-    cmd = [ctx.python, "-m", "devtools.device_bench", "--json", str(out_json)]
+    cmd = _bench_cmd(ctx, out_json)
     if ctx.library and ctx.hip_ok:
         cmd += ["--library", ctx.library]
     rc, out = run_capped(ctx, "benchmark", cmd, cap)
@@ -343,20 +351,99 @@ def step_benchmark(ctx: Context, cap: float) -> Outcome:
                     f"({r['graph_step_vs_layers']:.2f}x {r['layers']} replayed layers)" for r in steps if "error" not in r]
         failed = [f"{r['impl']} {r['shape']}" for r in steps if "error" in r]
         summary += "; decode steps: " + "; ".join(replayed) + (f" (failed: {', '.join(failed)})" if failed else "")
+    unavailable = bench.get("unavailable_peers") or {}
+    summary += f"; peers timed: {', '.join(bench.get('peers') or []) or 'none'}" + (
+        f" (not loaded: {', '.join(unavailable)})" if unavailable else "")
     if "--library" not in cmd:
         summary += "; HIP not timed (it did not pass the oracle step)"
     status = "timeout" if rc is None else "passed" if rc == 0 and not errors else "failed"
     return Outcome(status, summary if rc is not None else summary + " (stopped at its cap)")
 
 
+def _bench_cmd(ctx: Context, out_json: Path) -> list[str]:
+    cmd = [ctx.python, "-m", "devtools.device_bench", "--json", str(out_json)]
+    if ctx.peers_bundle is not None and ctx.peers_timed:
+        cmd += ["--peers", str(ctx.peers_bundle), "--peers-scratch", str(ctx.work / "peers_scratch")]
+    return cmd + (["--dry-run"] if ctx.dry_run else [])
+
+
 def dry_benchmark(ctx: Context, cap: float) -> Outcome:
+    """The benchmark's own code on CPU tensors (``device_bench --dry-run``: tiny shapes, Triton's
+    interpreter, the stand-in runtime): eager rows, the graph path (capture-bucket steps, replays
+    compared with SDPA) and the decode steps of TRITON and of every peer that loads here."""
     work = device_bench.shape_work(device_bench.SHAPES[0])
     assert work["bytes"] == 32 * 4096 * 8 * 256 * 2 + 2 * 32 * 32 * 128 * 2, work
-    assert callable(device_bench.run) and callable(device_bench.main) and callable(device_bench.decode_step_rows)
     bucket = device_bench.capture_bucket(device_bench.SHAPES[0])
     assert (bucket.max_num_seqs, bucket.max_num_tokens, bucket.max_query_len, bucket.max_seq_len) == (32, 32, 1, 4096)
-    return Outcome("passed", f"{len(device_bench.SHAPES)} shapes; decode 32x4096 moves {work['bytes'] / 1e6:.0f} MB; "
-                   f"{device_bench.DECODE_STEP_LAYERS}-layer decode steps replayed from a capture bucket")
+    out_json = ctx.work / "bench_dry.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    rc, out = run_capped(ctx, "benchmark (dry: CPU tensors)", _bench_cmd(ctx, out_json), cap, env)
+    bench = read_json(out_json)
+    if rc != 0 or bench is None:
+        return Outcome("timeout" if rc is None else "failed", tail(out, 800))
+    impls = ["TRITON", *bench["peers"]]              # no peers: no bundle was built here
+    bad = [f"{r['impl']} {r['shape']}: {r.get('error') or r.get('graph_error')}"
+           for r in bench["rows"] + bench["graphs"] + bench["decode_steps"] if "error" in r or "graph_error" in r]
+    graphed = {g["impl"] for g in bench["graphs"] if "graph_ms" in g}
+    stepped = {r["impl"] for r in bench["decode_steps"] if "graph_step_ms" in r}
+    missing = [i for i in impls if i not in graphed or i not in stepped]
+    capture = [g for g in bench["graphs"] if g["impl"] == "TRITON" and g.get("captured_step") == "capture bucket"]
+    ok = not bad and not missing and capture
+    return Outcome("passed" if ok else "failed",
+                   f"{len(device_bench.SHAPES)} shapes wired; on CPU tensors: {len(bench['rows'])} eager rows, "
+                   f"{len(bench['graphs'])} graph rows, {len(bench['decode_steps'])} decode steps "
+                   f"({', '.join(impls)}; SDPA)" + (f"; errors: {bad}" if bad else "")
+                   + (f"; no graph or decode step: {missing}" if missing else ""),
+                   {"benchmark": bench})
+
+
+def step_peers(ctx: Context, cap: float) -> Outcome:
+    """Which peers of the carried ``device_peers/`` bundle load (``devtools.device_peers``); the
+    benchmark times those. No bundle: the benchmark times kvmulti and SDPA only."""
+    return _peers(ctx, cap, device_peers.BUNDLE)
+
+
+def dry_peers(ctx: Context, cap: float) -> Outcome:
+    """The same on this host: the bundle when one was built here (the dry benchmark then runs its
+    loaded peers under Triton's interpreter), else the vLLM part built into the run's scratch from
+    .venv-vllm when it exists, to check that it loads (timing it under the interpreter is the
+    exhaustive tier's: tests/test_device_check.py). FlashInfer loads only where its modules were
+    built; elsewhere it is recorded as not loaded."""
+    bundle = device_peers.BUNDLE
+    if not bundle.is_dir():
+        ctx.peers_timed = False
+        vllm_python = ROOT / ".venv-vllm" / "bin" / "python"
+        if not vllm_python.exists():
+            ctx.result["peers"] = {"bundle": None, "reason": f"no {bundle.name}/ and no {vllm_python}"}
+            return Outcome("passed", "no peer bundle and no .venv-vllm: the benchmark times kvmulti and SDPA only")
+        bundle = ctx.work / "device_peers"
+        done = subprocess.run([str(vllm_python), "-c", "import importlib.util; "
+                               "print(importlib.util.find_spec('vllm').submodule_search_locations[0])"],
+                              capture_output=True, text=True, timeout=60)
+        device_peers_build.build_vllm(bundle, Path(done.stdout.strip()) / "v1" / "attention" / "ops")
+    return _peers(ctx, cap, bundle)
+
+
+def _peers(ctx: Context, cap: float, bundle: Path) -> Outcome:
+    if not bundle.is_dir():
+        ctx.result["peers"] = {"bundle": None, "reason": f"no {bundle}"}
+        return Outcome("passed", f"no peer bundle ({bundle.name}/ was not carried): kvmulti and SDPA only")
+    if ctx.dry_run:                     # this process imports them (a second interpreter costs more)
+        found = device_peers.availability(bundle, ctx.work / "peers_scratch")
+    else:                               # the GPU run keeps FlashInfer's import out of the driver
+        out_json = ctx.work / "peers.json"
+        rc, out = run_capped(ctx, "peers", [ctx.python, "-m", "devtools.device_peers", "--bundle", str(bundle),
+                                            "--scratch", str(ctx.work / "peers_scratch"), "--json", str(out_json)],
+                             cap)
+        found = read_json(out_json)
+        if rc != 0 or found is None:
+            return Outcome("timeout" if rc is None else "error", tail(out, 800))
+    ctx.result["peers"] = found
+    ctx.peers_bundle = bundle
+    loaded = [p for p in device_peers.PEERS if found[p]["loaded"]]
+    missing = [f"{p} ({found[p]['error']})" for p in device_peers.PEERS if not found[p]["loaded"]]
+    return Outcome("passed", f"loaded: {', '.join(loaded) or 'none'}" + (f"; not loaded: {'; '.join(missing)}"
+                                                                          if missing else ""), found)
 
 
 def _model_result(ctx: Context, path: Path | None) -> Outcome:
@@ -519,7 +606,8 @@ STEPS = (
     Step("memcheck hip", 90, lambda c, cap: _memcheck(c, cap, "HIP", "oracle"), dry_memcheck),
     Step("memcheck triton", 100, lambda c, cap: _memcheck(c, cap, "TRITON", "launches"), dry_memcheck),
     Step("pytest -m cuda", 300, step_pytest, dry_pytest),
-    Step("benchmark", 130, step_benchmark, dry_benchmark),
+    Step("peers", 40, step_peers, dry_peers),
+    Step("benchmark", 180, step_benchmark, dry_benchmark),
     Step("model estimates", 30, step_model, dry_model),
     Step("tile sweep", 100, step_sweep, dry_sweep),
 )
@@ -585,7 +673,7 @@ def fake_result() -> dict:
     rows = []
     for shape in device_bench.SHAPES:
         work = device_bench.shape_work(shape)
-        for impl, ms in (("TRITON", 1.0), ("HIP", 2.0), ("SDPA", 0.5)):
+        for impl, ms in (("TRITON", 1.0), ("HIP", 2.0), ("vLLM-Triton", 1.5), ("FlashInfer-FA3", 0.8), ("SDPA", 0.5)):
             row = {"shape": shape.name, "impl": impl, **work, "ms": ms, "ms_rounds": [ms] * 3, "note": ""}
             if shape.kind == "decode":
                 row.update(gb_per_s=work["bytes"] / ms / 1e6, floor_ms=0.4, fraction=0.4 / ms)
@@ -598,8 +686,17 @@ def fake_result() -> dict:
     sweep = [{"shape": "prefill 8x2048", "candidate": "shipped", "ms": 1.0, "ms_rounds": [1.0] * 3,
               "speedup_vs_shipped": 1.0, "max_abs_diff_vs_sdpa": 0.0078},
              {"shape": "prefill 8x2048", "candidate": "128x128 w8 s2", "error": "OutOfResources: fake"}]
-    graphs = [{"shape": "decode 32x4096", "impl": "TRITON", "graph_ms": 0.9, "graph_max_abs_diff_vs_sdpa": 0.0005},
-              {"shape": "decode 32x4096", "impl": "HIP", "graph_error": "RuntimeError: fake capture failure"}]
+    graphs = [{"shape": "decode 32x4096", "impl": "TRITON", "captured_step": "capture bucket", "graph_ms": 0.9,
+               "graph_max_abs_diff_vs_sdpa": 0.0005},
+              {"shape": "decode 32x4096", "impl": "HIP", "captured_step": "plain",
+               "graph_error": "RuntimeError: fake capture failure"},
+              {"shape": "decode 32x4096", "impl": "vLLM-Triton", "graph_ms": 1.2, "graph_max_abs_diff_vs_sdpa": 0.0005}]
+    steps = [{"shape": "decode 32x4096", "impl": "FlashInfer-FA3", "layers": 32, "eager_layer_ms": 0.9,
+              "eager_step_ms": 40.0, "graph_layer_ms": 0.8, "graph_step_ms": 26.0, "graph_step_vs_layers": 1.02,
+              "graph_max_abs_diff_vs_eager": 0.0}]
+    peers = {"bundle": "device_peers", "activate": [],
+             **{p: {"loaded": p != "FlashInfer-FA2", "error": None if p != "FlashInfer-FA2" else "OSError: fake"}
+                for p in device_peers.PEERS}}
     return {"schema": 1, "date": "2000-01-01 00:00 UTC", "dry_run": True, "commit": "0" * 40, "dirty": False,
             "budget_s": BUDGET_S, "seconds": 1.0,
             "device": {"name": "FAKE GPU", "arch": "sm_90", "multiprocessors": 132, "memory_gib": 79.2},
@@ -608,7 +705,9 @@ def fake_result() -> dict:
                        "details": {}} for s in STEPS],
             "benchmark": {"ceilings": {"copy": {"bytes": 2 << 30, "ms": 1.0, "gb_per_s": 3000.0},
                                        "matmul": {"n": 8192, "ms": 1.0, "tflops": 700.0}}, "rows": rows,
-                          "graphs": graphs},
+                          "graphs": graphs, "decode_steps": steps, "peers": ["vLLM-Triton", "FlashInfer-FA3"],
+                          "unavailable_peers": {"FlashInfer-FA2": "OSError: fake"}},
+            "peers": peers,
             "sweep": sweep,
             "model": {"source": "fake", "estimates": [{"impl": "TRITON", "shape": "decode 32x4096", "estimate_ms": 0.25,
                                                        "fraction": 0.6, "bound": "memory", "model_device": "H100 SXM",
@@ -625,7 +724,10 @@ def check_writers(ctx: Context) -> None:
     md = md_path.read_text()
     table_rows = [line for line in md.splitlines() if line.startswith("| ")]
     assert "| decode 32x4096 | TRITON |" in md and "FAKE GPU" in md and len(table_rows) > 10, md
-    assert "| decode 32x4096 | TRITON | 1.000 | 0.900 |" in md and "not captured" in md, md
+    assert "| decode 32x4096 | TRITON | capture bucket | 1.000 | 0.900 |" in md and "not captured" in md, md
+    assert "| decode 32x4096 | vLLM-Triton | - | 1.500 | 1.200 |" in md, md
+    assert "| FlashInfer-FA2 | not loaded | OSError: fake |" in md, md
+    assert "| decode 32x4096 | FlashInfer-FA3 | 32 |" in md, md
     assert "| prefill 8x2048 | shipped | 1.000 | 1.00x |" in md and "OutOfResources: fake" in md, md
     assert all(line.endswith(" |") for line in table_rows), md
     doc = ctx.work / "performance.md"

@@ -68,9 +68,20 @@ def timing_table(result: dict) -> list[str]:
                   rows)
 
 
+def peers_table(result: dict) -> list[str]:
+    """The peers of the carried bundle: loaded (then timed) or not, with the error."""
+    peers = result.get("peers") or {}
+    if not peers.get("bundle"):
+        return [f"Peers: none ({peers.get('reason', 'no device_peers/ bundle')}); kvmulti and SDPA only."]
+    rows = [[name, "loaded" if info["loaded"] else "not loaded", info.get("error") or ""]
+            for name, info in peers.items() if isinstance(info, dict) and "loaded" in info]
+    return _table(["peer", "status", "error"], rows)
+
+
 def graph_table(result: dict) -> list[str]:
-    """Each kvmulti implementation's prepared call captured in a CUDA graph: replay time beside the
-    eager time of the same shape, or why it could not be captured."""
+    """Every implementation's call captured in a CUDA graph: replay time beside the eager time of the
+    same shape (kvmulti's step prepared for the shape's capture bucket or plain), or why it could not
+    be captured."""
     graphs = (result.get("benchmark") or {}).get("graphs") or []
     if not graphs:
         return ["CUDA graphs: not measured."]
@@ -78,21 +89,22 @@ def graph_table(result: dict) -> list[str]:
     rows = []
     for g in graphs:
         ms = eager.get((g["shape"], g["impl"]))
+        head = [g["shape"], g["impl"], g.get("captured_step", "-"), "-" if ms is None else f"{ms:.3f}"]
         if "graph_error" in g:
-            rows.append([g["shape"], g["impl"], "-" if ms is None else f"{ms:.3f}", "not captured", "-",
-                         g["graph_error"]])
+            rows.append([*head, "not captured", "-", g["graph_error"]])
         else:
-            rows.append([g["shape"], g["impl"], "-" if ms is None else f"{ms:.3f}", f"{g['graph_ms']:.3f}",
-                         f"{g['graph_max_abs_diff_vs_sdpa']:.3g}", ""])
-    return _table(["shape", "impl", "eager ms", "graph replay ms", "max abs diff vs SDPA (replayed)", "error"], rows)
+            diff = g.get("graph_max_abs_diff_vs_sdpa")
+            rows.append([*head, f"{g['graph_ms']:.3f}", "-" if diff is None else f"{diff:.3g}", ""])
+    return _table(["shape", "impl", "kvmulti step", "eager ms", "graph replay ms", "max abs diff vs SDPA (replayed)",
+                   "error"], rows)
 
 
 def decode_step_table(result: dict) -> list[str]:
-    """Decode steps of a step prepared for graph capture: one layer and every layer over the same
-    cache, eager and replayed."""
+    """Decode steps, per implementation: one layer and every layer over the same cache (kvmulti: one
+    step prepared for graph capture; a peer: one planning per layer), eager and replayed."""
     steps = (result.get("benchmark") or {}).get("decode_steps") or []
     if not steps:
-        return ["Decode steps from a capture bucket: not measured."]
+        return ["Decode steps: not measured."]
     rows = []
     for r in steps:
         if "error" in r:
@@ -144,6 +156,7 @@ def header_lines(result: dict) -> list[str]:
 
 def render_markdown(result: dict) -> str:
     lines = ["# kvmulti device check", "", *header_lines(result), "", "## Steps", "", *steps_table(result), "",
+             "## Peers", "", *peers_table(result), "",
              "## Timings (CUDA events)", "", *ceilings_lines(result), "", *timing_table(result), ""]
     model = result.get("model", {})
     lines.append(f"Model estimates: {model.get('source') or 'no model estimate (no model output found)'}.")
@@ -161,8 +174,9 @@ def render_docs_block(result: dict) -> str:
     and the tile sweep."""
     lines = [BEGIN, f"Last run: {result.get('date')} on {result.get('device', {}).get('name')} "
              f"(commit {result.get('commit')}).", "", *header_lines(result), "", *steps_table(result), "",
-             *ceilings_lines(result), "", *timing_table(result), "",
+             *peers_table(result), "", *ceilings_lines(result), "", *timing_table(result), "",
              *((graph_table(result) + [""]) if (result.get("benchmark") or {}).get("graphs") else []),
+             *((decode_step_table(result) + [""]) if (result.get("benchmark") or {}).get("decode_steps") else []),
              *((sweep_table(result) + [""]) if result.get("sweep") else []), END]
     return "\n".join(lines)
 

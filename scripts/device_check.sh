@@ -7,8 +7,9 @@
 # It installs kvmulti from this working tree into the machine's Python ($PYTHON, else python3)
 # with `pip install --no-deps --no-build-isolation -e .` (nothing is downloaded), prints the torch /
 # triton / driver / nvcc versions, then runs `python -m devtools.device_check OUT_DIR`: the HIP
-# kernels built with nvcc and checked against the oracle, timings (Triton, HIP via nvcc, torch SDPA,
-# measured copy bandwidth and matmul rate, the model's estimates beside them), `pytest -m cuda`, and
+# kernels built with nvcc and checked against the oracle, timings (Triton, HIP via nvcc, the peers of
+# device_peers/ -- vLLM's Triton kernels, FlashInfer FA2 / FA3 --, torch SDPA, eager and replayed
+# from CUDA graphs; measured copy bandwidth and matmul rate, the model's estimates), `pytest -m cuda`, and
 # compute-sanitizer memcheck runs. Each step has its own cap inside a 450 s budget; a failing step
 # is recorded and the next one runs. Results: OUT_DIR/device_check.json, device_check.md,
 # device_check.log, pytest_cuda.xml (four files). docs/performance.md says what is measured.
@@ -18,10 +19,11 @@
 # Python that already has kvmulti ($PYTHON, else python3) and installs nothing.
 #
 # With the device tool (a later session whose task is lent a GPU): the `run` tool copies the
-# working tree (tracked and untracked-not-ignored files; .git does not travel), so carry nothing and
-# pass the commit in. One call, leaving room under the 10-minute limit:
+# working tree (tracked and untracked-not-ignored files; .git does not travel); carry the ignored
+# peer bundle that scripts/build_device_peers.sh made (without it the peers are recorded as absent)
+# and pass the commit in. One call, leaving room under the 10-minute limit:
 #   run(command="DEVICE_CHECK_COMMIT=<git rev-parse HEAD here> bash scripts/device_check.sh \"$OUT\"",
-#       timeout_s=540)
+#       carry=["device_peers"], timeout_s=540)
 # The four files come back under the reply's files_at (the tail of the output shows the markdown
 # tables). Then, here: python -m devtools.device_report docs <files_at>/device_check.json, and
 # commit the JSON and markdown under docs/ with the device named. Call give_back unless you rerun.
@@ -33,7 +35,7 @@ dry=()
 for arg in "$@"; do
   case "$arg" in
     --dry-run) dry=(--dry-run) ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) out=$arg ;;
   esac
 done
