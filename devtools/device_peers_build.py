@@ -18,7 +18,8 @@ without vLLM.
 indices) with FlashInfer's own JIT build and the nvcc of ``$CUDA_HOME`` / PATH for
 ``$FLASHINFER_CUDA_ARCH_LIST`` (default ``9.0a``), installs them as AOT modules
 (``flashinfer/data/aot/<name>/<name>.so``), then copies into ``OUT/site/`` only the files that
-loading the three modules with ``FLASHINFER_DISABLE_JIT=1`` opens (recorded by an audit hook), the
+loading the three modules and calling the getters the wrappers' ``plan`` calls, with
+``FLASHINFER_DISABLE_JIT=1``, open (recorded by an audit hook), the
 AOT modules and the wheels of DIR's ``wheels/`` folder (``apache-tvm-ffi`` and the pure-Python
 packages FlashInfer's import needs, for the device's Python).
 
@@ -114,14 +115,21 @@ def build_vllm(out: Path, ops_dir: Path) -> list[Path]:
 
 
 # ------------------------------------------------------------------------------------ FlashInfer
+def flashinfer_args() -> tuple:
+    """The module arguments FlashInfer's wrappers derive for the device check's problem: query, cache
+    and output dtypes (bf16), index dtype (int32), QK and VO head sizes, positional encoding (none),
+    sliding window, soft cap (neither)."""
+    import torch
+    return (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32, FLASHINFER_HEAD, FLASHINFER_HEAD, 0, False,
+            False)
+
+
 def flashinfer_specs() -> dict[str, object]:
     """FlashInfer's JIT specs of the three modules the device check loads, by role (``decode fa2``,
     ``prefill fa2``, ``prefill fa3``): bf16 query / cache / output, int32 indices, head 128, no
     positional encoding, window, soft cap or fp16 QK reduction. Imports ``flashinfer``."""
-    import torch
     from flashinfer.jit.attention import modules
-    dtypes = (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32, FLASHINFER_HEAD, FLASHINFER_HEAD, 0, False,
-              False)
+    dtypes = flashinfer_args()
     return {"decode fa2": modules.gen_batch_decode_module(*dtypes),
             # what BatchPrefillWithPagedKVCacheWrapper(backend="fa2") loads when K and V share strides
             "prefill fa2": modules._gen_batch_prefill_primary_module("fa2", *dtypes, False),
@@ -244,18 +252,23 @@ LIST_OPENED = """
 import json, os, sys
 opened = set()
 sys.addaudithook(lambda event, args: opened.add(str(args[0])) if event == "open" and isinstance(args[0], str) else None)
-from devtools.device_peers_build import flashinfer_specs
+from devtools.device_peers_build import flashinfer_args, flashinfer_specs
 import flashinfer, flashinfer.decode, flashinfer.prefill
 for role, spec in flashinfer_specs().items():
     spec.build_and_load()
+# what the wrappers' plan() calls: it also writes the sources of modules loaded lazily
+flashinfer.decode.get_batch_decode_module(*flashinfer_args())
+for backend in ("fa2", "fa3"):
+    flashinfer.prefill.get_batch_prefill_module(backend, *flashinfer_args(), False)
 files = {m.__file__ for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
 print(json.dumps(sorted(opened | files)))
 """
 
 
 def opened_files(staging: Path, env: dict[str, str]) -> list[Path]:
-    """The staging tree's files that importing FlashInfer and loading the three AOT modules with
-    ``FLASHINFER_DISABLE_JIT=1`` opens (module sources, templates, headers, the modules)."""
+    """The staging tree's files that importing FlashInfer, loading the three AOT modules and calling
+    the module getters of its wrappers' ``plan`` (which write the sources of lazily loaded modules)
+    open with ``FLASHINFER_DISABLE_JIT=1``: module sources, templates, the modules."""
     load_env = dict(env, FLASHINFER_DISABLE_JIT="1")
     done = subprocess.run([sys.executable, "-c", LIST_OPENED], cwd=ROOT, env=load_env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -275,7 +288,7 @@ def trim_into(staging: Path, files: list[Path], site: Path) -> int:
     if site.exists():
         shutil.rmtree(site)
     keep = set(files) | set((staging / "flashinfer" / "data" / "aot").rglob("*.so"))
-    keep |= {p for d in staging.glob("flashinfer_python-*.dist-info") for p in d.iterdir()}
+    keep |= {p for d in staging.glob("flashinfer_python-*.dist-info") for p in d.rglob("*") if p.is_file()}
     total = 0
     for path in sorted(keep):
         rel = path.resolve().relative_to(staging.resolve())
