@@ -138,26 +138,40 @@ class Engine:
             torch.testing.assert_close(out[:n], expected, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("partition_size", [0, 16], ids=["single_pass", "split_kv"])
-def test_a_captured_step_replays_grown_contexts_without_allocating_or_host_reads(partition_size, recorder,
-                                                                               one_torch_thread):
-    engine = Engine()
+def captured_step(engine: Engine, partition_size: int) -> tuple[kvmulti.StepMetadata,
+                                                                 kvmulti.CommonAttentionMetadata]:
+    """(step, real batch): the engine filled with contexts [5, 9, 2] and a TRITON step prepared for
+    the capture bucket of up to SEQS decoding requests (contexts up to 17 planned)."""
     bucket = kvmulti.CaptureBucket(max_num_seqs=SEQS, max_num_tokens=SEQS, max_query_len=1, max_seq_len=17)
     real = engine.fill([5, 9, 2])
-    step = kvmulti.prepare_step(engine.metadata(real), engine.layout, HQ, capture=bucket,
-                                backend=TritonBackend(partition_size=partition_size))
-    assert (step.plan.split, step.plan.num_parts) == ((True, 2) if partition_size else (False, 1))
-    expected_caches = [cache.clone() for cache in engine.caches]
-    engine.layer_calls(step)                   # the warm-up an engine runs before capturing
-    engine.check(real, expected_caches)
+    return kvmulti.prepare_step(engine.metadata(real), engine.layout, HQ, capture=bucket,
+                                backend=TritonBackend(partition_size=partition_size)), real
 
-    # a replay: contexts grow by one (two cross a block boundary), a fourth request joins, and one
-    # outgrows the bucket's max_seq_len and its two partitions (the last one runs to its end)
+
+def warm_up_then_replay_grown_contexts(engine: Engine, step: kvmulti.StepMetadata,
+                                       real: kvmulti.CommonAttentionMetadata, recorder: OpRecorder) -> list:
+    """The warm-up an engine runs before capturing (checked against the oracle), then a replay with
+    the contexts grown by one (two cross a block boundary), a fourth request joined, and one
+    outgrowing the bucket's max_seq_len and its partitions (the last one runs to its end): the
+    per-layer calls make no aten op and match the oracle. Returns the oracle's caches."""
+    expected_caches = [cache.clone() for cache in engine.caches]
+    engine.layer_calls(step)
+    engine.check(real, expected_caches)
     real = engine.fill([6, 10, 3, 36])
     with recorder:
         engine.layer_calls(step)
     assert recorder.ops == [], f"per-layer calls of a captured step made aten ops: {recorder.ops}"
     engine.check(real, expected_caches)
+    return expected_caches
+
+
+@pytest.mark.parametrize("partition_size", [0, 16], ids=["single_pass", "split_kv"])
+def test_a_captured_step_replays_grown_contexts_without_allocating_or_host_reads(partition_size, recorder,
+                                                                               one_torch_thread):
+    engine = Engine()
+    step, real = captured_step(engine, partition_size)
+    assert (step.plan.split, step.plan.num_parts) == ((True, 2) if partition_size else (False, 1))
+    expected_caches = warm_up_then_replay_grown_contexts(engine, step, real, recorder)
 
     real = engine.fill([4])                    # a smaller batch in the same bucket
     engine.layer_calls(step)
@@ -186,20 +200,9 @@ def test_a_captured_fp8_step_passes_the_layers_scales_without_allocating_or_host
     calls (a [] tensor as it is, a float as a constant the step keeps), so replays make no aten op
     and match the oracle as contexts grow."""
     engine = Engine(cache_dtype=cache_dtype, scales=fp8_scales(kind))
-    bucket = kvmulti.CaptureBucket(max_num_seqs=SEQS, max_num_tokens=SEQS, max_query_len=1, max_seq_len=17)
-    real = engine.fill([5, 9, 2])
-    step = kvmulti.prepare_step(engine.metadata(real), engine.layout, HQ, capture=bucket,
-                                backend=TritonBackend(partition_size=partition_size))
+    step, real = captured_step(engine, partition_size)
     assert step.calls is not None and step.plan.split == bool(partition_size)
-    expected_caches = [cache.clone() for cache in engine.caches]
-    engine.layer_calls(step)
-    engine.check(real, expected_caches)
-
-    real = engine.fill([6, 10, 3, 36])
-    with recorder:
-        engine.layer_calls(step)
-    assert recorder.ops == [], f"per-layer calls of a captured fp8 step made aten ops: {recorder.ops}"
-    engine.check(real, expected_caches)
+    warm_up_then_replay_grown_contexts(engine, step, real, recorder)
 
 
 def test_prepared_fp8_calls_equal_the_unprepared_path_bit_for_bit(one_torch_thread):
