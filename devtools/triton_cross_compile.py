@@ -37,6 +37,7 @@ import tempfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -380,18 +381,48 @@ def compile_in_subprocesses(target_names: list[str] | None = None, jobs: int = 2
         env["PYTHONPATH"] = os.pathsep.join([str(triton_dir), *filter(None, [env.get("PYTHONPATH")])])
 
     def work(name: str) -> list[dict]:
+        selection = [",".join(spec_names[name])] if spec_names and name in spec_names else []
+        kept = _results_cache(name, selection, triton_dir, env)
+        if kept.exists():
+            return json.loads(kept.read_text())
         with tempfile.TemporaryDirectory(prefix="kvmulti_xc_") as tmp:
             out = os.path.join(tmp, f"{name}.json")
-            selection = [",".join(spec_names[name])] if spec_names and name in spec_names else []
             done = subprocess.run([sys.executable, os.path.abspath(__file__), name, out, *selection],
                                   env=env, capture_output=True, text=True, timeout=timeout)
             if done.returncode != 0 or not os.path.exists(out):
                 raise RuntimeError(f"cross-compile worker for {name} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
-            with open(out) as fh:
-                return json.load(fh)
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            staged = kept.with_suffix(f".{os.getpid()}.tmp")
+            staged.write_text(Path(out).read_text())
+            os.replace(staged, kept)
+            return json.loads(kept.read_text())
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return dict(zip(names, pool.map(work, names)))
+
+
+def _triton_release(triton_dir: str | None) -> str:
+    """The version of the Triton the compile workers import: ``triton_dir``'s, else the installed one."""
+    if triton_dir is not None:
+        return ",".join(sorted(p.name for p in Path(triton_dir).glob("triton-*.dist-info"))) or str(triton_dir)
+    from importlib.metadata import version
+    return version("triton")
+
+
+def _results_cache(name: str, selection: list[str], triton_dir: str | None, env: dict) -> Path:
+    """Where one worker's results are kept (``<kvmulti cache>/triton_xc/``), under the hash of every
+    Python source of kvmulti and its Triton kernels, this module, the Triton release, the batch
+    selection and the TRITON_* / KVMULTI_* settings: the suite's several readers of one target's
+    compiles (the GPU report, the compile checks) compile it once."""
+    from kvmulti import native_build
+    root = Path(__file__).resolve().parents[1]
+    sources = sorted(p for folder in ("kvmulti", "triton_kernels") for p in (root / folder).rglob("*.py"))
+    settings = sorted(f"{k}={v}" for k, v in env.items()
+                      if k.startswith(("TRITON_", "KVMULTI_")) and k not in ("TRITON_CACHE_DIR", "KVMULTI_CACHE_DIR"))
+    extra = [name, *selection, _triton_release(triton_dir), *settings,
+             *(str(p.relative_to(root)) for p in sources)]
+    key = native_build.build_key([*sources, Path(__file__).resolve()], extra)
+    return native_build.cache_root() / "triton_xc" / f"{name}-{key}.json"
 
 
 # --------------------------------------------------------------------------------------- analysis

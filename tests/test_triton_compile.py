@@ -12,6 +12,9 @@ figures read from the output and their thresholds are test_gpu_report.py's.
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -29,8 +32,30 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 @pytest.fixture(scope="session")
 def compiled() -> dict[str, list[dict]]:
-    """{target: results} for every compiled target (Triton's on-disk cache makes a repeat cheap)."""
+    """{target: results} for every compiled target (a repeat reads the results the first run kept)."""
     return xc.compile_in_subprocesses()
+
+
+def test_kept_results_are_keyed_by_sources_release_and_selection(compiled, tmp_path, monkeypatch):
+    """Each target's results are kept once per run and read back by the next reader; another Triton
+    release, batch selection or kernel source gets another entry."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    for target, results in compiled.items():
+        kept = xc._results_cache(target, [], None, env)
+        assert json.loads(kept.read_text()) == results
+        assert xc.compile_in_subprocesses([target]) == {target: results}
+    base = xc._results_cache("sm_90", [], None, env)
+    assert xc._results_cache("sm_90", ["decode"], None, env) != base
+    assert xc._results_cache("sm_90", [], str(tmp_path), env) != base
+    assert xc._results_cache("gfx942", [], None, env) != base
+    from kvmulti import native_build
+    hashed = []
+    real = native_build.build_key
+    monkeypatch.setattr(native_build, "build_key", lambda files, extra: hashed.extend(files) or real(files, extra))
+    xc._results_cache("sm_90", [], None, env)
+    names = {p.name for p in hashed}
+    assert {"unified_attention.py", "launch.py", "tiles.py", "triton_cross_compile.py"} <= names, names
 
 
 @pytest.mark.parametrize("version", tiles.GATED_TRITON)
