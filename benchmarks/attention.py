@@ -18,8 +18,11 @@ of the process used per call (median), which the other jobs on a shared machine 
 reading the KV the step needs (requests x seq_len x KV heads x (K + V) x element size); the
 RAM floor is that many bytes at the RAM read bandwidth measured in the same run (torch sum over a
 clean 1 GiB buffer); "GFLOP/s" counts 4 x head size FLOP per visible (query row, key) pair (QK and
-P.V), and "% of dot peak" divides it by the bf16-dot peak of all threads, measured in the same run
-(benchmarks/fma_peak.c bf16dot: vdpbf16ps zmm, 64 FLOP each; "n/a" without avx512bf16 or cc); "cache read" is one streaming pass (torch sum) over this very cache's storage,
+P.V), and "% of peak" divides it by the peak of all threads measured in the same run
+(benchmarks/fma_peak.c): the bf16-dot peak (vdpbf16ps zmm, 64 FLOP each) for bf16 / fp16 / fp8 caches
+on a host with avx512bf16, else the fp32 FMA peak (vfmadd231ps ymm, 16 FLOP each); "n/a" without cc.
+The host's ISA (avx512bf16 / avx512 / avx2, from /proc/cpuinfo) is printed first, so a figure is
+never read as another host's; "cache read" is one streaming pass (torch sum) over this very cache's storage,
 timed like the kernels (so, when cold, after the same 1 GiB write and with the same dirty caches).
 Both KV caches, ours and vLLM's repacked one, are in the same kind of pages (--pages: transparent huge
 pages by default, as layout.allocate() gives on Linux; 4k for ordinary tensors).
@@ -104,6 +107,13 @@ def build(case: str, dtype: torch.dtype, block_size: int, order: str, pages: str
     return layout, cache, md, query, kv_bytes
 
 
+def row_peak(dtype: torch.dtype, peaks: dict[str, float | None], threads: int) -> float | None:
+    """The peak a row's FLOP/s is divided by (all threads): the bf16-dot peak for bf16 / fp16 / fp8 caches
+    where the host has it (the kernel's dot tiles), the fp32 FMA peak otherwise (its FMA tiles)."""
+    per_core = peaks["bf16dot"] if dtype != torch.float32 and peaks["bf16dot"] else peaks["fma"]
+    return per_core * threads if per_core else None
+
+
 def attention_flops(case: str) -> float:
     """4 x head FLOP per visible (query row, key) pair, causal (QK: 2 x head, P.V: 2 x head)."""
     reqs, seq, qlen, hq, hkv, head = CASES[case]
@@ -111,18 +121,33 @@ def attention_flops(case: str) -> float:
     return 4.0 * head * pairs * hq * reqs
 
 
-def dot_peak() -> float | None:
-    """bf16-dot FLOP/s of one core (benchmarks/fma_peak.c bf16dot, best of 400 runs), or None."""
+def core_peak(mode: str) -> float | None:
+    """FLOP/s of one core from benchmarks/fma_peak.c (best of 400 runs), or None (no cc, or the CPU lacks
+    the instruction): ``mode`` "bf16dot" (vdpbf16ps zmm, 64 FLOP each) or "fma" (vfmadd231ps ymm,
+    16 FLOP each)."""
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fma_peak.c")
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "fma_peak")
         try:
             subprocess.run(["cc", "-O2", src, "-o", exe], check=True, capture_output=True)
-            out = subprocess.run([exe, "bf16dot"], check=True, capture_output=True, text=True).stdout
+            out = subprocess.run([exe, *(["bf16dot"] if mode == "bf16dot" else [])], check=True,
+                                 capture_output=True, text=True).stdout
         except (OSError, subprocess.CalledProcessError):
             return None
-    return float(out.split()[0]) * 1e9 * 64
+    return float(out.split()[0]) * 1e9 * (64 if mode == "bf16dot" else 16)
+
+
+def host_isa() -> str:
+    """The x86 SIMD level of this host from /proc/cpuinfo's flags: avx512bf16, avx512, avx2 or older."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    for isa, flag in (("avx512bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
+        if flag in flags:
+            return isa
+    return "pre-avx2"
 
 
 def gather_context(cache, layout, md, reqs, seq):
@@ -389,13 +414,13 @@ def main() -> None:
     timer = Timer(args.quick)
     bw = ram_bandwidth(timer)
     print(f"RAM read bandwidth (torch sum over 1 GiB, best of 5): {bw / 1e9:.1f} GB/s")
-    peak = dot_peak()
-    if peak:
-        print(f"bf16-dot peak (vdpbf16ps zmm, best of 400 runs): {peak / 1e9:.0f} GFLOP/s per core, "
-              f"{peak * torch.get_num_threads() / 1e9:.0f} for {torch.get_num_threads()} threads")
-    else:
-        print("bf16-dot peak: not measured (no cc or no avx512bf16)")
-    peak_all = peak * torch.get_num_threads() if peak else None
+    print(f"host ISA (/proc/cpuinfo): {host_isa()}")
+    threads = torch.get_num_threads()
+    peaks = {"bf16dot": core_peak("bf16dot"), "fma": core_peak("fma")}
+    for mode, what in (("bf16dot", "bf16-dot peak (vdpbf16ps zmm"), ("fma", "fp32 FMA peak (vfmadd231ps ymm")):
+        per_core = peaks[mode]
+        print(f"{what}, best of 400 runs): " + (f"{per_core / 1e9:.0f} GFLOP/s per core, "
+              f"{per_core * threads / 1e9:.0f} for {threads} threads" if per_core else "not measured (no cc, or no such instruction)"))
     print(f"KV caches (ours and vLLM's): {args.pages} pages; transparent huge pages: "
           f"{host_memory.transparent_huge_pages()}")
 
@@ -427,7 +452,7 @@ def main() -> None:
                     runs[mode, "vLLM"].append(tuple(v[mode]))
         for mode in ("hot", "cold"):
             row = dict(cfg, mode=mode, kv_bytes=kv_bytes, floor=kv_bytes / bw, flops=attention_flops(cfg["case"]),
-                       peak=peak_all)
+                       peak=row_peak(dtype, peaks, threads))
             for name in [*fns, "vLLM"]:
                 row[name] = _combine(runs[mode, name])
             rows.append(row)
@@ -476,7 +501,7 @@ def _format_row(row, bw):
              ms(row.get("gather+SDPA")), ms(row.get("dense SDPA")), ms(row.get("torch path"))]
     line = "| " + " | ".join(cells) + " |"
     header = ("| case | dtype | block | order | mode | KV MiB | RAM floor ms | cache read ms | native ms med (min) | "
-              "native GB/s | % of RAM BW | % of cache read | vLLM ms med (min) | native / vLLM med (min) | native GFLOP/s | % of dot peak | native CPU ms | vLLM CPU ms | CPU ratio | torch gather+SDPA ms | dense SDPA ms | "
+              "native GB/s | % of RAM BW | % of cache read | vLLM ms med (min) | native / vLLM med (min) | native GFLOP/s | % of peak | native CPU ms | vLLM CPU ms | CPU ratio | torch gather+SDPA ms | dense SDPA ms | "
               "kvmulti torch path ms |")
     sep = "|" + "---|" * (header.count("|") - 1)
     return header + "\n" + sep + "\n" + line, line
