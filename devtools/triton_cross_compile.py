@@ -375,10 +375,7 @@ def compile_in_subprocesses(target_names: list[str] | None = None, jobs: int = 2
     left out: all of them). Raises RuntimeError when a worker fails."""
     from devtools import evidence_targets
     names = list(evidence_targets.selected(list(TARGETS))) if target_names is None else list(target_names)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")      # Triton 3.9's default, without its warning
-    if triton_dir is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(triton_dir), *filter(None, [env.get("PYTHONPATH")])])
+    env = worker_env(triton_dir)
 
     def work(name: str) -> list[dict]:
         selection = [",".join(spec_names[name])] if spec_names and name in spec_names else []
@@ -391,14 +388,25 @@ def compile_in_subprocesses(target_names: list[str] | None = None, jobs: int = 2
                                   env=env, capture_output=True, text=True, timeout=timeout)
             if done.returncode != 0 or not os.path.exists(out):
                 raise RuntimeError(f"cross-compile worker for {name} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            staged = kept.with_suffix(f".{os.getpid()}.tmp")
-            staged.write_text(Path(out).read_text())
-            os.replace(staged, kept)
-            return json.loads(kept.read_text())
+            text = Path(out).read_text()
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        staged = kept.with_suffix(f".{os.getpid()}.tmp")
+        staged.write_text(text)
+        os.replace(staged, kept)
+        return json.loads(text)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return dict(zip(names, pool.map(work, names)))
+
+
+def worker_env(triton_dir: str | None = None) -> dict[str, str]:
+    """The compile workers' environment: this process's without TRITON_INTERPRET, with ``triton_dir``
+    (another Triton release) first on PYTHONPATH when given."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")      # Triton 3.9's default, without its warning
+    if triton_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(triton_dir), *filter(None, [env.get("PYTHONPATH")])])
+    return env
 
 
 def _triton_release(triton_dir: str | None) -> str:

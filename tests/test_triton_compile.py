@@ -13,7 +13,6 @@ figures read from the output and their thresholds are test_gpu_report.py's.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -39,8 +38,7 @@ def compiled() -> dict[str, list[dict]]:
 def test_kept_results_are_keyed_by_sources_release_and_selection(compiled, tmp_path, monkeypatch):
     """Each target's results are kept once per run and read back by the next reader; another Triton
     release, batch selection or kernel source gets another entry."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env = xc.worker_env()
     for target, results in compiled.items():
         kept = xc._results_cache(target, [], None, env)
         assert json.loads(kept.read_text()) == results
