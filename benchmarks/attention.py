@@ -21,7 +21,7 @@ clean 1 GiB buffer); "GFLOP/s" counts 4 x head size FLOP per visible (query row,
 P.V), and "% of peak" divides it by the peak of all threads measured in the same run
 (benchmarks/fma_peak.c): the bf16-dot peak (vdpbf16ps zmm, 64 FLOP each) for bf16 / fp16 / fp8 caches
 on a host with avx512bf16, else the fp32 FMA peak (vfmadd231ps ymm, 16 FLOP each); "n/a" without cc.
-The host's ISA (avx512bf16 / avx512 / avx2, from /proc/cpuinfo) is printed first, so a figure is
+The host's ISA (the native variants /proc/cpuinfo says it runs: avx512bf16, avx512, avx2) is printed first, so a figure is
 never read as another host's; "cache read" is one streaming pass (torch sum) over this very cache's storage,
 timed like the kernels (so, when cold, after the same 1 GiB write and with the same dirty caches).
 Both KV caches, ours and vLLM's repacked one, are in the same kind of pages (--pages: transparent huge
@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 import kvmulti
 from kvmulti import host_memory
-from kvmulti.backends.cpu import CPUBackend
+from kvmulti.backends.cpu import CPUBackend, native
 from kvmulti.backends.cpu.torch_path import paged_attention_torch
 
 class Case(NamedTuple):
@@ -121,33 +121,24 @@ def attention_flops(case: str) -> float:
     return 4.0 * head * pairs * hq * reqs
 
 
-def core_peak(mode: str) -> float | None:
-    """FLOP/s of one core from benchmarks/fma_peak.c (best of 400 runs), or None (no cc, or the CPU lacks
-    the instruction): ``mode`` "bf16dot" (vdpbf16ps zmm, 64 FLOP each) or "fma" (vfmadd231ps ymm,
-    16 FLOP each)."""
+def core_peaks() -> dict[str, float | None]:
+    """FLOP/s of one core from benchmarks/fma_peak.c (compiled once, best of 400 runs per mode):
+    {"bf16dot": vdpbf16ps zmm, 64 FLOP each; "fma": vfmadd231ps ymm, 16 FLOP each}; None for a mode
+    that could not run (no cc, or the CPU lacks the instruction)."""
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fma_peak.c")
     import tempfile
+    peaks: dict[str, float | None] = {"bf16dot": None, "fma": None}
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "fma_peak")
         try:
             subprocess.run(["cc", "-O2", src, "-o", exe], check=True, capture_output=True)
-            out = subprocess.run([exe, *(["bf16dot"] if mode == "bf16dot" else [])], check=True,
-                                 capture_output=True, text=True).stdout
         except (OSError, subprocess.CalledProcessError):
-            return None
-    return float(out.split()[0]) * 1e9 * (64 if mode == "bf16dot" else 16)
-
-
-def host_isa() -> str:
-    """The x86 SIMD level of this host from /proc/cpuinfo's flags: avx512bf16, avx512, avx2 or older."""
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    for isa, flag in (("avx512bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
-        if flag in flags:
-            return isa
-    return "pre-avx2"
+            return peaks
+        for mode, args, flop in (("bf16dot", ["bf16dot"], 64), ("fma", [], 16)):
+            done = subprocess.run([exe, *args], capture_output=True, text=True)
+            if done.returncode == 0:
+                peaks[mode] = float(done.stdout.split()[0]) * 1e9 * flop
+    return peaks
 
 
 def gather_context(cache, layout, md, reqs, seq):
@@ -414,9 +405,9 @@ def main() -> None:
     timer = Timer(args.quick)
     bw = ram_bandwidth(timer)
     print(f"RAM read bandwidth (torch sum over 1 GiB, best of 5): {bw / 1e9:.1f} GB/s")
-    print(f"host ISA (/proc/cpuinfo): {host_isa()}")
+    print(f"host ISA (/proc/cpuinfo; the native variants it runs, best first): {native.host_isas()}")
     threads = torch.get_num_threads()
-    peaks = {"bf16dot": core_peak("bf16dot"), "fma": core_peak("fma")}
+    peaks = core_peaks()
     for mode, what in (("bf16dot", "bf16-dot peak (vdpbf16ps zmm"), ("fma", "fp32 FMA peak (vfmadd231ps ymm")):
         per_core = peaks[mode]
         print(f"{what}, best of 400 runs): " + (f"{per_core / 1e9:.0f} GFLOP/s per core, "
