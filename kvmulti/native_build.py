@@ -105,12 +105,14 @@ def environment_fingerprint() -> list[str]:
     return parts
 
 
-def build_key(files: Iterable[Path], extra: Iterable[str]) -> str:
-    """16 hex digits hashing the files (names and contents), ``extra`` and the environment."""
+def build_key(files: Iterable[Path], extra: Iterable[str], environment: bool = True) -> str:
+    """16 hex digits hashing the files (names and contents), ``extra`` and, with ``environment``, the
+    Python environment (:func:`environment_fingerprint`); without it, for a build that neither
+    includes Python's nor torch's headers and so serves every environment."""
     h = hashlib.sha256()
     for path in files:
         h.update(path.name.encode() + b"\0" + path.read_bytes())
-    for part in [*extra, *environment_fingerprint()]:
+    for part in [*extra, *(environment_fingerprint() if environment else [])]:
         h.update(str(part).encode() + b"\0")
     return h.hexdigest()[:16]
 

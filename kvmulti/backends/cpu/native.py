@@ -2,10 +2,11 @@
 this interpreter, else built from ``kvmulti.cpu_src`` (cpu/) and cached (the JIT fallback).
 :class:`~.backend.CPUBackend` loads it when it is constructed, never inside an attention call.
 
-The sources are compiled with :func:`torch.utils.cpp_extension.load` (ninja + the host C++
-compiler, OpenMP) into ``<cache>/cpu/<name>``, where the name hashes everything that goes into the
-build (:func:`kvmulti.native_build.build_key`: sources, flags, compiler, Python/torch versions and
-install paths). A wheel's binary holds every ISA variant (AVX-512 with bf16 dot products, AVX-512,
+The ISA variants (torch-free) are compiled once into a static archive shared by every Python
+environment (:func:`build_variants`); the torch bindings with :func:`torch.utils.cpp_extension.load`
+(ninja + the host C++ compiler, OpenMP) into ``<cache>/cpu/<name>``, linked with that archive, where
+the name hashes everything that goes into the build (:func:`kvmulti.native_build.build_key`:
+sources, flags, compiler, Python/torch versions and install paths). A wheel's binary holds every ISA variant (AVX-512 with bf16 dot products, AVX-512,
 AVX2, generic); a JIT build holds the generic one and those this CPU can run (:func:`host_isas`).
 The best one the CPU supports is picked at run time (cpuid). Its variables are declared in
 :mod:`kvmulti.settings`.
@@ -29,8 +30,15 @@ from . import prebuilt
 ENV_ISA = "KVMULTI_CPU_ISA"
 ISAS = {"generic": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 
-_SOURCES = ("paged_attention.cpp", "prepared_step.cpp", "kernels_avx512bf16.cpp", "kernels_avx512.cpp", "kernels_avx2.cpp", "kernels_generic.cpp")
-_HEADERS = ("kvmulti_cpu.h", "attention_kernel.h", "prefill_tiles.h", "torch_ops.h")
+#: the torch-free translation units: one per ISA variant, built once per cache for every Python
+#: environment (:func:`build_variants`)
+_VARIANT_SOURCES = ("kernels_avx512bf16.cpp", "kernels_avx512.cpp", "kernels_avx2.cpp", "kernels_generic.cpp")
+_VARIANT_HEADERS = ("kvmulti_cpu.h", "attention_kernel.h", "prefill_tiles.h")
+#: the torch bindings, built per Python environment and linked with the variants
+_BINDING_SOURCES = ("paged_attention.cpp", "prepared_step.cpp")
+_SOURCES = (*_BINDING_SOURCES, *_VARIANT_SOURCES)
+_HEADERS = (*_VARIANT_HEADERS, "torch_ops.h")
+_VARIANT_STD = "-std=c++17"
 _CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-maybe-uninitialized")
 _LDFLAGS = ("-fopenmp",)
 
@@ -189,15 +197,18 @@ def build_jit(src: Path, files: list[Path], cflags: list[str], ldflags: list[str
     key = native_build.build_key(files, [*cflags, *ldflags, cxx_path, native_build.compiler_version(cxx_path),
                                          ninja, native_build.compiler_version(ninja)])
     name = f"kvmulti_cpu_{key}"
-    build_dir = (native_build.cache_root() if cache is None else cache) / "cpu" / name
+    root = native_build.cache_root() if cache is None else cache
+    build_dir = root / "cpu" / name
     verbose = bool(settings.get("KVMULTI_CPU_VERBOSE"))
     try:
+        variants = build_variants(src, cflags, cxx_path, root)
         with native_build.build_lock(build_dir):
             if not any(build_dir.glob(f"{name}*.so")):
-                native_build.announce("the native CPU attention kernel (about a minute)", build_dir)
+                native_build.announce("the native CPU attention kernel's torch bindings", build_dir)
             module = cpp_extension.load(
-                name=name, sources=[str(src / n) for n in _SOURCES], extra_cflags=list(cflags),
-                extra_ldflags=list(ldflags),   # copies: load() appends torch's libraries to them
+                name=name, sources=[str(src / n) for n in _BINDING_SOURCES], extra_cflags=list(cflags),
+                # copies: load() appends torch's libraries to them
+                extra_ldflags=["-Wl,--whole-archive", str(variants), "-Wl,--no-whole-archive", *ldflags],
                 extra_include_paths=[str(src)], build_directory=str(build_dir),
                 verbose=verbose)
     except Exception as exc:  # a compiler error, a missing header, ...
@@ -207,6 +218,24 @@ def build_jit(src: Path, files: list[Path], cflags: list[str], ldflags: list[str
         return (None, f"native build failed ({type(exc).__name__}: {text[:300]}); "
                       "set KVMULTI_CPU_VERBOSE=1 to see the log", None)
     return module, None, build_dir
+
+
+def build_variants(src: Path, cflags: list[str], cxx_path: str, root: Path) -> Path:
+    """The ISA variants' translation units (:data:`_VARIANT_SOURCES`: no torch or Python header) compiled
+    with ``cflags`` by ``cxx_path`` into one static archive under ``root/cpu/variants_<key>/``, built in
+    parallel once and then shared by every Python environment's bindings (the key has no environment
+    in it). Raises NativeBuildError when a compile fails or ``ar`` is missing."""
+    ar = native_build.find_compiler("gcc-ar", "ar")
+    if ar is None:
+        raise native_build.NativeBuildError("no archiver (ar) on PATH: install binutils")
+    flags = [_VARIANT_STD, "-fPIC", *cflags, "-I", str(src)]
+    files = [src / n for n in (*_VARIANT_SOURCES, *_VARIANT_HEADERS)]
+    key = native_build.build_key(files, [*flags, cxx_path, native_build.compiler_version(cxx_path)],
+                                 environment=False)
+    out = root / "cpu" / f"variants_{key}" / "libkvmulti_cpu_variants.a"
+    units = [[cxx_path, *flags, "-c", str(src / n), "-o", "{obj}"] for n in _VARIANT_SOURCES]
+    return native_build.locked_build(out, [ar, "rcs", "{tmp}", "{objs}"],
+                                     "the native CPU attention kernel's ISA variants (about a minute)", units=units)
 
 
 def build_for_wheel(src: Path, dest: Path) -> tuple[Path | None, str]:
