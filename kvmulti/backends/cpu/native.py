@@ -228,12 +228,13 @@ def build_variants(src: Path, cflags: list[str], cxx_path: str, root: Path) -> P
     ar = native_build.find_compiler("gcc-ar", "ar")
     if ar is None:
         raise native_build.NativeBuildError("no archiver (ar) on PATH: install binutils")
-    flags = [_VARIANT_STD, "-fPIC", *cflags, "-I", str(src)]
+    flags = [_VARIANT_STD, "-fPIC", *cflags]
     files = [src / n for n in (*_VARIANT_SOURCES, *_VARIANT_HEADERS)]
+    # the sources' contents are in the key, not their folder: two installs of one release share it
     key = native_build.build_key(files, [*flags, cxx_path, native_build.compiler_version(cxx_path)],
                                  environment=False)
     out = root / "cpu" / f"variants_{key}" / "libkvmulti_cpu_variants.a"
-    units = [[cxx_path, *flags, "-c", str(src / n), "-o", "{obj}"] for n in _VARIANT_SOURCES]
+    units = [[cxx_path, *flags, "-I", str(src), "-c", str(src / n), "-o", "{obj}"] for n in _VARIANT_SOURCES]
     return native_build.locked_build(out, [ar, "rcs", "{tmp}", "{objs}"],
                                      "the native CPU attention kernel's ISA variants (about a minute)", units=units)
 
