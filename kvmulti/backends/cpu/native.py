@@ -6,9 +6,10 @@ The ISA variants (torch-free) are compiled once into a static archive shared by 
 environment (:func:`build_variants`); the torch bindings with :func:`torch.utils.cpp_extension.load`
 (ninja + the host C++ compiler, OpenMP) into ``<cache>/cpu/<name>``, linked with that archive, where
 the name hashes everything that goes into the build (:func:`kvmulti.native_build.build_key`:
-sources, flags, compiler, Python/torch versions and install paths). A wheel's binary holds every ISA variant (AVX-512 with bf16 dot products, AVX-512,
-AVX2, generic); a JIT build holds the generic one and those this CPU can run (:func:`host_isas`).
-The best one the CPU supports is picked at run time (cpuid). Its variables are declared in
+sources, flags, compiler, Python/torch versions and install paths). A wheel's binary holds every
+ISA variant (AVX-512 with bf16 dot products, AVX-512, AVX2, generic); a JIT build holds the
+generic one and those this CPU can run (:func:`host_isas`). The best one the CPU supports is picked
+at run time (cpuid). Its variables are declared in
 :mod:`kvmulti.settings`.
 
 If anything is missing (no compiler, no ninja, a build error), :func:`status` returns the reason and
