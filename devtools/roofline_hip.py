@@ -14,9 +14,9 @@ the step's longest query reaches 64 tokens): a 4-wave work-group computes 64 row
 request), and one hot-loop iteration is one key tile (64 keys; 32 at head 256) that the group loads once
 into LDS and each of the 4 waves multiplies with its 16 rows.
 
-Only kernels on the MFMA engine are modelled (an fp16 / bf16 query, wave64, gfx90a / gfx940): the FMA
-engine's hot loop, as the analysis picks it, is its staging loop alone, not a whole tile. gfx940's
-assembly stands for MI300X (gfx942: Debian's clang 15 does not know gfx942).
+Only kernels on the MFMA engine are modelled (an fp16 / bf16 query, wave64, gfx90a / gfx942): the FMA
+engine's hot loop, as the analysis picks it, is its staging loop alone, not a whole tile. MI300X's rows
+come from clang-19's gfx942 assembly.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import math
 from devtools.roofline import DECODE, PREFILL, Case, KernelLaunch, LoopMix, TARGETS
 
 #: compile target of the rows -> roofline target
-ARCH_TO_TARGET = {"gfx940": "gfx942", "gfx90a": "gfx90a"}
+ARCH_TO_TARGET = {"gfx942": "gfx942", "gfx90a": "gfx90a"}
 WAVES_PER_BLOCK = 4
 ROWS_PER_BLOCK = 16
 PLAN_ROWS_PER_BLOCK = 8

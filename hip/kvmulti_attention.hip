@@ -154,6 +154,7 @@ __device__ __forceinline__ void task_key_union(const PagedAttentionParams& p, Bl
   b.kv_hi = b.all_lo = 0;
   if (b.rows <= 0) return;
   const int first = b.row0 / b.nheads, last = (b.row0 + b.rows - 1) / b.nheads;
+#pragma unroll 1  // block-uniform set-up; unrolled (up to 64 tokens), its 64-bit scalars spill SGPRs
   for (int tq = first; tq <= last; ++tq) {
     int x, y;
     key_range(p, b, tq, x, y);
@@ -395,7 +396,7 @@ __device__ void write_rows(const PagedAttentionParams& p, const BlockTask& b, co
 __device__ __forceinline__ float finish_score(const PagedAttentionParams& p, float s, float score_scale,
                                               float bias, bool visible) {
   s *= score_scale;
-  if (p.softcap > 0.f) s = p.softcap * tanhf(s * p.inv_softcap);
+  if (p.softcap > 0.f) s = p.softcap * softcap_tanh(s * p.inv_softcap);
   s += bias;
   return visible ? s : -INFINITY;
 }
@@ -458,6 +459,9 @@ __device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const 
     const int ws = win * win_keys, win_end = ws + win_keys;
     for (; tile < tiles.last && tiles.base + tile * KT < win_end; ++tile) {  // the hot loop
       const int t0 = tiles.base + tile * KT;
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+      if constexpr (ALIGNED) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
+#endif
       Chunk16 kc[LPL], vc[LPL];
       bool ok[LPL];
 #pragma unroll

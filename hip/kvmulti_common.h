@@ -13,6 +13,46 @@
 #include <stdint.h>
 #include <type_traits>
 
+// Built without AMD's device libraries (clang -nogpulib, KVMULTI_NO_DEVICE_LIBS: Debian's clang-19 for
+// gfx942 / gfx11 / gfx12, whose ROCm 5.2 device libraries lack those targets): the work-item queries
+// the HIP headers' threadIdx / blockIdx / blockDim call and the fence their __syncthreads calls are
+// defined here from compiler builtins, so no kernel calls into a device library. With the device
+// libraries (hipcc, ROCm) they come from there.
+#if defined(KVMULTI_NO_DEVICE_LIBS) && defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__)
+extern "C" __device__ inline __attribute__((always_inline, const)) size_t __ockl_get_local_id(uint dim) {
+  return dim == 0 ? __builtin_amdgcn_workitem_id_x()
+                  : dim == 1 ? __builtin_amdgcn_workitem_id_y() : __builtin_amdgcn_workitem_id_z();
+}
+extern "C" __device__ inline __attribute__((always_inline, const)) size_t __ockl_get_group_id(uint dim) {
+  return dim == 0 ? __builtin_amdgcn_workgroup_id_x()
+                  : dim == 1 ? __builtin_amdgcn_workgroup_id_y() : __builtin_amdgcn_workgroup_id_z();
+}
+extern "C" __device__ inline __attribute__((always_inline, const)) size_t __ockl_get_local_size(uint dim) {
+  return dim == 0 ? __builtin_amdgcn_workgroup_size_x()
+                  : dim == 1 ? __builtin_amdgcn_workgroup_size_y() : __builtin_amdgcn_workgroup_size_z();
+}
+// Every address space is fenced whatever the flags say (as strong as asked for, or stronger).
+#define KVMULTI_FENCE_AT(order)                                                                 \
+  switch (scope) {                                                                              \
+    case __memory_scope_work_item: break;                                                       \
+    case __memory_scope_sub_group: __builtin_amdgcn_fence(order, "wavefront"); break;            \
+    case __memory_scope_work_group: __builtin_amdgcn_fence(order, "workgroup"); break;           \
+    case __memory_scope_device: __builtin_amdgcn_fence(order, "agent"); break;                   \
+    default: __builtin_amdgcn_fence(order, ""); break;                                          \
+  }
+extern "C" __device__ inline __attribute__((always_inline)) void __atomic_work_item_fence(
+    __cl_mem_fence_flags, __memory_order order, __memory_scope scope) {
+  switch (order) {
+    case __memory_order_relaxed: break;
+    case __memory_order_acquire: KVMULTI_FENCE_AT(__ATOMIC_ACQUIRE) break;
+    case __memory_order_release: KVMULTI_FENCE_AT(__ATOMIC_RELEASE) break;
+    case __memory_order_acq_rel: KVMULTI_FENCE_AT(__ATOMIC_ACQ_REL) break;
+    default: KVMULTI_FENCE_AT(__ATOMIC_SEQ_CST) break;
+  }
+}
+#undef KVMULTI_FENCE_AT
+#endif
+
 namespace kvmulti {
 
 // Threads per attention block = kNumWarps * WAVE (256 on CDNA wave64, 128 on RDNA wave32 / NVIDIA).
@@ -244,15 +284,38 @@ __device__ __forceinline__ uint32_t pair_halves(uint32_t a, uint32_t b, int hi) 
 #endif
 }
 
-// 2^x: v_exp_f32 on AMD GPUs (the device library's native exp2), exp2f elsewhere.
+// 2^x: v_exp_f32 on AMD GPUs (a compiler builtin where the compiler has it, else the device library's
+// native exp2), exp2f elsewhere.
 #if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if __has_builtin(__builtin_amdgcn_exp2f)
+#define KVMULTI_AMDGCN_EXP2(x) __builtin_amdgcn_exp2f(x)
+#else
 extern "C" __device__ float __ocml_native_exp2_f32(float);
+#define KVMULTI_AMDGCN_EXP2(x) __ocml_native_exp2_f32(x)
+#endif
 #endif
 __device__ __forceinline__ float fast_exp2(float x) {
 #if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
-  return __ocml_native_exp2_f32(x);
+  return KVMULTI_AMDGCN_EXP2(x);
 #else
   return exp2f(x);
+#endif
+}
+
+// tanh (the softcap). Without AMD's device libraries (KVMULTI_NO_DEVICE_LIBS) from v_exp_f32 and v_rcp_f32:
+// (1 - e) / (1 + e) with e = exp(-2|x|), and below |x| = 1/8, where 1 - e would cancel, its Taylor series
+// to x^7 (truncation under 2e-9 relative); the absolute error stays within a few 1e-7. tanhf elsewhere
+// (with the device libraries: theirs).
+__device__ __forceinline__ float softcap_tanh(float x) {
+#if defined(KVMULTI_NO_DEVICE_LIBS) && defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__)
+  const float a = __builtin_fabsf(x);
+  const float e = fast_exp2(-2.8853900817779268f * a);   // exp(-2a) = 2^(-2a log2 e)
+  const float big = (1.f - e) * __builtin_amdgcn_rcpf(1.f + e);
+  const float a2 = a * a;
+  const float small = a * (1.f + a2 * (-1.f / 3.f + a2 * (2.f / 15.f + a2 * (-17.f / 315.f))));
+  return __builtin_copysignf(a < 0.125f ? small : big, x);
+#else
+  return tanhf(x);
 #endif
 }
 

@@ -392,7 +392,7 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float x = d[e];  // raw (without softcap: the scale is applied in the exponent)
-      if (SOFTCAP > 0 || (SOFTCAP < 0 && softcap)) x = p.softcap * tanhf(x * w.cap_scale);
+      if (SOFTCAP > 0 || (SOFTCAP < 0 && softcap)) x = p.softcap * softcap_tanh(x * w.cap_scale);
       const int t = t0 + 16 * sub + 4 * g + e;
       if constexpr (ALIBI) x = fmaf(w.alibi_unit, (float)(t - w.qpos), x);  // after softcap, before the mask
       if constexpr (MASKED) {  // keys outside this lane's row range
@@ -490,7 +490,7 @@ __device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, con
     prefill_store<C, HS, L, PrefillVElem<T, C>>(sh, pipe.kr, pipe.vr);
     __syncthreads();
 #if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
-    if constexpr (!MASKED && SOFTCAP == 0 && !ALIBI) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
+    if constexpr (ALIGNED && !MASKED && SOFTCAP == 0 && !ALIBI) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
 #endif
     if (k + 1 < ntiles) {  // in flight while this tile computes
       prefill_load<C, HS, L, ALIGNED>(p, b, cache, pipe.next, inv_bs, base + ord(k + 1) * KT, pipe.kr, pipe.vr);

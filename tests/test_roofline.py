@@ -235,7 +235,7 @@ def test_sycl_hot_loop_and_its_loads_in_flight():
 
 
 # ------------------------------------------------------------------------------------------ adapters
-HIP_ROW = dict(kind="attention", dtype="bf16", cache=None, head_size=128, target="gfx940", wave=64,
+HIP_ROW = dict(kind="attention", dtype="bf16", cache=None, head_size=128, target="gfx942", wave=64,
                kernel="paged_attention<bf16,128,wave64>", matrix_instructions=64, waves_per_simd=2,
                hot_loop_instructions={"mfma": 32, "valu": 806, "salu": 113, "lds": 16, "vmem": 16},
                bytes_in_flight_per_lane=192, hot_loop_serial_share=0.67, hot_loop_mfma_flops=32 * 8192)
@@ -255,7 +255,7 @@ def test_hip_adapter_launch_shapes():
 
 
 def test_todays_hip_prefill_figures_are_issue_bound_under_a_quarter_of_mi300x_peak():
-    """The decode kernel serving prefill, with the gfx940 hot-loop figures it shipped with."""
+    """The decode kernel serving prefill, with the gfx940 hot-loop figures it shipped with (for MI300X)."""
     from devtools import roofline_hip as H
     e = R.estimate(H.launch(HIP_ROW, R.PREFILL), MI300X)
     assert e.bound == "issue" and max(e.issue_pipes, key=e.issue_pipes.get) == "valu"
@@ -263,15 +263,15 @@ def test_todays_hip_prefill_figures_are_issue_bound_under_a_quarter_of_mi300x_pe
 
 
 def test_hip_prefill_from_the_compiler_is_issue_bound_under_a_quarter_of_mi300x_peak():
-    """The same from hipcc's gfx940 assembly of today's kernels (CI has hipcc; elsewhere it skips)."""
+    """The same from clang-19's gfx942 assembly of today's kernels (CI has clang-19; elsewhere it skips)."""
     import os
     from devtools import hip_compile_check as cc
     from devtools import roofline_hip as H
-    if cc.hipcc() is None:
+    if cc.clang() is None:
         if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("hipcc missing (CI=true: this check must run)")
-        pytest.skip("hipcc missing (Debian: apt-get install hipcc libamdhip64-dev rocm-device-libs)")
-    rows = [r for r in cc.report_rows(archs=("gfx940",)) if r["target"] == "gfx940" and r["kind"] == "attention"
+            pytest.fail("clang-19 missing (CI=true: this check must run)")
+        pytest.skip("clang-19 missing (Debian: apt-get install clang-19)")
+    rows = [r for r in cc.report_rows(archs=("gfx942",)) if r["target"] == "gfx942" and r["kind"] == "attention"
             and r["dtype"] == "bf16" and not r["cache"] and r["head_size"] == 128 and "prefill" not in r["symbol"]]
     assert len(rows) == 1
     e = R.estimate(H.launch(rows[0], R.PREFILL), MI300X)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from kvmulti import settings
 
-#: The gate's compile-evidence targets (``KVMULTI_EVIDENCE_TARGETS``): HIP for a CDNA (gfx940) and
-#: an RDNA (gfx1030) target and, through hip/compat, for sm_90; Triton for sm_90 and gfx942; SYCL
-#: for PVC. The exhaustive tier adds HIP's gfx90a and sm_80 and Triton's sm_80 and gfx90a.
-GATE_EVIDENCE_TARGETS = ("gfx940", "gfx1030", "sm_90", "gfx942", "pvc")
+#: The gate's compile-evidence targets (``KVMULTI_EVIDENCE_TARGETS``): HIP (clang-19) for a CDNA
+#: (gfx942, MI300X) and an RDNA (gfx1100) target and, through hip/compat, for sm_90; Triton for sm_90
+#: and gfx942; SYCL for PVC. The exhaustive tier adds HIP's gfx90a, gfx940, gfx1030 (hipcc), gfx1201
+#: and sm_80 and Triton's sm_80 and gfx90a.
+GATE_EVIDENCE_TARGETS = ("gfx942", "gfx1100", "sm_90", "pvc")
 
 
 def full() -> bool:
