@@ -6,7 +6,7 @@ AMD (HIP_PLATFORM=amd, Debian packages ``hipcc libamdhip64-dev rocm-device-libs`
      code, link and C ABI, with device code for LIBRARY_ARCH (gfx1030);
   2. a ``--cuda-device-only -S -Werror -Rpass-analysis=kernel-resource-usage`` pass per arch -- hipcc for
      gfx90a, gfx940 and gfx1030 (Debian's clang 15 with ROCm 5.2's device libraries), Debian's clang-19 with
-     ``-nogpulib -DKVMULTI_NO_DEVICE_LIBS`` for gfx942 (MI300X), gfx1100 (RDNA3) and gfx1201 (RDNA4), which
+     ``-nogpulib -DKVM_NO_DEVICE_LIBS`` for gfx942 (MI300X), gfx1100 (RDNA3) and gfx1201 (RDNA4), which
      those device libraries lack (the kernels take work-item ids, exp2 and tanh from compiler builtins, see
      hip/kvmulti_common.h); ROCm hosts build for their own targets, see kvmulti/backends/hip/build.py --,
      kept in the kvmulti cache by source hash, whose
@@ -145,7 +145,7 @@ def device_flags(arch: str) -> list[str]:
     """The flags every device-only compile for ``arch`` takes (HIP language, target, device libraries)."""
     flags = ["-O3", "-std=c++17", f"--offload-arch={arch}"]
     if arch in CLANG_ARCHS:   # hipcc's own defaults: every device function inlined, no calls
-        flags = ["-x", "hip", *flags, "-nogpulib", "-DKVMULTI_NO_DEVICE_LIBS",
+        flags = ["-x", "hip", *flags, "-nogpulib", "-DKVM_NO_DEVICE_LIBS",
                  "-mllvm", "-amdgpu-early-inline-all=true", "-mllvm", "-amdgpu-function-calls=false"]
     return flags
 

@@ -13,12 +13,12 @@
 #include <stdint.h>
 #include <type_traits>
 
-// Built without AMD's device libraries (clang -nogpulib, KVMULTI_NO_DEVICE_LIBS: Debian's clang-19 for
+// Built without AMD's device libraries (clang -nogpulib, KVM_NO_DEVICE_LIBS: Debian's clang-19 for
 // gfx942 / gfx11 / gfx12, whose ROCm 5.2 device libraries lack those targets): the work-item queries
 // the HIP headers' threadIdx / blockIdx / blockDim call and the fence their __syncthreads calls are
 // defined here from compiler builtins, so no kernel calls into a device library. With the device
 // libraries (hipcc, ROCm) they come from there.
-#if defined(KVMULTI_NO_DEVICE_LIBS) && defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__)
+#if defined(KVM_NO_DEVICE_LIBS) && defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__)
 extern "C" __device__ inline __attribute__((always_inline, const)) size_t __ockl_get_local_id(uint dim) {
   return dim == 0 ? __builtin_amdgcn_workitem_id_x()
                   : dim == 1 ? __builtin_amdgcn_workitem_id_y() : __builtin_amdgcn_workitem_id_z();
@@ -302,12 +302,12 @@ __device__ __forceinline__ float fast_exp2(float x) {
 #endif
 }
 
-// tanh (the softcap). Without AMD's device libraries (KVMULTI_NO_DEVICE_LIBS) from v_exp_f32 and v_rcp_f32:
+// tanh (the softcap). Without AMD's device libraries (KVM_NO_DEVICE_LIBS) from v_exp_f32 and v_rcp_f32:
 // (1 - e) / (1 + e) with e = exp(-2|x|), and below |x| = 1/8, where 1 - e would cancel, its Taylor series
 // to x^7 (truncation under 2e-9 relative); the absolute error stays within a few 1e-7. tanhf elsewhere
 // (with the device libraries: theirs).
 __device__ __forceinline__ float softcap_tanh(float x) {
-#if defined(KVMULTI_NO_DEVICE_LIBS) && defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__)
+#if defined(KVM_NO_DEVICE_LIBS) && defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__)
   const float a = __builtin_fabsf(x);
   const float e = fast_exp2(-2.8853900817779268f * a);   // exp(-2a) = 2^(-2a log2 e)
   const float big = (1.f - e) * __builtin_amdgcn_rcpf(1.f + e);

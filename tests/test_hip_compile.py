@@ -104,7 +104,7 @@ def test_clang_targets_compile_without_device_libraries():
     is a call the check reports."""
     assert cc.CLANG_ARCHS == ("gfx942", "gfx1100", "gfx1201")
     for arch in cc.CLANG_ARCHS:
-        assert {"-nogpulib", "-DKVMULTI_NO_DEVICE_LIBS", f"--offload-arch={arch}"} <= set(cc.device_flags(arch))
+        assert {"-nogpulib", "-DKVM_NO_DEVICE_LIBS", f"--offload-arch={arch}"} <= set(cc.device_flags(arch))
     assert "-nogpulib" not in cc.device_flags("gfx940")
     asm = "\n".join(["  s_getpc_b64 s[0:1]", "  s_add_u32 s0, s0, __ocml_tanh_f32@rel32@lo+4",
                      "  s_swappc_b64 s[30:31], s[0:1]", "  s_add_u32 s2, s2, __ockl_get_local_id@rel32@lo+4",
