@@ -73,13 +73,13 @@ AMD_LIBRARY = "libkvmulti_hip_amd.so"   # the checked library (device code for L
 DTYPES = ("f", "6__half", "12hip_bfloat16")   # mangled template arguments
 HEAD_SIZES = (64, 80, 96, 128, 256)
 WAVES = (32, 64)
-#: cache element types per query dtype: the query's own, fp8 e4m3fn, fp8 e5m2 (MFMA engine for fp16 / bf16
-#: queries on gfx90a / gfx940, FMA engine otherwise)
-CACHES_PER_DTYPE = 3
+#: cache element types per query dtype: the query's own, fp8 e4m3fn, e5m2, e4m3fnuz and e5m2fnuz (MFMA engine
+#: for fp16 / bf16 queries on gfx90a / gfx940 / gfx942, FMA engine otherwise)
+CACHES_PER_DTYPE = 5
 #: every kernel the launcher instantiates: attention (dtype x cache x head size x wave), prefill, reduce per
 #: dtype, write_kv per dtype x cache
 #: prefill (launcher.hip's prefill_served): fp16 / bf16, wave64, over a cache of their own type at every
-#: head size or over fp8 e4m3fn / e5m2 at FP8_PREFILL_HEAD_SIZES; fp32 over fp32, e4m3fn or e5m2 at
+#: head size or over each fp8 format at FP8_PREFILL_HEAD_SIZES; fp32 over fp32 or each fp8 format at
 #: FP32_PREFILL_HEAD_SIZES (both: every head size)
 FP8_PREFILL_HEAD_SIZES = HEAD_SIZES
 FP32_PREFILL_HEAD_SIZES = HEAD_SIZES
@@ -514,8 +514,9 @@ def instruction_mix(body: list[str]) -> dict[str, int]:
 
 _DT = {"f": "fp32", "6__half": "fp16", "12hip_bfloat16": "bf16"}
 # the cache type argument after the query's: the same type ("f" again, or a substitution) or fp8
-_CACHE = r"(f|S\d*_|NS_7Fp8E4M3E|NS_7Fp8E5M2E)"
-_FP8_NAMES = {"NS_7Fp8E4M3E": "e4m3", "NS_7Fp8E5M2E": "e5m2"}
+_CACHE = r"(f|S\d*_|NS_7Fp8E4M3E|NS_7Fp8E5M2E|NS_11Fp8E4M3FnuzE|NS_11Fp8E5M2FnuzE)"
+_FP8_NAMES = {"NS_7Fp8E4M3E": "e4m3", "NS_7Fp8E5M2E": "e5m2", "NS_11Fp8E4M3FnuzE": "e4m3fnuz",
+              "NS_11Fp8E5M2FnuzE": "e5m2fnuz"}
 
 
 def _kernel_kind(name: str) -> tuple[str, str | None, int | None, int | None]:
@@ -534,7 +535,7 @@ def _kernel_kind(name: str) -> tuple[str, str | None, int | None, int | None]:
 
 
 def cache_kind(name: str) -> str | None:
-    """"e4m3" / "e5m2" for an fp8-cache instantiation, None when the cache has the query's type."""
+    """"e4m3" / "e5m2" / "e4m3fnuz" / "e5m2fnuz" for an fp8-cache instantiation, None when the cache has the query's type."""
     m = re.search(r"(?:paged_attention_kernel|paged_prefill_kernel|write_kv_kernel)I(?:f|6__half|12hip_bfloat16)"
                   + _CACHE, name)
     return _FP8_NAMES.get(m.group(1)) if m else None
@@ -815,7 +816,7 @@ def report_rows(archs: tuple[str, ...] | None = None, jobs: int = 2) -> list[dic
     kernel instantiation that runs on the target, with keys kernel, target, vgprs, sgprs, lds_bytes,
     waves_per_simd (register- and LDS-limited; waves_per_simd_registers: the compiler's figure), spills, matrix_instructions (v_mfma count), load_widths_bytes (all global loads),
     bytes_in_flight_per_lane (peak global-load bytes outstanding per lane in the hot loop, simulating
-    s_waitcnt vmcnt), plus symbol, kind, dtype, cache (None, or "e4m3" / "e5m2" for an fp8 cache),
+    s_waitcnt vmcnt), plus symbol, kind, dtype, cache (None, or "e4m3" / "e5m2" / "e4m3fnuz" / "e5m2fnuz" for an fp8 cache),
     head_size, wave, agprs, scratch_bytes, hot_loop_load_widths_bytes, bytes_before_vmcnt0_per_lane (bytes
     issued in the hot loop from its first load up to its first s_waitcnt vmcnt(0); x wave size = per
     wave), hot_loop_instructions, hot_loop_serial_share (see :func:`serial_share`), hot_loop_mfma_flops (per

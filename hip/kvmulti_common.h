@@ -58,24 +58,42 @@ namespace kvmulti {
 // Threads per attention block = kNumWarps * WAVE (256 on CDNA wave64, 128 on RDNA wave32 / NVIDIA).
 constexpr int kNumWarps = 4;
 
-// fp8 KV-cache elements (kvmulti/fp8.py): the raw byte of torch.float8_e4m3fn / torch.float8_e5m2.
+// fp8 KV-cache elements (kvmulti/fp8.py): the raw byte of torch.float8_e4m3fn / torch.float8_e5m2 (OCP)
+// and of torch.float8_e4m3fnuz / torch.float8_e5m2fnuz (gfx942's FNUZ formats: exponent bias one higher,
+// no infinity, no negative zero, one NaN 0x80).
 struct Fp8E4M3 {
   uint8_t bits;
 };
 struct Fp8E5M2 {
   uint8_t bits;
 };
+struct Fp8E4M3Fnuz {
+  uint8_t bits;
+};
+struct Fp8E5M2Fnuz {
+  uint8_t bits;
+};
 template <typename C> struct Fp8Format {
   static constexpr bool kIsFp8 = false;
 };
 template <> struct Fp8Format<Fp8E4M3> {  // 3 mantissa bits, bias 7, largest finite 448, NaN 0x7F
-  static constexpr bool kIsFp8 = true;
+  static constexpr bool kIsFp8 = true, kFnuz = false;
   static constexpr int kMant = 3, kBias = 7;
   static constexpr uint32_t kMaxBits = 0x43E00000u;
 };
 template <> struct Fp8Format<Fp8E5M2> {  // 2 mantissa bits, bias 15, largest finite 57344, IEEE inf/NaN
-  static constexpr bool kIsFp8 = true;
+  static constexpr bool kIsFp8 = true, kFnuz = false;
   static constexpr int kMant = 2, kBias = 15;
+  static constexpr uint32_t kMaxBits = 0x47600000u;
+};
+template <> struct Fp8Format<Fp8E4M3Fnuz> {  // 3 mantissa bits, bias 8, largest finite 240, NaN 0x80
+  static constexpr bool kIsFp8 = true, kFnuz = true;
+  static constexpr int kMant = 3, kBias = 8;
+  static constexpr uint32_t kMaxBits = 0x43700000u;
+};
+template <> struct Fp8Format<Fp8E5M2Fnuz> {  // 2 mantissa bits, bias 16, largest finite 57344, NaN 0x80
+  static constexpr bool kIsFp8 = true, kFnuz = true;
+  static constexpr int kMant = 2, kBias = 16;
   static constexpr uint32_t kMaxBits = 0x47600000u;
 };
 template <typename C>
@@ -161,7 +179,8 @@ template <> struct Cvt<hip_bfloat16> {
 };
 
 // fp8 code -> fp32 (exact): the fp32 bit pattern of a normal code, m * 2^(1 - bias - mant) for a
-// subnormal one; e4m3fn has no inf and NaN at 0x7F, e5m2 IEEE inf/NaN at exponent 31.
+// subnormal one; e4m3fn has no inf and NaN at 0x7F, e5m2 IEEE inf/NaN at exponent 31, the FNUZ formats
+// NaN at 0x80 alone (their top exponent is finite).
 template <typename C>
 __device__ __forceinline__ float fp8_decode(uint8_t code) {
   using F = Fp8Format<C>;
@@ -169,9 +188,11 @@ __device__ __forceinline__ float fp8_decode(uint8_t code) {
   const uint32_t e = (code & 0x7Fu) >> F::kMant, m = code & ((1u << F::kMant) - 1u);
   constexpr uint32_t kTopExp = (1u << (7 - F::kMant)) - 1u;
   float mag;
-  if (F::kMant == 3 && (code & 0x7Fu) == 0x7Fu) {
+  if (F::kFnuz && code == 0x80u) {
+    return __uint_as_float(0x7FC00000u);
+  } else if (!F::kFnuz && F::kMant == 3 && (code & 0x7Fu) == 0x7Fu) {
     mag = __uint_as_float(0x7FC00000u);
-  } else if (F::kMant == 2 && e == kTopExp) {
+  } else if (!F::kFnuz && F::kMant == 2 && e == kTopExp) {
     mag = __uint_as_float(m ? 0x7FC00000u : 0x7F800000u);
   } else if (e == 0) {
     mag = (float)m * __uint_as_float((uint32_t)(127 + 1 - F::kBias - F::kMant) << 23);
@@ -182,9 +203,9 @@ __device__ __forceinline__ float fp8_decode(uint8_t code) {
 }
 
 // fp32 -> fp8 code by kvmulti/fp8.py's rule for an already divided value y: saturate to the largest
-// finite value (±inf too), NaN -> 0x7F with its sign, round to nearest even in integers (the normal
-// range: add half an ulp - 1 + the kept low bit, truncate; the subnormal range: the 24-bit
-// significand shifted to the fp8 quantum with the same rounding term).
+// finite value (±inf too), NaN -> 0x7F with its sign (FNUZ: 0x80), round to nearest even in integers (the
+// normal range: add half an ulp - 1 + the kept low bit, truncate; the subnormal range: the 24-bit
+// significand shifted to the fp8 quantum with the same rounding term); an FNUZ zero is +0 (0x80 is NaN).
 template <typename C>
 __device__ __forceinline__ uint8_t fp8_encode(float y) {
   using F = Fp8Format<C>;
@@ -192,7 +213,7 @@ __device__ __forceinline__ uint8_t fp8_encode(float y) {
   const uint32_t bits = __float_as_uint(y);
   const uint32_t sign = (bits >> 24) & 0x80u;
   uint32_t mag = bits & 0x7FFFFFFFu;
-  if (mag > 0x7F800000u) return (uint8_t)(0x7Fu | sign);
+  if (mag > 0x7F800000u) return F::kFnuz ? (uint8_t)0x80u : (uint8_t)(0x7Fu | sign);
   if (mag > F::kMaxBits) mag = F::kMaxBits;
   const int exponent = (int)(mag >> 23);
   uint32_t code;
@@ -205,17 +226,18 @@ __device__ __forceinline__ uint8_t fp8_encode(float y) {
     const uint32_t sig = (mag & 0x7FFFFFu) | 0x800000u;
     code = (sig + (1u << (shift - 1)) - 1u + ((sig >> shift) & 1u)) >> shift;
   }
+  if (F::kFnuz && code == 0u) return 0u;
   return (uint8_t)(code | sign);
 }
 
-template <> struct Cvt<Fp8E4M3> {
-  __device__ __forceinline__ static float to(Fp8E4M3 x) { return fp8_decode<Fp8E4M3>(x.bits); }
-  __device__ __forceinline__ static Fp8E4M3 from(float x) { return Fp8E4M3{fp8_encode<Fp8E4M3>(x)}; }
+template <typename C> struct Fp8Cvt {
+  __device__ __forceinline__ static float to(C x) { return fp8_decode<C>(x.bits); }
+  __device__ __forceinline__ static C from(float x) { return C{fp8_encode<C>(x)}; }
 };
-template <> struct Cvt<Fp8E5M2> {
-  __device__ __forceinline__ static float to(Fp8E5M2 x) { return fp8_decode<Fp8E5M2>(x.bits); }
-  __device__ __forceinline__ static Fp8E5M2 from(float x) { return Fp8E5M2{fp8_encode<Fp8E5M2>(x)}; }
-};
+template <> struct Cvt<Fp8E4M3> : Fp8Cvt<Fp8E4M3> {};
+template <> struct Cvt<Fp8E5M2> : Fp8Cvt<Fp8E5M2> {};
+template <> struct Cvt<Fp8E4M3Fnuz> : Fp8Cvt<Fp8E4M3Fnuz> {};
+template <> struct Cvt<Fp8E5M2Fnuz> : Fp8Cvt<Fp8E5M2Fnuz> {};
 
 // 16 bytes of a row: 4 floats or 8 halves / bf16s, read with one vector load.
 struct alignas(16) Chunk16 {
@@ -381,29 +403,31 @@ __device__ __forceinline__ mfma_f32x4 mfma_16x16x16(const Frag& a, const Frag& b
 }
 
 // ---- fp8 codes -> 16-bit MFMA operands (the MFMA engine over fp8 caches)
-// Every e4m3fn and e5m2 value is exactly an fp16 value and exactly a bf16 value: e4m3fn's 4 significand
-// bits and range 2^-9 .. 448 fit fp16 (5 exponent bits; subnormals from 2^-24, largest 65504) and bf16;
-// e5m2 is bit for bit the top byte of fp16 (same bias, same subnormals 2^-16 .. 3 * 2^-16, same inf / NaN
-// encodings) and its 3 significand bits and range up to 57344 fit bf16. NaN stays NaN and e5m2's ±inf stay
-// ±inf, so the widening below is exact for all 256 codes of both formats (the scales are applied outside
-// the MFMAs: the fragments hold the codes' values).
+// Every value of the four fp8 formats is exactly an fp16 value and exactly a bf16 value: e4m3fn's 4
+// significand bits and range 2^-9 .. 448 fit fp16 (5 exponent bits; subnormals from 2^-24, largest 65504)
+// and bf16; e5m2 is bit for bit the top byte of fp16 (same bias, same subnormals 2^-16 .. 3 * 2^-16, same
+// inf / NaN encodings) and its 3 significand bits and range up to 57344 fit bf16; e4m3fnuz (2^-10 .. 240)
+// and e5m2fnuz (2^-17 .. 57344, exponent 31 finite) are half the OCP formats' values of the same bits.
+// NaN stays NaN and e5m2's ±inf stay ±inf, so the widening below is exact for all 256 codes of each
+// format (the scales are applied outside the MFMAs: the fragments hold the codes' values).
 //
 // A "pair" holds two codes in the high byte of each 16-bit half (one in bits 8..15, one in bits 24..31),
 // i.e. already at fp16's sign / exponent / top mantissa bits; the MFMA engine gathers them so.
 
-// x * 256 in both fp16 halves of w: exact, the products are normal fp16 values. One v_pk_mul_f16 on the
-// GPU, where fp16 denormal inputs are kept (the default FP16/FP64 denormal mode,
+// x * K (a power of two) in both fp16 halves of w: exact, the products are normal fp16 values. One
+// v_pk_mul_f16 on the GPU, where fp16 denormal inputs are kept (the default FP16/FP64 denormal mode,
 // .amdhsa_float_denorm_mode_16_64 3 in the kernel descriptor, checked by compile_check.py).
-__device__ __forceinline__ uint32_t f16x2_times_256(uint32_t w) {
+template <int K>
+__device__ __forceinline__ uint32_t f16x2_times(uint32_t w) {
 #if defined(KVMULTI_HIP_CPU_HARNESS)
-  const float lo = __half2float(__ushort_as_half((unsigned short)(w & 0xFFFFu))) * 256.f;
-  const float hi = __half2float(__ushort_as_half((unsigned short)(w >> 16))) * 256.f;
+  const float lo = __half2float(__ushort_as_half((unsigned short)(w & 0xFFFFu))) * (float)K;
+  const float hi = __half2float(__ushort_as_half((unsigned short)(w >> 16))) * (float)K;
   return (uint32_t)__half_as_ushort(__float2half(lo)) | ((uint32_t)__half_as_ushort(__float2half(hi)) << 16);
 #else
   typedef _Float16 f16x2 __attribute__((ext_vector_type(2)));
   f16x2 v;
   __builtin_memcpy(&v, &w, 4);
-  v = v * (f16x2){(_Float16)256.f, (_Float16)256.f};
+  v = v * (f16x2){(_Float16)(float)K, (_Float16)(float)K};
   __builtin_memcpy(&w, &v, 4);
   return w;
 #endif
@@ -411,23 +435,47 @@ __device__ __forceinline__ uint32_t f16x2_times_256(uint32_t w) {
 
 // The magnitudes of a pair of e4m3fn codes times 2^-8 as fp16 values, signs clear (exact: |code| << 7 at
 // fp16's bit positions is the fp16 of |value| * 2^-8; subnormal codes give fp16 subnormals with the same
-// significand).
+// significand). The same bits are an e4m3fnuz pair's magnitudes times 2^-7, without the NaN fix-up.
+template <bool NAN_7F = true>
 __device__ __forceinline__ uint32_t e4m3_pair_magnitudes(uint32_t pair) {
   const uint32_t mag = (pair >> 1) & 0x3F803F80u;
+  if constexpr (!NAN_7F) return mag;
   // NaN (|code| = 0x7F, mag 0x3F80): mag + 0x80 reaches bit 14 for it alone; that bit completes the
   // exponent (0x7F80: fp16 NaN).
   return mag | ((mag + 0x00800080u) & 0x40004000u);
 }
 
+// The magnitudes of a pair of e5m2fnuz codes as fp16 values, signs clear: half of e5m2's fp16 bits
+// (exact: exponent - 1 for codes of exponent >= 2, a 1-bit shift into fp16's subnormals below; exponent
+// 31, e5m2's inf / NaN, becomes 30: e5m2fnuz's finite 2^15 .. 57344).
+__device__ __forceinline__ uint32_t e5m2fnuz_pair_magnitudes(uint32_t pair) {
+  const uint32_t mag = pair & 0x7F007F00u;
+  const uint32_t high = (((mag + 0x78007800u) & 0x80008000u) >> 15) * 0xFFFFu;  // halves with mag >= 0x0800
+  return ((mag - (high & 0x04000400u)) & high) | ((mag >> 1) & ~high);
+}
+
+// Bit 0 / bit 16 set where the pair's low / high code is 0x80 (an FNUZ format's NaN; -0 in OCP).
+__device__ __forceinline__ uint32_t fnuz_nan_halves(uint32_t pair) {
+  const uint32_t x = (pair & 0xFF00FF00u) ^ 0x80008000u;                            // 0 in a NaN half
+  const uint32_t nonzero = (((x & 0x7FFF7FFFu) + 0x7FFF7FFFu) | x) & 0x80008000u;
+  return (~nonzero & 0x80008000u) >> 15;
+}
+
 // A pair of fp8 codes -> their two fp16 values (exact, see above): e4m3fn's magnitudes times 2^8 (one exact
-// multiply, NaN stays NaN), then the signs (NaN keeps its sign, as a float does).
+// multiply, NaN stays NaN), e4m3fnuz's times 2^7, then the signs (NaN keeps its sign, as a float does);
+// an FNUZ 0x80 becomes fp16's NaN.
 template <typename C>
 __device__ __forceinline__ uint32_t fp8_pair_to_f16x2(uint32_t pair) {
+  const uint32_t sign = pair & 0x80008000u;
   if constexpr (std::is_same<C, Fp8E5M2>::value) {
     return pair;  // e5m2 is the top byte of fp16
+  } else if constexpr (std::is_same<C, Fp8E4M3>::value) {
+    return f16x2_times<256>(e4m3_pair_magnitudes(pair)) | sign;
+  } else if constexpr (std::is_same<C, Fp8E4M3Fnuz>::value) {
+    return f16x2_times<128>(e4m3_pair_magnitudes<false>(pair)) | sign | fnuz_nan_halves(pair) * 0x7E00u;
   } else {
-    static_assert(std::is_same<C, Fp8E4M3>::value, "fp8 format");
-    return f16x2_times_256(e4m3_pair_magnitudes(pair)) | (pair & 0x80008000u);
+    static_assert(std::is_same<C, Fp8E5M2Fnuz>::value, "fp8 format");
+    return e5m2fnuz_pair_magnitudes(pair) | sign | fnuz_nan_halves(pair) * 0x7E00u;
   }
 }
 
@@ -452,21 +500,30 @@ __device__ __forceinline__ uint32_t widen_pair(uint32_t pair) {
 }
 
 // The factor between an fp8 code's value and what widen_pair_scaled makes of it: 2^8 for e4m3fn codes
-// widened to bf16 (their fp16 values times 2^-8 -- fp16 subnormals for the small codes -- become normal
-// bf16 values through the fp32 widening, so the multiply by 2^8 moves into the scales), else 1. fp16
-// operands keep the multiply: the MFMA would read fp16 subnormals there.
+// and 2^7 for e4m3fnuz codes widened to bf16 (their fp16 values times 2^-8 / 2^-7 -- fp16 subnormals for
+// the small codes -- become normal bf16 values through the fp32 widening, so the multiply moves into the
+// scales), else 1. fp16 operands keep the multiply: the MFMA would read fp16 subnormals there.
 template <typename C, typename T>
 __host__ __device__ constexpr float widen_pair_unit() {
-  return std::is_same<C, Fp8E4M3>::value && std::is_same<T, hip_bfloat16>::value ? 256.f : 1.f;
+  return !std::is_same<T, hip_bfloat16>::value ? 1.f
+         : std::is_same<C, Fp8E4M3>::value     ? 256.f
+         : std::is_same<C, Fp8E4M3Fnuz>::value ? 128.f
+                                               : 1.f;
 }
 
 // widen_pair divided by widen_pair_unit<C, T>() (exact: a power of two, no bf16 underflow): the decode
-// engine's in-loop widening, one v_pk_mul_f16 per pair fewer for e4m3fn -> bf16.
+// engine's in-loop widening, one v_pk_mul_f16 per pair fewer for e4m3fn / e4m3fnuz -> bf16.
 template <typename C, typename T>
 __device__ __forceinline__ uint32_t widen_pair_scaled(uint32_t pair) {
   // the signs go in after the conversion: a pair's sign bits are a bf16 pair's
-  if constexpr (widen_pair_unit<C, T>() != 1.f) return f16x2_to_bf16x2(e4m3_pair_magnitudes(pair)) | (pair & 0x80008000u);
-  else return widen_pair<C, T>(pair);
+  if constexpr (widen_pair_unit<C, T>() == 1.f) {
+    return widen_pair<C, T>(pair);
+  } else if constexpr (std::is_same<C, Fp8E4M3>::value) {
+    return f16x2_to_bf16x2(e4m3_pair_magnitudes(pair)) | (pair & 0x80008000u);
+  } else {
+    return f16x2_to_bf16x2(e4m3_pair_magnitudes<false>(pair)) | (pair & 0x80008000u) |
+           fnuz_nan_halves(pair) * 0x7FC0u;
+  }
 }
 #endif  // KVMULTI_HAS_MFMA
 

@@ -98,7 +98,7 @@ __device__ __forceinline__ int wave_max_int(int v) {
 // once per tile when staged, so the waves' hot loop reads K / V like a cache of the query's type).
 template <typename T, typename C>
 using PrefillElem = typename std::conditional<is_fp8<C>(), T, C>::type;
-// V's: for a 16-bit query fp8 codes widen to fp16 whichever its type (every e4m3fn / e5m2 value is an fp16
+// V's: for a 16-bit query fp8 codes widen to fp16 whichever its type (every value of the four formats is an fp16
 // value), and P V runs on the fp16 MFMA with P in fp16 (p in [0, 1]: at least bf16's precision down to
 // 2^-14) -- a bf16 query saves the fp16 -> bf16 step on V; for an fp32 query to fp32, as K.
 template <typename T, typename C>

@@ -18,7 +18,9 @@
 #define KVM_ATTENTION_PAIRS(X)                                                                                 \
   X(0, float, float) X(1, float, kvmulti::Fp8E4M3) X(2, float, kvmulti::Fp8E5M2) X(3, __half, __half)          \
   X(4, __half, kvmulti::Fp8E4M3) X(5, __half, kvmulti::Fp8E5M2) X(6, hip_bfloat16, hip_bfloat16)               \
-  X(7, hip_bfloat16, kvmulti::Fp8E4M3) X(8, hip_bfloat16, kvmulti::Fp8E5M2)
+  X(7, hip_bfloat16, kvmulti::Fp8E4M3) X(8, hip_bfloat16, kvmulti::Fp8E5M2) X(9, float, kvmulti::Fp8E4M3Fnuz)    \
+  X(10, float, kvmulti::Fp8E5M2Fnuz) X(11, __half, kvmulti::Fp8E4M3Fnuz) X(12, __half, kvmulti::Fp8E5M2Fnuz)       \
+  X(13, hip_bfloat16, kvmulti::Fp8E4M3Fnuz) X(14, hip_bfloat16, kvmulti::Fp8E5M2Fnuz)
 
 namespace kvmulti::launch {
 
@@ -119,7 +121,8 @@ constexpr int kDefaultPartition = 512;
 // Largest block size the attention kernel accepts (key indices inside a block-table window of 64
 // blocks stay far below 2^31).
 constexpr int kMaxBlockSize = 1 << 20;
-constexpr int kCacheE4M3 = 3, kCacheE5M2 = 4;   // cache_dtype codes of the fp8 formats
+// cache_dtype codes of the fp8 formats (kvmulti/backends/hip/library.py)
+constexpr int kCacheE4M3 = 3, kCacheE5M2 = 4, kCacheE4M3Fnuz = 5, kCacheE5M2Fnuz = 6;
 // Default prefill threshold: a step whose longest query has at least this many tokens runs the prefill
 // kernel. 64 tokens fill a 64-row tile at any GQA group (the group's heads x 64 / group tokens), and from
 // there on the decode kernel re-reads every K/V tile once per 16 rows where the prefill kernel reads it
@@ -141,7 +144,8 @@ int device_cu_count() {
   return n;
 }
 
-// The cache's element type: the query's (cache_dtype == dtype) or fp8 (3 = e4m3fn, 4 = e5m2).
+// The cache's element type: the query's (cache_dtype == dtype) or fp8 (3 = e4m3fn, 4 = e5m2, 5 = e4m3fnuz,
+// 6 = e5m2fnuz).
 template <typename T>
 hipError_t dispatch_cache(int dtype, int cache_dtype, int wave, int head_size, const PagedAttentionParams& p,
                           bool pf, hipStream_t s) {
@@ -149,6 +153,8 @@ hipError_t dispatch_cache(int dtype, int cache_dtype, int wave, int head_size, c
   if (!p.k_scale || !p.v_scale) return hipErrorInvalidValue;
   if (cache_dtype == kCacheE4M3) return kvmulti::launch::dispatch_wave<T, kvmulti::Fp8E4M3>(wave, head_size, p, pf, s);
   if (cache_dtype == kCacheE5M2) return kvmulti::launch::dispatch_wave<T, kvmulti::Fp8E5M2>(wave, head_size, p, pf, s);
+  if (cache_dtype == kCacheE4M3Fnuz) return kvmulti::launch::dispatch_wave<T, kvmulti::Fp8E4M3Fnuz>(wave, head_size, p, pf, s);
+  if (cache_dtype == kCacheE5M2Fnuz) return kvmulti::launch::dispatch_wave<T, kvmulti::Fp8E5M2Fnuz>(wave, head_size, p, pf, s);
   return hipErrorInvalidValue;
 }
 
@@ -161,6 +167,10 @@ hipError_t launch_write(int dtype, int cache_dtype, const WriteKVParams& p, hipS
     hipLaunchKernelGGL((kvmulti::write_kv_kernel<T, kvmulti::Fp8E4M3>), grid, block, 0, s, p);
   } else if (p.k_scale && p.v_scale && cache_dtype == kCacheE5M2) {
     hipLaunchKernelGGL((kvmulti::write_kv_kernel<T, kvmulti::Fp8E5M2>), grid, block, 0, s, p);
+  } else if (p.k_scale && p.v_scale && cache_dtype == kCacheE4M3Fnuz) {
+    hipLaunchKernelGGL((kvmulti::write_kv_kernel<T, kvmulti::Fp8E4M3Fnuz>), grid, block, 0, s, p);
+  } else if (p.k_scale && p.v_scale && cache_dtype == kCacheE5M2Fnuz) {
+    hipLaunchKernelGGL((kvmulti::write_kv_kernel<T, kvmulti::Fp8E5M2Fnuz>), grid, block, 0, s, p);
   } else {
     return hipErrorInvalidValue;
   }
@@ -171,8 +181,8 @@ hipError_t launch_write(int dtype, int cache_dtype, const WriteKVParams& p, hipS
 
 extern "C" {
 
-// Bumped whenever an entry point's signature changes (checked by the Python side).
-__attribute__((visibility("default"))) int kvmulti_hip_abi_version() { return 6; }
+// Bumped whenever an entry point's signature or the codes it accepts change (checked by the Python side).
+__attribute__((visibility("default"))) int kvmulti_hip_abi_version() { return 7; }
 
 // Head sizes with compiled instantiations (K and V head sizes must be equal for attention).
 __attribute__((visibility("default"))) int kvmulti_hip_head_sizes(int* out, int cap) {

@@ -151,19 +151,21 @@ static inline elem_t from_f(float x) {
 #endif
 
 // Cache element type: the activations' (KVM_CACHE unset or == KVM_DTYPE) or fp8 codes
-// (kvmulti/fp8.py; KVM_CACHE 3 = float8_e4m3fn, 4 = float8_e5m2). An fp8 cache is read as
-// float(code) * scale[KV head] and written as fp8(x / scale[KV head]) (IEEE fp32 division,
-// saturating, round to nearest even in integers, NaN kept), bit-identical to kvmulti.fp8.quantize.
+// (kvmulti/fp8.py; KVM_CACHE 3 = float8_e4m3fn, 4 = float8_e5m2, 5 = float8_e4m3fnuz, 6 = float8_e5m2fnuz:
+// gfx942's FNUZ formats, exponent bias one higher, no infinity, no negative zero, NaN 0x80 alone). An fp8
+// cache is read as float(code) * scale[KV head] and written as fp8(x / scale[KV head]) (IEEE fp32 division,
+// saturating, round to nearest even in integers, NaN kept, an FNUZ zero +0), bit-identical to
+// kvmulti.fp8.quantize.
 #if !defined(KVM_CACHE) || KVM_CACHE == KVM_DTYPE
 using cache_t = elem_t;
 constexpr bool FP8 = false;
 static inline float cache_to_f(cache_t x) { return to_f(x); }
 static inline cache_t cache_from(elem_t x, float) { return x; }
-#elif KVM_CACHE == 3 || KVM_CACHE == 4
+#elif KVM_CACHE >= 3 && KVM_CACHE <= 6
 using cache_t = uint8_t;
-constexpr bool FP8 = true;
-constexpr int FP8_MANT = KVM_CACHE == 3 ? 3 : 2, FP8_BIAS = KVM_CACHE == 3 ? 7 : 15;
-constexpr uint32_t FP8_MAX_BITS = KVM_CACHE == 3 ? 0x43E00000u : 0x47600000u;  // 448, 57344
+constexpr bool FP8 = true, FNUZ = KVM_CACHE >= 5;
+constexpr int FP8_MANT = KVM_CACHE % 2 == 1 ? 3 : 2, FP8_BIAS = (KVM_CACHE % 2 == 1 ? 7 : 15) + (FNUZ ? 1 : 0);
+constexpr uint32_t FP8_MAX_BITS = KVM_CACHE == 3 ? 0x43E00000u : KVM_CACHE == 5 ? 0x43700000u : 0x47600000u;  // 448, 240, 57344
 // An e4m3 code's value as bf16 bits, exactly and without branches: the exponent field moves from bias
 // 7 to 127 in integer operations; a subnormal code (exponent field 0: m x 2^-9) is (1 + m / 8) x 2^-6
 // minus 2^-6, an exact fp32 subtraction; 0x7F / 0xFF (NaN) become the canonical quiet NaN.
@@ -179,7 +181,9 @@ static inline float cache_to_f(cache_t code) {
   const uint32_t sign = static_cast<uint32_t>(code & 0x80u) << 24;
   const uint32_t e = (code & 0x7Fu) >> FP8_MANT, m = code & ((1u << FP8_MANT) - 1u);
   float mag;
-  if (KVM_CACHE == 3 && (code & 0x7Fu) == 0x7Fu) {
+  if (FNUZ && code == 0x80u) {
+    return std::numeric_limits<float>::quiet_NaN();
+  } else if (KVM_CACHE == 3 && (code & 0x7Fu) == 0x7Fu) {
     mag = std::numeric_limits<float>::quiet_NaN();
   } else if (KVM_CACHE == 4 && e == 31u) {
     mag = m ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
@@ -195,7 +199,7 @@ static inline cache_t cache_from(elem_t x, float scale) {
   const uint32_t bits = sycl::bit_cast<uint32_t>(to_f(x) / scale);
   const uint32_t sign = (bits >> 24) & 0x80u;
   uint32_t mag = bits & 0x7FFFFFFFu;
-  if (mag > 0x7F800000u) return static_cast<cache_t>(0x7Fu | sign);
+  if (mag > 0x7F800000u) return static_cast<cache_t>(FNUZ ? 0x80u : 0x7Fu | sign);
   if (mag > FP8_MAX_BITS) mag = FP8_MAX_BITS;
   const int exponent = static_cast<int>(mag >> 23);
   uint32_t code;
@@ -208,10 +212,11 @@ static inline cache_t cache_from(elem_t x, float scale) {
     const uint32_t sig = (mag & 0x7FFFFFu) | 0x800000u;
     code = (sig + (1u << (shift - 1)) - 1u + ((sig >> shift) & 1u)) >> shift;
   }
+  if (FNUZ && code == 0u) return 0u;
   return static_cast<cache_t>(code | sign);
 }
 #else
-#error "KVM_CACHE must be KVM_DTYPE, 3 or 4"
+#error "KVM_CACHE must be KVM_DTYPE or 3 .. 6"
 #endif
 
 // A K/V element as fp32: float(code) * scale for an fp8 cache (the oracle's order), else the value.

@@ -45,7 +45,8 @@ def harness():
 def test_declared_capabilities():
     b = hip.HipBackend()
     assert b.head_sizes == (64, 80, 96, 128, 256) and b.min_block_size == 1
-    assert set(b.dtypes) == {torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
+    assert set(b.dtypes) == {torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+                             torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
     for hs in b.head_sizes:
         for bs in (1, 3, 16, 32, 128):
             assert not b.capability_reasons(_config(head_size=hs, head_size_v=hs, block_size=bs))
@@ -207,7 +208,8 @@ def test_the_harness_build_has_one_unit_per_attention_pair():
     found = re.findall(r"X\((\d+), (\w+), ([\w:]+)\)", pairs)
     assert [int(i) for i, _, _ in found] == list(range(hip.build.ATTENTION_UNITS))
     assert {(q, c) for _, q, c in found} == {(q, c) for q in ("float", "__half", "hip_bfloat16")
-                                             for c in (q, "kvmulti::Fp8E4M3", "kvmulti::Fp8E5M2")}
+                                             for c in (q, "kvmulti::Fp8E4M3", "kvmulti::Fp8E5M2",
+                                                       "kvmulti::Fp8E4M3Fnuz", "kvmulti::Fp8E5M2Fnuz")}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

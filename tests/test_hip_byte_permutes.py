@@ -5,7 +5,7 @@ The harness compiles the portable branch of each ``#if`` (its own preprocessor m
 ``__builtin_amdgcn_perm`` selector would pass every harness suite. Here hipcc compiles, for gfx940, one
 kernel per case that applies the real device function to constants; LLVM folds the call (byte permutes,
 fp16 -> fp32 widening) into the one constant the kernel stores, which must equal this file's model of the
-portable formula (for the fp8 widening: torch's decoding of the codes)."""
+portable formula (for the fp8 widenings, OCP and FNUZ: torch's decoding of the codes)."""
 
 from __future__ import annotations
 
@@ -38,22 +38,35 @@ def _f16x2_to_bf16x2(h: int) -> int:
     return (_f32_bits_of_f16(h & 0xFFFF) >> 16) | (_f32_bits_of_f16(h >> 16) & 0xFFFF0000)
 
 
-def _e4m3_value(code: int) -> float:
-    return torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
+# codes for the FNUZ widenings besides: e5m2fnuz's exponent 1 / 2 edge and its finite exponent 31
+FNUZ_CODES = E4M3_CODES + (0x04, 0x06, 0x7C, 0x7D, 0xFC)
 
 
-def _widened_ok(got: int, pair: int) -> bool:
-    """Each half of widen_pair_scaled<Fp8E4M3, hip_bfloat16>(pair) is the bf16 of its code's value / 2^8
-    (widen_pair_unit), exactly; a NaN code any bf16 NaN with the code's sign."""
+def _value(code: int, dtype: torch.dtype) -> float:
+    return torch.tensor([code], dtype=torch.uint8).view(dtype).float().item()
+
+
+def _widened_ok(got: int, pair: int, dtype: torch.dtype = torch.float8_e4m3fn, unit: float = 256.0,
+                out: str = "bf16") -> bool:
+    """Each half of a widened pair (e.g. widen_pair_scaled<Fp8E4M3, hip_bfloat16>(pair)) is the bf16 / fp16
+    bits of its code's value / ``unit`` (widen_pair_unit), exactly; a NaN code any NaN of that type with the
+    code's sign."""
+    exp_mask, man_mask = (0x7F80, 0x7F) if out == "bf16" else (0x7C00, 0x3FF)
     for shift in (0, 16):
         half, code = (got >> shift) & 0xFFFF, (pair >> (8 + shift)) & 0xFF
-        value = _e4m3_value(code) / 256.0
+        value = _value(code, dtype) / unit
         if value != value:
-            if (half & 0x7F80) != 0x7F80 or not half & 0x7F or half >> 15 != code >> 7:
+            if (half & exp_mask) != exp_mask or not half & man_mask or half >> 15 != code >> 7:
                 return False
-        elif half != struct.unpack("<I", struct.pack("<f", value))[0] >> 16:
+        elif out == "bf16" and half != struct.unpack("<I", struct.pack("<f", value))[0] >> 16:
+            return False
+        elif out == "fp16" and half != struct.unpack("<H", struct.pack("<e", value))[0]:
             return False
     return True
+
+
+def _pairs(codes: tuple[int, ...]) -> list[int]:
+    return [a << 8 | codes[(i + 5) % len(codes)] << 24 for i, a in enumerate(codes)]
 
 
 def _cases() -> list[tuple[str, object]]:
@@ -63,10 +76,17 @@ def _cases() -> list[tuple[str, object]]:
     for lo in HALVES:
         for hi in HALVES[::2]:
             cases.append((f"kvmulti::f16x2_to_bf16x2({hi << 16 | lo:#x}u)", _f16x2_to_bf16x2(hi << 16 | lo)))
-    for i, a in enumerate(E4M3_CODES):
-        pair = a << 8 | E4M3_CODES[(i + 5) % len(E4M3_CODES)] << 24
+    for pair in _pairs(E4M3_CODES):
         cases.append((f"kvmulti::widen_pair_scaled<kvmulti::Fp8E4M3, hip_bfloat16>({pair:#x}u)",
                       lambda got, pair=pair: _widened_ok(got, pair)))
+    fnuz = [("widen_pair<kvmulti::Fp8E4M3Fnuz, __half>", torch.float8_e4m3fnuz, 1.0, "fp16"),
+            ("widen_pair_scaled<kvmulti::Fp8E4M3Fnuz, hip_bfloat16>", torch.float8_e4m3fnuz, 128.0, "bf16"),
+            ("widen_pair<kvmulti::Fp8E5M2Fnuz, __half>", torch.float8_e5m2fnuz, 1.0, "fp16"),
+            ("widen_pair<kvmulti::Fp8E5M2Fnuz, hip_bfloat16>", torch.float8_e5m2fnuz, 1.0, "bf16")]
+    for func, dtype, unit, out in fnuz:
+        for pair in _pairs(FNUZ_CODES):
+            cases.append((f"kvmulti::{func}({pair:#x}u)",
+                          lambda got, pair=pair, d=dtype, u=unit, o=out: _widened_ok(got, pair, d, u, o)))
     return cases
 
 
@@ -100,6 +120,9 @@ def _folded_constants(tmp_path, exprs: list[str]) -> list[int | None]:
                 m = re.match(rf"\s*v_mov_b32_e32 {reg}, (\S+)$", ln)
                 if m:
                     value = _operand(m.group(1))
+                m = re.match(rf"\s*v_bfrev_b32_e32 {reg}, (\S+)$", ln)    # a constant materialised reversed
+                if m:
+                    value = int(f"{_operand(m.group(1)):032b}"[::-1], 2)
         out.append(value)
     return out
 

@@ -25,7 +25,7 @@ import torch
 from ... import settings
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata, max_visible_span
-from ..base import ALL_DTYPES, OCP_FP8_DTYPES, AttentionConfig, Backend, StepMetadata
+from ..base import ALL_DTYPES, FP8_DTYPES, AttentionConfig, Backend, StepMetadata
 from . import build
 from .library import CACHE_DTYPE_CODES, DTYPE_CODES, check, load_cpu_library, load_rocm_library
 
@@ -48,7 +48,7 @@ class HipPlan:
 class HipBackend(Backend):
     name = "HIP"
     platforms = ("rocm",)
-    dtypes = ALL_DTYPES + OCP_FP8_DTYPES     # fp8 caches: the FMA engine, hip/kvmulti_common.h's fp8 codecs
+    dtypes = ALL_DTYPES + FP8_DTYPES    # fp8 caches, OCP and FNUZ: hip/kvmulti_common.h's fp8 codecs
     head_sizes = HEAD_SIZES
     supports_sinks = True        # joined where a row is normalised, or by the split-KV reduce kernel
     supports_alibi = True        # added where scores are formed (both engines, both kernels)

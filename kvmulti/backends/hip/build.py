@@ -69,7 +69,7 @@ def _harness_flags(extra_flags: tuple[str, ...]) -> tuple[str, ...]:
 
 #: launcher.hip's KVM_ATTENTION_PAIRS ((query, cache) pairs): the CPU harness library of the kernels is
 #: built from one translation unit per pair plus the C ABI's, compiled in parallel
-ATTENTION_UNITS = 9
+ATTENTION_UNITS = 15
 
 
 def harness_library_path(main: Path, deps: list[Path], libname: str, extra_flags: tuple[str, ...] = (),

@@ -10,10 +10,12 @@ import torch
 
 from .build import HipBuildError, build_cpu_library, build_rocm_library, prebuilt_rocm_library
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-#: cache_dtype codes: a query-dtype cache as DTYPE_CODES, fp8 caches 3 (e4m3fn) and 4 (e5m2)
-CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+#: cache_dtype codes: a query-dtype cache as DTYPE_CODES, fp8 caches 3 (e4m3fn), 4 (e5m2), 5 (e4m3fnuz)
+#: and 6 (e5m2fnuz)
+CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4, torch.float8_e4m3fnuz: 5,
+                     torch.float8_e5m2fnuz: 6}
 
 _I, _LL, _F, _P = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
 

@@ -34,7 +34,7 @@ import torch
 from ... import settings
 from ...layout import KVCacheLayout
 from ...metadata import CommonAttentionMetadata, first_visible_position
-from ..base import ALL_DTYPES, OCP_FP8_DTYPES, Backend, StepMetadata
+from ..base import ALL_DTYPES, FP8_DTYPES, Backend, StepMetadata
 from .runtime import (ARG_F32, ARG_I32, ARG_I64, ARG_LOCAL_F32, ARG_PTR, K_ATTN,
                       K_ATTN_TERMS, K_PREFILL, K_PREFILL_TERMS, K_REDUCE, K_WRITE, KERNEL_NAMES, PLAIN_KERNEL_NAMES,
                       Session, SyclError, default_session, find_runtime,
@@ -131,7 +131,7 @@ class SyclBackend(Backend):
 
     name = "SYCL"
     platforms = ("xpu",)
-    dtypes = ALL_DTYPES + OCP_FP8_DTYPES    # fp8 caches: kernels.cpp built with KVM_CACHE
+    dtypes = ALL_DTYPES + FP8_DTYPES    # fp8 caches, OCP and FNUZ: kernels.cpp built with KVM_CACHE
     supports_sinks = True         # joined where a row is normalised (kernels.cpp: merge / kvm_split_reduce)
     supports_alibi = True         # added where scores are formed, after scale and softcap
     supports_non_causal = True    # every row sees its request's seq_len keys (encoder-only attention)

@@ -55,7 +55,8 @@ def choose_wg(head_size_v: int, local_mem: int, matrix: bool) -> int:
 
 
 #: KVM_CACHE codes of the fp8 cache formats (kernels.cpp; kvmulti/fp8.py)
-FP8_CACHE_CODES = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+FP8_CACHE_CODES = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4, torch.float8_e4m3fnuz: 5,
+                   torch.float8_e5m2fnuz: 6}
 
 
 def vector_bytes(dtype: torch.dtype, head_size: int, head_size_v: int, cache_dtype: torch.dtype | None = None) -> int:
