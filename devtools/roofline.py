@@ -14,7 +14,7 @@ An ESTIMATE from compiler output and published figures, never a measurement. Inp
   program, the DRAM bytes the launch moves, a second launch's bytes (the split-KV reduce), and the
   useful bytes / flops of the case the launch serves.
 
-:func:`estimate` computes four bounds separately, each a lower bound on the launch's time from one
+:func:`estimate` computes six bounds separately, each a lower bound on the launch's time from one
 resource (seconds; a second launch, when there is one, runs after the first and adds its own
 time, ``second_launch_s``, to every bound):
 
@@ -43,8 +43,17 @@ time, ``second_launch_s``, to every bound):
     stream, its own Little's-law round trip + the serial part of the stream)), plus the exiting
     programs' slot time spread over all slots.
 
+``shared``
+    The busiest unit's shared-memory (LDS) wavefronts: ``ceil(programs / units)`` programs x their
+    iterations x ``shared_wavefronts`` (per program and iteration, counted from the access pattern by
+    :func:`shared_wavefronts`) at the target's ``shared_wavefronts_per_cycle``. 0 when the adapter
+    gives no wavefronts.
+``l2``
+    Bytes the launch reads from the last-level cache beyond its DRAM bytes (``l2_bytes``: e.g. K/V
+    tiles that every block of rows fetches again) / the target's ``l2_bandwidth``. 0 when either is 0.
+
 The estimate is the slowest bound; :attr:`Estimate.bound` names it (ties go to the first of
-memory, issue, latency, grid). Decode is judged against the memory floor (useful bytes at the
+memory, issue, latency, grid, shared, l2). Decode is judged against the memory floor (useful bytes at the
 cited efficiency: ``fraction`` = floor / estimate can reach 1 only when the kernel moves no byte
 more than the useful ones, so no figure above what the cited efficiency allows is ever reported);
 prefill against the dense matrix peak (useful causal flops / matrix peak).
@@ -53,10 +62,10 @@ prefill against the dense matrix peak (useful causal flops / matrix peak).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-BOUNDS = ("memory", "issue", "latency", "grid")
+BOUNDS = ("memory", "issue", "latency", "grid", "shared", "l2")
 CASES = ("decode", "prefill")
 
 
@@ -76,7 +85,11 @@ class Target:
     ``launch_gap_s``: the idle time between two dependent launches on one stream (assumption).
     ``matrix_issue_port``: the pipe through which matrix instructions issue, holding it for that
     pipe's cycles per instruction (CDNA: MFMA issues through the VALU port); None: only the dispatch
-    slot."""
+    slot. ``shared_banks`` x ``shared_bank_bytes``: the shared memory / LDS banks one wavefront (one
+    pass) serves; ``shared_wavefronts_per_cycle``: wavefronts one unit's shared memory serves per cycle.
+    ``l2_bandwidth``: last-level-cache read bandwidth (bytes/s; 0: no l2 bound), ``l2_source`` its
+    source. ``measured``: the device has run kvmulti's kernels (docs/data/device_check.json), so its
+    estimates carry a calibration error."""
     name: str
     arch: str
     vendor: str
@@ -97,6 +110,12 @@ class Target:
     launch_gap_s: float = 2e-6
     matrix_issue_port: str | None = None
     sources: str = ""
+    shared_banks: int = 32
+    shared_bank_bytes: int = 4
+    shared_wavefronts_per_cycle: float = 1.0
+    l2_bandwidth: float = 0.0
+    l2_source: str = ""
+    measured: bool = False
 
     @property
     def bandwidth(self) -> float:
@@ -160,6 +179,9 @@ class KernelLaunch:
     exiting_programs: int = 0
     exit_s: float = 0.0
     notes: str = ""
+    shared_wavefronts: float = 0.0
+    l2_bytes: float = 0.0
+    stream_cycles: float | None = None
 
 
 @dataclass(frozen=True)
@@ -259,14 +281,15 @@ def _check(launch: KernelLaunch, target: Target) -> None:
 
 def wave_stream(loop: LoopMix, launch: KernelLaunch, target: Target) -> float:
     """Seconds one wave needs for one iteration on its own: its non-matrix instructions at one per
-    ``wave_issue_interval`` cycles, plus its share of the iteration's matrix work at one port's
+    ``wave_issue_interval`` cycles (or the launch's ``stream_cycles``, read from the assembly), plus its share of the iteration's matrix work at one port's
     matrix rate (a wave waits for its own matrix results: the softmax needs QK^T, P.V needs P)."""
     clock = target.clock_hz
     plain = sum(n for c, n in loop.instructions.items() if c not in target.matrix_rate)
     port_rate = target.matrix_peak / (target.units * target.ports_per_unit)
     matrix = sum(f / launch.waves_per_program / (port_rate * target.matrix_rate[c])
                  for c, f in loop.matrix_flops.items())
-    return plain * target.wave_issue_interval / clock + matrix
+    cycles = launch.stream_cycles if launch.stream_cycles is not None else plain * target.wave_issue_interval
+    return cycles / clock + matrix
 
 
 def issue_pipes(launch: KernelLaunch, target: Target) -> dict[str, float]:
@@ -292,6 +315,39 @@ def issue_pipes(launch: KernelLaunch, target: Target) -> dict[str, float]:
     pipes["dispatch"] = per_port * total / target.dispatch_per_cycle / clock
     pipes["wave_stream"] = launch.programs * launch.iterations * wave_stream(loop, launch, target) / resident
     return pipes
+
+
+def shared_wavefronts(addresses: list[int | None], width: int, banks: int = 32, bank_bytes: int = 4) -> int:
+    """Wavefronts (passes through the banks) one shared-memory / LDS instruction needs, from the byte
+    address each lane accesses (None: the lane is inactive) and the access width in bytes.
+
+    A pass serves one ``bank_bytes`` word per bank; lanes that read the same word share it (a
+    broadcast). Accesses wider than a bank word are split into phases of ``banks x bank_bytes /
+    width`` consecutive lanes (NVIDIA: half-warps for 8-byte, quarter-warps for 16-byte accesses),
+    each phase needing as many passes as the most distinct words any one bank holds for it. Sub-word
+    accesses (1 or 2 bytes) touch the word that holds them."""
+    if width <= 0 or banks <= 0 or bank_bytes <= 0:
+        raise ValueError("width, banks and bank_bytes must be positive")
+    per_phase = max(1, banks * bank_bytes // max(width, bank_bytes))
+    total = 0
+    for start in range(0, len(addresses), per_phase):
+        words: dict[int, set[int]] = {}
+        for address in addresses[start:start + per_phase]:
+            if address is None:
+                continue
+            first, last = address // bank_bytes, (address + width - 1) // bank_bytes
+            for word in range(first, last + 1):
+                words.setdefault(word % banks, set()).add(word)
+        total += max((len(w) for w in words.values()), default=0)
+    return total
+
+
+def shared_seconds(launch: KernelLaunch, target: Target) -> float:
+    """The shared bound (seconds): the busiest unit's programs' wavefronts at the unit's rate."""
+    if not launch.shared_wavefronts:
+        return 0.0
+    per_unit = math.ceil(launch.programs / target.units) * launch.iterations * launch.shared_wavefronts
+    return per_unit / (target.shared_wavefronts_per_cycle * target.clock_hz)
 
 
 def estimate(launch: KernelLaunch, target: Target) -> Estimate:
@@ -320,6 +376,8 @@ def estimate(launch: KernelLaunch, target: Target) -> Estimate:
         "issue": max(pipes.values()) + second,
         "latency": latency + second,
         "grid": math.ceil(launch.programs / slots) * launch.iterations * per_iteration + exits / slots + second,
+        "shared": shared_seconds(launch, target) + second,
+        "l2": (launch.l2_bytes / target.l2_bandwidth if launch.l2_bytes and target.l2_bandwidth else 0.0) + second,
     }
     time_s = max(bounds.values())
     bound = next(b for b in BOUNDS if bounds[b] >= time_s * (1 - 1e-9))
@@ -438,3 +496,35 @@ TARGETS: dict[str, Target] = {t.arch: t for t in (
                 "instruction takes 2 cycles); matrix peak derived from 128 bf16 XMX flops per XVE per cycle "
                 "(an assumption: 137.6 TFLOP/s)"),
 )}
+
+
+# ------------------------------------------------------------------------------------ measured devices
+#: device_check.json's ceilings on the H200 (docs/performance.md, "Measured on a GPU"): a 1024 MiB
+#: device-to-device copy at 4244 GB/s counting read + write bytes, a dense bf16 8192^3 matmul at 702 TFLOP/s
+H200_COPY_BYTES_PER_S = 4244e9
+H200_MATMUL_FLOPS = 702e12
+
+H200 = replace(   # the H100 SXM's GH100 (SMs, clock, pipes, latencies) with the H200's memory and ceilings
+    TARGETS["sm_90"], name="H200",
+    peak_bandwidth=4.8e12, dram_efficiency=H200_COPY_BYTES_PER_S / 4.8e12,
+    dram_efficiency_source="measured: device-to-device copy 4244 GB/s (read + write bytes of 1024 MiB) on the "
+                           "H200 of docs/data/device_check.json = 0.884 of the 4.8 TB/s peak",
+    latency_source="assumption: loaded HBM3e latency as the H100's (650 ns); a hit in the 50 MB L2: 300 ns, "
+                   "also an assumption",
+    matrix_rate={"wgmma": H200_MATMUL_FLOPS / 989.4e12, "mma": 0.6},
+    shared_banks=32, shared_bank_bytes=4, shared_wavefronts_per_cycle=1.0,
+    l2_bandwidth=5.5e12,
+    l2_source="assumption: 5.5 TB/s, of the order of published H100 L2 bandwidth microbenchmarks (Chips and "
+              "Cheese, 'Nvidia's H100: Funny L2, and Tons of Bandwidth', 2023, measured on an H100 PCIe); "
+              "not measured on the H200",
+    measured=True,
+    sources="NVIDIA H200 datasheet: 132 SMs (GH100, as H100 SXM), 4.8 TB/s HBM3e, 989 TFLOP/s dense bf16 "
+            "(1,979 with sparsity); clock 1.83 GHz = the clock that bf16 figure implies (132 SMs x 4096 flops "
+            "per SM and cycle), an assumption for every kernel; wgmma at 0.71 of the spec = the measured 702 "
+            "TFLOP/s matmul of the same run; mma.sync at 0.6: an assumption (as H100); shared memory: 32 banks "
+            "of 4 bytes, one wavefront per SM and cycle (CUDA C++ Programming Guide, compute capability 9.0)",
+)
+
+#: devices that have measured kvmulti's kernels, by name: the model's rows for them carry a calibration
+#: error against the measurement (devtools/roofline_calibration.py)
+MEASURED_TARGETS: dict[str, Target] = {"h200": H200}

@@ -14,8 +14,9 @@ the step's longest query reaches 64 tokens): a 4-wave work-group computes 64 row
 request), and one hot-loop iteration is one key tile (64 keys; 32 at head 256) that the group loads once
 into LDS and each of the 4 waves multiplies with its 16 rows.
 
-Only kernels on the MFMA engine are modelled (an fp16 / bf16 query, wave64, gfx90a / gfx942): the FMA
-engine's hot loop, as the analysis picks it, is its staging loop alone, not a whole tile. MI300X's rows
+Here only kernels on the MFMA engine are modelled (an fp16 / bf16 query, wave64, gfx90a / gfx942): the
+FMA engine's hot loop, as the AMD analysis picks it, is its staging loop alone, not a whole tile. The FMA
+engine on NVIDIA (nvcc's sm_90 build, wave 32) is ``devtools/roofline_hip_fma.py``. MI300X's rows
 come from clang-19's gfx942 assembly.
 """
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from devtools.roofline import DECODE, PREFILL, Case, KernelLaunch, LoopMix, TARGETS
+from devtools.roofline import DECODE, PREFILL, Case, KernelLaunch, LoopMix, Target, TARGETS
 
 KERNEL = "unified_attention"
 #: a program that finds no q-block returns after reading the request bounds: one cache round trip
@@ -44,9 +44,12 @@ def pick_rows(rows: list[dict], case: Case) -> list[dict]:
     return out
 
 
-def launch(row: dict, case: Case) -> KernelLaunch:
-    """The attention launch of ``case`` on ``row``'s target, from the row's figures."""
-    target = TARGETS[row["target"]]
+def launch(row: dict, case: Case, target: Target | None = None) -> KernelLaunch:
+    """The attention launch of ``case`` on ``row``'s target (or ``target``, a device of the same compile
+    target, e.g. :data:`devtools.roofline.H200`), from the row's figures. A row with ``stream_cycles``
+    (one warp's trip through the hot loop from the SASS control codes, devtools/roofline_sass.py) gives
+    the wave's own stream from it."""
+    target = target or TARGETS[row["target"]]
     block_m, block_q, tile_n = _c(row, "BLOCK_M"), _c(row, "BLOCK_Q"), _c(row, "TILE_N")
     hp, hpv = _c(row, "HEAD_PAD"), _c(row, "HEAD_PAD_V")
     split = _c(row, "SPLIT")
@@ -75,7 +78,8 @@ def launch(row: dict, case: Case) -> KernelLaunch:
     partials = case.tokens * case.q_heads * parts * (hpv + 2) * 4 if split else 0
     kv = case.kv_bytes()
     return KernelLaunch(
-        kernel=f"triton {KERNEL}", target=target.arch, case=case.name, programs=programs,
+        kernel=f"triton {KERNEL}", target=target.arch, case="decode" if case.query_len == 1 else "prefill",
+        programs=programs,
         waves_per_program=row["num_warps"], iterations=sum(trips) / len(trips),
         loop=LoopMix(mix, tile_bytes, {matrix: 4 * block_m * tile_n * hp} if mix.get(matrix) else {}),
         resident_per_unit=max(1, row["occupancy"]), bytes_in_flight=max(1.0, in_flight) * tile_bytes,
@@ -83,6 +87,7 @@ def launch(row: dict, case: Case) -> KernelLaunch:
         second_launch_bytes=(partials + case.q_bytes) if split else 0.0, serial_share=serial,
         dram_share=min(1.0, kv / (programs * sum(trips) / len(trips) * tile_bytes)),
         exiting_programs=exiting, exit_s=EXIT_ROUND_TRIPS * target.cache_latency_s,
+        stream_cycles=row.get("stream_cycles"),
         notes=(f"{row['spec']}: tile {block_m}x{tile_n}, {row['num_warps']} warps, {row['num_stages']} stages, "
                f"{parts} partition(s), {in_flight:g} K/V tiles in flight at the dot"))
 
