@@ -22,7 +22,7 @@ AMD (HIP_PLATFORM=amd, Debian packages ``hipcc libamdhip64-dev rocm-device-libs`
      (its widening of e4m3 codes relies on them), a hot loop with a global load narrower than 16 bytes
      or fewer than 4 x 16 bytes in flight per lane, an occupancy below 2 waves/SIMD, and a prefill kernel
      (fp16 / bf16 / fp32 query, gfx90a / gfx940) whose hot loop issues fewer MFMA than VALU cycles over a
-     cache of its type (fp32: v_mfma_f32_16x16x4f32 cycles), or more than MAX_FP8_PREFILL_VALU_PER_MFMA VALU cycles per MFMA cycle over an fp8 cache, and a
+     cache of its type (fp32: v_mfma_f32_16x16x4f32 cycles), or more than MAX_FP8_PREFILL_VALU_PER_MFMA (FNUZ: MAX_FNUZ_PREFILL_VALU_PER_MFMA) VALU cycles per MFMA cycle over an fp8 cache, and a
      decode kernel (fp16 / bf16 query, gfx90a / gfx940) whose hot loop shuffles more than the softmax's
      DECODE_SOFTMAX_SHUFFLES values with ds_bpermute (its block ids are scalars). The rows also carry the
      loads the hot loop keeps in flight at its head (``head_in_flight``); ``decode_pipeline_problems``
@@ -199,6 +199,9 @@ MIN_BYTES_IN_FLIGHT_PER_LANE = 4 * 16
 #: many VALU issue cycles per MFMA issue cycle (in-loop widening, per wave and fragment, issues about 6.4 on
 #: gfx940)
 MAX_FP8_PREFILL_VALU_PER_MFMA = 2.5
+#: the same for the FNUZ formats, whose once-per-tile widening costs more VALU (about 2.1-2.8 VALU per MFMA
+#: cycle on gfx940 / gfx942): each pair also maps 0x80 to NaN, and e5m2fnuz halves e5m2's fp16 bits
+MAX_FNUZ_PREFILL_VALU_PER_MFMA = 3.0
 
 
 def parse_resource_usage(log: str) -> dict[str, dict[str, int]]:
@@ -720,8 +723,9 @@ def row_problems(row: dict) -> list[str]:
         if (row["kind"] == "prefill" and row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16", "fp32")
                 and row.get("cache")):
             cyc = issue_cycles(row)
-            if cyc["valu"] > MAX_FP8_PREFILL_VALU_PER_MFMA * cyc["mfma"]:
-                problems.append(f"{k}: hot loop issues {cyc['valu']} VALU cycles > {MAX_FP8_PREFILL_VALU_PER_MFMA} x "
+            limit = MAX_FNUZ_PREFILL_VALU_PER_MFMA if row["cache"].endswith("fnuz") else MAX_FP8_PREFILL_VALU_PER_MFMA
+            if cyc["valu"] > limit * cyc["mfma"]:
+                problems.append(f"{k}: hot loop issues {cyc['valu']} VALU cycles > {limit} x "
                                 f"{cyc['mfma']} MFMA cycles per wave (fp8 codes not widened once per tile?)")
         if _mfma_decode(row) and row.get("hot_loop_ds_bpermute", 0) > DECODE_SOFTMAX_SHUFFLES:
             problems.append(f"{k}: decode hot loop issues {row['hot_loop_ds_bpermute']} ds_bpermute (> the softmax's "

@@ -445,20 +445,52 @@ __device__ __forceinline__ uint32_t e4m3_pair_magnitudes(uint32_t pair) {
   return mag | ((mag + 0x00800080u) & 0x40004000u);
 }
 
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+// AMD devices: the FNUZ widenings below in packed 16-bit integer ops (v_pk_max_u16, v_pk_sub_u16, ...),
+// one per pair where the portable 32-bit forms need three to five.
+typedef unsigned short kvm_u16x2 __attribute__((ext_vector_type(2)));
+__device__ __forceinline__ kvm_u16x2 as_u16x2(uint32_t w) {
+  kvm_u16x2 v;
+  __builtin_memcpy(&v, &w, 4);
+  return v;
+}
+__device__ __forceinline__ uint32_t as_u32(kvm_u16x2 v) {
+  uint32_t w;
+  __builtin_memcpy(&w, &v, 4);
+  return w;
+}
+#define KVM_PACKED_U16 1
+#endif
+
 // The magnitudes of a pair of e5m2fnuz codes as fp16 values, signs clear: half of e5m2's fp16 bits
 // (exact: exponent - 1 for codes of exponent >= 2, a 1-bit shift into fp16's subnormals below; exponent
-// 31, e5m2's inf / NaN, becomes 30: e5m2fnuz's finite 2^15 .. 57344).
+// 31, e5m2's inf / NaN, becomes 30: e5m2fnuz's finite 2^15 .. 57344). The larger of max(mag, 0x400) -
+// 0x400 and mag >> 1 is the right one of the two: they are equal at mag = 0x800.
 __device__ __forceinline__ uint32_t e5m2fnuz_pair_magnitudes(uint32_t pair) {
+#if defined(KVM_PACKED_U16)
+  const kvm_u16x2 mag = as_u16x2(pair & 0x7F007F00u), k = 0x400;
+  const kvm_u16x2 dec = (mag > k ? mag : k) - k, half = mag >> 1;
+  return as_u32(dec > half ? dec : half);
+#else
   const uint32_t mag = pair & 0x7F007F00u;
   const uint32_t high = (((mag + 0x78007800u) & 0x80008000u) >> 15) * 0xFFFFu;  // halves with mag >= 0x0800
   return ((mag - (high & 0x04000400u)) & high) | ((mag >> 1) & ~high);
+#endif
 }
 
-// Bit 0 / bit 16 set where the pair's low / high code is 0x80 (an FNUZ format's NaN; -0 in OCP).
+// NAN_BITS (a 16-bit pattern) in each half of the pair whose code is 0x80 (an FNUZ format's NaN; -0 in OCP),
+// 0 elsewhere; the pair's low bytes are 0.
+template <uint32_t NAN_BITS>
 __device__ __forceinline__ uint32_t fnuz_nan_halves(uint32_t pair) {
-  const uint32_t x = (pair & 0xFF00FF00u) ^ 0x80008000u;                            // 0 in a NaN half
+#if defined(KVM_PACKED_U16)
+  // x - 1 has bit 15 set for x = 0 alone among the sign-set codes' x (0x0000 .. 0x7F00)
+  const kvm_u16x2 x = as_u16x2(pair ^ 0x80008000u), one = 1;
+  return as_u32((((x - one) & as_u16x2(pair)) >> 15) * (unsigned short)NAN_BITS);
+#else
+  const uint32_t x = pair ^ 0x80008000u;
   const uint32_t nonzero = (((x & 0x7FFF7FFFu) + 0x7FFF7FFFu) | x) & 0x80008000u;
-  return (~nonzero & 0x80008000u) >> 15;
+  return ((~nonzero & 0x80008000u) >> 15) * NAN_BITS;
+#endif
 }
 
 // A pair of fp8 codes -> their two fp16 values (exact, see above): e4m3fn's magnitudes times 2^8 (one exact
@@ -472,10 +504,10 @@ __device__ __forceinline__ uint32_t fp8_pair_to_f16x2(uint32_t pair) {
   } else if constexpr (std::is_same<C, Fp8E4M3>::value) {
     return f16x2_times<256>(e4m3_pair_magnitudes(pair)) | sign;
   } else if constexpr (std::is_same<C, Fp8E4M3Fnuz>::value) {
-    return f16x2_times<128>(e4m3_pair_magnitudes<false>(pair)) | sign | fnuz_nan_halves(pair) * 0x7E00u;
+    return f16x2_times<128>(e4m3_pair_magnitudes<false>(pair)) | sign | fnuz_nan_halves<0x7E00u>(pair);
   } else {
     static_assert(std::is_same<C, Fp8E5M2Fnuz>::value, "fp8 format");
-    return e5m2fnuz_pair_magnitudes(pair) | sign | fnuz_nan_halves(pair) * 0x7E00u;
+    return e5m2fnuz_pair_magnitudes(pair) | sign | fnuz_nan_halves<0x7E00u>(pair);
   }
 }
 
@@ -522,7 +554,7 @@ __device__ __forceinline__ uint32_t widen_pair_scaled(uint32_t pair) {
     return f16x2_to_bf16x2(e4m3_pair_magnitudes(pair)) | (pair & 0x80008000u);
   } else {
     return f16x2_to_bf16x2(e4m3_pair_magnitudes<false>(pair)) | (pair & 0x80008000u) |
-           fnuz_nan_halves(pair) * 0x7FC0u;
+           fnuz_nan_halves<0x7FC0u>(pair);
   }
 }
 #endif  // KVMULTI_HAS_MFMA

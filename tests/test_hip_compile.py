@@ -293,7 +293,7 @@ def test_report_rows_per_kernel_and_target():
 
 
 def test_fp8_caches_with_16bit_queries_use_mfma_on_cdna():
-    """fp8 e4m3fn / e5m2 caches with fp16 / bf16 queries: on gfx90a and gfx940 every head size's attention
+    """fp8 caches (e4m3fn, e5m2 and the FNUZ formats) with fp16 / bf16 queries: on the CDNA targets every head size's attention
     kernel has v_mfma, keeps fp16 denormals (the e4m3 widening), needs no more LDS than the 16-bit cache's
     kernel of the same query type and head size (the V staging buffer overlays the output rows) and, from
     head 80 up, runs at least as many waves per SIMD. Head 64 takes 4 sub-tiles (64 keys) per iteration to
@@ -303,7 +303,7 @@ def test_fp8_caches_with_16bit_queries_use_mfma_on_cdna():
     rows = [r for r in cc.report_rows() if r["kind"] == "attention"]
     same_type = {(r["target"], r["dtype"], r["head_size"]): r for r in rows if not r["cache"]}
     fp8 = [r for r in rows if r["cache"]]
-    assert len(fp8) == len(cc.amd_archs()) * len(cc.DTYPES) * 2 * len(cc.HEAD_SIZES)
+    assert len(fp8) == len(cc.amd_archs()) * len(cc.DTYPES) * (cc.CACHES_PER_DTYPE - 1) * len(cc.HEAD_SIZES)
     for r in fp8:
         if r["target"] in cc.MFMA_ARCHS and r["dtype"] in ("fp16", "bf16"):
             base = same_type[r["target"], r["dtype"], r["head_size"]]
@@ -373,6 +373,11 @@ def test_prefill_thresholds():
     assert cc.row_problems(fp8) == []
     in_loop = dict(fp8, hot_loop_instructions=dict(ok["hot_loop_instructions"], valu=1646))
     assert any("widened once per tile" in p for p in cc.row_problems(in_loop))
+    fnuz = dict(fp8, kernel="paged_prefill<bf16,e5m2fnuz,128,wave64>", cache="e5m2fnuz")
+    heavier = dict(ok["hot_loop_instructions"], valu=700)      # 2.7 VALU per MFMA cycle: within FNUZ's 3.0
+    assert cc.row_problems(dict(fnuz, hot_loop_instructions=heavier)) == []
+    assert any("widened once per tile" in p for p in cc.row_problems(dict(fp8, hot_loop_instructions=heavier)))
+    assert any("widened once per tile" in p for p in cc.row_problems(dict(fnuz, hot_loop_instructions=in_loop["hot_loop_instructions"])))
 
 
 def test_fp32_prefill_issue_cycles_and_thresholds():
