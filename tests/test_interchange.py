@@ -1,6 +1,8 @@
 """The KV interchange format (docs/interchange.md): round trips across orders, block sizes and
 dtypes of a multi-group cache, every fp8 code through OCP <-> FNUZ against a reference quantiser,
-the byte layout, and bad buffers / destinations leaving the destination untouched."""
+the byte layout, bad buffers / destinations leaving the destination untouched, and every (source,
+destination) pair of backends: a cache one writes moves to the other's order and block size bit for
+bit and reads the same there."""
 
 from __future__ import annotations
 
@@ -245,3 +247,66 @@ def test_a_destination_that_cannot_hold_the_buffer_is_refused_before_any_write()
             import_blocks(data, caches, layouts, ids, **kwargs)
         for name in out:
             assert torch.equal(out[name], before[name]), f"{case}: layer {name} changed"
+
+
+# ------------------------------------------------------------------------------ between backends
+#: backends with CPU executors here; each writes and reads every interchange dtype
+BACKENDS = ("CPU", "TRITON", "HIP", "SYCL")
+#: two KV-cache groups of layers every backend serves (HIP: head sizes 64 .. 256, K = V)
+GROUP_LAYERS = {"g0.a": 2, "g0.b": 2, "g1.a": 1}
+#: (source order, block size) -> (destination order, block size): each order and block size on both sides
+MOVES = ((("NHD", 16), ("HND", 32)), (("HND", 32), ("NHD", 16)), (("NHD", 32), ("NHD", 32)), (("HND", 16), ("HND", 16)))
+
+
+@pytest.mark.parametrize("dst_backend", BACKENDS)
+@pytest.mark.parametrize("src_backend", BACKENDS)
+def test_a_cache_written_by_one_backend_moves_to_another_and_reads_the_same(src_backend, dst_backend):
+    """Per dtype and move: the source backend writes a two-group cache (write_kv, per-head scales for
+    fp8), the buffer lands in the destination's order and block size bit for bit, and the destination
+    backend's attention over it equals the oracle's over the source."""
+    import kvmulti
+    from kvmulti import reference
+    from test_fp8_kernels import backend_or_skip
+    src_b, dst_b = backend_or_skip(src_backend), backend_or_skip(dst_backend)
+    tokens, head = 37, 64
+    g = torch.Generator().manual_seed(7)
+    for dtype in DTYPES:
+        for (so, sbs), (do, dbs) in MOVES:
+            src = {n: KVCacheLayout(-(-tokens // sbs) + 2, sbs, h, head, dtype=dtype, order=so)
+                   for n, h in GROUP_LAYERS.items()}
+            dst = {n: KVCacheLayout(-(-tokens // dbs) + 3, dbs, h, head, dtype=dtype, order=do)
+                   for n, h in GROUP_LAYERS.items()}
+            src_ids = list(range(src["g0.a"].num_blocks - 1, src["g0.a"].num_blocks - 1 - (-(-tokens // sbs)), -1))
+            dst_ids = list(range(1, 1 + -(-tokens // dbs)))
+            scales = {n: (torch.tensor([0.5, 2.0][:h]), torch.tensor([0.25, 1.5][:h])) if fp8.is_fp8(dtype)
+                      else (None, None) for n, h in GROUP_LAYERS.items()}
+            caches, slots = {}, torch.tensor([src_ids[t // sbs] * sbs + t % sbs for t in range(tokens)])
+            for n, h in GROUP_LAYERS.items():
+                caches[n] = src[n].allocate().zero_()
+                key, value = (torch.randn(tokens, h, head, generator=g) * 2).to(torch.bfloat16), \
+                    (torch.randn(tokens, h, head, generator=g) * 2).to(torch.bfloat16)
+                kvmulti.write_kv(key, value, caches[n], src[n], slots, backend=src_b, k_scale=scales[n][0],
+                                 v_scale=scales[n][1])
+            data = export_blocks(caches, src, src_ids, tokens, k_scale={n: s[0] for n, s in scales.items()},
+                                 v_scale={n: s[1] for n, s in scales.items()})
+            out = {n: lay.allocate().zero_() for n, lay in dst.items()}
+            result = import_blocks(data, out, dst, dst_ids)
+            for n in GROUP_LAYERS:
+                got, want = _tokens(out[n], dst[n], dst_ids, 0, tokens), _tokens(caches[n], src[n], src_ids, 0, tokens)
+                assert torch.equal(_bits(got), _bits(want)), (dtype, so, sbs, do, dbs, n)
+            if (so, sbs) != MOVES[0][0]:
+                continue        # attention once per dtype: the bytes are already the source's
+            for n, h in GROUP_LAYERS.items():
+                if n == "g0.b":
+                    continue    # one layer of each group
+                k_scale, v_scale = result.scales[n] if fp8.is_fp8(dtype) else (None, None)
+                table = lambda ids: torch.tensor([ids], dtype=torch.int32)  # noqa: E731
+                md_src = kvmulti.CommonAttentionMetadata.from_lens([5], [tokens], table(src_ids), sbs)
+                md_dst = kvmulti.CommonAttentionMetadata.from_lens([5], [tokens], table(dst_ids), dbs)
+                query = torch.randn(5, 2 * h, head, generator=g).to(torch.bfloat16)
+                want = reference.paged_attention(query, caches[n], src[n], md_src, k_scale=scales[n][0],
+                                                 v_scale=scales[n][1]).float()
+                got = kvmulti.paged_attention(query, out[n], dst[n], md_dst, backend=dst_b, k_scale=k_scale,
+                                              v_scale=v_scale).float()
+                torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2,
+                                           msg=lambda m: f"{src_backend} -> {dst_backend} {dtype} {n}: {m}")
