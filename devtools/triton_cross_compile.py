@@ -483,7 +483,8 @@ def hot_loop_instructions(compiled, target: Target) -> tuple[dict[str, int], flo
     or the AMDGCN (AMD: mfma, valu, salu, lds, vmem; serial share: hip_compile_check.serial_share);
     ({}, None) without such a loop. One loop trip = one K/V tile of the kernel's KV loop."""
     if target.backend == "cuda":
-        return _sass_loop_mix(_sass(compiled.asm["cubin"])), None
+        from devtools.roofline_sass import disassemble
+        return _sass_loop_mix(disassemble(compiled.asm["cubin"])), None
     from devtools import hip_compile_check as compile_check
     best: tuple[dict[str, int], float | None] = ({}, None)
     for body in compile_check._loop_bodies(compiled.asm["amdgcn"].splitlines()).values():
@@ -491,15 +492,6 @@ def hot_loop_instructions(compiled, target: Target) -> tuple[dict[str, int], flo
         if mix["mfma"] > best[0].get("mfma", 0):
             best = mix, round(compile_check.serial_share(body), 4)
     return best
-
-
-def _sass(cubin: bytes) -> str:
-    from triton import knobs
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-        fh.write(cubin)
-        fh.flush()
-        return subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", fh.name], capture_output=True, text=True,
-                              check=True).stdout
 
 
 def _sass_loop_mix(sass: str) -> dict[str, int]:

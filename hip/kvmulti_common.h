@@ -501,10 +501,10 @@ __device__ __forceinline__ uint32_t fp8_pair_to_f16x2(uint32_t pair) {
   const uint32_t sign = pair & 0x80008000u;
   if constexpr (std::is_same<C, Fp8E5M2>::value) {
     return pair;  // e5m2 is the top byte of fp16
-  } else if constexpr (std::is_same<C, Fp8E4M3>::value) {
-    return f16x2_times<256>(e4m3_pair_magnitudes(pair)) | sign;
-  } else if constexpr (std::is_same<C, Fp8E4M3Fnuz>::value) {
-    return f16x2_times<128>(e4m3_pair_magnitudes<false>(pair)) | sign | fnuz_nan_halves<0x7E00u>(pair);
+  } else if constexpr (Fp8Format<C>::kMant == 3) {   // e4m3fn, e4m3fnuz
+    constexpr bool fnuz = Fp8Format<C>::kFnuz;
+    return f16x2_times<fnuz ? 128 : 256>(e4m3_pair_magnitudes<!fnuz>(pair)) | sign |
+           (fnuz ? fnuz_nan_halves<0x7E00u>(pair) : 0u);
   } else {
     static_assert(std::is_same<C, Fp8E5M2Fnuz>::value, "fp8 format");
     return e5m2fnuz_pair_magnitudes(pair) | sign | fnuz_nan_halves<0x7E00u>(pair);
@@ -537,10 +537,8 @@ __device__ __forceinline__ uint32_t widen_pair(uint32_t pair) {
 // scales), else 1. fp16 operands keep the multiply: the MFMA would read fp16 subnormals there.
 template <typename C, typename T>
 __host__ __device__ constexpr float widen_pair_unit() {
-  return !std::is_same<T, hip_bfloat16>::value ? 1.f
-         : std::is_same<C, Fp8E4M3>::value     ? 256.f
-         : std::is_same<C, Fp8E4M3Fnuz>::value ? 128.f
-                                               : 1.f;
+  if constexpr (!is_fp8<C>() || !std::is_same<T, hip_bfloat16>::value) return 1.f;
+  else return Fp8Format<C>::kMant != 3 ? 1.f : Fp8Format<C>::kFnuz ? 128.f : 256.f;
 }
 
 // widen_pair divided by widen_pair_unit<C, T>() (exact: a power of two, no bf16 underflow): the decode
@@ -550,11 +548,10 @@ __device__ __forceinline__ uint32_t widen_pair_scaled(uint32_t pair) {
   // the signs go in after the conversion: a pair's sign bits are a bf16 pair's
   if constexpr (widen_pair_unit<C, T>() == 1.f) {
     return widen_pair<C, T>(pair);
-  } else if constexpr (std::is_same<C, Fp8E4M3>::value) {
-    return f16x2_to_bf16x2(e4m3_pair_magnitudes(pair)) | (pair & 0x80008000u);
-  } else {
-    return f16x2_to_bf16x2(e4m3_pair_magnitudes<false>(pair)) | (pair & 0x80008000u) |
-           fnuz_nan_halves<0x7FC0u>(pair);
+  } else {   // e4m3fn, e4m3fnuz into bf16
+    constexpr bool fnuz = Fp8Format<C>::kFnuz;
+    return f16x2_to_bf16x2(e4m3_pair_magnitudes<!fnuz>(pair)) | (pair & 0x80008000u) |
+           (fnuz ? fnuz_nan_halves<0x7FC0u>(pair) : 0u);
   }
 }
 #endif  // KVMULTI_HAS_MFMA

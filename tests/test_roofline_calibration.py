@@ -6,14 +6,11 @@ Triton's NVIDIA backend (the Triton rows); skips without them outside CI."""
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # devtools/ lives at the repo root
-from devtools import roofline as R  # noqa: E402
-from devtools import roofline_calibration as C  # noqa: E402
+from devtools import roofline as R
+from devtools import roofline_calibration as C
 
 #: rows the model reproduces within the tolerance
 REPRODUCED = [("HIP", "decode 32x4096"), ("HIP", "prefill 8x2048"), ("HIP", "prefill 1x8192"),
