@@ -20,7 +20,7 @@ AMD (HIP_PLATFORM=amd, Debian packages ``hipcc libamdhip64-dev rocm-device-libs`
      -- or a prefill kernel with an fp32 query without v_mfma on gfx90a / gfx940 (the one attention kernel serves prefill, chunked prefill,
      decode and verification), such an fp8-cache kernel whose descriptor does not keep fp16 denormals
      (its widening of e4m3 codes relies on them), a hot loop with a global load narrower than 16 bytes
-     or fewer than 4 x 16 bytes in flight per lane, an occupancy below 2 waves/SIMD, and a prefill kernel
+     (the FMA engine over an fp8 cache: 8, its lanes' pieces) or fewer than 4 such loads in flight per lane, an occupancy below 2 waves/SIMD, and a prefill kernel
      (fp16 / bf16 / fp32 query, gfx90a / gfx940) whose hot loop issues fewer MFMA than VALU cycles over a
      cache of its type (fp32: v_mfma_f32_16x16x4f32 cycles), or more than MAX_FP8_PREFILL_VALU_PER_MFMA (FNUZ: MAX_FNUZ_PREFILL_VALU_PER_MFMA) VALU cycles per MFMA cycle over an fp8 cache, and a
      decode kernel (fp16 / bf16 query, gfx90a / gfx940) whose hot loop shuffles more than the softmax's
@@ -193,7 +193,7 @@ def _wave_of(arch: str) -> int:
 
 MFMA_ARCHS = ("gfx90a", "gfx940", "gfx942")   # targets whose fp16 / bf16-query attention kernels must use v_mfma
 MIN_WAVES_PER_SIMD = 2
-MIN_BYTES_IN_FLIGHT_PER_LANE = 4 * 16
+MIN_LOADS_IN_FLIGHT_PER_LANE = 4
 #: prefill over an fp8 cache: its hot loop widens each tile's codes once, when they are staged in LDS (4 x 16
 #: bytes per thread at heads 64 (128-key tiles), 80, 96 and 128), on top of the 16-bit loop; at most this
 #: many VALU issue cycles per MFMA issue cycle (in-loop widening, per wave and fragment, issues about 6.4 on
@@ -692,6 +692,12 @@ def decode_pipeline_problems(row: dict) -> list[str]:
     return []
 
 
+def hot_loop_load_bytes(row: dict) -> int:
+    """The global-load width (bytes per lane) an attention kernel's tile loop must use: 16, except the FMA
+    engine over an fp8 cache, whose lanes read one 8-byte piece (8 codes: the lane's 8 head dims) of a row."""
+    return 8 if row.get("cache") and not row["matrix_instructions"] else 16
+
+
 def row_problems(row: dict) -> list[str]:
     """The CI thresholds for one report row (empty: passes)."""
     k = f"{row['target']} {row['kernel']}"
@@ -710,11 +716,12 @@ def row_problems(row: dict) -> list[str]:
         if row.get("cache") and row["matrix_instructions"] and row.get("fp16_denorm_mode") != 3:
             problems.append(f"{k}: fp8 codes widened through fp16 with fp16 denormals not kept "
                             f"(.amdhsa_float_denorm_mode_16_64 {row.get('fp16_denorm_mode')}, want 3)")
-        narrow = [w for w in row["hot_loop_load_widths_bytes"] if w < 16]
+        want = hot_loop_load_bytes(row)
+        narrow = [w for w in row["hot_loop_load_widths_bytes"] if w < want]
         if row["kind"] == "prefill" and narrow == [4] and row.get("hot_loop_narrow_loads") == 1:
             narrow = []   # the next tile's block-table entries: one 4-byte load per lane and tile
         if narrow or not row["hot_loop_load_widths_bytes"]:
-            problems.append(f"{k}: hot-loop global loads of {row['hot_loop_load_widths_bytes']} bytes (want 16 only)")
+            problems.append(f"{k}: hot-loop global loads of {row['hot_loop_load_widths_bytes']} bytes (want {want} only)")
         if (row["kind"] == "prefill" and row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16", "fp32")
                 and not row.get("cache")):
             cyc = issue_cycles(row)
@@ -731,9 +738,9 @@ def row_problems(row: dict) -> list[str]:
             problems.append(f"{k}: decode hot loop issues {row['hot_loop_ds_bpermute']} ds_bpermute (> the softmax's "
                             f"{DECODE_SOFTMAX_SHUFFLES}: block ids shuffled?)")
         problems += decode_pipeline_problems(row)
-        if row["bytes_in_flight_per_lane"] < MIN_BYTES_IN_FLIGHT_PER_LANE:
+        if row["bytes_in_flight_per_lane"] < MIN_LOADS_IN_FLIGHT_PER_LANE * want:
             problems.append(f"{k}: {row['bytes_in_flight_per_lane']} bytes in flight per lane in the hot loop "
-                            f"(< {MIN_BYTES_IN_FLIGHT_PER_LANE} = 4 x 16-byte loads)")
+                            f"(< {MIN_LOADS_IN_FLIGHT_PER_LANE} x {want}-byte loads)")
     return problems
 
 

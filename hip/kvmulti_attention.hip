@@ -34,9 +34,10 @@
 //     cache's codes are widened to the query's type (exactly) as the fragments are formed, its V rows
 //     staged in LDS first (16-byte loads; a fragment's 8 codes per key would be an 8-byte load), and its
 //     scales applied outside the MFMAs (k_scale with the score scale, v_scale with the output's);
-//   * FMA (fp32, RDNA wave32, NVIDIA, GCN without MFMA): a wave stages each K/V tile in its own LDS
-//     buffer with coalesced 16-byte loads (consecutive lanes read consecutive 16 bytes of a row), then
-//     computes the tile's dot products / PV from LDS with a wave-level barrier (wave_sync) in between.
+//   * FMA (fp32, RDNA wave32, NVIDIA, GCN without MFMA): lane groups over keys; each lane reads its
+//     pieces of a key's K and V rows into registers, the group's dot products finish in a butterfly
+//     reduce-scatter and the softmax's exchanges are shuffles; no LDS in the tile loop but the
+//     (broadcast) query reads. See the engine's section below.
 //
 // Split-KV ("partitioned") decode: for long contexts with too few (token, head) blocks to fill the
 // GPU, gridDim.z > 1 splits each key range into partitions of partition_size keys; each block writes
@@ -402,130 +403,312 @@ __device__ __forceinline__ float finish_score(const PagedAttentionParams& p, flo
 }
 
 // ============================================================================ FMA engine
-// Keys per FMA tile: the largest power of two whose K rows fit in 2 KiB (the V rows take another
-// 2 KiB of the wave's LDS buffer).
-template <typename T, int HS>
-constexpr int fma_tile_keys() {
-  int kt = 1;
-  while (kt * 2 * HS * (int)sizeof(T) <= 2048) kt *= 2;
-  return kt;
+// Lane groups over keys. A group of G lanes holds one key's K and V rows, lane j of the group the
+// pieces j, j + G, ... of PIECE head dims each (one 16-byte load per piece; fp32: two; fp8: one 8-byte
+// load), read from global memory straight into registers; the wave's KP = WAVE / G groups take KP keys
+// per pass and NP passes make a tile of KT = KP x NP keys, all of whose loads are issued before its
+// arithmetic. The query (pre-scaled) and the output accumulators of the lane's dims stay in registers
+// for all R rows, so the tile loop touches no shared memory:
+//   * QK: each lane forms its dims' partial dot products for the tile's N = NP x R (pass, row) scores of
+//     its group's keys, and a butterfly reduce-scatter over the group leaves lane j the NF = N / G
+//     consecutive finished scores from scatter_first(j) (one, duplicated, when N < G): every exponential
+//     is computed once per score, not once per lane;
+//   * online softmax: a row's tile maximum is a butterfly over the lanes holding that row for the other
+//     passes and groups (lane masks G / NP .. WAVE / 2); the rows' rescale factors and probabilities
+//     reach the lanes that need them by shuffles (WaveView);
+//   * PV: each lane accumulates its dims of every row from its group's key.
+// The groups' and then the waves' partial results are combined once, after the last tile.
+__host__ __device__ constexpr int pow2_at_least(int n) {
+  int g = 1;
+  while (g < n) g *= 2;
+  return g;
 }
 
-template <typename T, int HS, int WAVE, int R>
+template <typename C, int HS, int WAVE, int R>
+struct FmaGeom {
+  static constexpr int PIECE = 8;                                    // head dims per piece
+  static constexpr int PIECES = HS / PIECE;
+  static constexpr int G = pow2_at_least(PIECES) < WAVE ? pow2_at_least(PIECES) : WAVE;  // lanes per key
+  static constexpr int CPL = (PIECES + G - 1) / G;                   // pieces per lane
+  static constexpr int KP = WAVE / G;                                // keys per pass
+  static constexpr int WORDS = PIECE * (int)sizeof(C) / 4;           // 32-bit words per piece
+  static constexpr int LOADS = CPL * (WORDS > 4 ? WORDS / 4 : 1);     // K (or V) loads per lane and pass
+  // passes per tile: 4 loads per lane in flight (K and V of 2 passes; 1 of fp32 pieces, two loads each)
+  static constexpr int NP = LOADS >= 2 ? 1 : 2;
+  static constexpr int KT = KP * NP;                                 // keys per tile
+  static constexpr int N = NP * R;                                   // scores per group and tile
+  static constexpr int NF = N >= G ? N / G : 1;                      // scores per lane
+  static_assert(HS % PIECE == 0 && KT <= WAVE, "FMA engine geometry");
+};
+
+// The first score index (pass-major, i x R + r) lane j of a group of G holds after the reduce-scatter of N
+// scores (it holds NF consecutive ones), and the lane holding score idx (the lowest, when duplicated).
+template <int N, int G>
+__host__ __device__ constexpr int scatter_first(int j) {
+  int first = 0, n = N;
+  for (int m = G / 2; m >= 1; m >>= 1) {
+    if (n >= 2) {
+      if (j & m) first += n / 2;
+      n /= 2;
+    }
+  }
+  return first;
+}
+template <int N, int G, int NF>
+__host__ __device__ constexpr int scatter_holder(int idx) {
+  for (int j = 0; j < G; ++j)
+    if (scatter_first<N, G>(j) == idx - idx % NF) return j;
+  return 0;
+}
+
+// Butterfly reduce-scatter of v[0 .. NN) over the lane masks M, M / 2, .., 1: each stage keeps the half
+// the lane's bit M selects and adds the partner's copy of it; once one value is left, the stages sum it.
+template <int WAVE, int M, int NN, int N>
+__device__ __forceinline__ void reduce_scatter(float (&v)[N], int lane) {
+  if constexpr (M >= 1) {
+    constexpr int H = NN >= 2 ? NN / 2 : 1;
+    const bool up = (lane & M) != 0;
+    float send[H], recv[H];
+    if constexpr (NN >= 2) {
+#pragma unroll
+      for (int k = 0; k < H; ++k) send[k] = up ? v[k] : v[k + H];
+      shfl_xor_n<WAVE, H>(send, recv, M);
+#pragma unroll
+      for (int k = 0; k < H; ++k) v[k] = (up ? v[k + H] : v[k]) + recv[k];
+    } else {
+      send[0] = v[0];
+      shfl_xor_n<WAVE, 1>(send, recv, M);
+      v[0] += recv[0];
+    }
+    reduce_scatter<WAVE, M / 2, H, N>(v, lane);
+  }
+}
+
+// v[k] combined (max or sum) over the lanes whose lane bits differ from this lane's in masks FIRST .. WAVE / 2.
+template <int WAVE, int FIRST, bool MAX, int N>
+__device__ __forceinline__ void butterfly(float (&v)[N]) {
+#pragma unroll
+  for (int m = FIRST; m < WAVE; m <<= 1) {
+    float other[N];
+    shfl_xor_n<WAVE, N>(v, other, m);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = MAX ? fmaxf(v[k], other[k]) : v[k] + other[k];
+  }
+}
+
+// Keeps the compiler from hoisting the loop-invariant shared-memory reads of the query out of the tile loop
+// (it would keep them in registers, which the accumulators need): a compiler-only memory clobber.
+// On AMD GPUs also a scheduling barrier: each pass's shuffles and conversions stay in their pass instead of
+// all passes' being hoisted together (their registers live at once).
+__device__ __forceinline__ void pass_fence() {
+#if defined(__HIP_DEVICE_COMPILE__) || defined(__CUDA_ARCH__)
+  asm volatile("" ::: "memory");
+#endif
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+  __builtin_amdgcn_sched_barrier(0);
+#endif
+}
+
+// 8 bytes of a row, one vector load (fp8 pieces).
+struct alignas(8) Chunk8 {
+  uint32_t w[2];
+};
+
+// The WORDS 32-bit words of the piece at p: 16-byte (fp8: 8-byte) vector loads when ALIGNED, else element loads.
+template <typename C, int WORDS, bool ALIGNED>
+__device__ __forceinline__ void load_piece(const C* __restrict__ p, uint32_t (&w)[WORDS]) {
+  if constexpr (ALIGNED && WORDS % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < WORDS / 4; ++i) {
+      const Chunk16 c = *reinterpret_cast<const Chunk16*>(reinterpret_cast<const uint8_t*>(p) + 16 * i);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) w[4 * i + k] = c.w[k];
+    }
+  } else if constexpr (ALIGNED) {
+    static_assert(WORDS == 2, "an 8-byte piece");
+    const Chunk8 c = *reinterpret_cast<const Chunk8*>(p);
+    w[0] = c.w[0];
+    w[1] = c.w[1];
+  } else if constexpr (sizeof(C) == 4) {
+    const uint32_t* e = reinterpret_cast<const uint32_t*>(p);
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) w[i] = e[i];
+  } else if constexpr (sizeof(C) == 2) {
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) w[i] = (uint32_t)h[2 * i] | ((uint32_t)h[2 * i + 1] << 16);
+  } else {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(p);
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i)
+      w[i] = (uint32_t)b[4 * i] | ((uint32_t)b[4 * i + 1] << 8) | ((uint32_t)b[4 * i + 2] << 16) |
+             ((uint32_t)b[4 * i + 3] << 24);
+  }
+}
+
+// Element e of a piece as fp32 (fp8: the code's value, unscaled).
+template <typename C, int WORDS>
+__device__ __forceinline__ float piece_elem(const uint32_t (&w)[WORDS], int e) {
+  if constexpr (sizeof(C) == 4) {
+    return __uint_as_float(w[e]);
+  } else if constexpr (sizeof(C) == 2) {
+    const uint32_t h = (w[e >> 1] >> (16 * (e & 1))) & 0xffffu;
+    if constexpr (std::is_same<C, __half>::value) return __half2float(__ushort_as_half((unsigned short)h));
+    else return __uint_as_float(h << 16);
+  } else {
+    return fp8_to_float<C>((w[e >> 2] >> (8 * (e & 3))) & 0xffu);
+  }
+}
+
+// 4 floats, one 16-byte shared-memory access.
+struct alignas(16) Float4 {
+  float v[4];
+};
+
+template <typename C, int HS, int WAVE, int R>
 struct FmaShared {
-  static constexpr int KT = fma_tile_keys<T, HS>();
-  union {
-    float q[R][HS];                  // pre-loop: the block's query rows (fp32, unscaled)
-    float o[R][HS];                  // post-loop: the combined output rows
-  } qo;
-  alignas(16) T kv[kNumWarps][2][KT * HS];  // per wave: K tile, V tile
-  float s[kNumWarps][R][KT];         // per wave: the tile's scores
-  int key_ok[kNumWarps][KT];         // per wave: the tile's keys have a valid block id
+  using Geo = FmaGeom<C, HS, WAVE, R>;
+  // the block's query rows, pre-scaled: q[r][c][h][j] = dims 4h .. 4h + 3 of piece j + c G of row r, so the
+  // lanes of a group read consecutive 16 bytes and the groups the same ones (a broadcast)
+  Float4 q[R][Geo::CPL][2][Geo::G];
+  float o[R][HS];  // the combined output rows
   RowInfo<R> ri;
   Combine<R> comb;
 };
 
-// x * scale for an fp8 cache element type C (the oracle's float(code) * scale), x otherwise.
-template <typename C>
-__device__ __forceinline__ float scaled(float x, float scale) {
-  if constexpr (is_fp8<C>()) return x * scale;
-  return x;
-}
+// What a lane needs of each of its NF scores: the pass (its group's key t0 + pass x KP + group) and the row's
+// visible keys [lo, hi) and ALiBi terms.
+template <int NF>
+struct OwnScores {
+  int pass[NF], lo[NF], hi[NF], qpos[NF];
+  float slope[NF];
+};
 
-// T: the cache's element type (the query rows are fp32 in LDS already).
-template <typename T, int HS, int WAVE, int R, bool ALIGNED>
+template <typename C, int HS, int WAVE, int R, bool ALIGNED>
 __device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const BlockTask& b,
-                                           FmaShared<T, HS, WAVE, R>& sh, float (&m)[R], float (&l)[R],
-                                           float (&acc)[R][(HS + WAVE - 1) / WAVE]) {
-  using Sh = FmaShared<T, HS, WAVE, R>;
-  constexpr int KT = Sh::KT;
-  constexpr int NCH = HS * (int)sizeof(T) / 16;        // 16-byte chunks per row
-  constexpr int LPL = (KT * NCH + WAVE - 1) / WAVE;   // 16-byte loads per lane per tile (K; V the same)
-  constexpr int DPL = (HS + WAVE - 1) / WAVE;          // output dims per lane
-  constexpr int EPC = 16 / (int)sizeof(T);             // elements per chunk
+                                           const FmaShared<C, HS, WAVE, R>& sh,
+                                           const OwnScores<FmaGeom<C, HS, WAVE, R>::NF>& own,
+                                           float (&m_own)[FmaGeom<C, HS, WAVE, R>::NF],
+                                           float (&l_own)[FmaGeom<C, HS, WAVE, R>::NF],
+                                           float (&acc)[R][FmaGeom<C, HS, WAVE, R>::CPL][8]) {
+  using Geo = FmaGeom<C, HS, WAVE, R>;
+  constexpr int G = Geo::G, CPL = Geo::CPL, KP = Geo::KP, NP = Geo::NP, KT = Geo::KT, N = Geo::N, NF = Geo::NF;
+  constexpr int PIECE = Geo::PIECE, WORDS = Geo::WORDS;
   const int lane = (int)threadIdx.x % WAVE, warp = (int)threadIdx.x / WAVE;
-  const T* cache = static_cast<const T*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
-  // fp8 caches (T is the cache's element type here): values read as float(code) * scale
-  const float k_scale = is_fp8<T>() ? p.k_scale[b.kv_head] : 1.f;
-  const float v_scale = is_fp8<T>() ? p.v_scale[b.kv_head] : 1.f;
+  const int j = lane % G, base = lane - j, grp = lane / G;
+  const C* cache = static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
   const TileRange<KT> tiles(b, warp);
-  T* ks = sh.kv[warp][0];
-  T* vs = sh.kv[warp][1];
   const int win_keys = WAVE * p.block_size;  // keys per block-table window (a multiple of KT)
   const float inv_bs = 1.f / (float)p.block_size;
   for (int tile = tiles.first; tile < tiles.last;) {  // windows (uniform per wave)
     const int win = (tiles.base + tile * KT) / win_keys;
-    const int bt_win = load_bt_window<WAVE>(p, b, win, lane);
+    const int bt_win[1] = {load_bt_window<WAVE>(p, b, win, lane)};
     const int ws = win * win_keys, win_end = ws + win_keys;
     for (; tile < tiles.last && tiles.base + tile * KT < win_end; ++tile) {  // the hot loop
       const int t0 = tiles.base + tile * KT;
 #if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
       if constexpr (ALIGNED) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
 #endif
-      Chunk16 kc[LPL], vc[LPL];
-      bool ok[LPL];
+      // the rows of the group's NP keys t0 + i KP + grp, and all their loads
+      int entry[NP], off[NP];
 #pragma unroll
-      for (int j = 0; j < LPL; ++j) {  // lanes over consecutive 16-byte chunks of consecutive rows
-        const int c = j * WAVE + lane;
-        const int kk = (c < KT * NCH ? c : 0) / NCH, ch = c % NCH;
-        const T* row = key_row<WAVE>(p, b, cache, bt_win, ws, inv_bs, t0 + kk, ok[j]);
-        if (c < KT * NCH) {
-          kc[j] = load_chunk<T, ALIGNED>(row + ch * EPC);
-          vc[j] = load_chunk<T, ALIGNED>(row + HS + ch * EPC);
+      for (int i = 0; i < NP; ++i) entry[i] = window_entry(p, ws, inv_bs, t0 + i * KP + grp, off[i]);
+      uint32_t kw[NP][CPL][WORDS], vw[NP][CPL][WORDS];
+      unsigned okmask = 0;
+      {
+        const WaveView<WAVE, int, 1> bt(bt_win);
+#pragma unroll
+        for (int i = 0; i < NP; ++i) {
+          bool ok;
+          const C* row = key_row_at(p, b, cache, bt.read(entry[i], 0), off[i], t0 + i * KP + grp, ok);
+          okmask |= ok ? 1u << i : 0u;
+#pragma unroll
+          for (int c = 0; c < CPL; ++c) {
+            // a padding lane (u past the row: heads 80, 96) loads the last piece and masks it to zeros, so
+            // every lane's loads stay unconditional
+            const int u = j + c * G, uc = u < Geo::PIECES ? u : Geo::PIECES - 1;
+            const uint32_t keep = u < Geo::PIECES ? ~0u : 0u;
+            load_piece<C, WORDS, ALIGNED>(row + uc * PIECE, kw[i][c]);
+            load_piece<C, WORDS, ALIGNED>(row + HS + uc * PIECE, vw[i][c]);
+#pragma unroll
+            for (int k = 0; k < WORDS; ++k) {
+              kw[i][c][k] &= keep;
+              vw[i][c][k] &= keep;
+            }
+          }
         }
       }
+      // QK partials of the lane's dims, then the group's reduce-scatter
+      float s[N];
 #pragma unroll
-      for (int j = 0; j < LPL; ++j) {
-        const int c = j * WAVE + lane;
-        if (c < KT * NCH) {
-          *reinterpret_cast<Chunk16*>(ks + c * EPC) = kc[j];
-          *reinterpret_cast<Chunk16*>(vs + c * EPC) = vc[j];
-          if (c % NCH == 0) sh.key_ok[warp][c / NCH] = ok[j] ? 1 : 0;
-        }
-      }
-      wave_sync();
-      // QK: item (kk, r) -> one dot product of HS from LDS.
-      for (int item = lane; item < KT * R; item += WAVE) {
-        const int kk = item % KT, r = item / KT, t = t0 + kk;
-        float s = 0.f;
-        const T* krow = ks + kk * HS;
-#pragma unroll 4
-        for (int d = 0; d < HS; ++d) s += sh.qo.q[r][d] * scaled<T>(Cvt<T>::to(krow[d]), k_scale);
-        const bool vis = sh.key_ok[warp][kk] && t >= sh.ri.lo[r] && t < sh.ri.hi[r];
-        sh.s[warp][r][kk] = finish_score(p, s, p.scale, sh.ri.slope[r] * (float)(t - sh.ri.qpos[r]), vis);
-      }
-      wave_sync();
-      // Online softmax, every lane for every row (uniform per wave), then PV from LDS.
-      float alpha[R];
+      for (int i = 0; i < NP; ++i) {
+        pass_fence();
+        float kf[CPL][PIECE];
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float tmax = -INFINITY;
+        for (int c = 0; c < CPL; ++c)
 #pragma unroll
-        for (int kk = 0; kk < KT; ++kk) tmax = fmaxf(tmax, sh.s[warp][r][kk]);
-        const float m_new = fmaxf(m[r], tmax);
-        alpha[r] = __expf(m[r] - m_new);
-        m[r] = m_new;
-        l[r] *= alpha[r];
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[r][i] *= alpha[r];
-      }
-#pragma unroll 2
-      for (int kk = 0; kk < KT; ++kk) {
-        float v[DPL];
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) {
-          const int d = lane + i * WAVE;
-          v[i] = d < HS ? scaled<T>(Cvt<T>::to(vs[kk * HS + d]), v_scale) : 0.f;
-        }
+          for (int e = 0; e < PIECE; ++e) kf[c][e] = piece_elem<C, WORDS>(kw[i][c], e);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          const float e = __expf(sh.s[warp][r][kk] - m[r]);
-          l[r] += e;
+          float d = 0.f;
 #pragma unroll
-          for (int i = 0; i < DPL; ++i) acc[r][i] += e * v[i];
+          for (int c = 0; c < CPL; ++c)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const Float4 qc = sh.q[r][c][h][j];
+#pragma unroll
+              for (int e = 0; e < 4; ++e) d += qc.v[e] * kf[c][4 * h + e];
+            }
+          s[i * R + r] = d;
         }
       }
-      wave_sync();  // the next tile rewrites this wave's K/V/s buffers
+      reduce_scatter<WAVE, G / 2, N, N>(s, lane);
+      float so[NF], mx[NF];
+#pragma unroll
+      for (int f = 0; f < NF; ++f) {
+        const int t = t0 + own.pass[f] * KP + grp;
+        const bool vis = ((okmask >> own.pass[f]) & 1u) && t >= own.lo[f] && t < own.hi[f];
+        so[f] = mx[f] = finish_score(p, s[f], 1.f, own.slope[f] * (float)(t - own.qpos[f]), vis);
+      }
+      butterfly<WAVE, G / NP, true>(mx);  // each score's row maximum over the tile
+      float alpha[NF], prob[NF];
+#pragma unroll
+      for (int f = 0; f < NF; ++f) {
+        const float m_new = fmaxf(m_own[f], mx[f]);
+        alpha[f] = __expf(m_own[f] - m_new);
+        m_own[f] = m_new;
+        prob[f] = __expf(so[f] - m_new);
+        l_own[f] = l_own[f] * alpha[f] + prob[f];
+      }
+      {
+        const WaveView<WAVE, float, NF> av(alpha);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float a = av.read(base + scatter_holder<N, G, NF>(r), r % NF);
+#pragma unroll
+          for (int c = 0; c < CPL; ++c)
+#pragma unroll
+            for (int e = 0; e < PIECE; ++e) acc[r][c][e] *= a;
+        }
+      }
+      const WaveView<WAVE, float, NF> pv(prob);
+#pragma unroll
+      for (int i = 0; i < NP; ++i) {
+        pass_fence();
+        float vf[CPL][PIECE];
+#pragma unroll
+        for (int c = 0; c < CPL; ++c)
+#pragma unroll
+          for (int e = 0; e < PIECE; ++e) vf[c][e] = piece_elem<C, WORDS>(vw[i][c], e);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float pr = pv.read(base + scatter_holder<N, G, NF>(i * R + r), (i * R + r) % NF);
+#pragma unroll
+          for (int c = 0; c < CPL; ++c)
+#pragma unroll
+            for (int e = 0; e < PIECE; ++e) acc[r][c][e] += pr * vf[c][e];
+        }
+      }
     }
   }
 }
@@ -533,61 +716,104 @@ __device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const 
 // T: the query's and output's type; C: the cache's (T, or an fp8 type).
 template <typename T, typename C, int HS, int WAVE, int R>
 __device__ void fma_body(const PagedAttentionParams& p, const BlockTask& b) {
+  using Geo = FmaGeom<C, HS, WAVE, R>;
+  constexpr int G = Geo::G, CPL = Geo::CPL, NP = Geo::NP, N = Geo::N, NF = Geo::NF, PIECE = Geo::PIECE;
   constexpr int NT = kNumWarps * WAVE;
-  constexpr int DPL = (HS + WAVE - 1) / WAVE;
   __shared__ FmaShared<C, HS, WAVE, R> sh;
   const int tid = (int)threadIdx.x, lane = tid % WAVE, warp = tid / WAVE;
-  for (int i = tid; i < R * HS; i += NT) {
-    const int r = i / HS, d = i % HS;
-    float q = 0.f;
-    if (r < b.rows) {
+  const int j = lane % G, base = lane - j, grp = lane / G;
+  // fp8 caches: scores are q . float(code) x k_scale, outputs sum p float(code) x v_scale
+  const float k_scale = is_fp8<C>() ? p.k_scale[b.kv_head] : 1.f;
+  const float v_scale = is_fp8<C>() ? p.v_scale[b.kv_head] : 1.f;
+  const float q_scale = p.scale * k_scale;
+  for (int i = tid; i < R * CPL * 2 * G * 4; i += NT) {
+    const int k = i % 4, jj = i / 4 % G, h = i / (4 * G) % 2, c = i / (8 * G) % CPL, r = i / (8 * G * CPL);
+    const int u = jj + c * G, d = u * PIECE + 4 * h + k;
+    float x = 0.f;
+    if (r < b.rows && u < Geo::PIECES) {
       const int tok = b.token + (b.row0 + r) / b.nheads, head = b.head0 + (b.row0 + r) % b.nheads;
-      q = Cvt<T>::to(static_cast<const T*>(p.query)[(int64_t)tok * p.q_stride_token +
-                                                   (int64_t)head * p.q_stride_head + d]);
+      x = Cvt<T>::to(static_cast<const T*>(p.query)[(int64_t)tok * p.q_stride_token +
+                                                   (int64_t)head * p.q_stride_head + d]) * q_scale;
     }
-    sh.qo.q[r][d] = q;
+    sh.q[r][c][h][jj].v[k] = x;
   }
   publish_row_ranges<R>(p, b, sh.ri);  // + barrier: q visible
-
-  float m[R], l[R], acc[R][DPL];
+  float acc[R][CPL][PIECE];
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    m[r] = -FLT_MAX;
-    l[r] = 0.f;
+  for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int i = 0; i < DPL; ++i) acc[r][i] = 0.f;
+    for (int c = 0; c < CPL; ++c)
+#pragma unroll
+      for (int e = 0; e < PIECE; ++e) acc[r][c][e] = 0.f;
+  OwnScores<NF> own;
+  float m_own[NF], l_own[NF];
+#pragma unroll
+  for (int f = 0; f < NF; ++f) {
+    const int idx = scatter_first<N, G>(j) + f, row = idx % R;
+    own.pass[f] = idx / R;
+    own.lo[f] = sh.ri.lo[row];
+    own.hi[f] = sh.ri.hi[row];
+    own.qpos[f] = sh.ri.qpos[row];
+    own.slope[f] = sh.ri.slope[row];
+    m_own[f] = -FLT_MAX;
+    l_own[f] = 0.f;
   }
-  if (p.kv_aligned16) fma_stream<C, HS, WAVE, R, true>(p, b, sh, m, l, acc);
-  else fma_stream<C, HS, WAVE, R, false>(p, b, sh, m, l, acc);
+  if (p.kv_aligned16) fma_stream<C, HS, WAVE, R, true>(p, b, sh, own, m_own, l_own, acc);
+  else fma_stream<C, HS, WAVE, R, false>(p, b, sh, own, m_own, l_own, acc);
 
-  if (lane < R) {
-    float mm = m[0], ll = l[0];
+  butterfly<WAVE, G / NP, false>(l_own);  // a row's sum over the passes and groups
+  {  // the accumulators summed over the groups
+    float flat[R * CPL * PIECE];
 #pragma unroll
-    for (int r = 1; r < R; ++r)
-      if (r == lane) mm = m[r], ll = l[r];
-    sh.comb.m[warp][lane] = mm;
-    sh.comb.l[warp][lane] = ll;
+    for (int i = 0; i < R * CPL * PIECE; ++i) flat[i] = acc[i / (CPL * PIECE)][i / PIECE % CPL][i % PIECE];
+    butterfly<WAVE, G, false>(flat);
+#pragma unroll
+    for (int i = 0; i < R * CPL * PIECE; ++i) acc[i / (CPL * PIECE)][i / PIECE % CPL][i % PIECE] = flat[i];
   }
-  __syncthreads();  // also: every wave is done with q
+  float mr[R], lr[R];
+  {
+    const WaveView<WAVE, float, NF> mv(m_own);
+#pragma unroll
+    for (int r = 0; r < R; ++r) mr[r] = mv.read(base + scatter_holder<N, G, NF>(r), r % NF);
+  }
+  {
+    const WaveView<WAVE, float, NF> lv(l_own);
+#pragma unroll
+    for (int r = 0; r < R; ++r) lr[r] = lv.read(base + scatter_holder<N, G, NF>(r), r % NF);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      sh.comb.m[warp][r] = mr[r];
+      sh.comb.l[warp][r] = lr[r];
+    }
+  }
+  __syncthreads();
+  float fct[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     float M, L;
-    const float f = combine_factor<R>(sh.comb, warp, r, M, L, row_sink(p, b, r));
-    for (int i = 0; i < DPL; ++i) acc[r][i] *= f;
+    fct[r] = combine_factor<R>(sh.comb, warp, r, M, L, row_sink(p, b, r)) * v_scale;
   }
   for (int w = 0; w < kNumWarps; ++w) {
-    if (warp == w) {
+    if (warp == w && grp == 0) {
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) {
-          const int d = lane + i * WAVE;
-          if (d < HS) sh.qo.o[r][d] = (w == 0 ? 0.f : sh.qo.o[r][d]) + acc[r][i];
+        for (int c = 0; c < CPL; ++c) {
+          const int u = j + c * G;
+          if (u < Geo::PIECES) {
+#pragma unroll
+            for (int e = 0; e < PIECE; ++e) {
+              const int d = u * PIECE + e;
+              sh.o[r][d] = (w == 0 ? 0.f : sh.o[r][d]) + acc[r][c][e] * fct[r];
+            }
+          }
         }
     }
     __syncthreads();
   }
-  write_rows<T, HS, NT, R>(p, b, sh.qo.o, sh.comb);
+  write_rows<T, HS, NT, R>(p, b, sh.o, sh.comb);
 }
 
 // ============================================================================ MFMA engine

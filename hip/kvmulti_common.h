@@ -230,6 +230,26 @@ __device__ __forceinline__ uint8_t fp8_encode(float y) {
   return (uint8_t)(code | sign);
 }
 
+// fp8 code -> fp32 (exact, as fp8_decode) in a few ALU ops: the code's exponent and mantissa bits placed
+// at the top of an fp32's (a normal code's fp32 exponent is then its own, a subnormal's an fp32 subnormal)
+// times 2^(127 - bias), the sign kept; NaN codes (e4m3fn 0x7F / 0xFF, FNUZ 0x80) and e5m2's top exponent
+// (inf / NaN) by select. Needs fp32 subnormals kept (the GPUs' default for HIP and CUDA; not flushed).
+template <typename C>
+__device__ __forceinline__ float fp8_to_float(uint32_t code) {
+  using F = Fp8Format<C>;
+  const uint32_t mag = code & 0x7Fu, sign = (code & 0x80u) << 24;
+  const float x = __uint_as_float(sign | (mag << (23 - F::kMant))) *
+                  __uint_as_float((uint32_t)(127 + 127 - F::kBias) << 23);
+  if constexpr (F::kFnuz) {
+    return code == 0x80u ? __uint_as_float(0x7FC00000u) : x;
+  } else if constexpr (F::kMant == 3) {
+    return mag == 0x7Fu ? __uint_as_float(sign | 0x7FC00000u) : x;
+  } else {
+    const bool top = mag >= 0x7Cu;  // exponent 31: inf (mantissa 0) or NaN
+    return top ? __uint_as_float(sign | (mag == 0x7Cu ? 0x7F800000u : 0x7FC00000u)) : x;
+  }
+}
+
 template <typename C> struct Fp8Cvt {
   __device__ __forceinline__ static float to(C x) { return fp8_decode<C>(x.bits); }
   __device__ __forceinline__ static C from(float x) { return C{fp8_encode<C>(x)}; }
@@ -368,6 +388,48 @@ __device__ __forceinline__ int wave_read_lane(int x, int src) {
   return __shfl(x, src);
 #endif
 }
+
+// out[k] = v[k] of lane (lane ^ mask) of the wave, k < N (mask < WAVE). Every lane must call it. N shuffles on
+// a GPU; on the CPU harness one warp collective per 16 floats (what keeps its fiber switches few).
+template <int WAVE, int N>
+__device__ __forceinline__ void shfl_xor_n(const float (&v)[N], float (&out)[N], int mask) {
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+  constexpr int kPer = (int)(::kvcpu::kSlotBytes / sizeof(float));
+  for (int k0 = 0; k0 < N; k0 += kPer) {
+    const int n = N - k0 < kPer ? N - k0 : kPer;
+    const auto* slots = ::kvcpu::publish(v + k0, n * sizeof(float));
+    __builtin_memcpy(out + k0, &slots[::kvcpu::lane_id() ^ mask][0], n * sizeof(float));
+  }
+#else
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = __shfl_xor(v[k], mask, WAVE);
+#endif
+}
+
+// N values of type V every lane of the wave publishes; read(src, k) is value k of lane src (k a constant
+// in unrolled code). Every lane must construct it and make the same reads (a shuffle each on a GPU); on
+// the CPU harness the construction is the one warp collective and reads are loads, valid until the lane's
+// next collective.
+template <int WAVE, typename V, int N>
+struct WaveView {
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+  static_assert(N * sizeof(V) <= ::kvcpu::kSlotBytes, "a WaveView fits one harness slot");
+  const uint64_t (*slots)[::kvcpu::kSlotWords];
+  __device__ explicit WaveView(const V (&own)[N]) : slots(::kvcpu::publish(own, sizeof(own))) {}
+  __device__ V read(int src, int k) const {
+    V x;
+    __builtin_memcpy(&x, reinterpret_cast<const unsigned char*>(&slots[src][0]) + k * sizeof(V), sizeof(V));
+    return x;
+  }
+#else
+  V own[N];
+  __device__ explicit WaveView(const V (&v)[N]) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) own[k] = v[k];
+  }
+  __device__ V read(int src, int k) const { return __shfl(own[k], src, WAVE); }
+#endif
+};
 
 #if KVMULTI_HAS_MFMA
 // Register types of the 16x16x16 matrix builtins: C/D 4 x fp32; A/B 4 x 16-bit (f16 or bf16).

@@ -250,6 +250,11 @@ def test_ci_thresholds_flag_each_violation():
         assert any("v_mfma" in p and f"{fmt} cache" in p for p in problems)
         assert any("denormals" in p for p in cc.row_problems(_row(cache=fmt, fp16_denorm_mode=0)))
         assert cc.row_problems(_row(cache=fmt, dtype="fp32", matrix_instructions=0)) == []
+        # the FMA engine reads an fp8 row as 8-byte pieces (8 codes per lane); narrower loads still fail
+        fma = dict(cache=fmt, matrix_instructions=0, target="gfx1100", wave=32)
+        assert cc.row_problems(_row(**fma, hot_loop_load_widths_bytes=[8])) == []
+        assert any("want 8 only" in p for p in cc.row_problems(_row(**fma, hot_loop_load_widths_bytes=[4, 8])))
+        assert any("want 16 only" in p for p in cc.row_problems(_row(cache=fmt, hot_loop_load_widths_bytes=[8])))
         assert cc.row_problems(_row(cache=fmt, target="gfx1030", wave=32, matrix_instructions=0)) == []
     assert cc.row_problems(_row(fp16_denorm_mode=0)) == []      # a 16-bit cache widens nothing
 
@@ -285,7 +290,8 @@ def test_report_rows_per_kernel_and_target():
             assert cc.failing_problems(r) == [], cc.failing_problems(r)
         for r in attention:
             if not cc.open_problems(r):
-                assert r["hot_loop_load_widths_bytes"] == [16] and r["bytes_in_flight_per_lane"] >= 64
+                width = cc.hot_loop_load_bytes(r)
+                assert r["hot_loop_load_widths_bytes"] == [width] and r["bytes_in_flight_per_lane"] >= 4 * width
             if arch in cc.MFMA_ARCHS and r["dtype"] != "fp32":   # block ids: scalars, not shuffles
                 assert r["hot_loop_ds_bpermute"] <= cc.DECODE_SOFTMAX_SHUFFLES, r
             uses_mfma = arch in cc.MFMA_ARCHS and r["dtype"] != "fp32"    # 16-bit or fp8 cache alike

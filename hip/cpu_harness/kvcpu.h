@@ -176,10 +176,13 @@ struct Fiber {
 #endif
 };
 
+//: bytes one lane publishes per warp collective
+constexpr size_t kSlotBytes = 64, kSlotWords = kSlotBytes / 8;
+
 struct Warp {
   Barrier bar;
   int size = 0;
-  uint64_t slot[2][64][2];     // [parity][lane][16 bytes]: double-buffered exchange slots
+  uint64_t slot[2][64][kSlotWords];  // [parity][lane][kSlotBytes]: double-buffered exchange slots
 };
 
 struct State {
@@ -429,13 +432,18 @@ inline void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t shmem
 }
 
 // ------------------------------------------------------------------------------ warp collectives
-// Publishes n <= 16 bytes of this lane into its slot of the current slot set and waits until every
-// lane of the warp has published; returns the set (read any lane's slot from it). One warp barrier.
-inline const uint64_t (*publish(const void* p, size_t n))[2] {
+// Publishes n <= kSlotBytes bytes of this lane into its slot of the current slot set and waits until every
+// lane of the warp has published; returns the set (read any lane's slot from it until this lane's next
+// collective: a set is rewritten only after every lane has passed the next barrier). One warp barrier.
+inline const uint64_t (*publish(const void* p, size_t n))[kSlotWords] {
   State& s = st();
   Fiber* f = s.cur;
   Warp& w = s.warps[f->warp];
   const unsigned parity = f->xround++ & 1u;
+  if (n > kSlotBytes) {
+    fail(hipErrorLaunchFailure, "kvcpu: a warp collective of more than kSlotBytes bytes per lane");
+    n = kSlotBytes;
+  }
   std::memcpy(&w.slot[parity][f->lane][0], p, n);
   barrier_wait(w.bar, w.size);
   return w.slot[parity];
