@@ -5,7 +5,7 @@ of each (estimate / measured - 1).
 Rows: the Triton ``unified_attention`` launches the backend plans for each measured shape, cross-compiled
 for sm_90 (:func:`triton_rows`, in a subprocess without ``TRITON_INTERPRET``, kept in the kvmulti cache),
 their hot loop's wave stream read from the SASS control codes (devtools/roofline_sass.py); and the HIP
-sources' FMA engine built with nvcc for sm_90 (devtools/roofline_hip_fma.py). ``python
+FMA engine's build the H200 ran, from its recorded sm_90 figures (devtools/roofline_hip_fma.py). ``python
 devtools/roofline_calibration.py`` prints the table.
 """
 
@@ -134,10 +134,11 @@ def triton_estimates(target: Target = H200) -> dict[str, Estimate]:
     return {r["shape"]: estimate(T.launch(r, SHAPES[r["shape"]], target), target) for r in triton_rows()}
 
 
-def hip_estimates(target: Target = H200) -> dict[str, Estimate]:
-    """``{shape: estimate}`` of the HIP FMA engine's launches on ``target`` (nvcc's sm_90 build)."""
+def hip_estimates(target: Target = H200, current: bool = False) -> dict[str, Estimate]:
+    """``{shape: estimate}`` of the HIP FMA engine's launches on ``target``: the build the H200 measured
+    (its recorded sm_90 figures), or with ``current`` the current source's (nvcc's sm_90 build)."""
     from devtools import roofline_hip_fma as F
-    fma = F.read_sass(*F.compile_sass())
+    fma = F.current_sass() if current else F.MEASURED_KERNEL
     return {shape: estimate(F.launch(fma, case, target), target) for shape, case in SHAPES.items()}
 
 

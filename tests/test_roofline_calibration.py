@@ -62,15 +62,50 @@ def test_shared_wavefronts_follow_the_bank_rules():
     assert R.shared_wavefronts([4 * i for i in range(64)], 4, banks=32) == 2
 
 
-def test_fma_engine_tile_wavefronts(rows):
-    """About 2,500 wavefronts per wave and 4 KiB tile, the QK reads' 8-way conflicts nearly all of them."""
+def test_measured_fma_engine_tile_wavefronts():
+    """The build the H200 ran: about 2,500 wavefronts per wave and 4 KiB tile, the QK reads' 8-way
+    conflicts nearly all of them (its recorded figures)."""
     from devtools import roofline_hip_fma as F
-    fma = F.read_sass(*F.compile_sass())
-    waves = F.tile_wavefronts(fma)
-    assert fma.qk_loads.count(2) == 4 and fma.qk_loads.count(16) == 1
-    assert waves["qk"] == 2 * 32 * (4 * 8 + 4)
-    assert 2300 < sum(waves.values()) < 2700
+    fma = F.MEASURED_KERNEL
+    assert fma.tile_wavefronts["qk"] == 2 * 32 * (4 * 8 + 4)
+    assert 2300 < sum(fma.tile_wavefronts.values()) < 2700 and fma.tile_bytes == 4096
     assert F.resident_blocks(fma) == 3
+
+
+def test_current_fma_engine_reads_at_most_400_wavefronts_per_4kib():
+    """The current FMA engine's sm_90 tile loop (nvcc through hip/compat, as the device check builds it):
+    K / V in registers, only the query rows read from shared memory, conflict-free; the count is the
+    SASS's shared accesses per trip (any access of another kind fails the read)."""
+    from devtools import hip_compile_check as cc
+    from devtools import roofline_hip_fma as F
+    from devtools import roofline_sass as S
+    _need(cc.nvcc() is not None, "nvcc")
+    _need(S.cuobjdump() is not None, "cuobjdump")
+    fma = F.current_sass()
+    assert fma.tile_bytes == F.geometry().tile_bytes and fma.tile_keys == F.geometry().tile_keys
+    assert 0 < fma.wavefronts_per_4kib <= F.MAX_WAVEFRONTS_PER_4KIB, F.format_current(fma)
+    assert fma.shuffles > 0 and fma.tile_mix.get("lds", 0) * 4 == fma.tile_wavefronts["query"]
+
+
+def test_wavefront_count_rejects_a_shared_access_without_a_pattern():
+    from devtools import roofline_hip_fma as F
+    geo = F.geometry()
+    loads = geo.passes * 2 * geo.pieces_per_lane
+    lines = []
+    addr = 0
+    def ins(text):
+        nonlocal addr
+        lines.append(f"        /*{addr:04x}*/                   {text} ;  /* 0x000000000000000000 */")
+        lines.append("                                                                   /* 0x000fe20000000f00 */")
+        addr += 16
+    ins("FFMA R1, R2, R3, R4")
+    for _ in range(loads):
+        ins("LDG.E.128 R4, desc[UR4][R2.64]")
+    ins("SHFL.BFLY PT, R5, R6, 0x1, 0x1f")
+    ins("STS [R1], R5")
+    ins("BRA 0x0")
+    with pytest.raises(ValueError, match="STS"):
+        F.read_sass("\n".join(lines), "Used 100 registers, 1024 bytes smem")
 
 
 @pytest.mark.parametrize("impl,shape", REPRODUCED)
