@@ -6,6 +6,7 @@ hip/cpu_harness and must equal kvmulti.reference on hypothesis-generated mixed b
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -1003,15 +1004,16 @@ PREFILL_POISON_ENGINES = [(torch.float16, "fp16", 64, "mfma"), (torch.bfloat16, 
                           (torch.bfloat16, "e4m3", 64, "mfma"), (torch.float16, "e5m2", 64, "mfma"),
                           (torch.float16, "e4m3", 64, "mfma"), (torch.bfloat16, "e5m2", 64, "mfma"),
                           (torch.float32, "fp32", 64, "mfma"), (torch.float32, "e4m3", 64, "mfma"),
-                          (torch.float32, "e5m2", 64, "mfma")]
+                          (torch.float32, "e5m2", 64, "mfma"), (torch.float16, "fp16", 32, "wmma"),
+                          (torch.bfloat16, "bf16", 32, "wmma")]
 
 
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("scenario", ["mixed", "window"])
 @pytest.mark.parametrize("engine", PREFILL_POISON_ENGINES, ids=[f"{e[1]}-w{e[2]}-{e[3]}" for e in PREFILL_POISON_ENGINES])
 def test_prefill_unreadable_slots_with_nan_do_not_leak(hip_backend, engine, scenario, head_size):
-    """The prefill kernel loads whole 64-key tiles (head 256: 32; fp8 at head 64: 128): every slot no row may read holds NaN, the
-    output must equal the oracle's (finite)."""
+    """The prefill kernel loads whole 64-key tiles (head 256: 32; fp8 at head 64: 128; WMMA: 16 - 64): every slot no row may
+    read holds NaN, the output must equal the oracle's (finite)."""
     dtype, cache_name, wave, kind = engine
     cache_dtype = POISON_CACHES[cache_name]
     sc = POISON_SCENARIOS[scenario]
@@ -1022,9 +1024,106 @@ def test_prefill_unreadable_slots_with_nan_do_not_leak(hip_backend, engine, scen
     layout, cache, md, query, k_scale, v_scale = _poisoned_case(spec, cache_dtype, "nan")
     want = reference.paged_attention(query, cache, layout, md, sliding_window=spec.sliding_window,
                                      softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale)
+    wmma = _wmma_library()
+    wmma.kvcpu_reset_wmma_count()
     out, mfmas = _harness_attention(hip.HipBackend(partition_size=sc["partition"], cpu_wave=wave, prefill_min_query=1),
                                     query, cache, layout, md, sliding_window=spec.sliding_window,
                                     softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale)
     assert (mfmas > 0) == (kind == "mfma")
+    assert (wmma.kvcpu_wmma_count() > 0) == (kind == "wmma" and head_size <= 128)   # head 256: attention kernel
     assert bool(out.isfinite().all())
     assert_close_to_reference(out, want, dtype, f"prefill {spec} over {cache_name} poisoned with NaN")
+
+
+# ------------------------------------------------------------------ the prefill kernel's WMMA engine (wave32)
+# 16-bit queries at heads up to 128 take paged_prefill_kernel on wave32 through WMMA (gfx11 / gfx12 operand
+# layout, as kvcpu_set_wmma_family says; 0: no WMMA, the attention kernel's FMA engine serves the step). Its
+# tiles: 32 keys (head 128: 16), each wave 16 rows.
+def _wmma_library():
+    lib = hip.library.load_cpu_library()
+    lib.kvcpu_wmma_count.restype = ctypes.c_ulonglong
+    lib.kvcpu_set_wmma_family.argtypes = [ctypes.c_int]
+    lib.kvcpu_set_wmma_family.restype = ctypes.c_int
+    return lib
+
+
+@contextlib.contextmanager
+def _emulated_wmma(family: int):
+    """The harness emulating a wave32 device of WMMA layout ``family`` (11, 12; 0: none) inside the block."""
+    lib = _wmma_library()
+    assert lib.kvcpu_set_wmma_family(family) == 0
+    try:
+        yield lib
+    finally:
+        lib.kvcpu_set_wmma_family(11)
+
+
+def _wmma_count(backend, spec, family: int = 11, cache_dtype=None, per_head: bool = False, **kw) -> int:
+    """WMMA instructions of one oracle-checked run at wave 32 (cache_dtype: an fp8 cache)."""
+    with _emulated_wmma(family) as lib:
+        lib.kvcpu_reset_wmma_count()
+        if cache_dtype is None:
+            _run_case(backend, spec, wave=32, **kw)
+        else:
+            _run_fp8_case(backend, spec, cache_dtype, per_head=per_head, wave=32, **kw)
+        return lib.kvcpu_wmma_count()
+
+
+# WMMAs per wave and key tile: 16-key sub-tiles x (QK steps + PV steps) = sub-tiles x 2 x head / 16.
+WMMA_PREFILL_TILE = {64: (32, 2 * 2 * 4), 80: (32, 2 * 2 * 5), 96: (32, 2 * 2 * 6), 128: (16, 2 * 8)}
+
+
+@pytest.mark.parametrize("family", [11, 12])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128])
+def test_prefill_kernel_wave32_takes_wmma(hip_backend, head_size, family):
+    """One causal prompt of 64 tokens, group 1: wave w (rows 16w .. 16w + 15) visits the key tiles up to key
+    16w + 15, each the table's WMMA count; the decode kernel (threshold 0) and the harness without WMMA run
+    none. The oracle checks each run."""
+    spec = CaseSpec(order="NHD", block_size=16, num_kv_heads=1, group=1, head_size=head_size,
+                    dtype=(torch.float16, torch.bfloat16)[head_size // 16 % 2], query_lens=(64,), context_lens=(0,))
+    kt, per_tile = WMMA_PREFILL_TILE[head_size]
+    want = sum((16 * w + 15) // kt + 1 for w in range(4)) * per_tile
+    assert _wmma_count(hip_backend, spec, family, partition_size=0) == want
+    if family == 11:
+        assert _wmma_count(hip_backend, spec, family, partition_size=0, prefill_min_query=0) == 0
+        assert _wmma_count(hip_backend, spec, 0, partition_size=0) == 0
+        with _mfma_library_counting() as mfma:
+            _run_case(hip_backend, spec, wave=32, partition_size=0)
+            assert mfma.kvcpu_mfma_count() == 0
+
+
+@contextlib.contextmanager
+def _mfma_library_counting():
+    lib = _mfma_library()
+    lib.kvcpu_reset_mfma_count()
+    yield lib
+
+
+# Each case of PREFILL_CASES at wave 32: gfx11's layout on every case, gfx12's and no WMMA (the attention
+# kernel) on every other one.
+WAVE32_PREFILL_RUNS = [(name, 11) for name in PREFILL_CASES] + [(name, (0, 12)[i % 2])
+                                                                  for i, name in enumerate(PREFILL_CASES)]
+
+
+@pytest.mark.parametrize("name, family", WAVE32_PREFILL_RUNS, ids=[f"{n}-{f}" for n, f in WAVE32_PREFILL_RUNS])
+def test_prefill_kernel_wave32_matches_reference(hip_backend, name, family):
+    spec, _, partition = PREFILL_CASES[name]
+    count = _wmma_count(hip_backend, CaseSpec(**spec), family, partition_size=partition, prefill_min_query=1)
+    assert (count > 0) == (family != 0), count
+
+
+# What the WMMA engine does not serve keeps the attention kernel on wave32 (no WMMA, the oracle checks): fp8
+# caches (launcher.hip's prefill_served says why), head 256, fp32 queries.
+@pytest.mark.parametrize("family", [11, 12])
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+def test_prefill_wave32_keeps_the_attention_kernel_elsewhere(hip_backend, fmt, family):
+    i = list(FP8_FORMATS).index(fmt) + family
+    spec = CaseSpec(head_size=128, dtype=(torch.float16, torch.bfloat16)[i % 2],
+                    **PREFILL_HEAD_CASES[list(PREFILL_HEAD_CASES)[i % len(PREFILL_HEAD_CASES)]])
+    assert _wmma_count(hip_backend, spec, family, cache_dtype=FP8_FORMATS[fmt], per_head=bool(i % 2),
+                       partition_size=0, prefill_min_query=1) == 0
+    assert _wmma_count(hip_backend, dataclasses.replace(spec, head_size=256), family, partition_size=0,
+                       prefill_min_query=1) == 0
+    assert _wmma_count(hip_backend, dataclasses.replace(spec, dtype=torch.float32), family, partition_size=0,
+                       prefill_min_query=1) == 0
+    assert _wmma_count(hip_backend, spec, family, partition_size=0, prefill_min_query=1) > 0
