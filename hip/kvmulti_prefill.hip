@@ -1032,6 +1032,11 @@ __device__ void prefill_fma_body(const PagedAttentionParams& p, const BlockTask&
 template <typename T, typename C, int HS, int WAVE>
 __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_prefill_kernel(const PagedAttentionParams p) {
   if (!wave_matches_target<WAVE>()) return;
+#if !KVMULTI_HAS_WMMA
+  // wave32 without WMMA (gfx10, NVIDIA): the launcher runs such steps through the attention kernel
+  // (device_has_wmma), so the instantiation is left empty, as a wave-mismatched one
+  if constexpr (WAVE == 32) return;
+#endif
   constexpr int NT = kNumWarps * WAVE;
   static_assert(2 * HS * sizeof(C) <= sizeof(kZeroRow), "kZeroRow must cover a K + V row");
   BlockTask b;

@@ -35,11 +35,7 @@ namespace kvmulti::launch {
 // gfx10 (no matrix cores), NVIDIA through hip/compat -- runs the attention kernel.
 template <typename T, typename C, int HS, int WAVE>
 constexpr bool prefill_served() {
-#if defined(__CUDACC__)
-  return false;
-#else
   return WAVE == 64 || (WAVE == 32 && kvmulti::prefill_wmma_path<T, C, HS>());
-#endif
 }
 
 // Whether the current device has the WMMA instructions of the wave32 prefill engine (RDNA3 gfx11, RDNA4
