@@ -80,11 +80,15 @@ CACHES_PER_DTYPE = 5
 #: dtype, write_kv per dtype x cache
 #: prefill (launcher.hip's prefill_served): fp16 / bf16, wave64, over a cache of their own type at every
 #: head size or over each fp8 format at FP8_PREFILL_HEAD_SIZES; fp32 over fp32 or each fp8 format at
-#: FP32_PREFILL_HEAD_SIZES (both: every head size)
+#: FP32_PREFILL_HEAD_SIZES (both: every head size); fp16 / bf16, wave32 (the WMMA engine), over a cache of
+#: their own type at WMMA_PREFILL_HEAD_SIZES
 FP8_PREFILL_HEAD_SIZES = HEAD_SIZES
 FP32_PREFILL_HEAD_SIZES = HEAD_SIZES
-PREFILL_KERNELS = (2 * (len(HEAD_SIZES) + (CACHES_PER_DTYPE - 1) * len(FP8_PREFILL_HEAD_SIZES))
-                   + CACHES_PER_DTYPE * len(FP32_PREFILL_HEAD_SIZES))
+WMMA_PREFILL_HEAD_SIZES = (64, 80, 96, 128)
+WAVE64_PREFILL_KERNELS = (2 * (len(HEAD_SIZES) + (CACHES_PER_DTYPE - 1) * len(FP8_PREFILL_HEAD_SIZES))
+                          + CACHES_PER_DTYPE * len(FP32_PREFILL_HEAD_SIZES))
+WAVE32_PREFILL_KERNELS = 2 * len(WMMA_PREFILL_HEAD_SIZES)
+PREFILL_KERNELS = WAVE64_PREFILL_KERNELS + WAVE32_PREFILL_KERNELS
 EXPECTED_KERNELS = (len(DTYPES) * CACHES_PER_DTYPE * len(HEAD_SIZES) * len(WAVES) + PREFILL_KERNELS + len(DTYPES)
                     + len(DTYPES) * CACHES_PER_DTYPE)
 #: report-row kinds of the attention kernels (decode / mixed: paged_attention_kernel; prefill:
@@ -192,6 +196,8 @@ def _wave_of(arch: str) -> int:
 
 
 MFMA_ARCHS = ("gfx90a", "gfx940", "gfx942")   # targets whose fp16 / bf16-query attention kernels must use v_mfma
+WMMA_ARCHS = ("gfx1100", "gfx1201")   # targets whose fp16 / bf16-query prefill kernels must use v_wmma
+_MATRIX_OP = re.compile(r"^\s*v_(?:mfma|wmma)_")   # a matrix instruction: CDNA's v_mfma_*, RDNA3 / RDNA4's v_wmma_*
 MIN_WAVES_PER_SIMD = 2
 MIN_LOADS_IN_FLIGHT_PER_LANE = 4
 #: prefill over an fp8 cache: its hot loop widens each tile's codes once, when they are staged in LDS (4 x 16
@@ -443,11 +449,11 @@ HOT_LOOP_MARKER = "kvmulti-hot-loop"
 
 
 def analyze_function(lines: list[str]) -> dict:
-    """Static figures of one kernel's assembly: v_mfma count, global load widths (whole kernel), and
+    """Static figures of one kernel's assembly: v_mfma + v_wmma count, global load widths (whole kernel), and
     its hot loop = the innermost loop holding HOT_LOOP_MARKER if one does, else the innermost loop issuing
     the most global-load bytes per iteration."""
     widths = sorted({w for w in map(_load_width, lines) if w is not None})
-    mfma = sum(1 for l in lines if re.match(r"^\s*v_mfma_", l))
+    mfma = sum(1 for l in lines if _MATRIX_OP.match(l))
     hot = None
     for header, body in _loop_bodies(lines).items():
         prof = loop_load_profile(body)
@@ -507,7 +513,7 @@ def instruction_mix(body: list[str]) -> dict[str, int]:
         if not op or op.startswith((";", ".")) or op.startswith(("s_waitcnt", "s_wait_", "s_cbranch", "s_branch", "s_nop",
                                                                          "s_delay_alu")):
             continue
-        unit = ("mfma" if op.startswith("v_mfma") else "valu" if op.startswith("v_") else
+        unit = ("mfma" if op.startswith(("v_mfma", "v_wmma")) else "valu" if op.startswith("v_") else
                 "lds" if op.startswith("ds_") else "vmem" if op.startswith(("global_", "buffer_", "flat_")) else
                 "salu" if op.startswith("s_") else None)
         if unit:
@@ -639,6 +645,8 @@ def rows_of(dp: DevicePass) -> list[dict]:
         kind, dtype, hs, kwave = _kernel_kind(name)
         if kind in ATTENTION_KINDS and kwave != wave:
             continue
+        if kind == "prefill" and wave == 32 and dp.arch not in WMMA_ARCHS:
+            continue   # wave32 prefill without WMMA: never launched (launcher.hip's device_has_wmma), left empty
         a = dp.asm.get(name, analyze_function([]))
         rows.append({
             "kernel": short_name(name), "symbol": name, "kind": kind, "dtype": dtype, "cache": cache_kind(name),
@@ -713,6 +721,10 @@ def row_problems(row: dict) -> list[str]:
         if row["target"] in MFMA_ARCHS and row["dtype"] in mfma_dtypes and row["matrix_instructions"] == 0:
             cache = f"{row['cache']} cache" if row.get("cache") else "16-bit cache"
             problems.append(f"{k}: {row['dtype']} query over a {cache}: attention tiles without v_mfma")
+        if (row["kind"] == "prefill" and row["target"] in WMMA_ARCHS and row["dtype"] in ("fp16", "bf16")
+                and row["matrix_instructions"] == 0):
+            cache = f"{row['cache']} cache" if row.get("cache") else "16-bit cache"
+            problems.append(f"{k}: {row['dtype']} query over a {cache}: prefill tiles without v_wmma")
         if row.get("cache") and row["matrix_instructions"] and row.get("fp16_denorm_mode") != 3:
             problems.append(f"{k}: fp8 codes widened through fp16 with fp16 denormals not kept "
                             f"(.amdhsa_float_denorm_mode_16_64 {row.get('fp16_denorm_mode')}, want 3)")
@@ -746,7 +758,7 @@ def row_problems(row: dict) -> list[str]:
 
 #: what a row problem is (:func:`problem_kind`), from the message :func:`row_problems` writes
 _PROBLEM_KINDS = (("spills", "spilled registers"), ("occupancy", "occupancy"), ("empty", "empty body"),
-                  ("no_mfma", "without v_mfma"), ("denorm", "denormals"), ("narrow_loads", "hot-loop global loads"),
+                  ("no_mfma", "without v_mfma"), ("no_wmma", "without v_wmma"), ("denorm", "denormals"), ("narrow_loads", "hot-loop global loads"),
                   ("mfma_share", "MFMA cycles <"), ("fp8_widening", "VALU cycles >"), ("shuffles", "ds_bpermute"),
                   ("pipeline", "decode hot loop keeps"), ("in_flight", "bytes in flight per lane"))
 

@@ -817,7 +817,7 @@ __device__ void fma_body(const PagedAttentionParams& p, const BlockTask& b) {
 }
 
 // ============================================================================ MFMA engine
-#if KVMULTI_HAS_MFMA
+#if KVMULTI_HAS_MFMA || KVMULTI_HAS_WMMA
 // Fragment geometry for 16-bit queries, wave64, 16 rows (the N dimension of S^T = K Q^T). C: the cache's
 // element type -- the query's, or fp8 codes, widened to the query's type when the fragments are formed.
 template <typename C, int HS>
@@ -1271,7 +1271,7 @@ __device__ void mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
   }
   write_rows<T, HS, NT, 16>(p, b, sh.ov.o, sh.comb);
 }
-#endif  // KVMULTI_HAS_MFMA
+#endif  // KVMULTI_HAS_MFMA || KVMULTI_HAS_WMMA
 
 // grid (num_tokens, num_kv_heads * RowMap::chunks, num_partitions), block kNumWarps * WAVE threads, no
 // dynamic shared memory. T: query and output type; C: cache element type (T, or an fp8 type).

@@ -122,6 +122,16 @@ __host__ __device__ constexpr int rows_per_block() {
 #define KVMULTI_HAS_MFMA 0
 #endif
 
+// WMMA (16x16x16 wave32 matrix instructions): RDNA3 (gfx11) and RDNA4 (gfx12) device passes, whose operand
+// layouts differ (see wmma_family), and the CPU harness (which emulates either, kvcpu_set_wmma_family).
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+#define KVMULTI_HAS_WMMA 1
+#elif defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && (defined(__GFX11__) || defined(__GFX12__))
+#define KVMULTI_HAS_WMMA 1
+#else
+#define KVMULTI_HAS_WMMA 0
+#endif
+
 // True when the code being generated runs with WAVE lanes per wave. Kernels are templated on WAVE
 // and return at once when it does not match (the launcher dispatches on hipDeviceAttributeWarpSize,
 // so such an instantiation is never launched; the branch folds away and leaves an empty body).
@@ -431,7 +441,7 @@ struct WaveView {
 #endif
 };
 
-#if KVMULTI_HAS_MFMA
+#if KVMULTI_HAS_MFMA || KVMULTI_HAS_WMMA
 // Register types of the 16x16x16 matrix builtins: C/D 4 x fp32; A/B 4 x 16-bit (f16 or bf16).
 #if defined(KVMULTI_HIP_CPU_HARNESS)
 typedef ::kvcpu::f32x4 mfma_f32x4;
@@ -616,6 +626,6 @@ __device__ __forceinline__ uint32_t widen_pair_scaled(uint32_t pair) {
            (fnuz ? fnuz_nan_halves<0x7FC0u>(pair) : 0u);
   }
 }
-#endif  // KVMULTI_HAS_MFMA
+#endif  // KVMULTI_HAS_MFMA || KVMULTI_HAS_WMMA
 
 }  // namespace kvmulti

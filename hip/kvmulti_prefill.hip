@@ -76,6 +76,16 @@ __host__ __device__ constexpr bool prefill_mfma_path() {
   return WAVE == 64;
 }
 
+// Instantiations with the prefill kernel's WMMA path (on WMMA targets, wave32): 16-bit queries over a cache of
+// their type, heads up to 128. Head 256 keeps the attention kernel: its accumulators alone take 128 VGPRs per
+// lane (16 rows on 32 lanes). So do fp8 caches: at the tiles whose registers fit (those of the 16-bit cache),
+// a thread keeps one 16-byte K and one V load in flight (the compile check wants 4); the tiles with 2 + 2
+// (twice the keys) spilled on gfx1100 at heads 80 - 128 and on gfx1201 at head 96.
+template <typename T, typename C, int HS>
+__host__ __device__ constexpr bool prefill_wmma_path() {
+  return sizeof(T) == 2 && !is_fp8<C>() && HS <= 128;
+}
+
 // x as a per-lane (VGPR) value when ON: a block-uniform value that the tile loop only feeds to per-lane
 // arithmetic then takes no SGPRs there (over fp8 caches the loop is short of them; bt_lane is one such value).
 template <bool ON, typename X>
@@ -93,7 +103,7 @@ __device__ __forceinline__ int wave_max_int(int v) {
   return v;
 }
 
-#if KVMULTI_HAS_MFMA
+#if KVMULTI_HAS_MFMA || KVMULTI_HAS_WMMA
 // The element type of the LDS tiles: the cache's, or for an fp8 cache the query's type (codes are widened
 // once per tile when staged, so the waves' hot loop reads K / V like a cache of the query's type).
 template <typename T, typename C>
@@ -120,8 +130,9 @@ __device__ __forceinline__ mfma_f32x4 prefill_mfma(const PrefillOp<L>& a, const 
 // LDS tile geometry of the MFMA path (L: the LDS element type). A key's row (K or V) takes ROWB bytes: its
 // NCH 16-byte chunks, chunk ch stored at position ch ^ (key & SWZ) when NCH is a power of two (the 16 keys a
 // K read touches land in different banks), else after a 16-byte pad per row. TPK threads load one key's row.
-// KTM: the largest tile (64 keys; 128 where prefill_kt_max allows it).
-template <typename L, int HS, int KTM = 64>
+// KTM: the largest tile (64 keys; 128 where prefill_kt_max allows it). WAVE: the lanes per wave (64: MFMA,
+// 32: WMMA), which sets the loading threads' share of a tile.
+template <typename L, int HS, int KTM = 64, int WAVE = 64>
 struct PrefillGeom {
   static constexpr int ES = (int)sizeof(L);                     // bytes per element: 2, or 4 (fp32)
   static constexpr int NCH = MfmaGeom<L, HS>::NCH;
@@ -136,11 +147,12 @@ struct PrefillGeom {
   static constexpr int ROWB = 16 * LNC + (kPow2 ? 0 : 16);
   // K + V of a tile in at most 32 KiB: KTM keys (128 or 64), else 32, else 16
   static constexpr int KT = KTM >= 128 && 2 * 128 * ROWB <= 32768 ? 128
-                            : 2 * 64 * ROWB <= 32768 ? 64 : 2 * 32 * ROWB <= 32768 ? 32 : 16;
+                            : KTM >= 64 && 2 * 64 * ROWB <= 32768 ? 64
+                            : KTM >= 32 && 2 * 32 * ROWB <= 32768 ? 32 : 16;
   static constexpr int NSUB = KT / 16;
-  static constexpr int TPK = kNumWarps * 64 / KT;                // threads per key: 2, 4, 8 or 16
+  static constexpr int TPK = kNumWarps * WAVE / KT;              // threads per key: 1, 2, 4, 8 or 16
   // the first key of wave w's loads (wave w loads keys WKEYS w .. WKEYS (w + 1) - 1 of a tile)
-  static constexpr int WKEYS = 64 / TPK;
+  static constexpr int WKEYS = WAVE / TPK;
   // rows of V^T: the head dims, for fp32 up to a whole number of chunks per loading thread (PrefillLoad::PAD)
   static constexpr int VD = ES == 4 ? 4 * ((NCH + TPK - 1) / TPK * TPK) : HS;
   __device__ static int offset(int key, int ch) { return key * ROWB + 16 * (ch ^ (key & SWZ)); }
@@ -159,22 +171,25 @@ struct PrefillGeom {
 };
 
 // The largest tile of a cache type and head size: 128 keys for fp8 codes at head 64 (64-byte rows: a 64-key
-// tile would give each thread one K and one V load, 32 bytes in flight per lane), else 64.
-template <typename C, int HS>
+// tile would give each thread one K and one V load, 32 bytes in flight per lane), else 64. The WMMA engine
+// (WAVE 32, 16-bit caches, half of wave64's threads loading a tile): the smallest tile with 2 K and 2 V
+// loads per thread -- 32 keys, 16 at head 128 --, as a larger tile's loads in flight and scores would not fit
+// the registers next to the accumulators (gfx11 spilled).
+template <typename C, int HS, int WAVE = 64>
 __host__ __device__ constexpr int prefill_kt_max() {
-  return is_fp8<C>() && HS == 64 ? 128 : 64;
+  return WAVE == 32 ? (HS >= 128 ? 16 : 32) : is_fp8<C>() && HS == 64 ? 128 : 64;
 }
 
 // The global-load side of a tile: a cache row (K or V) of C is LNCH 16-byte chunks (fp8: 16 codes each,
 // WIDEN = 2 LDS chunks once widened to 16 bits, 4 to fp32); thread tid < NLT loads chunks tid % TPK + TPK i
 // of key tid / TPK. fp8 codes for fp32 tiles: half the geometry's threads per key (the first two waves load,
 // 2 x 16-byte K and V loads each in flight instead of 1).
-template <typename C, int HS, typename L>
+template <typename C, int HS, typename L, int WAVE = 64>
 struct PrefillLoad {
-  static constexpr int KTM = prefill_kt_max<C, HS>();
-  static constexpr int TPK = PrefillGeom<L, HS, KTM>::TPK / (is_fp8<C>() && sizeof(L) == 4 ? 2 : 1);
-  static constexpr int NLT = PrefillGeom<L, HS, KTM>::KT * TPK;
-  __device__ static bool loads(int tid) { return NLT == kNumWarps * 64 || tid < NLT; }
+  static constexpr int KTM = prefill_kt_max<C, HS, WAVE>();
+  static constexpr int TPK = PrefillGeom<L, HS, KTM, WAVE>::TPK / (is_fp8<C>() && sizeof(L) == 4 ? 2 : 1);
+  static constexpr int NLT = PrefillGeom<L, HS, KTM, WAVE>::KT * TPK;
+  __device__ static bool loads(int tid) { return NLT == kNumWarps * WAVE || tid < NLT; }
   static constexpr int EPC = 16 / (int)sizeof(C);
   static constexpr int LNCH = HS / EPC;
   static constexpr int CPT = (LNCH + TPK - 1) / TPK;             // K (and V) chunks per thread and tile
@@ -193,8 +208,8 @@ struct PrefillShared {
 };
 
 // The block-table entries of the keys a wave loads from key t0 on: lane i holds entry t0 / block_size + i
-// (-1 past the table), ws = the first entry's first key. A wave loads at most 64 keys of a tile (t0: the
-// tile's first key, or its own first key in a 128-key tile), which span at most 64 entries.
+// (-1 past the table), ws = the first entry's first key. A wave loads at most WAVE keys of a tile (t0: the
+// tile's first key, or its own first key in a tile of more than WAVE keys), which span at most WAVE entries.
 struct TileTable {
   int entry, ws;
 };
@@ -208,16 +223,16 @@ __device__ __forceinline__ TileTable tile_table(const PagedAttentionParams& p, c
 
 // Issues the loads of the tile at key t0 (PrefillLoad's chunks of every thread, K and V). Every lane calls
 // it (key_row shuffles).
-template <typename C, int HS, typename L, bool ALIGNED>
+template <typename C, int HS, typename L, bool ALIGNED, int WAVE = 64>
 __device__ __forceinline__ void prefill_load(const PagedAttentionParams& p, const BlockTask& b, const C* cache,
                                              const TileTable& tt, float inv_bs, int t0,
-                                             Chunk16 (&kr)[PrefillLoad<C, HS, L>::CPT],
-                                             Chunk16 (&vr)[PrefillLoad<C, HS, L>::CPT]) {
-  using PL = PrefillLoad<C, HS, L>;
+                                             Chunk16 (&kr)[PrefillLoad<C, HS, L, WAVE>::CPT],
+                                             Chunk16 (&vr)[PrefillLoad<C, HS, L, WAVE>::CPT]) {
+  using PL = PrefillLoad<C, HS, L, WAVE>;
   const int tid = (int)threadIdx.x;
   if (!PL::loads(tid)) return;  // wave-uniform
   bool unused;
-  const C* row = key_row<64>(p, b, cache, tt.entry, tt.ws, inv_bs, t0 + tid / PL::TPK, unused);
+  const C* row = key_row<WAVE>(p, b, cache, tt.entry, tt.ws, inv_bs, t0 + tid / PL::TPK, unused);
 #pragma unroll
   for (int i = 0; i < PL::CPT; ++i) {
     const int ch = tid % PL::TPK + PL::TPK * i;
@@ -262,12 +277,12 @@ __device__ __forceinline__ Chunk16 widen_quarter_chunk_f32(const Chunk16& c, int
 
 // Stores the loaded chunks of this thread in LDS; fp8 codes widened on the way (K to L, V to VL), once per
 // tile.
-template <typename C, int HS, typename L, typename VL>
-__device__ __forceinline__ void prefill_store(PrefillShared<L, HS, PrefillLoad<C, HS, L>::KTM>& sh,
-                                              const Chunk16 (&kr)[PrefillLoad<C, HS, L>::CPT],
-                                              const Chunk16 (&vr)[PrefillLoad<C, HS, L>::CPT]) {
-  using PL = PrefillLoad<C, HS, L>;
-  using PG = PrefillGeom<L, HS, PL::KTM>;
+template <typename C, int HS, typename L, typename VL, int WAVE = 64>
+__device__ __forceinline__ void prefill_store(PrefillShared<L, HS, PrefillLoad<C, HS, L, WAVE>::KTM>& sh,
+                                              const Chunk16 (&kr)[PrefillLoad<C, HS, L, WAVE>::CPT],
+                                              const Chunk16 (&vr)[PrefillLoad<C, HS, L, WAVE>::CPT]) {
+  using PL = PrefillLoad<C, HS, L, WAVE>;
+  using PG = PrefillGeom<L, HS, PL::KTM, WAVE>;
   constexpr int LE = 16 / PG::ES;   // elements per LDS chunk
   const int tid = (int)threadIdx.x, key = tid / PL::TPK;
   if (!PL::loads(tid)) return;  // wave-uniform
@@ -448,11 +463,236 @@ __device__ __forceinline__ void prefill_tile(const PagedAttentionParams& p, cons
   }
 }
 
+// ---- the WMMA engine (wave32: RDNA3 / RDNA4, and the harness)
+// Register types of the 16x16x16 WMMA builtins: C/D 8 x fp32; A/B 16 x 16-bit on gfx11, 8 on gfx12.
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+typedef ::kvcpu::f32x8 wmma_f32x8;
+#else
+typedef float wmma_f32x8 __attribute__((ext_vector_type(8)));
+#endif
+
+// The WMMA operand layout: 11 (gfx11: a lane holds all 16 K-elements of its A row / B column, lanes 16-31
+// repeating lanes 0-15), 12 (gfx12: lane l + 16 h holds K-elements 4h .. 4h + 3 and 8 + 4h .. 11 + 4h). A
+// compile-time constant on device passes, the emulated family on the harness.
+__device__ __forceinline__ int wmma_family() {
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+  return ::kvcpu::wmma_family();
+#elif defined(__GFX12__)
+  return 12;
+#else
+  return 11;
+#endif
+}
+
+// Whether the WMMA engine may run (harness: kvcpu_set_wmma_family(0) turns it off).
+__device__ __forceinline__ bool wmma_enabled() { return wmma_family() != 0; }
+
+// Row (M index) of D element r in lane group g = lane / 16 (the column is lane % 16).
+__device__ __forceinline__ int wmma_drow(int family, int g, int r) { return family == 11 ? 2 * r + g : 8 * g + r; }
+
+// A or B operand of one lane: 16 K-elements (gfx11) or 8 (gfx12: w[0..3]), 16 bits each, in order.
+struct WFrag {
+  uint32_t w[8];
+};
+
+// c += A * B for one 16 x 16 x 16 tile (v_wmma_f32_16x16x16_f16 / _bf16); all 32 lanes.
+template <typename T>
+__device__ __forceinline__ wmma_f32x8 wmma_16x16x16(const WFrag& a, const WFrag& b, wmma_f32x8 c) {
+  constexpr bool F16 = std::is_same<T, __half>::value;
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+  using H8 = typename std::conditional<F16, ::kvcpu::f16x8, ::kvcpu::bf16x8>::type;
+  using H16 = typename std::conditional<F16, ::kvcpu::f16x16, ::kvcpu::bf16x16>::type;
+  if (::kvcpu::wmma_family() == 12) {
+    H8 x, y;
+    __builtin_memcpy(&x, &a, 16);
+    __builtin_memcpy(&y, &b, 16);
+    if constexpr (F16) return __builtin_amdgcn_wmma_f32_16x16x16_f16_w32_gfx12(x, y, c);
+    else return __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32_gfx12(x, y, c);
+  }
+  H16 x, y;
+  __builtin_memcpy(&x, &a, 32);
+  __builtin_memcpy(&y, &b, 32);
+  if constexpr (F16) return __builtin_amdgcn_wmma_f32_16x16x16_f16_w32(x, y, c);
+  else return __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(x, y, c);
+#elif defined(__GFX12__)
+  typedef _Float16 h8 __attribute__((ext_vector_type(8)));
+  typedef short s8 __attribute__((ext_vector_type(8)));
+  if constexpr (F16) {
+    h8 x, y;
+    __builtin_memcpy(&x, &a, 16);
+    __builtin_memcpy(&y, &b, 16);
+    return __builtin_amdgcn_wmma_f32_16x16x16_f16_w32_gfx12(x, y, c);
+  } else {
+    s8 x, y;
+    __builtin_memcpy(&x, &a, 16);
+    __builtin_memcpy(&y, &b, 16);
+    return __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32_gfx12(x, y, c);
+  }
+#elif defined(__GFX11__)
+  typedef _Float16 h16 __attribute__((ext_vector_type(16)));
+  typedef short s16 __attribute__((ext_vector_type(16)));
+  if constexpr (F16) {
+    h16 x, y;
+    __builtin_memcpy(&x, &a, 32);
+    __builtin_memcpy(&y, &b, 32);
+    return __builtin_amdgcn_wmma_f32_16x16x16_f16_w32(x, y, c);
+  } else {
+    s16 x, y;
+    __builtin_memcpy(&x, &a, 32);
+    __builtin_memcpy(&y, &b, 32);
+    return __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(x, y, c);
+  }
+#else
+  static_assert(sizeof(T) == 0, "WMMA on a target without it");
+  return c;
+#endif
+}
+
+// The WMMA engine's Q rows in LDS, wave w's 16 rows at q[w] (unscaled, zeros past the task's rows), read per
+// 16-dim step as the B operand of S^T: in registers, a lane's Q operands and accumulators of 16 rows on 32
+// lanes would spill at head 128. A row is padded by 16 bytes, so the 16 rows one read touches hit different
+// banks.
+template <int HS>
+struct PrefillWmmaQShared {
+  static constexpr int ROWB = 2 * HS + 16;
+  alignas(16) uint8_t q[kNumWarps][16 * ROWB];
+};
+
+// One tile of a wave on the WMMA engine: prefill_tile's contract, on 32 lanes. Lane (n, g) = lane % 16,
+// lane / 16. S^T = K Q^T per 16-key sub-tile and 16 head dims: A = key n's K dims, B = row n's Q dims (the
+// same dims: gfx11 all 16 per lane, gfx12 the lane group's 8 -- a permutation of the K index both
+// operands follow); D element e = S^T[key wmma_drow(g, e)][row n]. O += P V per 16 keys and 16 head dims:
+// A = row n's probabilities, B = head dim column n's V, both with key k at K-element k on gfx11 (the
+// lane's 8 scores and its partner lane's (lane ^ 16) 8 interleaved, a shuffle of 4 words), key 8 g + e at
+// element e on gfx12 (the lane's own scores); acc[v] element r = O[row wmma_drow(g, r)][dim 16 v + n].
+template <typename T, typename L, typename VL, int HS, bool MASKED, int SOFTCAP, bool ALIBI, int KTM = 64>
+__device__ __forceinline__ void prefill_wmma_tile(const PagedAttentionParams& p, const PrefillShared<L, HS, KTM>& sh,
+                                                  const PrefillRows& w, int t0, float& m, float& l,
+                                                  wmma_f32x8 (&acc)[HS / 16], const uint8_t* qrow,
+                                                  int k0 = 0) {
+  using PG = PrefillGeom<L, HS, KTM, 32>;
+  static_assert(PG::ES == 2 && HS % 16 == 0, "16-bit tiles, whole 16-dim steps");
+  constexpr int WAVE = 32, NSUB = PG::NSUB < 4 ? PG::NSUB : 4, QS = HS / 16;
+  const int lane = (int)threadIdx.x % WAVE, n = lane % 16, g = lane / 16;
+  const int fam = wmma_family();
+  float s[NSUB][8];
+  float tmax = -INFINITY;
+  const bool softcap = SOFTCAP > 0 || (SOFTCAP < 0 && p.softcap > 0.f);
+#pragma unroll
+  for (int sub = 0; sub < NSUB; ++sub) {
+    wmma_f32x8 d = {};
+    const int key = k0 + 16 * sub + n;
+#pragma unroll
+    for (int st = 0; st < QS; ++st) {
+      WFrag kf;
+      const Chunk16 c0 = *reinterpret_cast<const Chunk16*>(sh.k + PG::offset(key, 2 * st + (fam == 11 ? 0 : g)));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) kf.w[i] = c0.w[i];
+      if (fam == 11) {
+        const Chunk16 c1 = *reinterpret_cast<const Chunk16*>(sh.k + PG::offset(key, 2 * st + 1));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) kf.w[4 + i] = c1.w[i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) kf.w[4 + i] = 0u;
+      }
+      WFrag qf;  // row n's dims 16 st + k (gfx11, k < 16) or 16 st + 8 g + k (gfx12, k < 8)
+      const Chunk16 q0 = *reinterpret_cast<const Chunk16*>(qrow + 32 * st + (fam == 11 ? 0 : 16 * g));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) qf.w[i] = q0.w[i];
+      if (fam == 11) {
+        const Chunk16 q1 = *reinterpret_cast<const Chunk16*>(qrow + 32 * st + 16);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) qf.w[4 + i] = q1.w[i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) qf.w[4 + i] = 0u;
+      }
+      d = wmma_16x16x16<L>(kf, qf, d);
+      sched_fence();  // one step's K and Q reads in flight: no VGPRs for more
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float x = d[e];  // raw (without softcap: the scale is applied in the exponent)
+      if (SOFTCAP > 0 || (SOFTCAP < 0 && softcap)) x = p.softcap * softcap_tanh(x * w.cap_scale);
+      const int t = t0 + 16 * sub + wmma_drow(fam, g, e);
+      if constexpr (ALIBI) x = fmaf(w.alibi_unit, (float)(t - w.qpos), x);  // after softcap, before the mask
+      if constexpr (MASKED) {  // keys outside this lane's row range
+        const bool vis = t >= w.rlo && t < w.rhi;
+        x = vis ? x : -INFINITY;
+      }
+      s[sub][e] = x;
+      tmax = fmaxf(tmax, x);
+    }
+    sched_fence();
+  }
+  tmax = wave_max_from<WAVE, 16>(tmax);
+  const float m_new = fmaxf(m, tmax);
+  const float alpha = fast_exp2((m - m_new) * w.exp_scale);
+  m = m_new;
+  // m in the exponent's units, finite (m = -FLT_MAX before any visible key: -inf would make -inf + inf)
+  const float ms = fmaxf(m * w.exp_scale, -FLT_MAX);
+  l *= alpha;
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {  // acc element r: row wmma_drow(g, r), whose alpha lives in that lane
+    const float a = __shfl(alpha, wmma_drow(fam, g, r), WAVE);
+#pragma unroll
+    for (int v = 0; v < QS; ++v) acc[v][r] *= a;
+  }
+#pragma unroll
+  for (int sub = 0; sub < NSUB; ++sub) {
+    float pe[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      pe[e] = fast_exp2(fmaf(s[sub][e], w.exp_scale, -ms));
+      l += pe[e];
+    }
+    uint32_t mine[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) mine[j] = pack_p<VL>(pe[2 * j], pe[2 * j + 1]);
+    WFrag pf;
+    if (fam == 11) {  // mine[j]: keys 4j + g, 4j + 2 + g; the partner's the other two of keys 4j .. 4j + 3
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t other = __shfl_xor(mine[j], 16, WAVE);
+        const uint32_t w0 = g ? other : mine[j], w1 = g ? mine[j] : other;
+        pf.w[2 * j] = pair_halves(w0, w1, 0);
+        pf.w[2 * j + 1] = pair_halves(w0, w1, 1);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        pf.w[j] = mine[j];
+        pf.w[4 + j] = 0u;
+      }
+    }
+    // B operand v: V[the sub-tile's keys][head dim 16 v + n] from V^T, 4 keys per 8-byte read.
+#pragma unroll
+    for (int v = 0; v < QS; ++v) {
+      WFrag vf;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if (fam == 11 || q < 2) {
+          const int kq = fam == 11 ? 4 * q : 8 * g + 4 * q;
+          const Frag2 r = *reinterpret_cast<const Frag2*>(sh.v + PG::voffset(16 * v + n, k0 + 16 * sub + kq));
+          vf.w[2 * q] = r.w[0];
+          vf.w[2 * q + 1] = r.w[1];
+        } else {
+          vf.w[2 * q] = vf.w[2 * q + 1] = 0u;
+        }
+      }
+      acc[v] = wmma_16x16x16<VL>(pf, vf, acc[v]);
+      sched_fence();
+    }
+    sched_fence();
+  }
+}
+
 // The loop's state between tiles: the current tile's chunks (loaded, to be stored), the next tile's
 // block-table entries.
-template <typename C, int HS, typename L>
+template <typename C, int HS, typename L, int WAVE = 64>
 struct PrefillPipe {
-  Chunk16 kr[PrefillLoad<C, HS, L>::CPT], vr[PrefillLoad<C, HS, L>::CPT];
+  Chunk16 kr[PrefillLoad<C, HS, L, WAVE>::CPT], vr[PrefillLoad<C, HS, L, WAVE>::CPT];
   TileTable next;
 };
 
@@ -469,38 +709,43 @@ struct TileOrder {
 
 // Tiles ord(from) .. ord(to - 1) of the task: store the loaded tile, barrier, issue the next tile's K/V
 // loads and the block-table entries of the one after it, compute, barrier. MASKED / SOFTCAP / ALIBI as in
-// prefill_tile.
-template <typename T, typename C, int HS, bool ALIGNED, bool MASKED, int SOFTCAP, bool ALIBI,
-          typename L = PrefillElem<T, C>>
+// prefill_tile; WAVE 64: the MFMA engine (prefill_tile), 32: the WMMA engine (prefill_wmma_tile), whose
+// accumulators ACC and Q operands QF these are.
+template <typename T, typename C, int HS, bool ALIGNED, bool MASKED, int SOFTCAP, bool ALIBI, int WAVE,
+          typename L, typename ACC, typename QF>
 __device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, const BlockTask& b,
-                                              PrefillShared<L, HS, prefill_kt_max<C, HS>()>& sh,
-                                              PrefillPipe<C, HS, L>& pipe, const PrefillRows& w, int from, int to,
-                                              int base, const TileOrder& ord, float inv_bs,
-                                              float& m, float& l, mfma_f32x4 (&acc)[MfmaGeom<L, HS>::PVC][8],
-                                              const PrefillQ<L, HS>& qf) {
-  constexpr int KTM = prefill_kt_max<C, HS>(), KT = PrefillGeom<L, HS, KTM>::KT;
-  constexpr int WKEYS = PrefillGeom<L, HS, KTM>::WKEYS;
-  const int lane = (int)threadIdx.x % 64, ntiles = ord.ntiles;
-  const int wkey = KT > 64 ? WKEYS * ((int)threadIdx.x / 64) : 0;  // the wave's first key in a tile
+                                              PrefillShared<L, HS, prefill_kt_max<C, HS, WAVE>()>& sh,
+                                              PrefillPipe<C, HS, L, WAVE>& pipe, const PrefillRows& w, int from,
+                                              int to, int base, const TileOrder& ord, float inv_bs,
+                                              float& m, float& l, ACC& acc, const QF& qf) {
+  constexpr int KTM = prefill_kt_max<C, HS, WAVE>(), KT = PrefillGeom<L, HS, KTM, WAVE>::KT;
+  constexpr int WKEYS = PrefillGeom<L, HS, KTM, WAVE>::WKEYS;
+  const int lane = (int)threadIdx.x % WAVE, ntiles = ord.ntiles;
+  const int wkey = KT > WAVE ? WKEYS * ((int)threadIdx.x / WAVE) : 0;  // the wave's first key in a tile
   const int* bt_lane = b.bt + lane;
   // in VGPRs over an fp8 cache, see prefill_mfma_run
   const C* cache = lane_value<is_fp8<C>()>(static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head);
   for (int k = from; k < to; ++k) {
     const int t0 = base + ord(k) * KT, t1 = t0 + KT;
-    prefill_store<C, HS, L, PrefillVElem<T, C>>(sh, pipe.kr, pipe.vr);
+    prefill_store<C, HS, L, PrefillVElem<T, C>, WAVE>(sh, pipe.kr, pipe.vr);
     __syncthreads();
 #if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
     if constexpr (ALIGNED && !MASKED && SOFTCAP == 0 && !ALIBI) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
 #endif
     if (k + 1 < ntiles) {  // in flight while this tile computes
-      prefill_load<C, HS, L, ALIGNED>(p, b, cache, pipe.next, inv_bs, base + ord(k + 1) * KT, pipe.kr, pipe.vr);
+      prefill_load<C, HS, L, ALIGNED, WAVE>(p, b, cache, pipe.next, inv_bs, base + ord(k + 1) * KT, pipe.kr, pipe.vr);
       if (k + 2 < ntiles) pipe.next = tile_table(p, bt_lane, base + ord(k + 2) * KT + wkey, inv_bs, lane);
     }
 #pragma unroll
     for (int k0 = 0; k0 < KT; k0 += 64) {  // 64-key steps of a 128-key tile
       const int s0 = t0 + k0, s1 = KT > 64 ? s0 + 64 : t1;
-      if (s0 < w.hi_max && s1 > w.lo_min)  // some row of this wave sees a key of the step
-        prefill_tile<T, L, PrefillVElem<T, C>, HS, MASKED, SOFTCAP, ALIBI, KTM>(p, sh, w, s0, m, l, acc, qf, k0);
+      if (s0 < w.hi_max && s1 > w.lo_min) {  // some row of this wave sees a key of the step
+        if constexpr (WAVE == 64)
+          prefill_tile<T, L, PrefillVElem<T, C>, HS, MASKED, SOFTCAP, ALIBI, KTM>(p, sh, w, s0, m, l, acc, qf, k0);
+        else
+          prefill_wmma_tile<T, L, PrefillVElem<T, C>, HS, MASKED, SOFTCAP, ALIBI, KTM>(p, sh, w, s0, m, l, acc, qf,
+                                                                                     k0);
+      }
     }
     __syncthreads();  // the next store rewrites the tile
   }
@@ -555,14 +800,31 @@ struct PrefillEpilogue<true> {
   __device__ int64_t o_stride_head() const { return o_stride_head_; }
 };
 
+// The accumulators and Q operands of a lane: MFMA (WAVE 64) or WMMA (WAVE 32, 16-bit L only).
+template <typename L, int HS, int WAVE>
+struct PrefillRegs {
+  mfma_f32x4 acc[MfmaGeom<L, HS>::PVC][8];
+  PrefillQ<L, HS> qf;
+  static constexpr int kRows = 4;   // accumulator elements (D rows) per lane
+};
+template <typename L, int HS>
+struct PrefillRegs<L, HS, 32> {
+  wmma_f32x8 acc[HS / 16];
+  const uint8_t* qf;   // this lane's row of PrefillWmmaQShared
+  static constexpr int kRows = 8;
+};
+
 // T: the query's and output's type (fp16 / bf16 / fp32); C: the cache's (T, or an fp8 type); L: the LDS
-// tiles'.
-template <typename T, typename C, int HS, bool ALIGNED, int SOFTCAP, bool ALIBI, typename L = PrefillElem<T, C>>
+// tiles'. WAVE 64: the MFMA engine; 32: the WMMA engine (16-bit T).
+template <typename T, typename C, int HS, bool ALIGNED, int SOFTCAP, bool ALIBI, int WAVE = 64,
+          typename L = PrefillElem<T, C>>
 __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, const BlockTask& b,
-                                                 PrefillShared<L, HS, prefill_kt_max<C, HS>()>& sh) {
+                                                 PrefillShared<L, HS, prefill_kt_max<C, HS, WAVE>()>& sh,
+                                                 uint8_t* qlds) {
   using G = MfmaGeom<L, HS>;
-  using PG = PrefillGeom<L, HS, prefill_kt_max<C, HS>()>;
-  constexpr int WAVE = 64, QKC = PG::QKC, QST = PG::QST, PVC = G::PVC, EPC = G::EPC, KT = PG::KT;
+  using PG = PrefillGeom<L, HS, prefill_kt_max<C, HS, WAVE>(), WAVE>;
+  constexpr int QKC = PG::QKC, QST = PG::QST, PVC = G::PVC, EPC = G::EPC, KT = PG::KT;
+  static_assert(WAVE == 64 || PG::ES == 2, "the WMMA engine takes 16-bit tiles");
   const int tid = (int)threadIdx.x, lane = tid % WAVE, warp = tid / WAVE;
   const int n = lane % 16, g = lane / 16;
   const int row = 16 * warp + n;  // this lane's row of the task (S^T's N index n)
@@ -582,37 +844,56 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
   w.qpos = has_row ? query_pos(b, row / b.nheads) : 0;
   w.alibi_unit = ALIBI && has_row ? p.alibi_slopes[b.head0 + row % b.nheads] / w.score_unit : 0.f;
   // Q operands (B of S^T = K Q^T) of the lane's row, unscaled; rows past b.rows are zero.
-  PrefillQ<L, HS> qf;
+  PrefillRegs<L, HS, WAVE> regs;
+  auto& qf = regs.qf;
+  auto& acc = regs.acc;
   const T* q = nullptr;
   if (has_row)
     q = static_cast<const T*>(p.query) + (int64_t)(b.token + row / b.nheads) * p.q_stride_token +
         (int64_t)(b.head0 + row % b.nheads) * p.q_stride_head;
+  if constexpr (WAVE == 32) {  // lane (n, g) stores half g of row n's Q (bit patterns)
+    constexpr int QW = HS / 4;   // 32-bit words per half row
+    const uint32_t* qw = reinterpret_cast<const uint32_t*>(q);
+    uint8_t* dst = qlds + n * PrefillWmmaQShared<HS>::ROWB;
+    for (int i = 0; i < QW; ++i) {
+      uint32_t bits = 0u;
+      if (q) __builtin_memcpy(&bits, qw + QW * g + i, 4);
+      *reinterpret_cast<uint32_t*>(dst + 4 * (QW * g + i)) = bits;
+    }
+    wave_sync();
+    qf = dst;
+  } else {
 #pragma unroll
-  for (int u = 0; u < QKC; ++u)
+    for (int u = 0; u < QKC; ++u)
 #pragma unroll
-    for (int h = 0; h < QST; ++h) {
-      if constexpr (PG::ES == 4) {  // head dim 4 (4u + g) + h
-        const int d = EPC * (4 * u + g) + h;
-        qf[u][h] = q && d < HS ? Cvt<T>::to(q[d]) : 0.f;
-      } else {
+      for (int h = 0; h < QST; ++h) {
+        if constexpr (PG::ES == 4) {  // head dim 4 (4u + g) + h
+          const int d = EPC * (4 * u + g) + h;
+          qf[u][h] = q && d < HS ? Cvt<T>::to(q[d]) : 0.f;
+        } else {
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int d0 = EPC * (4 * u + g) + qk_dim<L>(h, 2 * i), d1 = EPC * (4 * u + g) + qk_dim<L>(h, 2 * i + 1);
-          uint32_t bits = 0u;
-          if (q && d0 < HS) {
-            const unsigned short* qh = reinterpret_cast<const unsigned short*>(q);
-            bits = (uint32_t)qh[d0] | ((uint32_t)qh[d1] << 16);
+          for (int i = 0; i < 2; ++i) {
+            const int d0 = EPC * (4 * u + g) + qk_dim<L>(h, 2 * i), d1 = EPC * (4 * u + g) + qk_dim<L>(h, 2 * i + 1);
+            uint32_t bits = 0u;
+            if (q && d0 < HS) {
+              const unsigned short* qh = reinterpret_cast<const unsigned short*>(q);
+              bits = (uint32_t)qh[d0] | ((uint32_t)qh[d1] << 16);
+            }
+            qf[u][h].w[i] = bits;
           }
-          qf[u][h].w[i] = bits;
         }
       }
-    }
+  }
   float m = -FLT_MAX, l = 0.f;
-  mfma_f32x4 acc[PVC][8];
+  if constexpr (WAVE == 32) {
 #pragma unroll
-  for (int u = 0; u < PVC; ++u)
+    for (int v = 0; v < HS / 16; ++v) acc[v] = wmma_f32x8{};
+  } else {
 #pragma unroll
-    for (int c = 0; c < 8; ++c) acc[u][c] = mfma_f32x4{0.f, 0.f, 0.f, 0.f};
+    for (int u = 0; u < PVC; ++u)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[u][c] = mfma_f32x4{0.f, 0.f, 0.f, 0.f};
+  }
 
   // Tiles [0, ntiles) from key base; [full_lo, full_hi) are visible to every row that sees any key (no
   // mask): the prompt's body. The others -- before a sliding window's edge, the diagonal -- mask per key.
@@ -639,15 +920,15 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
   const C* cache = static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
   const TileOrder ord{ntiles, full_lo, full_hi};
   const int* bt_lane = b.bt + lane;
-  PrefillPipe<C, HS, L> pipe;
-  const int wkey = KT > 64 ? PG::WKEYS * warp : 0;  // the wave's first key in a tile
+  PrefillPipe<C, HS, L, WAVE> pipe;
+  const int wkey = KT > WAVE ? PG::WKEYS * warp : 0;  // the wave's first key in a tile
   const TileTable first = tile_table(pl, bt_lane, base + ord(0) * KT + wkey, inv_bs, lane);
-  prefill_load<C, HS, L, ALIGNED>(pl, bl, cache, first, inv_bs, base + ord(0) * KT, pipe.kr, pipe.vr);
+  prefill_load<C, HS, L, ALIGNED, WAVE>(pl, bl, cache, first, inv_bs, base + ord(0) * KT, pipe.kr, pipe.vr);
   pipe.next = ntiles > 1 ? tile_table(pl, bt_lane, base + ord(1) * KT + wkey, inv_bs, lane) : first;
-  prefill_tiles<T, C, HS, ALIGNED, true, SOFTCAP, ALIBI>(pl, bl, sh, pipe, w, 0, ord.masked(), base, ord,
-                                                         inv_bs, m, l, acc, qf);
-  prefill_tiles<T, C, HS, ALIGNED, false, SOFTCAP, ALIBI>(pl, bl, sh, pipe, w, ord.masked(), ntiles, base, ord,
-                                                          inv_bs, m, l, acc, qf);
+  prefill_tiles<T, C, HS, ALIGNED, true, SOFTCAP, ALIBI, WAVE>(pl, bl, sh, pipe, w, 0, ord.masked(), base, ord,
+                                                               inv_bs, m, l, acc, qf);
+  prefill_tiles<T, C, HS, ALIGNED, false, SOFTCAP, ALIBI, WAVE>(pl, bl, sh, pipe, w, ord.masked(), ntiles, base,
+                                                                ord, inv_bs, m, l, acc, qf);
 
   l = wave_sum_from<WAVE, 16>(l);
   if (!live) {  // a row with no visible key (e.g. outside this partition) may have taken unmasked tiles
@@ -656,10 +937,14 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
   }
   // fp8 caches: values read as float(code) * v_scale, so the accumulated P V gets v_scale once
   const float v_scale = is_fp8<C>() ? p.v_scale[b.kv_head] : 1.f;
+  constexpr int RPL = PrefillRegs<L, HS, WAVE>::kRows;
+  int fam = 0;
+  if constexpr (WAVE == 32) fam = wmma_family();
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {  // acc rows 4g + r; that row's m, l (rm, rl) live in lane 4g + r
-    const float rm = __shfl(m, 4 * g + r, WAVE), rl = __shfl(l, 4 * g + r, WAVE);
-    const int rr = 16 * warp + 4 * g + r;
+  for (int r = 0; r < RPL; ++r) {  // acc element r: row dr of the wave, whose m, l (rm, rl) live in lane dr
+    const int dr = WAVE == 64 ? 4 * g + r : wmma_drow(fam, g, r);
+    const float rm = __shfl(m, dr, WAVE), rl = __shfl(l, dr, WAVE);
+    const int rr = 16 * warp + dr;
     if (rr >= b.rows) continue;
     const int tok = b.token + rr / b.nheads, head = b.head0 + rr % b.nheads;
     // the attention sink joins the denominator here unless the reduce kernel adds it after the merge
@@ -671,44 +956,60 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
         ep.part_max()[idx] = rl > 0.f ? rm * w.score_unit : -FLT_MAX;
         ep.part_sum()[idx] = rl;
       }
+      if constexpr (WAVE == 32) {
 #pragma unroll
-      for (int u = 0; u < PVC; ++u)
+        for (int v = 0; v < HS / 16; ++v) ep.part_out()[idx * HS + 16 * v + n] = rl > 0.f ? acc[v][r] * f : 0.f;
+      } else {
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          const int d = 8 * (n + 16 * u) + c;
-          if (d < HS) ep.part_out()[idx * HS + d] = rl > 0.f ? acc[u][c][r] * f : 0.f;
-        }
+        for (int u = 0; u < PVC; ++u)
+#pragma unroll
+          for (int c = 0; c < 8; ++c) {
+            const int d = 8 * (n + 16 * u) + c;
+            if (d < HS) ep.part_out()[idx * HS + d] = rl > 0.f ? acc[u][c][r] * f : 0.f;
+          }
+      }
     } else {
       T* o = static_cast<T*>(ep.out()) + (int64_t)tok * ep.o_stride_token() + (int64_t)head * ep.o_stride_head();
+      if constexpr (WAVE == 32) {
 #pragma unroll
-      for (int u = 0; u < PVC; ++u)
+        for (int v = 0; v < HS / 16; ++v) o[16 * v + n] = Cvt<T>::from(rl > 0.f ? acc[v][r] * f : 0.f);
+      } else {
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          const int d = 8 * (n + 16 * u) + c;
-          if (d < HS) o[d] = Cvt<T>::from(rl > 0.f ? acc[u][c][r] * f : 0.f);
-        }
+        for (int u = 0; u < PVC; ++u)
+#pragma unroll
+          for (int c = 0; c < 8; ++c) {
+            const int d = 8 * (n + 16 * u) + c;
+            if (d < HS) o[d] = Cvt<T>::from(rl > 0.f ? acc[u][c][r] * f : 0.f);
+          }
+      }
     }
   }
 }
 
 // One LDS tile for both address paths (16-byte vector loads or element loads of a misaligned cache); ALiBi
 // takes its own instantiations (softcap decided at run time there), over 16-bit and fp8 caches.
-template <typename T, typename C, int HS>
+// WAVE 64: the MFMA engine, 32: the WMMA engine.
+template <typename T, typename C, int HS, int WAVE = 64>
 __device__ void prefill_mfma_body(const PagedAttentionParams& p, const BlockTask& b) {
-  __shared__ PrefillShared<PrefillElem<T, C>, HS, prefill_kt_max<C, HS>()> sh;
+  __shared__ PrefillShared<PrefillElem<T, C>, HS, prefill_kt_max<C, HS, WAVE>()> sh;
+  uint8_t* qlds = nullptr;  // the wave's Q rows (WMMA)
+  if constexpr (WAVE == 32) {
+    __shared__ PrefillWmmaQShared<HS> qs;
+    qlds = qs.q[threadIdx.x / WAVE];
+  }
   const bool softcap = p.softcap > 0.f;
   if (p.alibi_slopes) {
-    if (p.kv_aligned16) prefill_mfma_run<T, C, HS, true, -1, true>(p, b, sh);
-    else prefill_mfma_run<T, C, HS, false, -1, true>(p, b, sh);
+    if (p.kv_aligned16) prefill_mfma_run<T, C, HS, true, -1, true, WAVE>(p, b, sh, qlds);
+    else prefill_mfma_run<T, C, HS, false, -1, true, WAVE>(p, b, sh, qlds);
   } else if (p.kv_aligned16) {
-    if (softcap) prefill_mfma_run<T, C, HS, true, 1, false>(p, b, sh);
-    else prefill_mfma_run<T, C, HS, true, 0, false>(p, b, sh);
+    if (softcap) prefill_mfma_run<T, C, HS, true, 1, false, WAVE>(p, b, sh, qlds);
+    else prefill_mfma_run<T, C, HS, true, 0, false, WAVE>(p, b, sh, qlds);
   } else {
-    if (softcap) prefill_mfma_run<T, C, HS, false, 1, false>(p, b, sh);
-    else prefill_mfma_run<T, C, HS, false, 0, false>(p, b, sh);
+    if (softcap) prefill_mfma_run<T, C, HS, false, 1, false, WAVE>(p, b, sh, qlds);
+    else prefill_mfma_run<T, C, HS, false, 0, false, WAVE>(p, b, sh, qlds);
   }
 }
-#endif  // KVMULTI_HAS_MFMA
+#endif  // KVMULTI_HAS_MFMA || KVMULTI_HAS_WMMA
 
 // The task's rows in slices of the FMA engine's R rows (targets and dtypes without the MFMA path).
 template <typename T, typename C, int HS, int WAVE>
@@ -731,6 +1032,11 @@ __device__ void prefill_fma_body(const PagedAttentionParams& p, const BlockTask&
 template <typename T, typename C, int HS, int WAVE>
 __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_prefill_kernel(const PagedAttentionParams p) {
   if (!wave_matches_target<WAVE>()) return;
+#if !KVMULTI_HAS_WMMA
+  // wave32 without WMMA (gfx10, NVIDIA): the launcher runs such steps through the attention kernel
+  // (device_has_wmma), so the instantiation is left empty, as a wave-mismatched one
+  if constexpr (WAVE == 32) return;
+#endif
   constexpr int NT = kNumWarps * WAVE;
   static_assert(2 * HS * sizeof(C) <= sizeof(kZeroRow), "kZeroRow must cover a K + V row");
   BlockTask b;
@@ -741,9 +1047,17 @@ __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_prefill_kernel(cons
     return;
   }
 #if KVMULTI_HAS_MFMA
-  if constexpr (prefill_mfma_path<T, C, WAVE>()) {
+  if constexpr (WAVE == 64 && prefill_mfma_path<T, C, WAVE>()) {
     if (mfma_enabled()) {
       prefill_mfma_body<T, C, HS>(p, b);
+      return;
+    }
+  }
+#endif
+#if KVMULTI_HAS_WMMA
+  if constexpr (WAVE == 32 && prefill_wmma_path<T, C, HS>()) {
+    if (wmma_enabled()) {
+      prefill_mfma_body<T, C, HS, 32>(p, b);
       return;
     }
   }

@@ -9,6 +9,8 @@
 //                 (KVM_ATTENTION_PAIRS below);
 //   * nvcc -x cu -I hip/compat: compile check for NVIDIA targets.
 // Every entry point returns a hipError_t value (0 = success).
+#include <cstring>
+
 #include "kvmulti_prefill.hip"
 
 // The attention launches, one dispatch_wave<query, cache> per pair of KVM_ATTENTION_PAIRS. Built in one
@@ -27,15 +29,43 @@ namespace kvmulti::launch {
 // Instantiations the prefill kernel serves: every one on wave64 -- fp16 / bf16 queries over a cache of their
 // own type or of fp8 codes (v_mfma_f32_16x16x16{f16,bf16_1k}), fp32 queries over an fp32 or fp8 cache
 // (v_mfma_f32_16x16x4f32; fp8 codes widened to fp32 in LDS), every head size, ALiBi included -- each passing
-// the compile check's thresholds (hip/README.md). wave32 targets (no MFMA) run the attention kernel.
+// the compile check's thresholds (hip/README.md); on wave32 those of prefill_wmma_path (fp16 / bf16 queries
+// over a cache of their type, heads up to 128) on devices with WMMA only (device_has_wmma: gfx11, gfx12).
+// Everything else on wave32 -- fp32 queries (no fp32 WMMA), fp8 caches and head 256 (see prefill_wmma_path),
+// gfx10 (no matrix cores), NVIDIA through hip/compat -- runs the attention kernel.
 template <typename T, typename C, int HS, int WAVE>
 constexpr bool prefill_served() {
-  return WAVE == 64;
+  return WAVE == 64 || (WAVE == 32 && kvmulti::prefill_wmma_path<T, C, HS>());
+}
+
+// Whether the current device has the WMMA instructions of the wave32 prefill engine (RDNA3 gfx11, RDNA4
+// gfx12; the harness: unless kvcpu_set_wmma_family(0)). Cached per device on ROCm.
+inline bool device_has_wmma() {
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+  return ::kvcpu::wmma_family() != 0;
+#elif defined(__CUDACC__)
+  return false;
+#else
+  static int known[64] = {};  // 0: not asked yet, 1: no WMMA, 2: WMMA
+  int dev = 0;
+  if (hipGetDevice(&dev) != hipSuccess || dev < 0) return false;
+  if (dev < 64 && known[dev]) return known[dev] == 2;
+  hipDeviceProp_t prop;
+  if (hipGetDeviceProperties(&prop, dev) != hipSuccess) return false;
+  const bool has = std::strncmp(prop.gcnArchName, "gfx11", 5) == 0 || std::strncmp(prop.gcnArchName, "gfx12", 5) == 0;
+  if (dev < 64) known[dev] = has ? 2 : 1;
+  return has;
+#endif
 }
 
 template <typename T, typename C, int HS, int WAVE>
 hipError_t launch_attention(const PagedAttentionParams& p, bool prefill, hipStream_t stream) {
   dim3 block(kvmulti::kNumWarps * WAVE);
+  if constexpr (prefill_served<T, C, HS, WAVE>()) {
+    if (WAVE == 32 && !device_has_wmma()) prefill = false;
+  } else {
+    prefill = false;
+  }
   if constexpr (prefill_served<T, C, HS, WAVE>()) {
     if (prefill) {
       const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads, kvmulti::kPrefillRows);
@@ -44,7 +74,7 @@ hipError_t launch_attention(const PagedAttentionParams& p, bool prefill, hipStre
       hipLaunchKernelGGL((kvmulti::paged_prefill_kernel<T, C, HS, WAVE>), grid, block, 0, stream, p);
     }
   }
-  if (!prefill_served<T, C, HS, WAVE>() || !prefill) {
+  if (!prefill) {
     const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads, kvmulti::rows_per_block<T, WAVE, C>());
     dim3 grid((unsigned)p.num_tokens, (unsigned)(p.num_kv_heads * map.chunks), (unsigned)p.num_partitions);
     hipLaunchKernelGGL((kvmulti::paged_attention_kernel<T, C, HS, WAVE>), grid, block, 0, stream, p);

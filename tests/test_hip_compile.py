@@ -165,6 +165,10 @@ def test_assembly_analysis_of_the_hot_loop():
     (name, lines), = cc.split_functions(_ASM).items()
     row = cc.analyze_function(lines)
     assert row["matrix_instructions"] == 2
+    wmma = [l.replace("v_mfma_f32_16x16x16bf16_1k v[4:7], v[8:9], v[10:11]",
+                      "v_wmma_f32_16x16x16_bf16 v[4:11], v[12:19], v[20:27]") for l in lines]
+    assert cc.analyze_function(wmma)["matrix_instructions"] == 2   # RDNA's v_wmma count like v_mfma
+    assert cc.instruction_mix([l for l in wmma if "v_wmma" in l])["mfma"] == 1
     assert row["load_widths_bytes"] == [2, 4, 16]
     assert row["hot_loop"] == "BB0_2"
     assert row["hot_loop_load_widths_bytes"] == [16]
@@ -239,6 +243,13 @@ def test_ci_thresholds_flag_each_violation():
     assert any("scratch" in p for p in cc.row_problems(_row(scratch_bytes=16)))
     assert any("occupancy" in p for p in cc.row_problems(_row(waves_per_simd=1)))
     assert any("v_mfma" in p for p in cc.row_problems(_row(matrix_instructions=0)))
+    # wave32 prefill on RDNA3 / RDNA4: fp16 / bf16 over a 16-bit or fp8 cache must use v_wmma; gfx1030 has none
+    for target in ("gfx1100", "gfx1201"):
+        for cache in (None, "e4m3"):
+            wmma = _row(target=target, wave=32, kind="prefill", cache=cache)
+            assert cc.row_problems(wmma) == []
+            assert any("without v_wmma" in p for p in cc.row_problems(dict(wmma, matrix_instructions=0)))
+    assert cc.row_problems(_row(target="gfx1030", wave=32, kind="prefill", matrix_instructions=0)) == []
     assert cc.row_problems(_row(matrix_instructions=0, target="gfx1030", wave=32)) == []
     assert cc.row_problems(_row(matrix_instructions=0, dtype="fp32")) == []
     assert any("hot-loop global loads" in p for p in cc.row_problems(_row(hot_loop_load_widths_bytes=[2, 16])))
@@ -406,8 +417,9 @@ def test_fp32_prefill_issue_cycles_and_thresholds():
 
 
 def test_prefill_kernel_static_figures_and_estimate():
-    """Every prefill instantiation (fp16 / bf16 over a 16-bit or fp8 cache, fp32 over fp32 or fp8, wave64) compiles without
-    spills at >= 2 waves/SIMD; on gfx90a / gfx940 they use v_mfma with K + V tiles of at most 32 KiB of LDS and
+    """Every prefill instantiation (wave64: fp16 / bf16 over a 16-bit or fp8 cache, fp32 over fp32 or fp8; wave32:
+    fp16 / bf16 over a cache of their type at heads 64 - 128) compiles without spills at >= 2 waves/SIMD; gfx1100 /
+    gfx1201's use v_wmma (gfx1030's, never launched, none); on gfx90a / gfx940 they use v_mfma with K + V tiles of at most 32 KiB of LDS and
     an unmasked hot loop whose MFMA issue cycles cover its VALU cycles over a 16-bit cache (fp8: see
     MAX_FP8_PREFILL_VALU_PER_MFMA); the roofline model puts gfx942's bf16 prefill case (8 x 2048 tokens, 32 / 8
     heads, head 128) at >= 50 % of the matrix peak and the fp32 prefill case MFMA-issue-bound at >= 50 % of the fp32
@@ -417,13 +429,18 @@ def test_prefill_kernel_static_figures_and_estimate():
     from devtools import roofline_hip as H
     rows = [r for r in cc.report_rows() if r["kind"] == "prefill"]
     mfma_archs = [a for a in cc.amd_archs() if a in cc.MFMA_ARCHS]
-    assert len(rows) == len(mfma_archs) * cc.PREFILL_KERNELS      # wave64: none runs on gfx1030
+    for arch in cc.amd_archs():   # the instantiations for the target's wave size (wave32: the WMMA engine's)
+        want = (cc.WAVE64_PREFILL_KERNELS if cc._wave_of(arch) == 64
+                else cc.WAVE32_PREFILL_KERNELS if arch in cc.WMMA_ARCHS else 0)
+        assert len([r for r in rows if r["target"] == arch]) == want, arch
     for r in rows:
         assert cc.failing_problems(r) == [], cc.failing_problems(r)
         if r["target"] in cc.MFMA_ARCHS:
             cyc = cc.issue_cycles(r)
             assert r["matrix_instructions"] > 0 and r["lds_bytes"] <= 32768 + 1024, r
             assert cyc["mfma"] >= cyc["valu"] or r["cache"] or cc.open_problems(r), r
+        assert (r["matrix_instructions"] > 0) == (r["target"] in cc.MFMA_ARCHS + cc.WMMA_ARCHS), r
+    rows = [r for r in rows if r["target"] in cc.MFMA_ARCHS]
     launches = H.launches(rows, R.PREFILL)
     assert {launch.target for launch in launches} == {H.ARCH_TO_TARGET[a] for a in mfma_archs if a in H.ARCH_TO_TARGET}
     for launch in launches:

@@ -1,6 +1,6 @@
 """Attention sinks, ALiBi and non-causal attention on the HIP kernels (the CPU harness), against the oracle:
 the decode kernel (FMA engine on wave32, MFMA engine on wave64 for 16-bit queries) and the prefill kernel
-(MFMA, and its FMA fallback with MFMA disabled), GQA, split-KV on and off (sinks: joined once, after the
+(MFMA, and its FMA fallback with MFMA disabled; WMMA on wave32), GQA, split-KV on and off (sinks: joined once, after the
 merge), sliding window and softcap, fp8 caches; features combined."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import kvmulti
 from kvmulti import reference
 from batches import CaseSpec, assert_close_to_reference, build_case, check_fp8_against_reference
-from test_hip_harness import FP8_FORMATS, _mfma_library, _run_case, hip_backend  # noqa: F401
+from test_hip_harness import FP8_FORMATS, _emulated_wmma, _mfma_library, _run_case, hip_backend  # noqa: F401
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -26,7 +26,8 @@ DECODE = CaseSpec(order="NHD", block_size=16, num_kv_heads=2, group=4, head_size
 PREFILL = CaseSpec(order="HND", block_size=16, num_kv_heads=2, group=4, head_size=128, dtype=BF16,
                    query_lens=(40, 1, 9, 23), context_lens=(0, 30, 50, 70), seed=5)
 # where the engines run: (wave, prefill_min_query); 0 = decode kernel only, 1 = prefill kernel for every step
-ENGINES = {"decode-w32": (32, 0), "decode-w64": (64, 0), "prefill-w64": (64, 1)}
+# (wave32: its WMMA engine, in the harness's default gfx11 layout, for 16-bit queries)
+ENGINES = {"decode-w32": (32, 0), "decode-w64": (64, 0), "prefill-w64": (64, 1), "prefill-w32": (32, 1)}
 
 
 @pytest.mark.parametrize("feature, window, softcap", [("sinks", 24, 20.0), ("alibi", 33, 8.0)], ids=["sinks", "alibi"])
@@ -36,7 +37,7 @@ ENGINES = {"decode-w32": (32, 0), "decode-w64": (64, 0), "prefill-w64": (64, 1)}
 def test_feature_matches_the_oracle(hip_backend, engine, dtype, partition, feature, window, softcap):
     """Sinks or ALiBi alone, then with a window and softcap."""
     wave, pmq = ENGINES[engine]
-    base = PREFILL if engine == "prefill-w64" else DECODE
+    base = PREFILL if engine.startswith("prefill") else DECODE
     for extra in ({}, dict(sliding_window=window, softcap=softcap)):
         _run_case(hip_backend, dataclasses.replace(base, dtype=dtype, **{feature: True}, **extra), wave=wave,
                   partition_size=partition, prefill_min_query=pmq)
@@ -59,6 +60,29 @@ def test_prefill_kernel_takes_the_features_on_mfma_and_fma(hip_backend, dtype):
         assert lib.kvcpu_mfma_count() == 0
     finally:
         lib.kvcpu_set_mfma_enabled(1)
+
+
+@pytest.mark.parametrize("family", [11, 12])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_prefill_kernel_takes_the_features_on_wmma(hip_backend, dtype, family):
+    """wave32: the prefill kernel's WMMA engine (WMMA counted) in the gfx11 and gfx12 layouts with sinks + ALiBi
+    + window + softcap at once, split and not (an fp8 cache: the attention kernel, see prefill_served); without
+    WMMA the attention kernel serves the same steps."""
+    spec = dataclasses.replace(PREFILL, dtype=dtype, sinks=True, alibi=True, sliding_window=50, softcap=10.0)
+    fmt = list(FP8_FORMATS)[family % 2]
+    with _emulated_wmma(family) as lib:
+        lib.kvcpu_reset_wmma_count()
+        for partition in (0, 32):
+            _run_case(hip_backend, spec, wave=32, partition_size=partition, prefill_min_query=1)
+        assert lib.kvcpu_wmma_count() > 0
+        lib.kvcpu_reset_wmma_count()
+        with _knobs(hip_backend, 32, 16, 1):
+            check_fp8_against_reference(spec, "HIP", FP8_FORMATS[fmt])
+        assert lib.kvcpu_wmma_count() == 0
+    with _emulated_wmma(0) as lib:
+        lib.kvcpu_reset_wmma_count()
+        _run_case(hip_backend, spec, wave=32, partition_size=0, prefill_min_query=1)
+        assert lib.kvcpu_wmma_count() == 0
 
 
 # ALiBi over an fp8 cache in the prefill kernel at every head size: the case of
@@ -137,7 +161,7 @@ def _non_causal(backend, spec: CaseSpec, wave: int, partition: int, pmq: int,
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_non_causal_matches_the_oracle(hip_backend, engine, dtype, partition):
     wave, pmq = ENGINES[engine]
-    base = PREFILL if engine == "prefill-w64" else DECODE
+    base = PREFILL if engine.startswith("prefill") else DECODE
     _non_causal(hip_backend, dataclasses.replace(base, dtype=dtype), wave, partition, pmq)
     _non_causal(hip_backend, dataclasses.replace(base, dtype=dtype, softcap=20.0, sinks=True, alibi=True), wave, partition, pmq)
 

@@ -6,6 +6,7 @@ hip/cpu_harness and must equal kvmulti.reference on hypothesis-generated mixed b
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -54,6 +55,10 @@ def selftest_lib(request):
     lib.kvcpu_static_shared_bytes.restype = ctypes.c_longlong
     lib.selftest_mfma.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     lib.selftest_mfma.restype = ctypes.c_int
+    lib.selftest_wmma.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.selftest_wmma.restype = ctypes.c_int
+    lib.kvcpu_set_wmma_family.argtypes = [ctypes.c_int]
+    lib.kvcpu_set_wmma_family.restype = ctypes.c_int
     return lib
 
 
@@ -115,15 +120,22 @@ def test_wave_shuffles(selftest_lib, wave):
 # AMD's register-layout tables (amd_matrix_instruction_calculator --register-layout --csv), copied
 # from shared/ref/amd_matrix_layouts into the repository: the independent oracle for the emulation.
 REF_TABLES = sorted((Path(__file__).resolve().parents[1] / "hip" / "cpu_harness" / "selftest" / "ref").glob("*.txt"))
+MFMA_TABLES = [t for t in REF_TABLES if t.name.startswith("CDNA")]
+WMMA_TABLES = [t for t in REF_TABLES if t.name.startswith("RDNA")]
 _ENTRY = re.compile(r"^v(\d+)\{(\d+)\}(?:\.\[(\d+):(\d+)\])?$")
+_HEADER = re.compile(r"^([ABD])\[[MK]\]\[[KN]\],")
+
+Placement = tuple[int, int, int]   # (vgpr, lane, low bit)
 
 
-def _layout_tables(path: Path) -> dict[str, dict[tuple[int, int], tuple[int, int, int]]]:
-    """{"A"|"B"|"D": {(row, col): (vgpr, lane, low bit)}} from one reference file."""
+def _layout_tables(path: Path) -> dict[str, dict[tuple[int, int], tuple[Placement, ...]]]:
+    """{"A"|"B"|"D": {(row, col): placements}} from one reference file: every (vgpr, lane, low bit) that holds
+    the entry (RDNA3's A / B entries sit in two lanes). A table starts at a "## A" line or at its header row
+    ("A[M][K],0,1,...")."""
     tables: dict[str, dict] = {}
     current = None
     for line in path.read_text().splitlines():
-        m = re.match(r"^## ([ABD])$", line)
+        m = re.match(r"^## ([ABD])$", line) or _HEADER.match(line)
         if m:
             current = tables.setdefault(m.group(1), {})
             continue
@@ -131,9 +143,13 @@ def _layout_tables(path: Path) -> dict[str, dict[tuple[int, int], tuple[int, int
         if current is None or not cells[0].isdigit():
             continue
         for col, cell in enumerate(cells[1:]):
-            e = _ENTRY.match(cell)
-            assert e, f"{path.name}: cannot parse {cell!r}"
-            current[(int(cells[0]), col)] = (int(e.group(1)), int(e.group(2)), int(e.group(4) or 0))
+            places = []
+            for part in cell.split():
+                e = _ENTRY.match(part)
+                assert e, f"{path.name}: cannot parse {cell!r}"
+                places.append((int(e.group(1)), int(e.group(2)), int(e.group(4) or 0)))
+            assert places, f"{path.name}: empty cell at row {cells[0]}, column {col}"
+            current[(int(cells[0]), col)] = tuple(places)
     return tables
 
 
@@ -157,43 +173,57 @@ _KDIM = {"f16": 16, "bf16": 16, "f32": 4}
 def _run_table_mfma(lib, tables, kind: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Places A (16 x K) and B (K x 16) in lane registers as AMD's tables say, runs the harness's MFMA
     builtin, and reads D back from where the table says each entry is."""
-    regs = np.zeros((64, 4), dtype=np.uint32)
-    for (i, k), (v, lane, lo) in tables["A"].items():
-        regs[lane, v] |= np.uint32(_bits(a[i, k], kind) << lo)
-    for (k, j), (v, lane, lo) in tables["B"].items():
-        regs[lane, 2 + v] |= np.uint32(_bits(b[k, j], kind) << lo)
-    d = np.full((64, 4), np.nan, dtype=np.float32)
+    return _run_table_instruction(lib.selftest_mfma, lib, tables, _SELFTEST_KIND[kind], kind, a, b, lanes=64,
+                                  vgprs=2, d_vgprs=4)
+
+
+def _run_table_instruction(run, lib, tables, selector: int, kind: str, a: np.ndarray, b: np.ndarray, *,
+                           lanes: int, vgprs: int, d_vgprs: int) -> np.ndarray:
+    """Places A and B in ``lanes`` lanes' registers (A in VGPRs 0 .. vgprs - 1, B in the next ``vgprs``) where
+    the tables say, runs the self-test's instruction ``selector`` through ``run`` and reads D back from where
+    the D table says each entry is."""
+    regs = np.zeros((lanes, 2 * vgprs), dtype=np.uint32)
+    for (i, k), places in tables["A"].items():
+        for v, lane, lo in places:
+            regs[lane, v] |= np.uint32(_bits(a[i, k], kind) << lo)
+    for (k, j), places in tables["B"].items():
+        for v, lane, lo in places:
+            regs[lane, vgprs + v] |= np.uint32(_bits(b[k, j], kind) << lo)
+    d = np.full((lanes, d_vgprs), np.nan, dtype=np.float32)
     lib.kvcpu_clear_error()
-    err = lib.selftest_mfma(_SELFTEST_KIND[kind], regs.ctypes.data, d.ctypes.data)
+    err = run(selector, regs.ctypes.data, d.ctypes.data)
     assert err == 0, lib.kvcpu_last_error().decode()
     out = np.full((16, 16), np.nan, dtype=np.float32)
-    for (i, j), (v, lane, _) in tables["D"].items():
+    for (i, j), places in tables["D"].items():
+        assert len(places) == 1
+        v, lane, _ = places[0]
         out[i, j] = d[lane, v]
     return out
 
 
-def _layout_mismatches(lib, tables, kind: str) -> list[str]:
+def _layout_mismatches(lib, tables, kind: str, run_table=None) -> list[str]:
     """Entries where the emulation disagrees with the tables: with B = I (A's K columns picked out) the D
     entry the table names for (i, k) must be A[i][k]; with A = I likewise for B[k][j]; a random product
     must be exact (small integers)."""
+    run_table = run_table or _run_table_mfma
     kd = _KDIM[kind]
     rng = np.random.default_rng(7)
     x = rng.integers(-8, 9, size=(16, kd)).astype(np.float32)
     y = rng.integers(-8, 9, size=(kd, 16)).astype(np.float32)
     pick = np.eye(kd, 16, dtype=np.float32)        # B: D[i][k] = A[i][k] for k < K
-    d = _run_table_mfma(lib, tables, kind, x, pick)
+    d = run_table(lib, tables, kind, x, pick)
     bad = [f"A{(i, k)}" for i in range(16) for k in range(kd) if d[i, k] != x[i, k]]
-    d = _run_table_mfma(lib, tables, kind, pick.T.copy(), y)   # A: D[k][j] = B[k][j] for k < K
+    d = run_table(lib, tables, kind, pick.T.copy(), y)   # A: D[k][j] = B[k][j] for k < K
     bad += [f"B{(k, j)}" for k in range(kd) for j in range(16) if d[k, j] != y[k, j]]
-    d = _run_table_mfma(lib, tables, kind, x, y)
+    d = run_table(lib, tables, kind, x, y)
     bad += [f"D{(i, j)}" for i in range(16) for j in range(16) if d[i, j] != (x @ y)[i, j]]
     return bad
 
 
-@pytest.mark.parametrize("table", REF_TABLES, ids=[t.stem for t in REF_TABLES])
+@pytest.mark.parametrize("table", MFMA_TABLES, ids=[t.stem for t in MFMA_TABLES])
 def test_mfma_emulation_matches_amd_register_layouts(selftest_lib, table):
     """Entry by entry against AMD's table (see _layout_mismatches)."""
-    assert len(REF_TABLES) == 6   # CDNA2 + CDNA3, f16 + bf16 + f32: the instructions the kernels use
+    assert len(MFMA_TABLES) == 6   # CDNA2 + CDNA3, f16 + bf16 + f32: the instructions the kernels use
     tables = _layout_tables(table)
     kind = _operand_kind(table)
     kd = _KDIM[kind]
@@ -205,7 +235,7 @@ def test_mfma_emulation_matches_amd_register_layouts(selftest_lib, table):
     assert not bad, f"the emulation's lane mapping differs from {table.name} at {bad[:8]}"
 
 
-@pytest.mark.parametrize("table", [t for t in REF_TABLES if t.name.startswith("CDNA3")],
+@pytest.mark.parametrize("table", [t for t in MFMA_TABLES if t.name.startswith("CDNA3")],
                          ids=lambda t: t.stem)
 def test_mfma_layout_check_rejects_a_mutated_mapping(selftest_lib, table):
     """The check has teeth: the same table with two A lanes and two D lanes swapped must disagree."""
@@ -225,6 +255,74 @@ def test_mfma_reached_by_part_of_a_wave_is_detected(selftest_lib):
     selftest_lib.kvcpu_clear_error()
     assert selftest_lib.selftest_mfma(2, regs.ctypes.data, d.ctypes.data) != 0
     assert "deadlock" in selftest_lib.kvcpu_last_error().decode()
+
+# WMMA (wave32): RDNA3's tables are gfx11's layout, RDNA4's gfx12's; selftest_wmma's selector is
+# 2 (family 12) + 1 (bf16).
+def _wmma_family(table: Path) -> int:
+    return 11 if table.name.startswith("RDNA3") else 12
+
+
+def _run_table_wmma(family: int):
+    def run(lib, tables, kind: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        selector = (2 if family == 12 else 0) + (kind == "bf16")
+        return _run_table_instruction(lib.selftest_wmma, lib, tables, selector, kind, a, b, lanes=32, vgprs=8,
+                                      d_vgprs=8)
+    return run
+
+
+def _wmma_layout_mismatches(lib, table: Path, tables) -> list[str]:
+    family = _wmma_family(table)
+    lib.kvcpu_set_warp_size(32)
+    assert lib.kvcpu_set_wmma_family(family) == 0
+    try:
+        return _layout_mismatches(lib, tables, _operand_kind(table), _run_table_wmma(family))
+    finally:
+        lib.kvcpu_set_wmma_family(11)
+
+
+@pytest.mark.parametrize("table", WMMA_TABLES, ids=[t.stem for t in WMMA_TABLES])
+def test_wmma_emulation_matches_amd_register_layouts(selftest_lib, table):
+    """Every entry of A, B and D of the four WMMA instructions against AMD's RDNA3 / RDNA4 table."""
+    assert len(WMMA_TABLES) == 4   # RDNA3 + RDNA4, f16 + bf16
+    tables = _layout_tables(table)
+    dup = 2 if _wmma_family(table) == 11 else 1   # gfx11: A / B entries in lanes l and l + 16
+    for name, n, places in (("A", 256, dup), ("B", 256, dup), ("D", 256, 1)):
+        assert len(tables[name]) == n, f"{table.name}: {name} table has {len(tables[name])} entries"
+        assert {len(p) for p in tables[name].values()} == {places}, f"{table.name}: {name} placements"
+        flat = [x for p in tables[name].values() for x in p]
+        assert len(set(flat)) == n * places, f"{table.name}: {name} entries not distinct"
+    bad = _wmma_layout_mismatches(selftest_lib, table, tables)
+    assert not bad, f"the emulation's lane mapping differs from {table.name} at {bad[:8]}"
+
+
+@pytest.mark.parametrize("table", [t for t in WMMA_TABLES if "bf16" not in t.name], ids=lambda t: t.stem)
+@pytest.mark.parametrize("operand", ["A", "B", "D"])
+def test_wmma_layout_check_rejects_a_moved_element(selftest_lib, table, operand):
+    """The check has teeth: the table with one entry of one operand moved (swapped with its neighbour in
+    the same row) must disagree at both moved entries."""
+    tables = _layout_tables(table)
+    t = tables[operand]
+    t[(3, 5)], t[(3, 6)] = t[(3, 6)], t[(3, 5)]
+    bad = _wmma_layout_mismatches(selftest_lib, table, tables)
+    assert {f"{operand}(3, 5)", f"{operand}(3, 6)"} <= set(bad), bad
+
+
+def test_wmma_needs_a_32_lane_wave_and_the_emulated_family(selftest_lib):
+    """The emulation fails loudly on a 64-lane wave, for a builtin of the other family and with WMMA off."""
+    regs = np.zeros((32, 16), dtype=np.uint32)
+    d = np.zeros((32, 8), dtype=np.float32)
+    try:
+        for wave, family, kind, why in ((64, 11, 0, "32-lane"), (32, 12, 0, "other layout family"),
+                                        (32, 11, 3, "other layout family"), (32, 0, 2, "disabled")):
+            selftest_lib.kvcpu_set_warp_size(wave)
+            assert selftest_lib.kvcpu_set_wmma_family(family) == 0
+            selftest_lib.kvcpu_clear_error()
+            assert selftest_lib.selftest_wmma(kind, regs.ctypes.data, d.ctypes.data) != 0
+            assert why in selftest_lib.kvcpu_last_error().decode()
+        assert selftest_lib.kvcpu_set_wmma_family(10) != 0
+    finally:
+        selftest_lib.kvcpu_set_wmma_family(11)
+
 
 
 # ------------------------------------------------------------------------ kernels vs oracle
@@ -906,15 +1004,16 @@ PREFILL_POISON_ENGINES = [(torch.float16, "fp16", 64, "mfma"), (torch.bfloat16, 
                           (torch.bfloat16, "e4m3", 64, "mfma"), (torch.float16, "e5m2", 64, "mfma"),
                           (torch.float16, "e4m3", 64, "mfma"), (torch.bfloat16, "e5m2", 64, "mfma"),
                           (torch.float32, "fp32", 64, "mfma"), (torch.float32, "e4m3", 64, "mfma"),
-                          (torch.float32, "e5m2", 64, "mfma")]
+                          (torch.float32, "e5m2", 64, "mfma"), (torch.float16, "fp16", 32, "wmma"),
+                          (torch.bfloat16, "bf16", 32, "wmma")]
 
 
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("scenario", ["mixed", "window"])
 @pytest.mark.parametrize("engine", PREFILL_POISON_ENGINES, ids=[f"{e[1]}-w{e[2]}-{e[3]}" for e in PREFILL_POISON_ENGINES])
 def test_prefill_unreadable_slots_with_nan_do_not_leak(hip_backend, engine, scenario, head_size):
-    """The prefill kernel loads whole 64-key tiles (head 256: 32; fp8 at head 64: 128): every slot no row may read holds NaN, the
-    output must equal the oracle's (finite)."""
+    """The prefill kernel loads whole 64-key tiles (head 256: 32; fp8 at head 64: 128; WMMA: 16 - 64): every slot no row may
+    read holds NaN, the output must equal the oracle's (finite)."""
     dtype, cache_name, wave, kind = engine
     cache_dtype = POISON_CACHES[cache_name]
     sc = POISON_SCENARIOS[scenario]
@@ -925,9 +1024,106 @@ def test_prefill_unreadable_slots_with_nan_do_not_leak(hip_backend, engine, scen
     layout, cache, md, query, k_scale, v_scale = _poisoned_case(spec, cache_dtype, "nan")
     want = reference.paged_attention(query, cache, layout, md, sliding_window=spec.sliding_window,
                                      softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale)
+    wmma = _wmma_library()
+    wmma.kvcpu_reset_wmma_count()
     out, mfmas = _harness_attention(hip.HipBackend(partition_size=sc["partition"], cpu_wave=wave, prefill_min_query=1),
                                     query, cache, layout, md, sliding_window=spec.sliding_window,
                                     softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale)
     assert (mfmas > 0) == (kind == "mfma")
+    assert (wmma.kvcpu_wmma_count() > 0) == (kind == "wmma" and head_size <= 128)   # head 256: attention kernel
     assert bool(out.isfinite().all())
     assert_close_to_reference(out, want, dtype, f"prefill {spec} over {cache_name} poisoned with NaN")
+
+
+# ------------------------------------------------------------------ the prefill kernel's WMMA engine (wave32)
+# 16-bit queries at heads up to 128 take paged_prefill_kernel on wave32 through WMMA (gfx11 / gfx12 operand
+# layout, as kvcpu_set_wmma_family says; 0: no WMMA, the attention kernel's FMA engine serves the step). Its
+# tiles: 32 keys (head 128: 16), each wave 16 rows.
+def _wmma_library():
+    lib = hip.library.load_cpu_library()
+    lib.kvcpu_wmma_count.restype = ctypes.c_ulonglong
+    lib.kvcpu_set_wmma_family.argtypes = [ctypes.c_int]
+    lib.kvcpu_set_wmma_family.restype = ctypes.c_int
+    return lib
+
+
+@contextlib.contextmanager
+def _emulated_wmma(family: int):
+    """The harness emulating a wave32 device of WMMA layout ``family`` (11, 12; 0: none) inside the block."""
+    lib = _wmma_library()
+    assert lib.kvcpu_set_wmma_family(family) == 0
+    try:
+        yield lib
+    finally:
+        lib.kvcpu_set_wmma_family(11)
+
+
+def _wmma_count(backend, spec, family: int = 11, cache_dtype=None, per_head: bool = False, **kw) -> int:
+    """WMMA instructions of one oracle-checked run at wave 32 (cache_dtype: an fp8 cache)."""
+    with _emulated_wmma(family) as lib:
+        lib.kvcpu_reset_wmma_count()
+        if cache_dtype is None:
+            _run_case(backend, spec, wave=32, **kw)
+        else:
+            _run_fp8_case(backend, spec, cache_dtype, per_head=per_head, wave=32, **kw)
+        return lib.kvcpu_wmma_count()
+
+
+# WMMAs per wave and key tile: 16-key sub-tiles x (QK steps + PV steps) = sub-tiles x 2 x head / 16.
+WMMA_PREFILL_TILE = {64: (32, 2 * 2 * 4), 80: (32, 2 * 2 * 5), 96: (32, 2 * 2 * 6), 128: (16, 2 * 8)}
+
+
+@pytest.mark.parametrize("family", [11, 12])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128])
+def test_prefill_kernel_wave32_takes_wmma(hip_backend, head_size, family):
+    """One causal prompt of 64 tokens, group 1: wave w (rows 16w .. 16w + 15) visits the key tiles up to key
+    16w + 15, each the table's WMMA count; the decode kernel (threshold 0) and the harness without WMMA run
+    none. The oracle checks each run."""
+    spec = CaseSpec(order="NHD", block_size=16, num_kv_heads=1, group=1, head_size=head_size,
+                    dtype=(torch.float16, torch.bfloat16)[head_size // 16 % 2], query_lens=(64,), context_lens=(0,))
+    kt, per_tile = WMMA_PREFILL_TILE[head_size]
+    want = sum((16 * w + 15) // kt + 1 for w in range(4)) * per_tile
+    assert _wmma_count(hip_backend, spec, family, partition_size=0) == want
+    if family == 11:
+        assert _wmma_count(hip_backend, spec, family, partition_size=0, prefill_min_query=0) == 0
+        assert _wmma_count(hip_backend, spec, 0, partition_size=0) == 0
+        with _mfma_library_counting() as mfma:
+            _run_case(hip_backend, spec, wave=32, partition_size=0)
+            assert mfma.kvcpu_mfma_count() == 0
+
+
+@contextlib.contextmanager
+def _mfma_library_counting():
+    lib = _mfma_library()
+    lib.kvcpu_reset_mfma_count()
+    yield lib
+
+
+# Each case of PREFILL_CASES at wave 32: gfx11's layout on every case, gfx12's and no WMMA (the attention
+# kernel) on every other one.
+WAVE32_PREFILL_RUNS = [(name, 11) for name in PREFILL_CASES] + [(name, (0, 12)[i % 2])
+                                                                  for i, name in enumerate(PREFILL_CASES)]
+
+
+@pytest.mark.parametrize("name, family", WAVE32_PREFILL_RUNS, ids=[f"{n}-{f}" for n, f in WAVE32_PREFILL_RUNS])
+def test_prefill_kernel_wave32_matches_reference(hip_backend, name, family):
+    spec, _, partition = PREFILL_CASES[name]
+    count = _wmma_count(hip_backend, CaseSpec(**spec), family, partition_size=partition, prefill_min_query=1)
+    assert (count > 0) == (family != 0), count
+
+
+# What the WMMA engine does not serve keeps the attention kernel on wave32 (no WMMA, the oracle checks): fp8
+# caches (launcher.hip's prefill_served says why), head 256, fp32 queries.
+@pytest.mark.parametrize("family", [11, 12])
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+def test_prefill_wave32_keeps_the_attention_kernel_elsewhere(hip_backend, fmt, family):
+    i = list(FP8_FORMATS).index(fmt) + family
+    spec = CaseSpec(head_size=128, dtype=(torch.float16, torch.bfloat16)[i % 2],
+                    **PREFILL_HEAD_CASES[list(PREFILL_HEAD_CASES)[i % len(PREFILL_HEAD_CASES)]])
+    assert _wmma_count(hip_backend, spec, family, cache_dtype=FP8_FORMATS[fmt], per_head=bool(i % 2),
+                       partition_size=0, prefill_min_query=1) == 0
+    assert _wmma_count(hip_backend, dataclasses.replace(spec, head_size=256), family, partition_size=0,
+                       prefill_min_query=1) == 0
+    assert _wmma_count(hip_backend, dataclasses.replace(spec, dtype=torch.float32), family, partition_size=0,
+                       prefill_min_query=1) == 0
+    assert _wmma_count(hip_backend, spec, family, partition_size=0, prefill_min_query=1) > 0

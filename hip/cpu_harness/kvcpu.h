@@ -22,6 +22,9 @@
 //     mapping (checked against AMD's register-layout tables by the self-test). kvcpu_mfma_count()
 //     counts emulated instructions; kvcpu_set_mfma_enabled(0) makes mfma_enabled() false (the kernels
 //     then take their FMA path, so both paths run on the harness).
+//   * WMMA builtins (__builtin_amdgcn_wmma_f32_16x16x16_{f16,bf16}_w32 for gfx11, ..._w32_gfx12 for gfx12):
+//     the same for one 32-lane wave, in the layout family kvcpu_set_wmma_family selects (11, 12, or 0 for
+//     none); kvcpu_wmma_count() counts them.
 //   * kvcpu::warp_sync(): a warp barrier (what __builtin_amdgcn_wave_barrier + fences / __syncwarp
 //     give on a GPU: LDS writes of the wave visible to all its lanes).
 //   * __shared__ variables live in one ELF section ("kvcpu_shared"); dynamic shared memory is a
@@ -206,6 +209,8 @@ struct State {
   int num_cus = 8;
   bool mfma_enabled = true;
   unsigned long long mfma_count = 0;  // emulated matrix instructions (one per wave-wide call)
+  int wmma_family = 11;               // WMMA layout emulated: 11 (RDNA3, gfx11), 12 (RDNA4, gfx12), 0 (none)
+  unsigned long long wmma_count = 0;  // emulated WMMA instructions (one per wave-wide call)
   // errors
   hipError_t last_error = hipSuccess;
   std::string last_message;
@@ -636,7 +641,96 @@ inline f32x4 mfma_f32_16x16x4f32(float a, float b, f32x4 c, int cbsz, int abid, 
   return d;
 }
 inline bool mfma_enabled() { return st().mfma_enabled; }
+
+// ------------------------------------------------------------------------------ WMMA builtins (wave32)
+// Register types: D/C 8 x fp32 (8 VGPRs); gfx11 A/B 16 x 16-bit (8 VGPRs), gfx12 A/B 8 x 16-bit (4 VGPRs).
+// Structs, not 32-byte vectors: g++ without AVX warns that returning those changes the ABI.
+struct f32x8 {
+  float v[8];
+  float& operator[](int i) { return v[i]; }
+  float operator[](int i) const { return v[i]; }
+};
+struct f16x16 { uint16_t v[16]; };
+struct bf16x16 { uint16_t v[16]; };
+struct f16x8 { uint16_t v[8]; };
+struct bf16x8 { uint16_t v[8]; };
+
+// v_wmma_f32_16x16x16_{f16,bf16} for one 32-lane wave. Element e of a lane's A / B operand = VGPR e/2, bits
+// [16 (e%2), +16); element r of D = VGPR r.
+//   gfx11 (RDNA3): A[i][k] is element k of lane i and of lane i + 16 (the halves must hold the same values),
+//                  B[k][j] element k of lanes j and j + 16, D[i][j] element i/2 of lane j + 16 (i%2);
+//   gfx12 (RDNA4): A[i][k] is element (k%4) + 4 (k/8) of lane i + 16 ((k/4)%2), B[k][j] likewise of lane
+//                  j + 16 ((k/4)%2), D[i][j] element i%8 of lane j + 16 (i/8).
+// D = A*B + C with fp32 products and accumulation. Every lane must call it (wave-wide collective); the
+// builtin's family must be the one the harness emulates (kvcpu_set_wmma_family).
+template <int FAMILY, float (*TO_FLOAT)(uint16_t)>
+inline f32x8 wmma_16x16x16(const uint16_t* a, const uint16_t* b, f32x8 c) {
+  constexpr int NE = FAMILY == 11 ? 16 : 8;  // elements per lane and operand
+  State& s = st();
+  if (s.warp_size != 32 || s.warps[s.cur->warp].size != 32) {
+    fail(hipErrorLaunchFailure, "kvcpu: WMMA emulated only for 32-lane waves (a wave32 device, whole waves)");
+    return c;
+  }
+  if (s.wmma_family != FAMILY) {
+    fail(hipErrorLaunchFailure, s.wmma_family ? "kvcpu: a WMMA builtin of the other layout family than the emulated one"
+                                              : "kvcpu: a WMMA builtin with WMMA disabled");
+    return c;
+  }
+  uint16_t ab[2 * NE];
+  std::memcpy(&ab[0], a, 2 * NE);
+  std::memcpy(&ab[NE], b, 2 * NE);
+  const auto* slots = publish(ab, sizeof ab);
+  const int lane = s.cur->lane;
+  if (lane == 0) ++s.wmma_count;
+  auto raw = [&](int src_lane, int which, int e) {  // which 0 = A, 1 = B
+    uint16_t v;
+    std::memcpy(&v, reinterpret_cast<const unsigned char*>(&slots[src_lane][0]) + 2 * (NE * which + e), 2);
+    return v;
+  };
+  if (FAMILY == 11 && lane == 0) {
+    for (int l = 0; l < 16; ++l)
+      for (int w = 0; w < 2; ++w)
+        for (int e = 0; e < 16; ++e)
+          if (raw(l, w, e) != raw(l + 16, w, e)) {
+            fail(hipErrorLaunchFailure, "kvcpu: gfx11 WMMA operand: lanes 16-31 differ from lanes 0-15");
+            return c;
+          }
+  }
+  auto element = [&](int which, int row, int k) {  // A[row][k] (which 0) or B[k][row] (which 1)
+    if (FAMILY == 11) return TO_FLOAT(raw(row, which, k));
+    return TO_FLOAT(raw(row + 16 * ((k / 4) % 2), which, k % 4 + 4 * (k / 8)));
+  };
+  const int j = lane % 16;
+  f32x8 d = c;
+  for (int r = 0; r < 8; ++r) {
+    const int i = FAMILY == 11 ? 2 * r + lane / 16 : r + 8 * (lane / 16);
+    float acc = 0.f;
+    for (int k = 0; k < 16; ++k) acc += element(0, i, k) * element(1, j, k);
+    d[r] += acc;
+  }
+  return d;
+}
+inline f32x8 wmma_f32_16x16x16_f16_w32(f16x16 a, f16x16 b, f32x8 c) {
+  return wmma_16x16x16<11, half_bits_to_float>(a.v, b.v, c);
+}
+inline f32x8 wmma_f32_16x16x16_bf16_w32(bf16x16 a, bf16x16 b, f32x8 c) {
+  return wmma_16x16x16<11, bf16_bits_to_float>(a.v, b.v, c);
+}
+inline f32x8 wmma_f32_16x16x16_f16_w32_gfx12(f16x8 a, f16x8 b, f32x8 c) {
+  return wmma_16x16x16<12, half_bits_to_float>(a.v, b.v, c);
+}
+inline f32x8 wmma_f32_16x16x16_bf16_w32_gfx12(bf16x8 a, bf16x8 b, f32x8 c) {
+  return wmma_16x16x16<12, bf16_bits_to_float>(a.v, b.v, c);
+}
+// The WMMA layout family the harness emulates (11, 12; 0: no WMMA -- the launcher then runs wave32 prefill
+// through the attention kernel, as on targets without WMMA).
+inline int wmma_family() { return st().wmma_family; }
 }  // namespace kvcpu
+
+#define __builtin_amdgcn_wmma_f32_16x16x16_f16_w32 ::kvcpu::wmma_f32_16x16x16_f16_w32
+#define __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32 ::kvcpu::wmma_f32_16x16x16_bf16_w32
+#define __builtin_amdgcn_wmma_f32_16x16x16_f16_w32_gfx12 ::kvcpu::wmma_f32_16x16x16_f16_w32_gfx12
+#define __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32_gfx12 ::kvcpu::wmma_f32_16x16x16_bf16_w32_gfx12
 
 #define __builtin_amdgcn_mfma_f32_16x16x16f16 ::kvcpu::mfma_f32_16x16x16f16
 #define __builtin_amdgcn_mfma_f32_16x16x16bf16_1k ::kvcpu::mfma_f32_16x16x16bf16_1k
@@ -724,6 +818,19 @@ extern "C" __attribute__((visibility("default"), weak)) void kvcpu_reset_mfma_co
 extern "C" __attribute__((visibility("default"), weak)) void kvcpu_set_mfma_enabled(int on) {
   ::kvcpu::st().mfma_enabled = on != 0;
 }
+// Emulated WMMA instructions since the last reset (one per wave-wide builtin call).
+extern "C" __attribute__((visibility("default"), weak)) unsigned long long kvcpu_wmma_count() {
+  return ::kvcpu::st().wmma_count;
+}
+extern "C" __attribute__((visibility("default"), weak)) void kvcpu_reset_wmma_count() { ::kvcpu::st().wmma_count = 0; }
+// The WMMA layout family the emulated wave32 device has: 11 (gfx11, the default), 12 (gfx12), 0 (no WMMA:
+// wave32 prefill takes the attention kernel's FMA engine). Returns hipErrorInvalidValue for anything else.
+extern "C" __attribute__((visibility("default"), weak)) int kvcpu_set_wmma_family(int family) {
+  if (family != 0 && family != 11 && family != 12) return (int)hipErrorInvalidValue;
+  ::kvcpu::st().wmma_family = family;
+  return 0;
+}
+extern "C" __attribute__((visibility("default"), weak)) int kvcpu_wmma_family() { return ::kvcpu::st().wmma_family; }
 extern "C" __attribute__((visibility("default"), weak)) const char* kvcpu_last_error() {
   return ::kvcpu::st().last_message.c_str();
 }

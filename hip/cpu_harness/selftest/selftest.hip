@@ -109,6 +109,61 @@ __global__ void mfma_raw_f32(const unsigned* regs, float* d) {
 }
 #endif
 
+#if defined(KVMULTI_HIP_CPU_HARNESS) || defined(__GFX11__) || defined(__GFX12__)
+#define SELFTEST_HAS_WMMA 1
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+typedef ::kvcpu::f32x8 f32x8;
+typedef ::kvcpu::f16x16 f16x16;
+typedef ::kvcpu::bf16x16 bf16x16;
+typedef ::kvcpu::f16x8 f16x8;
+typedef ::kvcpu::bf16x8 bf16x8;
+#else
+typedef float f32x8 __attribute__((ext_vector_type(8)));
+typedef _Float16 f16x16 __attribute__((ext_vector_type(16)));
+typedef short bf16x16 __attribute__((ext_vector_type(16)));
+typedef _Float16 f16x8 __attribute__((ext_vector_type(8)));
+typedef short bf16x8 __attribute__((ext_vector_type(8)));
+#endif
+
+// One 16x16x16 WMMA on raw registers: regs[lane] = {A VGPRs 0..7, B VGPRs 0..7} (bit patterns; gfx12 reads
+// VGPRs 0..3 of each), C = 0; d[lane][i] = D VGPR i. One 32-lane wave. KIND: 0 / 1 gfx11 f16 / bf16, 2 / 3
+// gfx12 f16 / bf16.
+template <int KIND>
+__global__ void wmma_raw(const unsigned* regs, float* d) {
+  const int lane = (int)threadIdx.x;
+  const unsigned* a = regs + 16 * lane;
+  const unsigned* b = a + 8;
+  f32x8 c = {};
+#if defined(KVMULTI_HIP_CPU_HARNESS) || defined(__GFX11__)
+  if constexpr (KIND == 0) {
+    f16x16 x, y;
+    __builtin_memcpy(&x, a, 32);
+    __builtin_memcpy(&y, b, 32);
+    c = __builtin_amdgcn_wmma_f32_16x16x16_f16_w32(x, y, c);
+  } else if constexpr (KIND == 1) {
+    bf16x16 x, y;
+    __builtin_memcpy(&x, a, 32);
+    __builtin_memcpy(&y, b, 32);
+    c = __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(x, y, c);
+  }
+#endif
+#if defined(KVMULTI_HIP_CPU_HARNESS) || defined(__GFX12__)
+  if constexpr (KIND == 2) {
+    f16x8 x, y;
+    __builtin_memcpy(&x, a, 16);
+    __builtin_memcpy(&y, b, 16);
+    c = __builtin_amdgcn_wmma_f32_16x16x16_f16_w32_gfx12(x, y, c);
+  } else if constexpr (KIND == 3) {
+    bf16x8 x, y;
+    __builtin_memcpy(&x, a, 16);
+    __builtin_memcpy(&y, b, 16);
+    c = __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32_gfx12(x, y, c);
+  }
+#endif
+  for (int i = 0; i < 8; ++i) d[8 * lane + i] = c[i];
+}
+#endif
+
 }  // namespace selftest
 
 // which: 0/1 neighbor_sum with/without barrier, 2/3 dynamic-shared variant with/without barrier,
@@ -153,6 +208,25 @@ extern "C" __attribute__((visibility("default"))) int selftest_mfma(int bf16, co
   return (int)hipGetLastError();
 #else
   (void)bf16, (void)regs, (void)d;
+  return (int)hipErrorInvalidDeviceFunction;
+#endif
+}
+
+// Runs selftest::wmma_raw<kind> (0 / 1: gfx11 v_wmma_f32_16x16x16_f16 / _bf16, 2 / 3: the gfx12 ones) on one
+// 32-lane wave. Returns the hipError_t of the launch (hipErrorInvalidDeviceFunction without WMMA or for a kind
+// outside 0..3).
+extern "C" __attribute__((visibility("default"))) int selftest_wmma(int kind, const unsigned* regs, float* d) {
+#if defined(SELFTEST_HAS_WMMA)
+  switch (kind) {
+    case 0: hipLaunchKernelGGL(selftest::wmma_raw<0>, dim3(1), dim3(32), 0, 0, regs, d); break;
+    case 1: hipLaunchKernelGGL(selftest::wmma_raw<1>, dim3(1), dim3(32), 0, 0, regs, d); break;
+    case 2: hipLaunchKernelGGL(selftest::wmma_raw<2>, dim3(1), dim3(32), 0, 0, regs, d); break;
+    case 3: hipLaunchKernelGGL(selftest::wmma_raw<3>, dim3(1), dim3(32), 0, 0, regs, d); break;
+    default: return (int)hipErrorInvalidDeviceFunction;
+  }
+  return (int)hipGetLastError();
+#else
+  (void)kind, (void)regs, (void)d;
   return (int)hipErrorInvalidDeviceFunction;
 #endif
 }
