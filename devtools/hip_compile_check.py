@@ -782,21 +782,21 @@ def problem_kind(message: str) -> str:
     return next((kind for kind, text in _PROBLEM_KINDS if text in message), "other")
 
 
-def _listed(row: dict, message: str) -> bool:
-    """Whether :data:`OPEN_PROBLEMS` lists the problem ``message`` of ``row``."""
+def _open_key(row: dict, message: str) -> tuple[str, ...] | None:
+    """The :data:`OPEN_PROBLEMS` entry listing the problem ``message`` of ``row`` (None: not listed)."""
     key = (row["target"], problem_kind(message), row["kind"])
     fp8_fma = bool(row.get("cache")) and not row.get("matrix_instructions")
-    return key in OPEN_PROBLEMS or (fp8_fma and (*key, "fp8 FMA") in OPEN_PROBLEMS)
+    return next((k for k in (key, (*key, "fp8 FMA") if fp8_fma else None) if k in OPEN_PROBLEMS), None)
 
 
 def open_problems(row: dict) -> list[str]:
     """The row's problems that :data:`OPEN_PROBLEMS` lists for its target and kernel kind."""
-    return [m for m in row_problems(row) if _listed(row, m)]
+    return [m for m in row_problems(row) if _open_key(row, m)]
 
 
 def failing_problems(row: dict) -> list[str]:
     """The row's problems that :data:`OPEN_PROBLEMS` does not list: the CI thresholds it fails."""
-    return [m for m in row_problems(row) if not _listed(row, m)]
+    return [m for m in row_problems(row) if not _open_key(row, m)]
 
 
 def split_open(arch: str, rows: list[dict]) -> tuple[list[str], list[str]]:
@@ -806,11 +806,7 @@ def split_open(arch: str, rows: list[dict]) -> tuple[list[str], list[str]]:
     for row in rows:
         failures += failing_problems(row)
         opened += open_problems(row)
-    seen = set()
-    for row in rows:
-        for m in open_problems(row):
-            key = (arch, problem_kind(m), row["kind"])
-            seen.add(key if key in OPEN_PROBLEMS else (*key, "fp8 FMA"))
+    seen = {_open_key(row, m) for row in rows for m in open_problems(row)}
     for key in OPEN_PROBLEMS:
         if key[0] == arch and key not in seen:
             failures.append(f"{arch}: open problem {key[1:]} no longer occurs: remove it from OPEN_PROBLEMS "
