@@ -20,7 +20,8 @@ RAM floor is that many bytes at the RAM read bandwidth measured in the same run 
 clean 1 GiB buffer); "GFLOP/s" counts 4 x head size FLOP per visible (query row, key) pair (QK and
 P.V), and "% of peak" divides it by the peak of all threads measured in the same run
 (benchmarks/fma_peak.c): the bf16-dot peak (vdpbf16ps zmm, 64 FLOP each) for bf16 / fp16 / fp8 caches
-on a host with avx512bf16, else the fp32 FMA peak (vfmadd231ps ymm, 16 FLOP each); "n/a" without cc.
+on a host with avx512bf16, else the fp32 FMA peak at the width of the variant that ran (vfmadd231ps zmm,
+32 FLOP each, for the AVX-512 variants; ymm, 16 FLOP each, otherwise); "n/a" without cc.
 The host's ISA (the native variants /proc/cpuinfo says it runs: avx512bf16, avx512, avx2) is printed first, so a figure is
 never read as another host's; "cache read" is one streaming pass (torch sum) over this very cache's storage,
 timed like the kernels (so, when cold, after the same 1 GiB write and with the same dirty caches).
@@ -107,10 +108,14 @@ def build(case: str, dtype: torch.dtype, block_size: int, order: str, pages: str
     return layout, cache, md, query, kv_bytes
 
 
-def row_peak(dtype: torch.dtype, peaks: dict[str, float | None], threads: int) -> float | None:
+def row_peak(dtype: torch.dtype, peaks: dict[str, float | None], threads: int, isa: str | None) -> float | None:
     """The peak a row's FLOP/s is divided by (all threads): the bf16-dot peak for bf16 / fp16 / fp8 caches
-    where the host has it (the kernel's dot tiles), the fp32 FMA peak otherwise (its FMA tiles)."""
-    per_core = peaks["bf16dot"] if dtype != torch.float32 and peaks["bf16dot"] else peaks["fma"]
+    where the host has it (the kernel's dot tiles), else the fp32 FMA peak of the vector width that
+    ``isa`` (the native variant that ran) computes in: zmm for the AVX-512 variants, ymm otherwise."""
+    if dtype != torch.float32 and peaks["bf16dot"]:
+        per_core = peaks["bf16dot"]
+    else:
+        per_core = peaks["fma512"] if isa in ("avx512bf16", "avx512") and peaks["fma512"] else peaks["fma"]
     return per_core * threads if per_core else None
 
 
@@ -123,18 +128,19 @@ def attention_flops(case: str) -> float:
 
 def core_peaks() -> dict[str, float | None]:
     """FLOP/s of one core from benchmarks/fma_peak.c (compiled once, best of 400 runs per mode):
-    {"bf16dot": vdpbf16ps zmm, 64 FLOP each; "fma": vfmadd231ps ymm, 16 FLOP each}; None for a mode
-    that could not run (no cc, or the CPU lacks the instruction)."""
+    {"bf16dot": vdpbf16ps zmm, 64 FLOP each; "fma512": vfmadd231ps zmm, 32 FLOP each; "fma":
+    vfmadd231ps ymm, 16 FLOP each}; None for a mode that could not run (no cc, or the CPU lacks the
+    instruction)."""
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fma_peak.c")
     import tempfile
-    peaks: dict[str, float | None] = {"bf16dot": None, "fma": None}
+    peaks: dict[str, float | None] = {"bf16dot": None, "fma512": None, "fma": None}
     with tempfile.TemporaryDirectory() as tmp:
         exe = os.path.join(tmp, "fma_peak")
         try:
             subprocess.run(["cc", "-O2", src, "-o", exe], check=True, capture_output=True)
         except (OSError, subprocess.CalledProcessError):
             return peaks
-        for mode, args, flop in (("bf16dot", ["bf16dot"], 64), ("fma", [], 16)):
+        for mode, args, flop in (("bf16dot", ["bf16dot"], 64), ("fma512", ["fma512"], 32), ("fma", [], 16)):
             done = subprocess.run([exe, *args], capture_output=True, text=True)
             if done.returncode == 0:
                 peaks[mode] = float(done.stdout.split()[0]) * 1e9 * flop
@@ -406,9 +412,13 @@ def main() -> None:
     bw = ram_bandwidth(timer)
     print(f"RAM read bandwidth (torch sum over 1 GiB, best of 5): {bw / 1e9:.1f} GB/s")
     print(f"host ISA (/proc/cpuinfo; the native variants it runs, best first): {native.host_isas()}")
+    module = native.load()
+    isa = native.selected_isa(module, os.environ.get(native.ENV_ISA)) if module is not None else None
+    print(f"native variant timed: {isa or 'none (no native kernel)'}")
     threads = torch.get_num_threads()
     peaks = core_peaks()
-    for mode, what in (("bf16dot", "bf16-dot peak (vdpbf16ps zmm"), ("fma", "fp32 FMA peak (vfmadd231ps ymm")):
+    for mode, what in (("bf16dot", "bf16-dot peak (vdpbf16ps zmm"), ("fma512", "fp32 FMA peak (vfmadd231ps zmm"),
+                       ("fma", "fp32 FMA peak (vfmadd231ps ymm")):
         per_core = peaks[mode]
         print(f"{what}, best of 400 runs): " + (f"{per_core / 1e9:.0f} GFLOP/s per core, "
               f"{per_core * threads / 1e9:.0f} for {threads} threads" if per_core else "not measured (no cc, or no such instruction)"))
@@ -443,7 +453,7 @@ def main() -> None:
                     runs[mode, "vLLM"].append(tuple(v[mode]))
         for mode in ("hot", "cold"):
             row = dict(cfg, mode=mode, kv_bytes=kv_bytes, floor=kv_bytes / bw, flops=attention_flops(cfg["case"]),
-                       peak=row_peak(dtype, peaks, threads))
+                       peak=row_peak(dtype, peaks, threads, isa))
             for name in [*fns, "vLLM"]:
                 row[name] = _combine(runs[mode, name])
             rows.append(row)
