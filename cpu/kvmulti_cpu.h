@@ -74,8 +74,12 @@ inline float row_inverse(const AttnParams& P, int h, float m, float l) {
   return l > 0.0f ? 1.0f / l : 0.0f;
 }
 
-// Keys per tile of the many-row path (prefill_tiles.h), and the most rows per KV head it takes.
-constexpr int kTileKeys = 32;
+// Keys per tile of the many-row path (prefill_tiles.h; a multiple of its register tiles' 16 keys),
+// and the most rows per KV head it takes.
+#ifndef KV_TILE_KEYS
+#define KV_TILE_KEYS 64
+#endif
+constexpr int kTileKeys = KV_TILE_KEYS;
 constexpr int kTileMaxRows = 256;
 // Floats of per-thread workspace the many-row path needs for rows_per_head rows of one KV head.
 inline int64_t tile_workspace_floats(int rows_per_head, int head_size, int head_size_v, int lanes) {

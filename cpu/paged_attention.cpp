@@ -257,7 +257,14 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, at::Te
   P.alibi = per_head_floats(alibi_slopes, query.size(1), "alibi_slopes", "num_q_heads");
 
   const int G = P.num_q_heads / P.num_kv_heads;
-  const int tile_tokens = std::max(1, 64 / G);
+  // Query tokens per item: KV_ITEM_ROWS rows (tokens x G) per KV head. A prefill item's per-row set-up
+  // (query in, output out) and per-key-tile work (block-table lookups, bf16 V pairs) are shared by
+  // its rows; more rows also mean wider causal diagonals and fewer items to balance (measurements:
+  // CHANGELOG.md).
+#ifndef KV_ITEM_ROWS
+#define KV_ITEM_ROWS 128
+#endif
+  const int tile_tokens = std::max(1, KV_ITEM_ROWS / G);
   const int num_reqs = int(std::min<int64_t>(seq_lens_cpu.size(0), query_start_loc_cpu.size(0) - 1));
   const int32_t* qsl = query_start_loc_cpu.data_ptr<int32_t>();
   const int32_t* seq = seq_lens_cpu.data_ptr<int32_t>();

@@ -40,6 +40,44 @@ struct TileCtx {
   const vf* slope;         // [Mr / KV_W] each lane's ALiBi slope, or nullptr
 };
 
+// exp(x) for x <= 0 at the precision of a probability rounded to bf16 afterwards (relative error
+// below 6e-6, against bf16's 2^-9); 0 for -inf, and for NaN as vexp_nonpos gives. AVX-512: x clamped
+// at -110 (exp is then below the smallest denormal), 2^(x log2 e) as 2^frac by a degree-5 polynomial
+// on [-1/2, 1/2], scaled by vscalefps: 10 instructions against vexp_nonpos's 17.
+#if KV_W == 16 && !defined(KV_PORTABLE_VECTORS)
+static KV_INLINE vf vexp_nonpos_bf16(vf x) {
+  const __m512 y = _mm512_mul_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-110.0f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.3333558146e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return (vf)_mm512_scalef_ps(p, n);
+}
+#else
+static KV_INLINE vf vexp_nonpos_bf16(vf x) { return vexp_nonpos(x); }
+#endif
+
+// Probabilities of keys 2k (p0) and 2k + 1 (p1) as bf16 pairs, p0 in each word's low half, rounded
+// to nearest even (p >= 0 or a quiet NaN: no overflow).
+static KV_INLINE vu bf16_pairs(vf p0, vf p1) {
+#if defined(KV_BF16DOT)
+  // vcvtne2ps2bf16 gives [p0's 16 | p1's 16]; vpermw interleaves them.
+  alignas(64) static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0);
+  return (vu)_mm512_permutexvar_epi16(_mm512_load_si512(interleave), both);
+#else
+  vu b0 = (vu)p0, b1 = (vu)p1;
+  b0 = (b0 + 0x7fffu + ((b0 >> 16) & 1u)) >> 16;
+  b1 = (b1 + 0x7fffu + ((b1 >> 16) & 1u)) & 0xffff0000u;
+  return b0 | b1;
+#endif
+}
+
 static inline uint32_t f32_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -202,15 +240,14 @@ static void tile_step(const TileCtx& t, const void* Qt, float* Ot, int RV, vf* m
     vf sum = vsplat(0.0f);
     for (int j = 0; j < t.npad; j += 2) {
       float* s0 = t.St + j * t.Mr + rv * KV_W;
-      const vf p0 = vexp_nonpos(vload(s0) - msub), p1 = vexp_nonpos(vload(s0 + t.Mr) - msub);
-      sum += p0 + p1;
-      if constexpr (DOT) {   // bf16 pairs, rounded to nearest even (p >= 0 or a quiet NaN: no overflow)
-        vu b0 = (vu)p0, b1 = (vu)p1;
-        b0 = (b0 + 0x7fffu + ((b0 >> 16) & 1u)) >> 16;
-        b1 = (b1 + 0x7fffu + ((b1 >> 16) & 1u)) & 0xffff0000u;
-        const vu w = b0 | b1;
+      if constexpr (DOT) {
+        const vf p0 = vexp_nonpos_bf16(vload(s0) - msub), p1 = vexp_nonpos_bf16(vload(s0 + t.Mr) - msub);
+        sum += p0 + p1;
+        const vu w = bf16_pairs(p0, p1);
         __builtin_memcpy(t.Pp + (j / 2) * t.Mr + rv * KV_W, &w, sizeof w);
       } else {
+        const vf p0 = vexp_nonpos(vload(s0) - msub), p1 = vexp_nonpos(vload(s0 + t.Mr) - msub);
+        sum += p0 + p1;
         vstore(s0, p0);
         vstore(s0 + t.Mr, p1);
       }
@@ -241,6 +278,44 @@ static inline void interleave_rows(const uint16_t* a, const uint16_t* b, int n, 
     __builtin_memcpy(dst + d, &w, sizeof w);
   }
   for (; d < n; ++d) dst[d] = uint32_t(a[d]) | (uint32_t(b[d]) << 16);
+}
+
+// ---- KV_W x KV_W transposes of 32-bit words: the many-row path's query rows in, its output rows out ----
+// Stage B swaps the off-diagonal B x B blocks of every 2B x 2B block of the matrix r[row][lane];
+// after the stages B = 1, 2, ..., KV_W / 2, r[i][l] holds what r[l][i] held.
+template <int B, int... I> static inline vu tr_mask(bool second, std::integer_sequence<int, I...>) {
+  return second ? vu{uint32_t((I & B) == 0 ? I + B : KV_W + I)...} : vu{uint32_t((I & B) == 0 ? I : KV_W + I - B)...};
+}
+template <int B = 1> static KV_INLINE void transpose_words(vu (&r)[KV_W]) {
+  if constexpr (B < KV_W) {
+    const vu lo = tr_mask<B>(false, std::make_integer_sequence<int, KV_W>{});
+    const vu hi = tr_mask<B>(true, std::make_integer_sequence<int, KV_W>{});
+#pragma GCC unroll 16
+    for (int i = 0; i < KV_W; ++i)
+      if ((i & B) == 0) {
+        const vu a = r[i], b = r[i + B];
+        r[i] = __builtin_shuffle(a, b, lo);
+        r[i + B] = __builtin_shuffle(a, b, hi);
+      }
+    transpose_words<2 * B>(r);
+  }
+}
+
+// p[0:n] = v[0:n] in dtype DT (n <= KV_W), rounded to nearest even as store_one does.
+template <int DT> static inline void store_vec(typename Elem<DT>::T* p, vf v, int n) {
+  if constexpr (DT == kF32) {
+    if (n == KV_W) vstore(p, v);
+    else for (int i = 0; i < n; ++i) p[i] = v[i];
+  } else if constexpr (DT == kBF16) {
+    const vu u = (vu)v;
+    const vu nan = (u & 0x7fffffffu) > 0x7f800000u;   // all-ones lanes: quiet NaN, as f32_to_bf16
+    const vu b = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16 & ~nan) | ((u >> 16 | 0x40u) & nan);
+    const vh h = __builtin_convertvector(b, vh);
+    if (n == KV_W) __builtin_memcpy(p, &h, sizeof h);
+    else for (int i = 0; i < n; ++i) p[i] = h[i];
+  } else {
+    for (int i = 0; i < n; ++i) p[i] = f32_to_f16(v[i]);
+  }
 }
 
 static_assert(kTileKeys % kTileAcc == 0, "a key tile is whole register tiles");
@@ -282,6 +357,7 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
   const QE* query = static_cast<const QE*>(P.query);
   QE* out = static_cast<QE*>(P.out);
   const int row_lines = int(((D + Dv) * sizeof(T) + 63) / 64);
+  const int q_lines = int((D * sizeof(QE) + 63) / 64), o_lines = int((Dv * sizeof(QE) + 63) / 64);
   const int32_t* table = P.block_table + int64_t(it.req) * P.bt_stride;
 
   for (int hh = 0; hh < it.num_heads; ++hh) {
@@ -295,33 +371,62 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
         slope[rv] = vload(lanes);
       }
     }
-    // Qt (fp32 mode: pre-scaled) and the running max / sum; padding lanes are zero rows.
-    float* qrow = Kw;   // one widened query row (Kw is free until the first tile)
-    for (int rr = 0; rr < Mr; ++rr) {
-      bool nan = false;
-      if (rr < Mh) {
-        const int t = rr / G, h = kvh * G + rr % G;
-        convert_row<QT>(query + int64_t(it.q_row0 + t) * P.q_stride_token + int64_t(h) * P.q_stride_head, D, qrow);
-        for (int d = 0; d < D; ++d) nan |= qrow[d] != qrow[d];
-      } else {
-        std::memset(qrow, 0, sizeof(float) * D);
+    // Qt (fp32 mode: pre-scaled) and the running max / sum; padding lanes are zero rows. Blocks of
+    // KV_W rows x KV_W words (bf16 pairs in dot mode, fp32 values otherwise) are transposed in registers.
+    // The next block's rows are prefetched while one block is transposed.
+    const int qwords = DOT ? D / 2 : D;
+    auto query_rows = [&](int rv, const QE** src) {
+      for (int i = 0; i < KV_W; ++i) {
+        const int rr = rv * KV_W + i;
+        src[i] = rr < Mh ? query + int64_t(it.q_row0 + rr / G) * P.q_stride_token + int64_t(kvh * G + rr % G) * P.q_stride_head
+                         : nullptr;
       }
-      if constexpr (DOT) {
-        uint32_t* q = reinterpret_cast<uint32_t*>(Qt);
-        for (int d = 0; d < D; d += 2)
-          q[(d / 2) * Mr + rr] = (f32_bits(qrow[d]) >> 16) | (f32_bits(qrow[d + 1]) & 0xffff0000u);
-      } else {
-        for (int d = 0; d < D; ++d) Qt[int64_t(d) * Mr + rr] = qrow[d] * q_scale;
+    };
+    const QE* next[KV_W];
+    query_rows(0, next);
+    for (int rv = 0; rv < RV; ++rv) {
+      const QE* src[KV_W];
+      std::copy(next, next + KV_W, src);
+      if (rv + 1 < RV) {
+        query_rows(rv + 1, next);
+        prefetch_rows_any(reinterpret_cast<const void* const*>(next), 0, std::min(KV_W, Mh - (rv + 1) * KV_W), q_lines);
       }
-      mrow[rr] = ninf;
+      vu nan = vu{};
+      for (int w0 = 0; w0 < qwords; w0 += KV_W) {
+        const int nw = std::min(KV_W, qwords - w0);
+        vu r[KV_W];
+        for (int i = 0; i < KV_W; ++i) {
+          r[i] = vu{};
+          if (src[i] == nullptr) continue;
+          if constexpr (DOT) {
+            const uint16_t* q = src[i] + 2 * w0;   // bf16 pairs as they are stored
+            if (nw == KV_W) __builtin_memcpy(&r[i], q, sizeof(vu));
+            else for (int j = 0; j < nw; ++j) r[i][j] = load_u32(q + 2 * j);
+          } else if (nw == KV_W) {
+            r[i] = (vu)load_vec<QT>(src[i] + w0);
+          } else {
+            float tail[KV_W] = {};
+            convert_row<QT>(src[i] + w0, nw, tail);
+            __builtin_memcpy(&r[i], tail, sizeof tail);
+          }
+        }
+        transpose_words(r);
+        for (int j = 0; j < nw; ++j) {
+          if constexpr (DOT) {
+            nan |= ((r[j] & 0x7fffu) > 0x7f80u) | (((r[j] >> 16) & 0x7fffu) > 0x7f80u);
+            __builtin_memcpy(reinterpret_cast<uint32_t*>(Qt) + int64_t(w0 + j) * Mr + rv * KV_W, &r[j], sizeof(vu));
+          } else {
+            const vf q = (vf)r[j];
+            nan |= (vu)(q != q);
+            vstore(Qt + int64_t(w0 + j) * Mr + rv * KV_W, q * q_scale);
+          }
+        }
+      }
+      m[rv] = vsplat(ninf);
       // A NaN query row gives an all-NaN output row; the running sum carries the mark.
-      lrow[rr] = nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+      l[rv] = (vf)((vu)vsplat(std::numeric_limits<float>::quiet_NaN()) & nan);
     }
     std::memset(Ot, 0, sizeof(float) * int64_t(Dv) * Mr);
-    for (int rv = 0; rv < RV; ++rv) {
-      m[rv] = vload(mrow + rv * KV_W);
-      l[rv] = vload(lrow + rv * KV_W);
-    }
 
     const int64_t head_off = int64_t(kvh) * P.s_head;
     const T* rows[2][kTileKeys];
@@ -379,28 +484,52 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
       tile_step<DOT>(t, Qt, Ot, RV, m, l);
     }
 
-    // Output rows (or the partition's O, m, l), head-major without padding rows.
-    for (int rv = 0; rv < RV; ++rv) {
-      vstore(mrow + rv * KV_W, m[rv]);
-      vstore(lrow + rv * KV_W, l[rv]);
-    }
+    // Output rows (or the partition's O, m, l), head-major without padding rows: blocks of KV_W rows x
+    // KV_W dimensions of Ot transposed back in registers.
+    // The next block's output rows are prefetched while one block is written.
     const float vs = fp8 ? P.v_scale[kvh] * fp8_unit<CT>() : 1.0f;
-    float* o = Vw;   // one output row (the tiles are done)
-    for (int rr = 0; rr < Mh; ++rr) {
-      for (int d = 0; d < Dv; ++d) o[d] = Ot[int64_t(d) * Mr + rr] * vs;
-      const int r = hh * Mh + rr;
-      const float lr = lrow[rr];
-      if (it.partial != nullptr) {
-        std::memcpy(it.partial + int64_t(r) * dvp, o, sizeof(float) * Dv);
-        std::memset(it.partial + int64_t(r) * dvp + Dv, 0, sizeof(float) * (dvp - Dv));
-        it.partial[int64_t(M) * dvp + r] = mrow[rr];
-        it.partial[int64_t(M) * dvp + M + r] = lr;
-        continue;
+    auto out_rows = [&](int rv, QE** dst) {
+      for (int i = 0; i < std::min(KV_W, Mh - rv * KV_W); ++i) {
+        const int rr = rv * KV_W + i;
+        dst[i] = out + int64_t(it.q_row0 + rr / G) * P.o_stride_token + int64_t(kvh * G + rr % G) * P.o_stride_head;
       }
-      const int t = rr / G, h = kvh * G + rr % G;
-      QE* dst = out + int64_t(it.q_row0 + t) * P.o_stride_token + int64_t(h) * P.o_stride_head;
-      const float inv = row_inverse(P, h, mrow[rr], lr);
-      for (int d = 0; d < Dv; ++d) store_one<QT>(dst + d, o[d] * inv);
+    };
+    QE* next_out[KV_W];
+    if (it.partial == nullptr) out_rows(0, next_out);
+    for (int rv = 0; rv < RV; ++rv) {
+      vstore(mrow, m[rv]);
+      vstore(lrow, l[rv]);
+      const int rows = std::min(KV_W, Mh - rv * KV_W);
+      QE* dst[KV_W];
+      float factor[KV_W];
+      if (it.partial == nullptr) {
+        std::copy(next_out, next_out + rows, dst);
+        if (rv + 1 < RV) {
+          out_rows(rv + 1, next_out);
+          prefetch_rows_any(reinterpret_cast<const void* const*>(next_out), 0, std::min(KV_W, Mh - (rv + 1) * KV_W), o_lines);
+        }
+      }
+      for (int i = 0; i < rows; ++i) {
+        const int rr = rv * KV_W + i, r = hh * Mh + rr;
+        if (it.partial != nullptr) {
+          it.partial[int64_t(M) * dvp + r] = mrow[i];
+          it.partial[int64_t(M) * dvp + M + r] = lrow[i];
+          factor[i] = vs;
+        } else {
+          factor[i] = vs * row_inverse(P, kvh * G + rr % G, mrow[i], lrow[i]);
+        }
+      }
+      for (int d0 = 0; d0 < dvp; d0 += KV_W) {
+        const int nd = std::min(KV_W, Dv - d0);
+        vu r[KV_W];
+        for (int j = 0; j < KV_W; ++j) r[j] = j < nd ? (vu)vload(Ot + int64_t(d0 + j) * Mr + rv * KV_W) : vu{};
+        transpose_words(r);
+        for (int i = 0; i < rows; ++i) {
+          const vf o = (vf)r[i] * factor[i];
+          if (it.partial != nullptr) vstore(it.partial + int64_t(hh * Mh + rv * KV_W + i) * dvp + d0, o);   // zero past Dv
+          else store_vec<QT>(dst[i] + d0, o, nd);
+        }
+      }
     }
   }
 }

@@ -244,7 +244,8 @@ MANY_ROW_CASES = [   # (group, query lens, context lens, window, softcap, head s
     (4, (4, 4), (100, 300), None, None, 64),     # verification: 16 rows (one 16-lane vector)
     (2, (30, 9), (70, 9), 33, 15.0, 64),         # windows skip tiles, softcap
     (1, (40,), (0,), None, None, 80),            # head size 80: dv tails of the register tiles
-    (8, (20, 3), (5, 100), 20, None, 16)]        # 8 query heads per KV head, head size 16
+    (8, (20, 3), (5, 100), 20, None, 16),        # 8 query heads per KV head, head size 16
+    (8, (37,), (5,), None, None, 72)]            # 296 rows: three items; 36 bf16 pairs / 72 values a row
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
