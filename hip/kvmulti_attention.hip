@@ -484,18 +484,6 @@ __device__ __forceinline__ void reduce_scatter(float (&v)[N], int lane) {
   }
 }
 
-// v[k] combined (max or sum) over the lanes whose lane bits differ from this lane's in masks FIRST .. WAVE / 2.
-template <int WAVE, int FIRST, bool MAX, int N>
-__device__ __forceinline__ void butterfly(float (&v)[N]) {
-#pragma unroll
-  for (int m = FIRST; m < WAVE; m <<= 1) {
-    float other[N];
-    shfl_xor_n<WAVE, N>(v, other, m);
-#pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = MAX ? fmaxf(v[k], other[k]) : v[k] + other[k];
-  }
-}
-
 // Keeps the compiler from hoisting the loop-invariant shared-memory reads of the query out of the tile loop
 // (it would keep them in registers, which the accumulators need): a compiler-only memory clobber.
 // On AMD GPUs also a scheduling barrier: each pass's shuffles and conversions stay in their pass instead of
@@ -514,35 +502,30 @@ struct alignas(8) Chunk8 {
   uint32_t w[2];
 };
 
-// The WORDS 32-bit words of the piece at p: 16-byte (fp8: 8-byte) vector loads when ALIGNED, else element loads.
+// The WORDS 32-bit words of the piece at p: 16-byte chunks (load_chunk), or one 8-byte piece of fp8 codes;
+// vector loads when ALIGNED, else element loads.
 template <typename C, int WORDS, bool ALIGNED>
 __device__ __forceinline__ void load_piece(const C* __restrict__ p, uint32_t (&w)[WORDS]) {
-  if constexpr (ALIGNED && WORDS % 4 == 0) {
+  if constexpr (WORDS % 4 == 0) {
 #pragma unroll
     for (int i = 0; i < WORDS / 4; ++i) {
-      const Chunk16 c = *reinterpret_cast<const Chunk16*>(reinterpret_cast<const uint8_t*>(p) + 16 * i);
+      const Chunk16 c = load_chunk<C, ALIGNED>(p + i * (16 / sizeof(C)));
 #pragma unroll
       for (int k = 0; k < 4; ++k) w[4 * i + k] = c.w[k];
     }
-  } else if constexpr (ALIGNED) {
-    static_assert(WORDS == 2, "an 8-byte piece");
-    const Chunk8 c = *reinterpret_cast<const Chunk8*>(p);
-    w[0] = c.w[0];
-    w[1] = c.w[1];
-  } else if constexpr (sizeof(C) == 4) {
-    const uint32_t* e = reinterpret_cast<const uint32_t*>(p);
-#pragma unroll
-    for (int i = 0; i < WORDS; ++i) w[i] = e[i];
-  } else if constexpr (sizeof(C) == 2) {
-    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
-#pragma unroll
-    for (int i = 0; i < WORDS; ++i) w[i] = (uint32_t)h[2 * i] | ((uint32_t)h[2 * i + 1] << 16);
   } else {
-    const uint8_t* b = reinterpret_cast<const uint8_t*>(p);
+    static_assert(WORDS == 2 && sizeof(C) == 1, "an 8-byte piece of fp8 codes");
+    if constexpr (ALIGNED) {
+      const Chunk8 c = *reinterpret_cast<const Chunk8*>(p);
+      w[0] = c.w[0];
+      w[1] = c.w[1];
+    } else {
+      const uint8_t* b = reinterpret_cast<const uint8_t*>(p);
 #pragma unroll
-    for (int i = 0; i < WORDS; ++i)
-      w[i] = (uint32_t)b[4 * i] | ((uint32_t)b[4 * i + 1] << 8) | ((uint32_t)b[4 * i + 2] << 16) |
-             ((uint32_t)b[4 * i + 3] << 24);
+      for (int i = 0; i < 2; ++i)
+        w[i] = (uint32_t)b[4 * i] | ((uint32_t)b[4 * i + 1] << 8) | ((uint32_t)b[4 * i + 2] << 16) |
+               ((uint32_t)b[4 * i + 3] << 24);
+    }
   }
 }
 

@@ -309,6 +309,12 @@ template <typename T, bool ALIGNED>
 __device__ __forceinline__ Chunk16 load_chunk(const T* __restrict__ p) {
   if constexpr (ALIGNED) {
     return *reinterpret_cast<const Chunk16*>(p);
+  } else if constexpr (sizeof(T) == 4) {
+    Chunk16 c;
+    const uint32_t* e = reinterpret_cast<const uint32_t*>(p);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c.w[i] = e[i];
+    return c;
   } else if constexpr (sizeof(T) == 1) {
     Chunk16 c;
     const uint8_t* b = reinterpret_cast<const uint8_t*>(p);
@@ -371,19 +377,6 @@ __device__ __forceinline__ float softcap_tanh(float x) {
 #endif
 }
 
-// Butterfly reduction inside one wave over lane masks [FIRST, WAVE/2]. Every lane must call it.
-template <int WAVE, int FIRST = 1>
-__device__ __forceinline__ float wave_max_from(float v) {
-#pragma unroll
-  for (int m = FIRST; m < WAVE; m <<= 1) v = fmaxf(v, __shfl_xor(v, m, WAVE));
-  return v;
-}
-template <int WAVE, int FIRST = 1>
-__device__ __forceinline__ float wave_sum_from(float v) {
-#pragma unroll
-  for (int m = FIRST; m < WAVE; m <<= 1) v += __shfl_xor(v, m, WAVE);
-  return v;
-}
 
 // Lane src's x as a wave-uniform value (src wave-uniform): v_readlane_b32 into a scalar register on AMD (no
 // LDS traffic, unlike a shuffle); a shuffle on the CPU harness, which fails the launch when src differs
@@ -414,6 +407,31 @@ __device__ __forceinline__ void shfl_xor_n(const float (&v)[N], float (&out)[N],
 #pragma unroll
   for (int k = 0; k < N; ++k) out[k] = __shfl_xor(v[k], mask, WAVE);
 #endif
+}
+
+// v[k] combined (max or sum) over the lanes whose lane bits differ from this lane's in masks FIRST .. WAVE / 2:
+// a butterfly inside one wave. Every lane must call it.
+template <int WAVE, int FIRST, bool MAX, int N>
+__device__ __forceinline__ void butterfly(float (&v)[N]) {
+#pragma unroll
+  for (int m = FIRST; m < WAVE; m <<= 1) {
+    float other[N];
+    shfl_xor_n<WAVE, N>(v, other, m);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = MAX ? fmaxf(v[k], other[k]) : v[k] + other[k];
+  }
+}
+template <int WAVE, int FIRST = 1>
+__device__ __forceinline__ float wave_max_from(float v) {
+  float a[1] = {v};
+  butterfly<WAVE, FIRST, true>(a);
+  return a[0];
+}
+template <int WAVE, int FIRST = 1>
+__device__ __forceinline__ float wave_sum_from(float v) {
+  float a[1] = {v};
+  butterfly<WAVE, FIRST, false>(a);
+  return a[0];
 }
 
 // N values of type V every lane of the wave publishes; read(src, k) is value k of lane src (k a constant
