@@ -375,13 +375,14 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
     // KV_W rows x KV_W words (bf16 pairs in dot mode, fp32 values otherwise) are transposed in registers.
     // The next block's rows are prefetched while one block is transposed.
     const int qwords = DOT ? D / 2 : D;
-    auto query_rows = [&](int rv, const QE** src) {
+    // Row pointers of block rv's rows (row rr: query token rr / G, head kvh x G + rr % G); nullptr past Mh.
+    auto block_rows = [&](auto* base, int64_t s_token, int64_t s_head, int rv, auto** rows) {
       for (int i = 0; i < KV_W; ++i) {
         const int rr = rv * KV_W + i;
-        src[i] = rr < Mh ? query + int64_t(it.q_row0 + rr / G) * P.q_stride_token + int64_t(kvh * G + rr % G) * P.q_stride_head
-                         : nullptr;
+        rows[i] = rr < Mh ? base + int64_t(it.q_row0 + rr / G) * s_token + int64_t(kvh * G + rr % G) * s_head : nullptr;
       }
     };
+    auto query_rows = [&](int rv, const QE** src) { block_rows(query, P.q_stride_token, P.q_stride_head, rv, src); };
     const QE* next[KV_W];
     query_rows(0, next);
     for (int rv = 0; rv < RV; ++rv) {
@@ -488,12 +489,7 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
     // KV_W dimensions of Ot transposed back in registers.
     // The next block's output rows are prefetched while one block is written.
     const float vs = fp8 ? P.v_scale[kvh] * fp8_unit<CT>() : 1.0f;
-    auto out_rows = [&](int rv, QE** dst) {
-      for (int i = 0; i < std::min(KV_W, Mh - rv * KV_W); ++i) {
-        const int rr = rv * KV_W + i;
-        dst[i] = out + int64_t(it.q_row0 + rr / G) * P.o_stride_token + int64_t(kvh * G + rr % G) * P.o_stride_head;
-      }
-    };
+    auto out_rows = [&](int rv, QE** dst) { block_rows(out, P.o_stride_token, P.o_stride_head, rv, dst); };
     QE* next_out[KV_W];
     if (it.partial == nullptr) out_rows(0, next_out);
     for (int rv = 0; rv < RV; ++rv) {
