@@ -84,7 +84,7 @@ constexpr int kTileMaxRows = 256;
 // Floats of per-thread workspace the many-row path needs for rows_per_head rows of one KV head.
 inline int64_t tile_workspace_floats(int rows_per_head, int head_size, int head_size_v, int lanes) {
   const int64_t Mr = round_up(rows_per_head, lanes), D = head_size, Dv = head_size_v;
-  return Mr * (D + Dv + kTileKeys + kTileKeys / 2 + 2) + kTileKeys * (D + Dv) + (D > Dv ? D : Dv) + 64;
+  return Mr * (D + Dv + kTileKeys + kTileKeys / 2) + kTileKeys * (D + Dv) + (D > Dv ? D : Dv) + 64;
 }
 
 // Floats of per-thread workspace a kernel of `lanes` SIMD width needs for items of up to

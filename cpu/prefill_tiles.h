@@ -329,14 +329,12 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
   const int Mh = it.num_tokens * G, RV = int((Mh + KV_W - 1) / KV_W), Mr = RV * KV_W;
   const int dvp = int(round_up(Dv, KV_W)), M = it.num_heads * Mh;
   const float ninf = -std::numeric_limits<float>::infinity();
-  // Workspace (kvmulti_cpu.h's tile_workspace_floats): Qt, Ot, St, Pp, m, l, widened K, widened V (or V pairs), zero row.
+  // Workspace (kvmulti_cpu.h's tile_workspace_floats): Qt, Ot, St, Pp, widened K, widened V (or V pairs), zero row.
   float* Qt = ws;
   float* Ot = Qt + int64_t(D) * Mr;
   float* St = Ot + int64_t(Dv) * Mr;
   uint32_t* Pp = reinterpret_cast<uint32_t*>(St + int64_t(kTileKeys) * Mr);
-  float* mrow = reinterpret_cast<float*>(Pp + int64_t(kTileKeys / 2) * Mr);
-  float* lrow = mrow + Mr;
-  float* Kw = lrow + Mr;
+  float* Kw = reinterpret_cast<float*>(Pp + int64_t(kTileKeys / 2) * Mr);
   float* Vw = Kw + int64_t(kTileKeys) * D;
   float* zero = Vw + int64_t(kTileKeys) * Dv;
   std::memset(zero, 0, sizeof(float) * std::max(D, Dv));
@@ -493,6 +491,7 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
     QE* next_out[KV_W];
     if (it.partial == nullptr) out_rows(0, next_out);
     for (int rv = 0; rv < RV; ++rv) {
+      float mrow[KV_W], lrow[KV_W];   // block rv's running max / sum, one lane per row
       vstore(mrow, m[rv]);
       vstore(lrow, l[rv]);
       const int rows = std::min(KV_W, Mh - rv * KV_W);
