@@ -39,9 +39,12 @@ time, ``second_launch_s``, to every bound):
     that exit at once still hold their slot for ``exit_s``.
 ``grid``
     The tail: some program slot runs ``ceil(programs / (units x resident))`` programs one after
-    another, each taking at least its own critical path (its iterations x max(one wave's instruction
-    stream, its own Little's-law round trip + the serial part of the stream)), plus the exiting
-    programs' slot time spread over all slots.
+    another, each taking at least its own critical path (its ``prologue_s``, then its iterations x
+    max(one wave's instruction stream, its own Little's-law round trip + the serial part of the
+    stream)), plus the exiting programs' slot time spread over all slots. With
+    ``program_iterations`` (each program's iterations in launch order) the slots take the programs
+    in that order, each the next one as it frees (list scheduling), and the bound is the last slot
+    to finish: programs of unequal length (causal prefill) leave a tail when the longest come last.
 
 ``shared``
     The busiest unit's shared-memory (LDS) wavefronts: ``ceil(programs / units)`` programs x their
@@ -61,6 +64,7 @@ prefill against the dense matrix peak (useful causal flops / matrix peak).
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping
@@ -160,7 +164,12 @@ class KernelLaunch:
     that other programs of the same sequence read before). ``exiting_programs``:
     programs of the launch that do no loop work and only hold a slot for ``exit_s`` seconds each
     (work-groups that find another one covers their rows and return). ``notes``: what the adapter
-    assumed."""
+    assumed. ``program_iterations``: each working program's iterations in launch order (None: all
+    ``iterations``; the grid bound then list-schedules them). ``prologue_s``: a program's serial time
+    before its first iteration (dependent round trips that find its work and its first tile).
+    ``lockstep_matrix``: the program's waves meet at a barrier every iteration, so they issue their
+    matrix work together and each waits for all of the program's matrix work on its unit's matrix
+    units (several waves of the program on one port share that port's matrix unit)."""
     kernel: str
     target: str
     case: str
@@ -182,6 +191,9 @@ class KernelLaunch:
     shared_wavefronts: float = 0.0
     l2_bytes: float = 0.0
     stream_cycles: float | None = None
+    program_iterations: tuple[float, ...] | None = None
+    prologue_s: float = 0.0
+    lockstep_matrix: bool = False
 
 
 @dataclass(frozen=True)
@@ -274,6 +286,9 @@ def _check(launch: KernelLaunch, target: Target) -> None:
             raise ValueError(f"{launch.kernel}: {name} {getattr(launch, name)} outside [0, 1]")
     if launch.loop.bytes > 0 and launch.bytes_in_flight <= 0:
         raise ValueError(f"{launch.kernel}: a loop that loads bytes needs bytes_in_flight > 0")
+    if launch.program_iterations is not None and len(launch.program_iterations) != launch.programs:
+        raise ValueError(f"{launch.kernel}: {len(launch.program_iterations)} program_iterations for "
+                         f"{launch.programs} programs")
     if launch.dram_bytes < launch.useful_bytes:
         raise ValueError(f"{launch.kernel}: dram_bytes {launch.dram_bytes:.3g} < useful_bytes "
                          f"{launch.useful_bytes:.3g} (every useful byte is read at least once)")
@@ -282,11 +297,15 @@ def _check(launch: KernelLaunch, target: Target) -> None:
 def wave_stream(loop: LoopMix, launch: KernelLaunch, target: Target) -> float:
     """Seconds one wave needs for one iteration on its own: its non-matrix instructions at one per
     ``wave_issue_interval`` cycles (or the launch's ``stream_cycles``, read from the assembly), plus its share of the iteration's matrix work at one port's
-    matrix rate (a wave waits for its own matrix results: the softmax needs QK^T, P.V needs P)."""
+    matrix rate (a wave waits for its own matrix results: the softmax needs QK^T, P.V needs P); with
+    ``lockstep_matrix`` the shares of all the program's waves on its port."""
     clock = target.clock_hz
     plain = sum(n for c, n in loop.instructions.items() if c not in target.matrix_rate)
     port_rate = target.matrix_peak / (target.units * target.ports_per_unit)
-    matrix = sum(f / launch.waves_per_program / (port_rate * target.matrix_rate[c])
+    # a wave's share of the program's matrix work on its port; in lockstep the program's waves on
+    # one port wait for each other's share on that port's matrix unit
+    sharers = (max(1.0, launch.waves_per_program / target.ports_per_unit) if launch.lockstep_matrix else 1.0)
+    matrix = sum(sharers * f / launch.waves_per_program / (port_rate * target.matrix_rate[c])
                  for c, f in loop.matrix_flops.items())
     cycles = launch.stream_cycles if launch.stream_cycles is not None else plain * target.wave_issue_interval
     return cycles / clock + matrix
@@ -350,6 +369,22 @@ def shared_seconds(launch: KernelLaunch, target: Target) -> float:
     return per_unit / (target.shared_wavefronts_per_cycle * target.clock_hz)
 
 
+def list_schedule(durations: list[float], slots: int) -> float:
+    """When the last of ``slots`` slots finishes, each taking the next duration in order as it frees."""
+    free = [0.0] * max(1, min(slots, len(durations)))
+    for d in durations:
+        heapq.heapreplace(free, free[0] + d)
+    return max(free)
+
+
+def grid_seconds(launch: KernelLaunch, slots: int, per_iteration: float) -> float:
+    """The grid bound's working programs (see the module docstring): list-scheduled from
+    ``program_iterations`` where the launch gives them, else ceil(programs / slots) x one program."""
+    if launch.program_iterations:
+        return list_schedule([launch.prologue_s + n * per_iteration for n in launch.program_iterations], slots)
+    return math.ceil(launch.programs / slots) * (launch.prologue_s + launch.iterations * per_iteration)
+
+
 def estimate(launch: KernelLaunch, target: Target) -> Estimate:
     """The four bounds of ``launch`` on ``target``, the slowest named, and the fraction of the
     case's floor (see the module docstring). Raises ValueError on inconsistent inputs (classes the
@@ -375,7 +410,7 @@ def estimate(launch: KernelLaunch, target: Target) -> Estimate:
         "memory": launch.dram_bytes / target.bandwidth + second,
         "issue": max(pipes.values()) + second,
         "latency": latency + second,
-        "grid": math.ceil(launch.programs / slots) * launch.iterations * per_iteration + exits / slots + second,
+        "grid": grid_seconds(launch, slots, per_iteration) + exits / slots + second,
         "shared": shared_seconds(launch, target) + second,
         "l2": (launch.l2_bytes / target.l2_bandwidth if launch.l2_bytes and target.l2_bandwidth else 0.0) + second,
     }

@@ -318,3 +318,35 @@ def test_sycl_adapter_launch_shapes():
     assert wide.loop.matrix_flops == {"dpas": 8 * 131072}
     assert [l.kernel for l in S.launches([row, dict(row, kernel="kvm_paged_prefill")], R.PREFILL)] == \
         ["sycl kvm_paged_prefill (pvc)"]
+
+
+def test_list_schedule_takes_programs_in_order():
+    assert R.list_schedule([1.0] * 8, 4) == 2.0
+    assert R.list_schedule([1.0, 1.0, 1.0, 4.0], 2) == 5.0       # the longest last: a tail
+    assert R.list_schedule([4.0, 1.0, 1.0, 1.0], 2) == 4.0       # the longest first
+    assert R.list_schedule([3.0], 8) == 3.0
+
+
+def test_grid_bound_takes_program_iterations_and_prologue():
+    its = tuple([4] * 1023 + [64])                    # one long program, dispatched last
+    plain = decode_launch(programs=1024, iterations=sum(its) / len(its))
+    ordered = dataclasses.replace(plain, program_iterations=its)
+    e0, e1 = R.estimate(plain, MI300X), R.estimate(ordered, MI300X)
+    assert e1.bounds["grid"] > e0.bounds["grid"]
+    e2 = R.estimate(dataclasses.replace(ordered, prologue_s=1e-6), MI300X)
+    assert e2.bounds["grid"] > e1.bounds["grid"]
+    with pytest.raises(ValueError, match="program_iterations"):
+        R.estimate(dataclasses.replace(plain, program_iterations=(1, 2)), MI300X)
+
+
+def test_lockstep_matrix_waits_for_the_programs_waves_on_a_port():
+    h200 = R.H200
+    loop = R.LoopMix({"alu": 100, "wgmma": 12}, 32768, {"wgmma": 4 * 128 * 64 * 128})
+    base = dict(kernel="synthetic", target="sm_90", case="prefill", programs=1, iterations=1, loop=loop,
+                resident_per_unit=1, bytes_in_flight=32768, dram_bytes=1.0, useful_bytes=0.0, useful_flops=0.0)
+    free = R.KernelLaunch(waves_per_program=8, **base)
+    locked = dataclasses.replace(free, lockstep_matrix=True)
+    matrix = lambda ln: R.wave_stream(ln.loop, ln, h200) - 100 / h200.clock_hz   # noqa: E731
+    assert matrix(locked) == pytest.approx(2 * matrix(free))              # 2 warps per sub-partition
+    four = R.KernelLaunch(waves_per_program=4, **base)
+    assert matrix(dataclasses.replace(four, lockstep_matrix=True)) == pytest.approx(matrix(four))
