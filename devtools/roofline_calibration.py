@@ -5,7 +5,10 @@ of each (estimate / measured - 1).
 Rows: the Triton ``unified_attention`` launches the backend plans for each measured shape, cross-compiled
 for sm_90 (:func:`triton_rows`, in a subprocess without ``TRITON_INTERPRET``, kept in the kvmulti cache),
 their hot loop's wave stream read from the SASS control codes (devtools/roofline_sass.py); and the HIP
-FMA engine's build the H200 ran, from its recorded sm_90 figures (devtools/roofline_hip_fma.py). ``python
+FMA engine's build the H200 ran, from its recorded sm_90 figures (devtools/roofline_hip_fma.py). The
+device check's prefill rows ran the prefill tiles its commit shipped for sm_90
+(:data:`DEVICE_CHECK_PREFILL_TILES`); the launches with today's tiles ("TRITON now") are set beside
+the device bench's rows, which timed them (``docs/data/device_bench_h200.json``). ``python
 devtools/roofline_calibration.py`` prints the table.
 """
 
@@ -26,6 +29,11 @@ from devtools.roofline import H200, Case, Estimate, Target, estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE_CHECK = ROOT / "docs" / "data" / "device_check.json"
+#: the same H200's rows after the Hopper prefill tiles changed (devtools/device_bench.py)
+DEVICE_BENCH = ROOT / "docs" / "data" / "device_bench_h200.json"
+#: (rows, keys, warps, stages) of the prefill tiles the device check's commit shipped for sm_90 (the
+#: sweep's "shipped" row, docs/data/triton_gpu_sweep.json); today's Hopper tiles came after it
+DEVICE_CHECK_PREFILL_TILES = (128, 64, 8, 3)
 TOLERANCE = 0.30
 #: the device check's shapes (32 query / 8 KV heads, head 128, bf16, block 16) as model cases
 SHAPES: dict[str, Case] = {
@@ -37,9 +45,10 @@ SHAPES: dict[str, Case] = {
 
 
 def measured(path: Path = DEVICE_CHECK) -> dict[tuple[str, str], float]:
-    """``{(impl, shape): milliseconds}`` of the device check's benchmark rows."""
-    rows = json.loads(Path(path).read_text())["benchmark"]["rows"]
-    return {(r["impl"], r["shape"]): float(r["ms"]) for r in rows}
+    """``{(impl, shape): milliseconds}`` of the device check's benchmark rows (or the device bench's)."""
+    data = json.loads(Path(path).read_text())
+    rows = (data["benchmark"] if "benchmark" in data else data)["rows"]      # device check / device bench
+    return {(r["impl"], r["shape"]): float(r["ms"]) for r in rows if "ms" in r}
 
 
 def measured_ceilings(path: Path = DEVICE_CHECK) -> dict[str, float]:
@@ -69,37 +78,55 @@ def _compile(out: str) -> None:
     from devtools import roofline_sass as S
     from devtools import triton_cross_compile as xc
     from kvmulti.backends.triton import launch as tl
+    from kvmulti.backends.triton import tiles
     target = xc.TARGETS["sm_90"]
     backend = make_backend(target.gpu_target())
+    shipped = tl.prefill_tiles
     rows = []
-    for shape, spec in zip(SHAPES, _specs()):
-        name, ln = next((n, ln) for n, ln in xc.launches(spec, target.family, target.planner_arch)
-                        if ln.kernel == "unified_attention")
+    jobs = [(shape, spec, "device check") for shape, spec in zip(SHAPES, _specs())]
+    jobs += [(shape, spec, "now") for shape, spec in zip(SHAPES, _specs()) if SHAPES[shape].query_len > 1]
+    for shape, spec, tiling in jobs:
+        if tiling == "device check":      # the planner with the tiles the device check ran
+            tl.prefill_tiles = lambda *a, **k: (tiles.PrefillTiles(*DEVICE_CHECK_PREFILL_TILES)
+                                                if shipped(*a, **k) is not None else None)
+        try:
+            name, ln = next((n, ln) for n, ln in xc.launches(spec, target.family, target.planner_arch)
+                            if ln.kernel == "unified_attention")
+        finally:
+            tl.prefill_tiles = shipped
         fn = tl.KERNELS[ln.kernel]
         signature, constexprs, attrs = xc.specialise(fn, ln, backend)
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target.gpu_target(),
                                   options={"num_warps": ln.num_warps, "num_stages": ln.num_stages})
-        row = {"name": name, "spec": spec.name, "shape": shape, "kernel": ln.kernel, "target": "sm_90",
-               "num_warps": ln.num_warps, "num_stages": ln.num_stages,
+        row = {"name": name, "spec": spec.name, "shape": shape, "tiles": tiling, "kernel": ln.kernel,
+               "target": "sm_90", "num_warps": ln.num_warps, "num_stages": ln.num_stages,
                "constexprs": {p.name: repr(v) for (i,), v in constexprs.items() for p in [fn.params[i]]}}
         row.update(xc.analyse(compiled, target))
-        row["stream_cycles"] = hot_loop_stream(S.disassemble(compiled.asm["cubin"]))
+        row.update(hot_loop_figures(S.disassemble(compiled.asm["cubin"])))
         rows.append(row)
     Path(out).write_text(json.dumps(rows))
 
 
-def hot_loop_stream(sass: str) -> float | None:
-    """One warp's cycles through the innermost loop with the most matrix instructions (the loop
-    ``triton_cross_compile`` counts), at :data:`devtools.roofline_sass.HOPPER_LATENCY`."""
+def hot_loop_figures(sass: str) -> dict:
+    """The SASS figures of the KV loops: ``stream_cycles``, one warp's cycles through the innermost
+    loop with the most matrix instructions (the loop ``triton_cross_compile`` counts), at
+    :data:`devtools.roofline_sass.HOPPER_LATENCY`; ``hot_loop_barriers``, that loop's CTA barriers
+    (``BAR.SYNC``); ``masked_stream_cycles``, the same for the longest other loop with as many matrix
+    instructions (the prefill kernel's masked loop; None without one)."""
     from devtools import roofline_sass as S
     code = S.parse(sass)
-    best, cycles = 0, None
+    found = []          # (matrix instructions, loop span, body), innermost first
     for span in S.loops(code):
         body = S.body(code, span)
-        matrix = sum(1 for i in body if S.class_of(i.opcode) in ("wgmma", "mma"))
-        if matrix > best:
-            best, cycles = matrix, S.stream_cycles(body, S.HOPPER_LATENCY)
-    return cycles
+        found.append((sum(1 for i in body if S.class_of(i.opcode) in ("wgmma", "mma")), span, body))
+    most = max((m for m, _, _ in found), default=0)
+    loops = [body for m, _, body in found if m == most and most]
+    if not loops:
+        return {"stream_cycles": None, "hot_loop_barriers": 0, "masked_stream_cycles": None}
+    hot = loops[0]
+    return {"stream_cycles": S.stream_cycles(hot, S.HOPPER_LATENCY),
+            "hot_loop_barriers": sum(1 for i in hot if i.opcode == "BAR" and ".SYNC" in i.modifiers),
+            "masked_stream_cycles": S.stream_cycles(loops[-1], S.HOPPER_LATENCY) if len(loops) > 1 else None}
 
 
 def _cache_path() -> Path:
@@ -128,10 +155,12 @@ def triton_rows(timeout: float = 900) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------ rows
-def triton_estimates(target: Target = H200) -> dict[str, Estimate]:
-    """``{shape: estimate}`` of the Triton launches on ``target``."""
+def triton_estimates(target: Target = H200, tiling: str = "device check") -> dict[str, Estimate]:
+    """``{shape: estimate}`` of the Triton launches on ``target``: with the tiles the device check ran
+    (``tiling="device check"``) or today's (``"now"``, prefill shapes only)."""
     from devtools import roofline_triton as T
-    return {r["shape"]: estimate(T.launch(r, SHAPES[r["shape"]], target), target) for r in triton_rows()}
+    return {r["shape"]: estimate(T.launch(r, SHAPES[r["shape"]], target), target) for r in triton_rows()
+            if r["tiles"] == tiling}
 
 
 def hip_estimates(target: Target = H200, current: bool = False) -> dict[str, Estimate]:
@@ -142,12 +171,15 @@ def hip_estimates(target: Target = H200, current: bool = False) -> dict[str, Est
     return {shape: estimate(F.launch(fma, case, target), target) for shape, case in SHAPES.items()}
 
 
-def calibration_rows(target: Target = H200, path: Path = DEVICE_CHECK) -> list[dict]:
+def calibration_rows(target: Target = H200, path: Path = DEVICE_CHECK, bench: Path = DEVICE_BENCH) -> list[dict]:
     """One row per (impl, shape) the device check measured and the model covers: ``impl``, ``shape``,
-    ``estimate_ms``, ``measured_ms``, ``error`` (estimate / measured - 1), ``bound``, ``kernel``."""
+    ``estimate_ms``, ``measured_ms``, ``error`` (estimate / measured - 1), ``bound``, ``kernel``; and
+    "TRITON now": today's prefill tiles against the device bench's rows (``bench``)."""
     ms = measured(path)
+    ms.update({("TRITON now", shape): v for (impl, shape), v in measured(bench).items() if impl == "TRITON"})
     rows = []
-    for impl, estimates in (("TRITON", triton_estimates(target)), ("HIP", hip_estimates(target))):
+    for impl, estimates in (("TRITON", triton_estimates(target)), ("TRITON now", triton_estimates(target, "now")),
+                            ("HIP", hip_estimates(target))):
         for shape, e in estimates.items():
             if (impl, shape) in ms:
                 rows.append({"impl": impl, "shape": shape, "estimate_ms": e.time_s * 1e3,
