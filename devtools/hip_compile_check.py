@@ -80,14 +80,14 @@ CACHES_PER_DTYPE = 5
 #: dtype, write_kv per dtype x cache
 #: prefill (launcher.hip's prefill_served): fp16 / bf16, wave64, over a cache of their own type at every
 #: head size or over each fp8 format at FP8_PREFILL_HEAD_SIZES; fp32 over fp32 or each fp8 format at
-#: FP32_PREFILL_HEAD_SIZES (both: every head size); fp16 / bf16, wave32 (the WMMA engine), over a cache of
-#: their own type at WMMA_PREFILL_HEAD_SIZES
+#: FP32_PREFILL_HEAD_SIZES (both: every head size); wave32, every query type over a cache of its own type at
+#: WAVE32_PREFILL_HEAD_SIZES (the WMMA engine for fp16 / bf16 on gfx11 / gfx12, the FMA tile engine otherwise)
 FP8_PREFILL_HEAD_SIZES = HEAD_SIZES
 FP32_PREFILL_HEAD_SIZES = HEAD_SIZES
-WMMA_PREFILL_HEAD_SIZES = (64, 80, 96, 128)
+WAVE32_PREFILL_HEAD_SIZES = (64, 80, 96, 128)
 WAVE64_PREFILL_KERNELS = (2 * (len(HEAD_SIZES) + (CACHES_PER_DTYPE - 1) * len(FP8_PREFILL_HEAD_SIZES))
                           + CACHES_PER_DTYPE * len(FP32_PREFILL_HEAD_SIZES))
-WAVE32_PREFILL_KERNELS = 2 * len(WMMA_PREFILL_HEAD_SIZES)
+WAVE32_PREFILL_KERNELS = len(DTYPES) * len(WAVE32_PREFILL_HEAD_SIZES)
 PREFILL_KERNELS = WAVE64_PREFILL_KERNELS + WAVE32_PREFILL_KERNELS
 EXPECTED_KERNELS = (len(DTYPES) * CACHES_PER_DTYPE * len(HEAD_SIZES) * len(WAVES) + PREFILL_KERNELS + len(DTYPES)
                     + len(DTYPES) * CACHES_PER_DTYPE)
@@ -646,7 +646,7 @@ def rows_of(dp: DevicePass) -> list[dict]:
         if kind in ATTENTION_KINDS and kwave != wave:
             continue
         if kind == "prefill" and wave == 32 and dp.arch not in WMMA_ARCHS:
-            continue   # wave32 prefill without WMMA: never launched (launcher.hip's device_has_wmma), left empty
+            continue   # wave32 prefill on gfx10: never launched (launcher.hip's wave32_prefill_device), left empty
         a = dp.asm.get(name, analyze_function([]))
         rows.append({
             "kernel": short_name(name), "symbol": name, "kind": kind, "dtype": dtype, "cache": cache_kind(name),

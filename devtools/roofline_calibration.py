@@ -163,12 +163,22 @@ def triton_estimates(target: Target = H200, tiling: str = "device check") -> dic
             if r["tiles"] == tiling}
 
 
+#: the HIP launcher's default prefill threshold (launcher.hip's kDefaultPrefillMinQuery): a step whose longest
+#: query has at least this many tokens runs the prefill kernel
+HIP_PREFILL_MIN_QUERY = 64
+
+
 def hip_estimates(target: Target = H200, current: bool = False) -> dict[str, Estimate]:
-    """``{shape: estimate}`` of the HIP FMA engine's launches on ``target``: the build the H200 measured
-    (its recorded sm_90 figures), or with ``current`` the current source's (nvcc's sm_90 build)."""
+    """``{shape: estimate}`` of the HIP launches on NVIDIA ``target`` (no matrix instructions): the build the H200
+    measured (its recorded sm_90 figures; it ran every shape through the attention kernel's FMA engine), or with
+    ``current`` the current source's (nvcc's sm_90 build): decodes on the attention kernel's FMA engine, prefills
+    on the prefill kernel's FMA tile engine."""
     from devtools import roofline_hip_fma as F
+    from devtools import roofline_hip_prefill_fma as P
     fma = F.current_sass() if current else F.MEASURED_KERNEL
-    return {shape: estimate(F.launch(fma, case, target), target) for shape, case in SHAPES.items()}
+    tiles = P.current_sass() if current else None
+    return {shape: estimate(P.launch(tiles, case, target) if tiles and case.query_len >= HIP_PREFILL_MIN_QUERY
+                            else F.launch(fma, case, target), target) for shape, case in SHAPES.items()}
 
 
 def calibration_rows(target: Target = H200, path: Path = DEVICE_CHECK, bench: Path = DEVICE_BENCH) -> list[dict]:

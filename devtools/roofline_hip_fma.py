@@ -15,8 +15,9 @@ Two builds are modelled, both bf16 / head 128 / wave 32 (R = 8 rows per block: t
   were read from that build and are kept as data (the source changed since); the calibration reproduces
   the measured rows from them.
 
-Prefill runs the attention kernel too on this engine (wave 32 has no prefill kernel): one block per 2 tokens,
-so every block of rows reads its keys' K/V again, from L2 after the first.
+The measured build ran prefill through the attention kernel too (one block per 2 tokens, so every block of rows
+read its keys' K/V again, from L2 after the first); the current source runs it on the prefill kernel's FMA tile
+engine (``devtools/roofline_hip_prefill_fma.py``).
 
 ``python devtools/roofline_hip_fma.py`` prints the current build's tile-loop figures.
 """
@@ -111,16 +112,17 @@ def measured_kernel(path: Path = MEASURED_KERNEL_JSON) -> FmaSass:
 MEASURED_KERNEL = measured_kernel()
 
 
-def compile_sass(arch: str = "sm_90", hip_dir: Path = HIP_DIR) -> tuple[str, str]:
-    """(cuobjdump -sass text, ptxas -v log) of the bf16 / head 128 / wave 32 attention kernel, built with
-    the nvcc that devtools/hip_compile_check.py uses. Raises RuntimeError without nvcc or cuobjdump."""
+def compile_sass(arch: str = "sm_90", hip_dir: Path = HIP_DIR, source: str = _INSTANTIATION) -> tuple[str, str]:
+    """(cuobjdump -sass text, ptxas -v log) of the instantiation ``source`` (default: the bf16 / head 128 /
+    wave 32 attention kernel), built with the nvcc that devtools/hip_compile_check.py uses. Raises
+    RuntimeError without nvcc or cuobjdump."""
     from devtools import hip_compile_check as cc
     nvcc = cc.nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc not found")
     with tempfile.TemporaryDirectory(prefix="kvmulti_fma_") as tmp:
         src, cubin = Path(tmp) / "fma.cu", Path(tmp) / "fma.cubin"
-        src.write_text(_INSTANTIATION)
+        src.write_text(source)
         done = subprocess.run([nvcc, "-x", "cu", "-I", str(hip_dir / "compat"), "-I", str(hip_dir), "-O3",
                                "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v", str(src), "-o", str(cubin)],
                               capture_output=True, text=True)

@@ -471,10 +471,10 @@ __device__ __forceinline__ void reduce_scatter(float (&v)[N], int lane) {
     float send[H], recv[H];
     if constexpr (NN >= 2) {
 #pragma unroll
-      for (int k = 0; k < H; ++k) send[k] = up ? v[k] : v[k + H];
+      for (int k = 0; k < H; ++k) send[k] = lane_pick(up, v[k], v[k + H]);
       shfl_xor_n<WAVE, H>(send, recv, M);
 #pragma unroll
-      for (int k = 0; k < H; ++k) v[k] = (up ? v[k + H] : v[k]) + recv[k];
+      for (int k = 0; k < H; ++k) v[k] = lane_pick(up, v[k + H], v[k]) + recv[k];
     } else {
       send[0] = v[0];
       shfl_xor_n<WAVE, 1>(send, recv, M);

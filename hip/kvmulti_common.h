@@ -57,6 +57,8 @@ namespace kvmulti {
 
 // Threads per attention block = kNumWarps * WAVE (256 on CDNA wave64, 128 on RDNA wave32 / NVIDIA).
 constexpr int kNumWarps = 4;
+// Query rows per prefill work-group: one 16-row tile per wave.
+constexpr int kPrefillRows = 16 * kNumWarps;
 
 // fp8 KV-cache elements (kvmulti/fp8.py): the raw byte of torch.float8_e4m3fn / torch.float8_e5m2 (OCP)
 // and of torch.float8_e4m3fnuz / torch.float8_e5m2fnuz (gfx942's FNUZ formats: exponent bias one higher,
@@ -166,6 +168,15 @@ __device__ __forceinline__ void wave_sync() {
 }
 
 // Whether the MFMA path may run (harness: kvcpu_set_mfma_enabled, to exercise both paths).
+// A wave's key tile on the prefill kernel's FMA tile engine: the harness counts them (kvcpu_fma_tile_count).
+__device__ __forceinline__ void count_fma_tile(int lane) {
+#if defined(KVMULTI_HIP_CPU_HARNESS)
+  if (lane == 0) ::kvcpu::count_fma_tile();
+#else
+  (void)lane;
+#endif
+}
+
 __device__ __forceinline__ bool mfma_enabled() {
 #if defined(KVMULTI_HIP_CPU_HARNESS)
   return ::kvcpu::mfma_enabled();
@@ -334,6 +345,17 @@ __device__ __forceinline__ Chunk16 load_chunk(const T* __restrict__ p) {
 
 // The 16-bit halves `hi` (0: low, 1: high) of a and b as one word (a's in the low half): one v_perm_b32
 // on AMD GPUs, shifts and masks elsewhere.
+// x where `up`, else y, per lane. On AMD device passes a v_perm_b32 (the byte selector picks the source): as a
+// select between two elements of an array, the optimizer would turn it into a lane-dependent index into the
+// array, which the AMDGPU backend lowers to a select over every element (and the array to scratch).
+__device__ __forceinline__ float lane_pick(bool up, float x, float y) {
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+  return __uint_as_float(__builtin_amdgcn_perm(__float_as_uint(x), __float_as_uint(y), up ? 0x07060504u : 0x03020100u));
+#else
+  return up ? x : y;
+#endif
+}
+
 __device__ __forceinline__ uint32_t pair_halves(uint32_t a, uint32_t b, int hi) {
 #if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
   return __builtin_amdgcn_perm(b, a, hi ? 0x07060302u : 0x05040100u);

@@ -25,17 +25,16 @@
 // request's tiles never overlap the next one's; at most one block per request finds no tokens. Grid x
 // = ceil(num_tokens / tpb) + num_reqs covers every tile.
 //
-// Targets without MFMA (RDNA, NVIDIA through hip/compat; the harness with MFMA disabled)
-// run the same kernel through the decode kernel's FMA engine, the 64 rows taken in slices of
-// rows_per_block rows.
+// Where no matrix instruction serves the step (RDNA2, NVIDIA through hip/compat; RDNA3 / RDNA4 for fp32 queries;
+// the harness with MFMA / WMMA disabled) the same tasks run on the FMA tile engine (kvmulti_prefill_fma.hip) at
+// heads up to 128 over a cache of the query's type; the rest on wave64 without MFMA (the harness: head 256, fp8
+// caches) through the decode kernel's FMA engine, the 64 rows taken in slices of rows_per_block rows.
 #pragma once
 
 #include "kvmulti_attention.hip"
 
 namespace kvmulti {
 
-// Query rows per prefill work-group: one 16-row MFMA tile per wave.
-constexpr int kPrefillRows = 16 * kNumWarps;
 
 // First grid-x tile of a request whose queries start at token q (floor division).
 __host__ __device__ __forceinline__ long long prefill_first_tile(int q, int r, int tokens_per_tile) {
@@ -101,6 +100,46 @@ __device__ __forceinline__ int wave_max_int(int v) {
 #pragma unroll
   for (int m = 1; m < WAVE; m <<= 1) v = max(v, __shfl_xor(v, m, WAVE));
   return v;
+}
+
+// The block-table entries of the keys a wave loads from key t0 on: lane i holds entry t0 / block_size + i
+// (-1 past the table), ws = the first entry's first key. A wave loads at most WAVE keys of a tile (t0: the
+// tile's first key, or its own first key in a tile of more than WAVE keys), which span at most WAVE entries.
+struct TileTable {
+  int entry, ws;
+};
+// bt_lane: the request's table row + lane, a per-lane pointer (kept in VGPRs: the loop is short of SGPRs).
+__device__ __forceinline__ TileTable tile_table(const PagedAttentionParams& p, const int* bt_lane, int t0,
+                                                float inv_bs, int lane) {
+  int r;
+  const int e0 = window_entry(p, 0, inv_bs, t0, r);
+  return TileTable{e0 + lane < p.bt_cols ? bt_lane[e0] : -1, e0 * p.block_size};
+}
+
+// The order the tiles are processed in (the online softmax takes any): the masked ones first -- before
+// the fully visible range [full_lo, full_hi), then after it -- then the fully visible ones.
+struct TileOrder {
+  int ntiles, full_lo, full_hi;
+  __device__ int masked() const { return ntiles - (full_hi - full_lo); }
+  __device__ int operator()(int k) const {
+    const int na = full_lo, nm = masked();
+    return k < na ? k : k < nm ? full_hi + (k - na) : full_lo + (k - nm);
+  }
+};
+
+// The task's tiles of KT keys from key base = kv_lo rounded down to KT, in TileOrder: [full_lo, full_hi) are
+// visible to every row that sees any key (no mask: the prompt's body); the others -- before a sliding
+// window's edge, the diagonal -- mask per key.
+template <int KT>
+__device__ __forceinline__ TileOrder task_tiles(const BlockTask& b, int& base) {
+  base = b.kv_lo / KT * KT;
+  const int ntiles = (b.kv_hi - base + KT - 1) / KT;
+  int full_lo = ntiles, full_hi = ntiles;
+  if (b.all_lo < b.all_hi) {
+    full_lo = min(ntiles, (b.all_lo - base + KT - 1) / KT);
+    full_hi = max(full_lo, min(ntiles, (b.all_hi - base) / KT));
+  }
+  return TileOrder{ntiles, full_lo, full_hi};
 }
 
 #if KVMULTI_HAS_MFMA || KVMULTI_HAS_WMMA
@@ -206,20 +245,6 @@ struct PrefillShared {
   alignas(16) uint8_t k[PrefillGeom<L, HS, KTM>::KT * PrefillGeom<L, HS, KTM>::ROWB];
   alignas(16) uint8_t v[PrefillGeom<L, HS, KTM>::VD * PrefillGeom<L, HS, KTM>::VRS];   // V^T
 };
-
-// The block-table entries of the keys a wave loads from key t0 on: lane i holds entry t0 / block_size + i
-// (-1 past the table), ws = the first entry's first key. A wave loads at most WAVE keys of a tile (t0: the
-// tile's first key, or its own first key in a tile of more than WAVE keys), which span at most WAVE entries.
-struct TileTable {
-  int entry, ws;
-};
-// bt_lane: the request's table row + lane, a per-lane pointer (kept in VGPRs: the loop is short of SGPRs).
-__device__ __forceinline__ TileTable tile_table(const PagedAttentionParams& p, const int* bt_lane, int t0,
-                                                float inv_bs, int lane) {
-  int r;
-  const int e0 = window_entry(p, 0, inv_bs, t0, r);
-  return TileTable{e0 + lane < p.bt_cols ? bt_lane[e0] : -1, e0 * p.block_size};
-}
 
 // Issues the loads of the tile at key t0 (PrefillLoad's chunks of every thread, K and V). Every lane calls
 // it (key_row shuffles).
@@ -696,17 +721,6 @@ struct PrefillPipe {
   TileTable next;
 };
 
-// The order the tiles are processed in (the online softmax takes any): the masked ones first -- before
-// the fully visible range [full_lo, full_hi), then after it -- then the fully visible ones.
-struct TileOrder {
-  int ntiles, full_lo, full_hi;
-  __device__ int masked() const { return ntiles - (full_hi - full_lo); }
-  __device__ int operator()(int k) const {
-    const int na = full_lo, nm = masked();
-    return k < na ? k : k < nm ? full_hi + (k - na) : full_lo + (k - nm);
-  }
-};
-
 // Tiles ord(from) .. ord(to - 1) of the task: store the loaded tile, barrier, issue the next tile's K/V
 // loads and the block-table entries of the one after it, compute, barrier. MASKED / SOFTCAP / ALIBI as in
 // prefill_tile; WAVE 64: the MFMA engine (prefill_tile), 32: the WMMA engine (prefill_wmma_tile), whose
@@ -895,14 +909,9 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
       for (int c = 0; c < 8; ++c) acc[u][c] = mfma_f32x4{0.f, 0.f, 0.f, 0.f};
   }
 
-  // Tiles [0, ntiles) from key base; [full_lo, full_hi) are visible to every row that sees any key (no
-  // mask): the prompt's body. The others -- before a sliding window's edge, the diagonal -- mask per key.
-  const int base = b.kv_lo / KT * KT, ntiles = (b.kv_hi - base + KT - 1) / KT;
-  int full_lo = ntiles, full_hi = ntiles;
-  if (b.all_lo < b.all_hi) {
-    full_lo = min(ntiles, (b.all_lo - base + KT - 1) / KT);
-    full_hi = max(full_lo, min(ntiles, (b.all_hi - base) / KT));
-  }
+  int base;
+  const TileOrder ord = task_tiles<KT>(b, base);
+  const int ntiles = ord.ntiles;
   // The loads' addressing (block table, key -> row) is per-lane arithmetic on these block-uniform values:
   // over an fp8 cache the loop takes them as VGPRs (pl, bl, inv_bs): it is short of SGPRs there. At head
   // 256, short of VGPRs too, only the 64-bit ones (the strides; the cache pointer in prefill_tiles).
@@ -918,7 +927,6 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
   bl.kv_hi = lane_value<LV>(b.kv_hi);
   const float inv_bs = lane_value<LV>(1.f / (float)p.block_size);
   const C* cache = static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
-  const TileOrder ord{ntiles, full_lo, full_hi};
   const int* bt_lane = b.bt + lane;
   PrefillPipe<C, HS, L, WAVE> pipe;
   const int wkey = KT > WAVE ? PG::WKEYS * warp : 0;  // the wave's first key in a tile
@@ -1011,7 +1019,13 @@ __device__ void prefill_mfma_body(const PagedAttentionParams& p, const BlockTask
 }
 #endif  // KVMULTI_HAS_MFMA || KVMULTI_HAS_WMMA
 
-// The task's rows in slices of the FMA engine's R rows (targets and dtypes without the MFMA path).
+}  // namespace kvmulti
+
+#include "kvmulti_prefill_fma.hip"
+
+namespace kvmulti {
+
+// The task's rows in slices of the decode kernel's FMA engine's R rows (head 256 without MFMA: the harness).
 template <typename T, typename C, int HS, int WAVE>
 __device__ void prefill_fma_body(const PagedAttentionParams& p, const BlockTask& b) {
   constexpr int R = rows_per_block<T, WAVE, C>(), NT = kNumWarps * WAVE;
@@ -1032,9 +1046,9 @@ __device__ void prefill_fma_body(const PagedAttentionParams& p, const BlockTask&
 template <typename T, typename C, int HS, int WAVE>
 __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_prefill_kernel(const PagedAttentionParams p) {
   if (!wave_matches_target<WAVE>()) return;
-#if !KVMULTI_HAS_WMMA
-  // wave32 without WMMA (gfx10, NVIDIA): the launcher runs such steps through the attention kernel
-  // (device_has_wmma), so the instantiation is left empty, as a wave-mismatched one
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !KVMULTI_HAS_WMMA && !defined(KVMULTI_HIP_CPU_HARNESS)
+  // wave32 without WMMA on AMD (gfx10): the launcher runs such steps through the attention kernel
+  // (wave32_prefill_device), so the instantiation is left empty, as a wave-mismatched one
   if constexpr (WAVE == 32) return;
 #endif
   constexpr int NT = kNumWarps * WAVE;
@@ -1062,7 +1076,11 @@ __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_prefill_kernel(cons
     }
   }
 #endif
-  prefill_fma_body<T, C, HS, WAVE>(p, b);
+#if KVMULTI_HAS_MFMA && !defined(KVMULTI_HIP_CPU_HARNESS)
+  if constexpr (WAVE == 64) return;  // the MFMA engine served every wave64 task above
+#endif
+  if constexpr (fma_tile_path<T, C, HS>()) prefill_fma_tiles_body<T, C, HS, WAVE>(p, b);
+  else prefill_fma_body<T, C, HS, WAVE>(p, b);
 }
 
 }  // namespace kvmulti

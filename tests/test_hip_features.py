@@ -1,7 +1,8 @@
 """Attention sinks, ALiBi and non-causal attention on the HIP kernels (the CPU harness), against the oracle:
 the decode kernel (FMA engine on wave32, MFMA engine on wave64 for 16-bit queries) and the prefill kernel
-(MFMA, and its FMA fallback with MFMA disabled; WMMA on wave32), GQA, split-KV on and off (sinks: joined once, after the
-merge), sliding window and softcap, fp8 caches; features combined."""
+(MFMA, and its FMA tile engine with MFMA disabled; WMMA on wave32, and the FMA tile engine without WMMA), GQA,
+split-KV on and off (sinks: joined once, after the merge), sliding window and softcap, fp8 caches; features
+combined."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 import kvmulti
 from kvmulti import reference
 from batches import CaseSpec, assert_close_to_reference, build_case, check_fp8_against_reference
-from test_hip_harness import FP8_FORMATS, _emulated_wmma, _mfma_library, _run_case, hip_backend  # noqa: F401
+from test_hip_harness import (FP8_FORMATS, _emulated_wmma, _fma_tile_library, _mfma_library, _run_case,  # noqa: F401
+                              hip_backend)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -45,19 +47,21 @@ def test_feature_matches_the_oracle(hip_backend, engine, dtype, partition, featu
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 def test_prefill_kernel_takes_the_features_on_mfma_and_fma(hip_backend, dtype):
-    """The prefill kernel (MFMA counted) and, with MFMA disabled, its FMA slices: sinks + ALiBi + window +
-    softcap at once, split and not."""
+    """The prefill kernel (MFMA counted) and, with MFMA disabled, its FMA tile engine (tiles counted): sinks +
+    ALiBi + window + softcap at once, split and not."""
     spec = dataclasses.replace(PREFILL, dtype=dtype, sinks=True, alibi=True, sliding_window=50, softcap=10.0)
     lib = _mfma_library()
     lib.kvcpu_reset_mfma_count()
     _run_case(hip_backend, spec, wave=64, partition_size=0, prefill_min_query=1)
     assert lib.kvcpu_mfma_count() > 0
     lib.kvcpu_set_mfma_enabled(0)
+    tiles = _fma_tile_library()
     try:
         lib.kvcpu_reset_mfma_count()
+        tiles.kvcpu_reset_fma_tile_count()
         for partition in (0, 32):
             _run_case(hip_backend, spec, wave=64, partition_size=partition, prefill_min_query=1)
-        assert lib.kvcpu_mfma_count() == 0
+        assert lib.kvcpu_mfma_count() == 0 and tiles.kvcpu_fma_tile_count() > 0
     finally:
         lib.kvcpu_set_mfma_enabled(1)
 
@@ -67,7 +71,7 @@ def test_prefill_kernel_takes_the_features_on_mfma_and_fma(hip_backend, dtype):
 def test_prefill_kernel_takes_the_features_on_wmma(hip_backend, dtype, family):
     """wave32: the prefill kernel's WMMA engine (WMMA counted) in the gfx11 and gfx12 layouts with sinks + ALiBi
     + window + softcap at once, split and not (an fp8 cache: the attention kernel, see prefill_served); without
-    WMMA the attention kernel serves the same steps."""
+    WMMA the FMA tile engine serves the same steps (tiles counted)."""
     spec = dataclasses.replace(PREFILL, dtype=dtype, sinks=True, alibi=True, sliding_window=50, softcap=10.0)
     fmt = list(FP8_FORMATS)[family % 2]
     with _emulated_wmma(family) as lib:
@@ -79,10 +83,13 @@ def test_prefill_kernel_takes_the_features_on_wmma(hip_backend, dtype, family):
         with _knobs(hip_backend, 32, 16, 1):
             check_fp8_against_reference(spec, "HIP", FP8_FORMATS[fmt])
         assert lib.kvcpu_wmma_count() == 0
+    tiles = _fma_tile_library()
     with _emulated_wmma(0) as lib:
         lib.kvcpu_reset_wmma_count()
-        _run_case(hip_backend, spec, wave=32, partition_size=0, prefill_min_query=1)
-        assert lib.kvcpu_wmma_count() == 0
+        tiles.kvcpu_reset_fma_tile_count()
+        for partition in (0, 32):
+            _run_case(hip_backend, spec, wave=32, partition_size=partition, prefill_min_query=1)
+        assert lib.kvcpu_wmma_count() == 0 and tiles.kvcpu_fma_tile_count() > 0
 
 
 # ALiBi over an fp8 cache in the prefill kernel at every head size: the case of

@@ -1005,15 +1005,17 @@ PREFILL_POISON_ENGINES = [(torch.float16, "fp16", 64, "mfma"), (torch.bfloat16, 
                           (torch.float16, "e4m3", 64, "mfma"), (torch.bfloat16, "e5m2", 64, "mfma"),
                           (torch.float32, "fp32", 64, "mfma"), (torch.float32, "e4m3", 64, "mfma"),
                           (torch.float32, "e5m2", 64, "mfma"), (torch.float16, "fp16", 32, "wmma"),
-                          (torch.bfloat16, "bf16", 32, "wmma")]
+                          (torch.bfloat16, "bf16", 32, "wmma"), (torch.bfloat16, "bf16", 32, "fma"),
+                          (torch.float32, "fp32", 32, "fma")]
 
 
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("scenario", ["mixed", "window"])
 @pytest.mark.parametrize("engine", PREFILL_POISON_ENGINES, ids=[f"{e[1]}-w{e[2]}-{e[3]}" for e in PREFILL_POISON_ENGINES])
 def test_prefill_unreadable_slots_with_nan_do_not_leak(hip_backend, engine, scenario, head_size):
-    """The prefill kernel loads whole 64-key tiles (head 256: 32; fp8 at head 64: 128; WMMA: 16 - 64): every slot no row may
-    read holds NaN, the output must equal the oracle's (finite)."""
+    """The prefill kernel loads whole 64-key tiles (head 256: 32; fp8 at head 64: 128; WMMA and the FMA tile engine
+    (no WMMA for 16-bit caches): 16 - 64): every slot no row may read holds NaN, the output must equal the oracle's
+    (finite)."""
     dtype, cache_name, wave, kind = engine
     cache_dtype = POISON_CACHES[cache_name]
     sc = POISON_SCENARIOS[scenario]
@@ -1024,20 +1026,24 @@ def test_prefill_unreadable_slots_with_nan_do_not_leak(hip_backend, engine, scen
     layout, cache, md, query, k_scale, v_scale = _poisoned_case(spec, cache_dtype, "nan")
     want = reference.paged_attention(query, cache, layout, md, sliding_window=spec.sliding_window,
                                      softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale)
-    wmma = _wmma_library()
+    wmma, tiles = _wmma_library(), _fma_tile_library()
     wmma.kvcpu_reset_wmma_count()
-    out, mfmas = _harness_attention(hip.HipBackend(partition_size=sc["partition"], cpu_wave=wave, prefill_min_query=1),
-                                    query, cache, layout, md, sliding_window=spec.sliding_window,
-                                    softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale)
+    tiles.kvcpu_reset_fma_tile_count()
+    with _emulated_wmma(0 if kind == "fma" and cache_name in ("fp16", "bf16") else 11):
+        out, mfmas = _harness_attention(hip.HipBackend(partition_size=sc["partition"], cpu_wave=wave,
+                                                       prefill_min_query=1),
+                                        query, cache, layout, md, sliding_window=spec.sliding_window,
+                                        softcap=spec.softcap, k_scale=k_scale, v_scale=v_scale)
     assert (mfmas > 0) == (kind == "mfma")
     assert (wmma.kvcpu_wmma_count() > 0) == (kind == "wmma" and head_size <= 128)   # head 256: attention kernel
+    assert (tiles.kvcpu_fma_tile_count() > 0) == (kind == "fma" and head_size <= 128)
     assert bool(out.isfinite().all())
     assert_close_to_reference(out, want, dtype, f"prefill {spec} over {cache_name} poisoned with NaN")
 
 
 # ------------------------------------------------------------------ the prefill kernel's WMMA engine (wave32)
 # 16-bit queries at heads up to 128 take paged_prefill_kernel on wave32 through WMMA (gfx11 / gfx12 operand
-# layout, as kvcpu_set_wmma_family says; 0: no WMMA, the attention kernel's FMA engine serves the step). Its
+# layout, as kvcpu_set_wmma_family says; 0: no WMMA, the FMA tile engine serves the step). Its
 # tiles: 32 keys (head 128: 16), each wave 16 rows.
 def _wmma_library():
     lib = hip.library.load_cpu_library()
@@ -1112,18 +1118,83 @@ def test_prefill_kernel_wave32_matches_reference(hip_backend, name, family):
     assert (count > 0) == (family != 0), count
 
 
-# What the WMMA engine does not serve keeps the attention kernel on wave32 (no WMMA, the oracle checks): fp8
-# caches (launcher.hip's prefill_served says why), head 256, fp32 queries.
+# What the WMMA engine does not serve on wave32 (no WMMA, the oracle checks): fp32 queries take the prefill
+# kernel's FMA tile engine (launcher.hip's prefill_served), fp8 caches and head 256 the attention kernel.
 @pytest.mark.parametrize("family", [11, 12])
 @pytest.mark.parametrize("fmt", FP8_FORMATS)
-def test_prefill_wave32_keeps_the_attention_kernel_elsewhere(hip_backend, fmt, family):
+def test_prefill_wave32_without_wmma_elsewhere(hip_backend, fmt, family):
     i = list(FP8_FORMATS).index(fmt) + family
     spec = CaseSpec(head_size=128, dtype=(torch.float16, torch.bfloat16)[i % 2],
                     **PREFILL_HEAD_CASES[list(PREFILL_HEAD_CASES)[i % len(PREFILL_HEAD_CASES)]])
+    tiles = _fma_tile_library()
+    tiles.kvcpu_reset_fma_tile_count()
+    assert _wmma_count(hip_backend, dataclasses.replace(spec, dtype=torch.float32), family, partition_size=0,
+                       prefill_min_query=1) == 0
+    assert tiles.kvcpu_fma_tile_count() > 0
+    tiles.kvcpu_reset_fma_tile_count()
     assert _wmma_count(hip_backend, spec, family, cache_dtype=FP8_FORMATS[fmt], per_head=bool(i % 2),
                        partition_size=0, prefill_min_query=1) == 0
     assert _wmma_count(hip_backend, dataclasses.replace(spec, head_size=256), family, partition_size=0,
                        prefill_min_query=1) == 0
-    assert _wmma_count(hip_backend, dataclasses.replace(spec, dtype=torch.float32), family, partition_size=0,
-                       prefill_min_query=1) == 0
     assert _wmma_count(hip_backend, spec, family, partition_size=0, prefill_min_query=1) > 0
+    assert tiles.kvcpu_fma_tile_count() == 0
+
+
+# ------------------------------------------------------------------ the prefill kernel's FMA tile engine
+# Where no matrix instruction serves a prefill step (wave32 without WMMA, fp32 queries on wave32, wave64 with MFMA
+# disabled), paged_prefill_kernel runs its FMA tile engine at heads up to 128 over a cache of the query's type
+# (hip/kvmulti_prefill_fma.hip): the work-group's 64 rows share each K/V tile in LDS, a wave skips the tiles none
+# of its 16 rows sees. The harness counts the tiles the waves compute.
+def _fma_tile_library():
+    lib = hip.library.load_cpu_library()
+    lib.kvcpu_fma_tile_count.restype = ctypes.c_ulonglong
+    return lib
+
+
+def _fma_tiles(backend, spec, family: int = 0, wave: int = 32, cache_dtype=None, **kw) -> int:
+    """FMA tiles of one oracle-checked run (WMMA layout ``family``, 0: none; wave64: MFMA disabled)."""
+    lib, mfma = _fma_tile_library(), _mfma_library()
+    lib.kvcpu_reset_fma_tile_count()
+    mfma.kvcpu_set_mfma_enabled(0)
+    try:
+        with _emulated_wmma(family):
+            if cache_dtype is None:
+                _run_case(backend, spec, wave=wave, **kw)
+            else:
+                _run_fp8_case(backend, spec, cache_dtype, per_head=False, wave=wave, **kw)
+    finally:
+        mfma.kvcpu_set_mfma_enabled(1)
+    return lib.kvcpu_fma_tile_count()
+
+
+def test_fma_tile_engine_skips_the_tiles_a_wave_does_not_see(hip_backend):
+    """One 64-token causal prompt, group 1, head 128: wave w's rows (tokens 16 w .. 16 w + 15) see keys up to
+    16 w + 15. 16-key tiles (a 16-bit cache on wave32): wave w computes tiles 0 .. w, 10 in all; 8-key tiles
+    (fp32): tiles 0 .. 2 w + 1, 20; 32-key tiles (16-bit on wave64): waves 0, 1 one tile, waves 2, 3 two, 6.
+    An fp8 cache keeps the attention kernel."""
+    one = CaseSpec(order="HND", block_size=16, num_kv_heads=1, group=1, head_size=128, dtype=torch.bfloat16,
+                   query_lens=(64,), context_lens=(0,))
+    assert _fma_tiles(hip_backend, one, partition_size=0, prefill_min_query=1) == 10
+    assert _fma_tiles(hip_backend, dataclasses.replace(one, dtype=torch.float32), family=11, partition_size=0,
+                      prefill_min_query=1) == 20
+    assert _fma_tiles(hip_backend, one, wave=64, partition_size=0, prefill_min_query=1) == 6
+    assert _fma_tiles(hip_backend, one, family=11, cache_dtype=torch.float8_e4m3fn, partition_size=0,
+                      prefill_min_query=1) == 0
+    assert _fma_tiles(hip_backend, one, partition_size=0, prefill_min_query=0) == 0   # the decode kernel
+
+
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128])
+@pytest.mark.parametrize("name", PREFILL_HEAD_CASES)
+def test_fma_tile_engine_matches_the_oracle(hip_backend, head_size, name):
+    """Every case at every head the engine serves: a 16-bit cache on wave32 without WMMA and on wave64 without
+    MFMA, and fp32; split-KV in one case. Over fp8 codes (formats alternating) the attention kernel serves the
+    same steps."""
+    i = list(PREFILL_HEAD_CASES).index(name)
+    spec = CaseSpec(head_size=head_size, dtype=(torch.float16, torch.bfloat16)[(i + head_size // 16) % 2],
+                    **PREFILL_HEAD_CASES[name])
+    kw = dict(partition_size=32 if name == "gqa8-bs128-window" else 0, prefill_min_query=1)
+    assert _fma_tiles(hip_backend, spec, **kw) > 0
+    assert _fma_tiles(hip_backend, spec, wave=64, **kw) > 0
+    assert _fma_tiles(hip_backend, dataclasses.replace(spec, dtype=torch.float32), family=11, **kw) > 0
+    fmt = list(FP8_FORMATS)[(i + head_size // 16) % len(FP8_FORMATS)]
+    assert _fma_tiles(hip_backend, spec, family=11, cache_dtype=FP8_FORMATS[fmt], **kw) == 0

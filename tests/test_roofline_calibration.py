@@ -85,6 +85,42 @@ def test_current_fma_engine_reads_at_most_400_wavefronts_per_4kib():
     assert fma.shuffles > 0 and fma.tile_mix.get("lds", 0) * 4 == fma.tile_wavefronts["query"]
 
 
+def test_fma_tile_prefill_loop_reads_k_and_v_once_per_key_and_chunk():
+    """The prefill kernel's FMA tile engine on sm_90 (nvcc through hip/compat): per warp and 16-key tile, one
+    LDS.128 of K and one of V per key and chunk (128), 8 STS.128 of the staging and nothing else shared; the
+    reads take 4 wavefronts each (quarter-warps of 8 distinct 16-byte words), the stores 8 (2-way, 32-byte
+    stride); about half of the FFMAs (QK) issue before the next tile's loads."""
+    from devtools import hip_compile_check as cc
+    from devtools import roofline_hip_prefill_fma as P
+    from devtools import roofline_sass as S
+    _need(cc.nvcc() is not None, "nvcc")
+    _need(S.cuobjdump() is not None, "cuobjdump")
+    tiles = P.current_sass()
+    assert tiles.tile_wavefronts == {"reads": 128 * 4, "stores": 8 * 8}, P.format_current(tiles)
+    assert tiles.ffma >= 2 * 16 * 4 * 4 * 4 and 0.4 < tiles.serial_share < 0.6, P.format_current(tiles)
+    assert P.resident_blocks(tiles) >= 2
+
+
+def test_fma_tile_prefill_read_rejects_a_shared_access_without_a_pattern():
+    from devtools import roofline_hip_prefill_fma as P
+    lines = []
+    addr = 0
+    def ins(text):
+        nonlocal addr
+        lines.append(f"        /*{addr:04x}*/                   {text} ;  /* 0x000000000000000000 */")
+        lines.append("                                                                   /* 0x000fe20000000f00 */")
+        addr += 16
+    ins("STS.128 [R1], R4")
+    ins("BAR.SYNC.DEFER_BLOCKING 0x0")
+    ins("FFMA R1, R2, R3, R4")
+    ins("LDS.128 R8, [R2]")
+    ins("LDG.E.128 R4, desc[UR4][R2.64]")
+    ins("LDS R5, [R3]")
+    ins("BRA 0x0")
+    with pytest.raises(ValueError, match="without a known pattern"):
+        P.read_sass("\n".join(lines), "Used 100 registers, 1024 bytes smem")
+
+
 def test_wavefront_count_rejects_a_shared_access_without_a_pattern():
     from devtools import roofline_hip_fma as F
     geo = F.geometry()

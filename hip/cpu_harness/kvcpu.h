@@ -24,7 +24,8 @@
 //     then take their FMA path, so both paths run on the harness).
 //   * WMMA builtins (__builtin_amdgcn_wmma_f32_16x16x16_{f16,bf16}_w32 for gfx11, ..._w32_gfx12 for gfx12):
 //     the same for one 32-lane wave, in the layout family kvcpu_set_wmma_family selects (11, 12, or 0 for
-//     none); kvcpu_wmma_count() counts them.
+//     none); kvcpu_wmma_count() counts them. kvcpu_fma_tile_count() counts the key tiles the prefill kernel's
+//     FMA tile engine computes (one per wave and tile).
 //   * kvcpu::warp_sync(): a warp barrier (what __builtin_amdgcn_wave_barrier + fences / __syncwarp
 //     give on a GPU: LDS writes of the wave visible to all its lanes).
 //   * __shared__ variables live in one ELF section ("kvcpu_shared"); dynamic shared memory is a
@@ -211,6 +212,7 @@ struct State {
   unsigned long long mfma_count = 0;  // emulated matrix instructions (one per wave-wide call)
   int wmma_family = 11;               // WMMA layout emulated: 11 (RDNA3, gfx11), 12 (RDNA4, gfx12), 0 (none)
   unsigned long long wmma_count = 0;  // emulated WMMA instructions (one per wave-wide call)
+  unsigned long long fma_tile_count = 0;  // key tiles of the prefill kernel's FMA tile engine (one per wave)
   // errors
   hipError_t last_error = hipSuccess;
   std::string last_message;
@@ -641,6 +643,8 @@ inline f32x4 mfma_f32_16x16x4f32(float a, float b, f32x4 c, int cbsz, int abid, 
   return d;
 }
 inline bool mfma_enabled() { return st().mfma_enabled; }
+// A wave's key tile on the prefill kernel's FMA tile engine (kernels call it from lane 0).
+inline void count_fma_tile() { ++st().fma_tile_count; }
 
 // ------------------------------------------------------------------------------ WMMA builtins (wave32)
 // Register types: D/C 8 x fp32 (8 VGPRs); gfx11 A/B 16 x 16-bit (8 VGPRs), gfx12 A/B 8 x 16-bit (4 VGPRs).
@@ -823,8 +827,15 @@ extern "C" __attribute__((visibility("default"), weak)) unsigned long long kvcpu
   return ::kvcpu::st().wmma_count;
 }
 extern "C" __attribute__((visibility("default"), weak)) void kvcpu_reset_wmma_count() { ::kvcpu::st().wmma_count = 0; }
+// Key tiles the prefill kernel's FMA tile engine computed since the last reset (one per wave and tile).
+extern "C" __attribute__((visibility("default"), weak)) unsigned long long kvcpu_fma_tile_count() {
+  return ::kvcpu::st().fma_tile_count;
+}
+extern "C" __attribute__((visibility("default"), weak)) void kvcpu_reset_fma_tile_count() {
+  ::kvcpu::st().fma_tile_count = 0;
+}
 // The WMMA layout family the emulated wave32 device has: 11 (gfx11, the default), 12 (gfx12), 0 (no WMMA:
-// wave32 prefill takes the attention kernel's FMA engine). Returns hipErrorInvalidValue for anything else.
+// wave32 prefill takes the FMA tile engine, as on NVIDIA). Returns hipErrorInvalidValue for anything else.
 extern "C" __attribute__((visibility("default"), weak)) int kvcpu_set_wmma_family(int family) {
   if (family != 0 && family != 11 && family != 12) return (int)hipErrorInvalidValue;
   ::kvcpu::st().wmma_family = family;

@@ -26,7 +26,8 @@ from ... import native_build, settings
 from ...native_build import NativeBuildError
 
 #: Sources that make up the libraries (hashed into the build key).
-KERNEL_SOURCES = ("launcher.hip", "kvmulti_attention.hip", "kvmulti_prefill.hip", "kvmulti_common.h")
+KERNEL_SOURCES = ("launcher.hip", "kvmulti_attention.hip", "kvmulti_prefill.hip", "kvmulti_prefill_fma.hip",
+                  "kvmulti_common.h")
 HARNESS_SOURCES = ("cpu_harness/kvcpu.h", "cpu_harness/kvcpu.ld", "cpu_harness/include/hip/hip_runtime.h",
                    "cpu_harness/include/hip/hip_fp16.h", "cpu_harness/include/hip/hip_bfloat16.h",
                    "cpu_harness/include/hip/hip_runtime_api.h")
