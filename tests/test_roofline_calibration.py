@@ -101,45 +101,31 @@ def test_fma_tile_prefill_loop_reads_k_and_v_once_per_key_and_chunk():
     assert P.resident_blocks(tiles) >= 2
 
 
+def _sass(*instructions: str) -> str:
+    """cuobjdump-style SASS text of ``instructions`` at consecutive addresses, each with its control word."""
+    lines = []
+    for i, text in enumerate(instructions):
+        lines.append(f"        /*{16 * i:04x}*/                   {text} ;  /* 0x000000000000000000 */")
+        lines.append("                                                                   /* 0x000fe20000000f00 */")
+    return "\n".join(lines)
+
+
 def test_fma_tile_prefill_read_rejects_a_shared_access_without_a_pattern():
     from devtools import roofline_hip_prefill_fma as P
-    lines = []
-    addr = 0
-    def ins(text):
-        nonlocal addr
-        lines.append(f"        /*{addr:04x}*/                   {text} ;  /* 0x000000000000000000 */")
-        lines.append("                                                                   /* 0x000fe20000000f00 */")
-        addr += 16
-    ins("STS.128 [R1], R4")
-    ins("BAR.SYNC.DEFER_BLOCKING 0x0")
-    ins("FFMA R1, R2, R3, R4")
-    ins("LDS.128 R8, [R2]")
-    ins("LDG.E.128 R4, desc[UR4][R2.64]")
-    ins("LDS R5, [R3]")
-    ins("BRA 0x0")
+    sass = _sass("STS.128 [R1], R4", "BAR.SYNC.DEFER_BLOCKING 0x0", "FFMA R1, R2, R3, R4", "LDS.128 R8, [R2]",
+                 "LDG.E.128 R4, desc[UR4][R2.64]", "LDS R5, [R3]", "BRA 0x0")
     with pytest.raises(ValueError, match="without a known pattern"):
-        P.read_sass("\n".join(lines), "Used 100 registers, 1024 bytes smem")
+        P.read_sass(sass, "Used 100 registers, 1024 bytes smem")
 
 
 def test_wavefront_count_rejects_a_shared_access_without_a_pattern():
     from devtools import roofline_hip_fma as F
     geo = F.geometry()
     loads = geo.passes * 2 * geo.pieces_per_lane
-    lines = []
-    addr = 0
-    def ins(text):
-        nonlocal addr
-        lines.append(f"        /*{addr:04x}*/                   {text} ;  /* 0x000000000000000000 */")
-        lines.append("                                                                   /* 0x000fe20000000f00 */")
-        addr += 16
-    ins("FFMA R1, R2, R3, R4")
-    for _ in range(loads):
-        ins("LDG.E.128 R4, desc[UR4][R2.64]")
-    ins("SHFL.BFLY PT, R5, R6, 0x1, 0x1f")
-    ins("STS [R1], R5")
-    ins("BRA 0x0")
+    sass = _sass("FFMA R1, R2, R3, R4", *["LDG.E.128 R4, desc[UR4][R2.64]"] * loads,
+                 "SHFL.BFLY PT, R5, R6, 0x1, 0x1f", "STS [R1], R5", "BRA 0x0")
     with pytest.raises(ValueError, match="STS"):
-        F.read_sass("\n".join(lines), "Used 100 registers, 1024 bytes smem")
+        F.read_sass(sass, "Used 100 registers, 1024 bytes smem")
 
 
 @pytest.mark.parametrize("impl,shape", REPRODUCED)
