@@ -85,6 +85,44 @@ struct PagedAttentionParams {
   int causal;                    // 0: every row sees all seq_len keys of its request
 };
 
+// The kernel's parameters p (its only argument) read again from its argument segment on AMD device passes:
+// loads where the values are used, instead of the scalars the compiler loads at the kernel's entry and keeps
+// live across the tile loops (clang-19 spilled them on gfx942). Their pointers are generic ones there: accesses
+// through them take global_ptr.
+__device__ __forceinline__ const PagedAttentionParams& kernel_params(const PagedAttentionParams& p) {
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+  (void)p;
+  auto k = (const __attribute__((address_space(4))) PagedAttentionParams*)__builtin_amdgcn_kernarg_segment_ptr();
+  asm("" : "+s"(k));  // not the argument's pointer: no load through it merges with the entry's
+  return *(const PagedAttentionParams*)k;
+#else
+  return p;
+#endif
+}
+
+// x as a pointer into global memory: global, not flat, loads and stores through it.
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+template <typename X>
+using GlobalPtr = __attribute__((address_space(1))) X*;
+#else
+template <typename X>
+using GlobalPtr = X*;
+#endif
+template <typename X>
+__device__ __forceinline__ GlobalPtr<X> global_ptr(X* x) {
+  return (GlobalPtr<X>)x;
+}
+// *dst = v through global_ptr, as bits (T may be a class type: __half, hip_bfloat16).
+template <typename T>
+using GlobalBits = typename std::conditional<sizeof(T) == 2, unsigned short, uint32_t>::type;
+template <typename T>
+__device__ __forceinline__ void store_global(T* dst, T v) {
+  static_assert(sizeof(T) == sizeof(GlobalBits<T>), "2- or 4-byte values");
+  GlobalBits<T> u;
+  __builtin_memcpy(&u, &v, sizeof(T));
+  *global_ptr(reinterpret_cast<GlobalBits<T>*>(dst)) = u;
+}
+
 struct WriteKVParams {
   const void* key;               // [num_tokens, Hkv, head_size] (strided)
   const void* value;             // [num_tokens, Hkv, head_size_v] (strided)
