@@ -1336,8 +1336,14 @@ __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_attention_kernel(co
     }
   }
 #endif
-  // wave64 over fp8 codes (fp32 queries) the engine is short of SGPRs: the parameters are read where used
-  fma_body<T, C, HS, WAVE, R>(WAVE == 64 && is_fp8<C>() ? kernel_params(p) : p, b);
+  // wave64 over fp8 codes (fp32 queries) the engine is short of SGPRs under clang-19: the parameters are read
+  // where used (with hipcc's clang 15, which keeps them in SGPRs, gfx90a spilled VGPRs at head 64 then)
+#if defined(__clang_major__) && __clang_major__ >= 16
+  constexpr bool kReread = WAVE == 64 && is_fp8<C>();
+#else
+  constexpr bool kReread = false;
+#endif
+  fma_body<T, C, HS, WAVE, R>(kReread ? kernel_params(p) : p, b);
 }
 
 // Dynamic shared memory of paged_attention_reduce_kernel: num_partitions floats rounded up to whole
