@@ -767,14 +767,7 @@ _PROBLEM_KINDS = (("spills", "spilled registers"), ("occupancy", "occupancy"), (
 #: on an entry here that no kernel has any longer (the gap closed: remove it here and from the README).
 #: A 4-tuple (arch, problem kind, kernel kind, "fp8 FMA") lists a problem of the FMA engine's kernels over an
 #: fp8 cache only (a cache set, no matrix instructions).
-OPEN_PROBLEMS: dict[tuple[str, ...], str] = {
-    ("gfx942", "spills", "prefill"): "SGPRs spilled to VGPR lanes (no scratch) outside the tile loops: the "
-                                     "block's task fields stay live across them",
-    ("gfx942", "spills", "attention", "fp8 FMA"): "fp32 queries over an fp8 cache at head 64 (wave64 FMA engine): "
-                                                  "4-10 registers spilled, no scratch",
-    ("gfx942", "in_flight", "attention", "fp8 FMA"): "fp32 queries over an e5m2 cache at heads 80 / 96 (wave64 FMA "
-                                                     "engine): 3 of the tile's 8-byte loads in flight per lane",
-}
+OPEN_PROBLEMS: dict[tuple[str, ...], str] = {}
 
 
 def problem_kind(message: str) -> str:

@@ -85,6 +85,52 @@ struct PagedAttentionParams {
   int causal;                    // 0: every row sees all seq_len keys of its request
 };
 
+// The kernel's parameters p (its only argument) read again from its argument segment on AMD device passes:
+// loads where the values are used, instead of the scalars the compiler loads at the kernel's entry and keeps
+// live across the tile loops (clang-19 spilled them on gfx942). Their pointers are generic ones there: accesses
+// through them take global_ptr.
+__device__ __forceinline__ const PagedAttentionParams& kernel_params(const PagedAttentionParams& p) {
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+  (void)p;
+  auto k = (const __attribute__((address_space(4))) PagedAttentionParams*)__builtin_amdgcn_kernarg_segment_ptr();
+  asm("" : "+s"(k));  // not the argument's pointer: no load through it merges with the entry's
+  return *(const PagedAttentionParams*)k;
+#else
+  return p;
+#endif
+}
+
+// x as a pointer into global memory: global, not flat, loads and stores through it.
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+template <typename X>
+using GlobalPtr = __attribute__((address_space(1))) X*;
+#else
+template <typename X>
+using GlobalPtr = X*;
+#endif
+template <typename X>
+__device__ __forceinline__ GlobalPtr<X> global_ptr(X* x) {
+  return (GlobalPtr<X>)x;
+}
+// *src and *dst = v through global_ptr, as bits (T may be a class type: __half, hip_bfloat16).
+template <typename T>
+using GlobalBits = typename std::conditional<sizeof(T) == 2, unsigned short, uint32_t>::type;
+template <typename T>
+__device__ __forceinline__ T load_global(const T* src) {
+  static_assert(sizeof(T) == sizeof(GlobalBits<T>), "2- or 4-byte values");
+  const GlobalBits<T> u = *global_ptr(reinterpret_cast<const GlobalBits<T>*>(src));
+  T v;
+  __builtin_memcpy(&v, &u, sizeof(T));
+  return v;
+}
+template <typename T>
+__device__ __forceinline__ void store_global(T* dst, T v) {
+  static_assert(sizeof(T) == sizeof(GlobalBits<T>), "2- or 4-byte values");
+  GlobalBits<T> u;
+  __builtin_memcpy(&u, &v, sizeof(T));
+  *global_ptr(reinterpret_cast<GlobalBits<T>*>(dst)) = u;
+}
+
 struct WriteKVParams {
   const void* key;               // [num_tokens, Hkv, head_size] (strided)
   const void* value;             // [num_tokens, Hkv, head_size_v] (strided)
@@ -262,7 +308,7 @@ __device__ __forceinline__ void publish_row_ranges(const PagedAttentionParams& p
     if (r < b.rows) {
       key_range(p, b, (b.row0 + r) / b.nheads, x, y);
       qpos = query_pos(b, (b.row0 + r) / b.nheads);
-      if (p.alibi_slopes) slope = p.alibi_slopes[b.head0 + (b.row0 + r) % b.nheads];
+      if (p.alibi_slopes) slope = global_ptr(p.alibi_slopes)[b.head0 + (b.row0 + r) % b.nheads];
     }
     ri.lo[r] = x;
     ri.hi[r] = y;
@@ -276,7 +322,7 @@ __device__ __forceinline__ void publish_row_ranges(const PagedAttentionParams& p
 // sinks, past the block's rows, or on the split-KV path (the reduce kernel adds it once, after the merge).
 __device__ __forceinline__ float row_sink(const PagedAttentionParams& p, const BlockTask& b, int r) {
   if (!p.sinks || p.num_partitions > 1 || r >= b.rows) return -INFINITY;
-  return p.sinks[b.head0 + (b.row0 + r) % b.nheads];
+  return global_ptr(p.sinks)[b.head0 + (b.row0 + r) % b.nheads];
 }
 
 // Tiles of KT keys, aligned to multiples of KT, covering [kv_lo, kv_hi); wave `warp` takes the
@@ -381,13 +427,13 @@ __device__ void write_rows(const PagedAttentionParams& p, const BlockTask& b, co
       if (d == 0) {
         float M, L;
         (void)combine_factor<R>(c, 0, r, M, L);
-        p.part_max[idx] = M;
-        p.part_sum[idx] = L;
+        global_ptr(p.part_max)[idx] = M;
+        global_ptr(p.part_sum)[idx] = L;
       }
-      p.part_out[idx * HS + d] = o_s[r][d];
+      global_ptr(p.part_out)[idx * HS + d] = o_s[r][d];
     } else {
-      static_cast<T*>(p.out)[(int64_t)tok * p.o_stride_token + (int64_t)head * p.o_stride_head + d] =
-          Cvt<T>::from(o_s[r][d]);
+      store_global(static_cast<T*>(p.out) + (int64_t)tok * p.o_stride_token + (int64_t)head * p.o_stride_head + d,
+                   Cvt<T>::from(o_s[r][d]));
     }
   }
 }
@@ -568,7 +614,7 @@ struct OwnScores {
 };
 
 template <typename C, int HS, int WAVE, int R, bool ALIGNED>
-__device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const BlockTask& b,
+__device__ __forceinline__ void fma_stream(const PagedAttentionParams& params, const BlockTask& b,
                                            const FmaShared<C, HS, WAVE, R>& sh,
                                            const OwnScores<FmaGeom<C, HS, WAVE, R>::NF>& own,
                                            float (&m_own)[FmaGeom<C, HS, WAVE, R>::NF],
@@ -577,6 +623,7 @@ __device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const 
   using Geo = FmaGeom<C, HS, WAVE, R>;
   constexpr int G = Geo::G, CPL = Geo::CPL, KP = Geo::KP, NP = Geo::NP, KT = Geo::KT, N = Geo::N, NF = Geo::NF;
   constexpr int PIECE = Geo::PIECE, WORDS = Geo::WORDS;
+  const PagedAttentionParams p = params;  // read once, before the loop (params may be kernel_params')
   const int lane = (int)threadIdx.x % WAVE, warp = (int)threadIdx.x / WAVE;
   const int j = lane % G, base = lane - j, grp = lane / G;
   const C* cache = static_cast<const C*>(p.kv_cache) + (int64_t)b.kv_head * p.kv_stride_head;
@@ -610,16 +657,26 @@ __device__ __forceinline__ void fma_stream(const PagedAttentionParams& p, const 
             // a padding lane (u past the row: heads 80, 96) loads the last piece and masks it to zeros, so
             // every lane's loads stay unconditional
             const int u = j + c * G, uc = u < Geo::PIECES ? u : Geo::PIECES - 1;
-            const uint32_t keep = u < Geo::PIECES ? ~0u : 0u;
             load_piece<C, WORDS, ALIGNED>(row + uc * PIECE, kw[i][c]);
             load_piece<C, WORDS, ALIGNED>(row + HS + uc * PIECE, vw[i][c]);
+          }
+        }
+      }
+      if constexpr (Geo::PIECES % G != 0) {
+        // 8-byte pieces (fp8): every load issued before the masks wait for one (else the compiler waits
+        // for the first pass's K before it issues the second pass's loads)
+        if constexpr (WORDS == 2) pass_fence();
+#pragma unroll
+        for (int i = 0; i < NP; ++i)
+#pragma unroll
+          for (int c = 0; c < CPL; ++c) {
+            const uint32_t keep = j + c * G < Geo::PIECES ? ~0u : 0u;
 #pragma unroll
             for (int k = 0; k < WORDS; ++k) {
               kw[i][c][k] &= keep;
               vw[i][c][k] &= keep;
             }
           }
-        }
       }
       // QK partials of the lane's dims, then the group's reduce-scatter
       float s[N];
@@ -706,8 +763,8 @@ __device__ void fma_body(const PagedAttentionParams& p, const BlockTask& b) {
   const int tid = (int)threadIdx.x, lane = tid % WAVE, warp = tid / WAVE;
   const int j = lane % G, base = lane - j, grp = lane / G;
   // fp8 caches: scores are q . float(code) x k_scale, outputs sum p float(code) x v_scale
-  const float k_scale = is_fp8<C>() ? p.k_scale[b.kv_head] : 1.f;
-  const float v_scale = is_fp8<C>() ? p.v_scale[b.kv_head] : 1.f;
+  const float k_scale = is_fp8<C>() ? global_ptr(p.k_scale)[b.kv_head] : 1.f;
+  const float v_scale = is_fp8<C>() ? global_ptr(p.v_scale)[b.kv_head] : 1.f;
   const float q_scale = p.scale * k_scale;
   for (int i = tid; i < R * CPL * 2 * G * 4; i += NT) {
     const int k = i % 4, jj = i / 4 % G, h = i / (4 * G) % 2, c = i / (8 * G) % CPL, r = i / (8 * G * CPL);
@@ -715,8 +772,8 @@ __device__ void fma_body(const PagedAttentionParams& p, const BlockTask& b) {
     float x = 0.f;
     if (r < b.rows && u < Geo::PIECES) {
       const int tok = b.token + (b.row0 + r) / b.nheads, head = b.head0 + (b.row0 + r) % b.nheads;
-      x = Cvt<T>::to(static_cast<const T*>(p.query)[(int64_t)tok * p.q_stride_token +
-                                                   (int64_t)head * p.q_stride_head + d]) * q_scale;
+      x = Cvt<T>::to(load_global(static_cast<const T*>(p.query) + (int64_t)tok * p.q_stride_token +
+                                 (int64_t)head * p.q_stride_head + d)) * q_scale;
     }
     sh.q[r][c][h][jj].v[k] = x;
   }
@@ -1279,7 +1336,14 @@ __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_attention_kernel(co
     }
   }
 #endif
-  fma_body<T, C, HS, WAVE, R>(p, b);
+  // wave64 over fp8 codes (fp32 queries) the engine is short of SGPRs under clang-19: the parameters are read
+  // where used (with hipcc's clang 15, which keeps them in SGPRs, gfx90a spilled VGPRs at head 64 then)
+#if defined(__clang_major__) && __clang_major__ >= 16
+  constexpr bool kReread = WAVE == 64 && is_fp8<C>();
+#else
+  constexpr bool kReread = false;
+#endif
+  fma_body<T, C, HS, WAVE, R>(kReread ? kernel_params(p) : p, b);
 }
 
 // Dynamic shared memory of paged_attention_reduce_kernel: num_partitions floats rounded up to whole

@@ -780,18 +780,18 @@ __device__ __forceinline__ X in_vgprs(X x) {
   return x;
 }
 
-// What the epilogue of prefill_mfma_run reads of the parameters: read where used (VG false), or (VG: fp32
-// queries over an fp8 cache) copied into VGPRs at the start (kept as scalars across the tile loops, they
-// spilled 22-24 SGPRs on gfx90a).
+// What the epilogue of prefill_mfma_run reads of the parameters: read where used (VG false; from the kernel's
+// argument segment, see kernel_params), or (VG: fp32 queries over an fp8 cache) copied into VGPRs at the start
+// (kept as scalars across the tile loops, they spilled 22-24 SGPRs on gfx90a).
 template <bool VG>
 struct PrefillEpilogue {
   const PagedAttentionParams& p;
   __device__ explicit PrefillEpilogue(const PagedAttentionParams& params) : p(params) {}
   __device__ void* out() const { return p.out; }
-  __device__ float* part_out() const { return p.part_out; }
-  __device__ float* part_max() const { return p.part_max; }
-  __device__ float* part_sum() const { return p.part_sum; }
-  __device__ const float* sinks() const { return p.sinks; }
+  __device__ GlobalPtr<float> part_out() const { return global_ptr(p.part_out); }
+  __device__ GlobalPtr<float> part_max() const { return global_ptr(p.part_max); }
+  __device__ GlobalPtr<float> part_sum() const { return global_ptr(p.part_sum); }
+  __device__ GlobalPtr<const float> sinks() const { return global_ptr(p.sinks); }
   __device__ int64_t o_stride_token() const { return p.o_stride_token; }
   __device__ int64_t o_stride_head() const { return p.o_stride_head; }
 };
@@ -806,10 +806,10 @@ struct PrefillEpilogue<true> {
         part_sum_(in_vgprs(p.part_sum)), sinks_(in_vgprs(p.sinks)), o_stride_token_(in_vgprs(p.o_stride_token)),
         o_stride_head_(in_vgprs(p.o_stride_head)) {}
   __device__ void* out() const { return out_; }
-  __device__ float* part_out() const { return part_out_; }
-  __device__ float* part_max() const { return part_max_; }
-  __device__ float* part_sum() const { return part_sum_; }
-  __device__ const float* sinks() const { return sinks_; }
+  __device__ GlobalPtr<float> part_out() const { return global_ptr(part_out_); }
+  __device__ GlobalPtr<float> part_max() const { return global_ptr(part_max_); }
+  __device__ GlobalPtr<float> part_sum() const { return global_ptr(part_sum_); }
+  __device__ GlobalPtr<const float> sinks() const { return global_ptr(sinks_); }
   __device__ int64_t o_stride_token() const { return o_stride_token_; }
   __device__ int64_t o_stride_head() const { return o_stride_head_; }
 };
@@ -850,13 +850,13 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
   const bool live = has_row && w.rlo < w.rhi;
   w.lo_min = -wave_max_int<WAVE>(live ? -w.rlo : -0x7fffffff);
   w.hi_max = wave_max_int<WAVE>(live ? w.rhi : -0x7fffffff);
-  const float score_scale = is_fp8<C>() ? p.scale * p.k_scale[b.kv_head] : p.scale;
+  const float score_scale = is_fp8<C>() ? p.scale * global_ptr(p.k_scale)[b.kv_head] : p.scale;
   constexpr float kLog2e = 1.4426950408889634f;
   w.cap_scale = score_scale * p.inv_softcap;
   w.score_unit = SOFTCAP > 0 || (SOFTCAP < 0 && p.softcap > 0.f) ? 1.f : score_scale;
   w.exp_scale = kLog2e * w.score_unit;
   w.qpos = has_row ? query_pos(b, row / b.nheads) : 0;
-  w.alibi_unit = ALIBI && has_row ? p.alibi_slopes[b.head0 + row % b.nheads] / w.score_unit : 0.f;
+  w.alibi_unit = ALIBI && has_row ? global_ptr(p.alibi_slopes)[b.head0 + row % b.nheads] / w.score_unit : 0.f;
   // Q operands (B of S^T = K Q^T) of the lane's row, unscaled; rows past b.rows are zero.
   PrefillRegs<L, HS, WAVE> regs;
   auto& qf = regs.qf;
@@ -944,7 +944,7 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
     l = 0.f;
   }
   // fp8 caches: values read as float(code) * v_scale, so the accumulated P V gets v_scale once
-  const float v_scale = is_fp8<C>() ? p.v_scale[b.kv_head] : 1.f;
+  const float v_scale = is_fp8<C>() ? global_ptr(p.v_scale)[b.kv_head] : 1.f;
   constexpr int RPL = PrefillRegs<L, HS, WAVE>::kRows;
   int fam = 0;
   if constexpr (WAVE == 32) fam = wmma_family();
@@ -980,14 +980,15 @@ __device__ __forceinline__ void prefill_mfma_run(const PagedAttentionParams& p, 
       T* o = static_cast<T*>(ep.out()) + (int64_t)tok * ep.o_stride_token() + (int64_t)head * ep.o_stride_head();
       if constexpr (WAVE == 32) {
 #pragma unroll
-        for (int v = 0; v < HS / 16; ++v) o[16 * v + n] = Cvt<T>::from(rl > 0.f ? acc[v][r] * f : 0.f);
+        for (int v = 0; v < HS / 16; ++v)
+          store_global(o + 16 * v + n, Cvt<T>::from(rl > 0.f ? acc[v][r] * f : 0.f));
       } else {
 #pragma unroll
         for (int u = 0; u < PVC; ++u)
 #pragma unroll
           for (int c = 0; c < 8; ++c) {
             const int d = 8 * (n + 16 * u) + c;
-            if (d < HS) o[d] = Cvt<T>::from(rl > 0.f ? acc[u][c][r] * f : 0.f);
+            if (d < HS) store_global(o + d, Cvt<T>::from(rl > 0.f ? acc[u][c][r] * f : 0.f));
           }
       }
     }
@@ -1063,7 +1064,7 @@ __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_prefill_kernel(cons
 #if KVMULTI_HAS_MFMA
   if constexpr (WAVE == 64 && prefill_mfma_path<T, C, WAVE>()) {
     if (mfma_enabled()) {
-      prefill_mfma_body<T, C, HS>(p, b);
+      prefill_mfma_body<T, C, HS>(kernel_params(p), b);
       return;
     }
   }
@@ -1071,7 +1072,7 @@ __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_prefill_kernel(cons
 #if KVMULTI_HAS_WMMA
   if constexpr (WAVE == 32 && prefill_wmma_path<T, C, HS>()) {
     if (wmma_enabled()) {
-      prefill_mfma_body<T, C, HS, 32>(p, b);
+      prefill_mfma_body<T, C, HS, 32>(kernel_params(p), b);
       return;
     }
   }
