@@ -464,7 +464,8 @@ def analyze_function(lines: list[str]) -> dict:
     row = {"matrix_instructions": mfma, "load_widths_bytes": widths, "hot_loop": None,
            "hot_loop_load_widths_bytes": [], "bytes_in_flight_per_lane": 0, "bytes_before_vmcnt0_per_lane": 0,
            "hot_loop_instructions": {}, "hot_loop_serial_share": None, "hot_loop_mfma_flops": 0,
-           "hot_loop_narrow_loads": 0, "head_bytes_in_flight_per_lane": 0, "hot_loop_min_vmcnt": None,
+           "hot_loop_narrow_loads": 0, "hot_loop_loads": 0, "head_bytes_in_flight_per_lane": 0,
+           "hot_loop_min_vmcnt": None,
            "hot_loop_ds_bpermute": 0}
     if hot:
         row.update(hot_loop=hot[1], hot_loop_load_widths_bytes=hot[2]["load_widths_bytes"],
@@ -474,7 +475,8 @@ def analyze_function(lines: list[str]) -> dict:
                    hot_loop_serial_share=round(serial_share(_loop_bodies(lines)[hot[1]]), 4),
                    hot_loop_mfma_flops=mfma_flops(_loop_bodies(lines)[hot[1]]),
                    hot_loop_narrow_loads=sum(1 for w in map(_load_width, _loop_bodies(lines)[hot[1]])
-                                             if w is not None and w < 16))
+                                             if w is not None and w < 16),
+                   hot_loop_loads=sum(1 for w in map(_load_width, _loop_bodies(lines)[hot[1]]) if w is not None))
         flight = head_in_flight(_loop_bodies(lines)[hot[1]])
         row.update(head_bytes_in_flight_per_lane=flight["head_bytes_per_lane"], hot_loop_min_vmcnt=flight["min_vmcnt"],
                    hot_loop_ds_bpermute=sum(1 for l in _loop_bodies(lines)[hot[1]]
@@ -665,7 +667,7 @@ def rows_of(dp: DevicePass) -> list[dict]:
             "hot_loop_instructions": a["hot_loop_instructions"],
             "hot_loop_serial_share": a["hot_loop_serial_share"],
             "hot_loop_mfma_flops": a["hot_loop_mfma_flops"],
-            "hot_loop_narrow_loads": a.get("hot_loop_narrow_loads", 0),
+            "hot_loop_narrow_loads": a.get("hot_loop_narrow_loads", 0), "hot_loop_loads": a.get("hot_loop_loads", 0),
             "head_bytes_in_flight_per_lane": a.get("head_bytes_in_flight_per_lane", 0),
             "hot_loop_min_vmcnt": a.get("hot_loop_min_vmcnt"),
             "hot_loop_ds_bpermute": a.get("hot_loop_ds_bpermute", 0),
@@ -706,6 +708,14 @@ def hot_loop_load_bytes(row: dict) -> int:
     return 8 if row.get("cache") and not row["matrix_instructions"] else 16
 
 
+def prefill_table_loads_only(row: dict) -> bool:
+    """Whether a prefill hot loop's 4-byte loads are the next tile's block-table entries only: one per lane
+    beside each copy of the tile's loads, at least 4 of them (the FMA tile engine has two copies, one on the path
+    of a wave that skips the tile's arithmetic)."""
+    narrow = row.get("hot_loop_narrow_loads", 0)
+    return 1 <= narrow and 4 * narrow <= row.get("hot_loop_loads", 0) - narrow
+
+
 def row_problems(row: dict) -> list[str]:
     """The CI thresholds for one report row (empty: passes)."""
     k = f"{row['target']} {row['kernel']}"
@@ -730,8 +740,8 @@ def row_problems(row: dict) -> list[str]:
                             f"(.amdhsa_float_denorm_mode_16_64 {row.get('fp16_denorm_mode')}, want 3)")
         want = hot_loop_load_bytes(row)
         narrow = [w for w in row["hot_loop_load_widths_bytes"] if w < want]
-        if row["kind"] == "prefill" and narrow == [4] and row.get("hot_loop_narrow_loads") == 1:
-            narrow = []   # the next tile's block-table entries: one 4-byte load per lane and tile
+        if row["kind"] == "prefill" and narrow == [4] and prefill_table_loads_only(row):
+            narrow = []
         if narrow or not row["hot_loop_load_widths_bytes"]:
             problems.append(f"{k}: hot-loop global loads of {row['hot_loop_load_widths_bytes']} bytes (want {want} only)")
         if (row["kind"] == "prefill" and row["target"] in MFMA_ARCHS and row["dtype"] in ("fp16", "bf16", "fp32")

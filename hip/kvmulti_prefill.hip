@@ -113,7 +113,7 @@ __device__ __forceinline__ TileTable tile_table(const PagedAttentionParams& p, c
                                                 float inv_bs, int lane) {
   int r;
   const int e0 = window_entry(p, 0, inv_bs, t0, r);
-  return TileTable{e0 + lane < p.bt_cols ? bt_lane[e0] : -1, e0 * p.block_size};
+  return TileTable{e0 + lane < p.bt_cols ? load_global(bt_lane + e0) : -1, e0 * p.block_size};
 }
 
 // The order the tiles are processed in (the online softmax takes any): the masked ones first -- before
