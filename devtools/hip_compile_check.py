@@ -647,8 +647,6 @@ def rows_of(dp: DevicePass) -> list[dict]:
         kind, dtype, hs, kwave = _kernel_kind(name)
         if kind in ATTENTION_KINDS and kwave != wave:
             continue
-        if kind == "prefill" and wave == 32 and dp.arch not in WMMA_ARCHS:
-            continue   # wave32 prefill on gfx10: never launched (launcher.hip's wave32_prefill_device), left empty
         a = dp.asm.get(name, analyze_function([]))
         rows.append({
             "kernel": short_name(name), "symbol": name, "kind": kind, "dtype": dtype, "cache": cache_kind(name),

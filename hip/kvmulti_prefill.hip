@@ -1047,11 +1047,6 @@ __device__ void prefill_fma_body(const PagedAttentionParams& p, const BlockTask&
 template <typename T, typename C, int HS, int WAVE>
 __global__ void __launch_bounds__(kNumWarps * WAVE, 2) paged_prefill_kernel(const PagedAttentionParams p) {
   if (!wave_matches_target<WAVE>()) return;
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !KVMULTI_HAS_WMMA && !defined(KVMULTI_HIP_CPU_HARNESS)
-  // wave32 without WMMA on AMD (gfx10): the launcher runs such steps through the attention kernel
-  // (wave32_prefill_device), so the instantiation is left empty, as a wave-mismatched one
-  if constexpr (WAVE == 32) return;
-#endif
   constexpr int NT = kNumWarps * WAVE;
   static_assert(2 * HS * sizeof(C) <= sizeof(kZeroRow), "kZeroRow must cover a K + V row");
   BlockTask b;

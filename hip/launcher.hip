@@ -30,41 +30,18 @@ namespace kvmulti::launch {
 // own type or of fp8 codes (v_mfma_f32_16x16x16{f16,bf16_1k}), fp32 queries over an fp32 or fp8 cache
 // (v_mfma_f32_16x16x4f32; fp8 codes widened to fp32 in LDS), every head size, ALiBi included -- each passing
 // the compile check's thresholds (hip/README.md); on wave32 every query type over a cache of its own type at
-// heads up to 128 (fma_tile_path) on RDNA3 / RDNA4 and NVIDIA (wave32_prefill_device): the WMMA engine
-// (prefill_wmma_path: fp16 / bf16) on gfx11 / gfx12, the FMA tile engine for the rest -- fp32 queries there,
-// every type on NVIDIA through hip/compat. fp8 caches, head 256 and gfx10 on wave32 run the attention kernel.
+// heads up to 128 (fma_tile_path): the WMMA engine (prefill_wmma_path: fp16 / bf16) on gfx11 / gfx12, the FMA
+// tile engine for the rest -- every type on gfx10 and on NVIDIA through hip/compat, fp32 queries on gfx11 /
+// gfx12. fp8 caches and head 256 on wave32 run the attention kernel.
 template <typename T, typename C, int HS, int WAVE>
 constexpr bool prefill_served() {
   return WAVE == 64 || (WAVE == 32 && kvmulti::fma_tile_path<T, C, HS>());
 }
 
-// Whether the current device runs wave32 steps in the prefill kernel: RDNA3 gfx11, RDNA4 gfx12, NVIDIA (through
-// hip/compat) and the harness; gfx10 keeps the attention kernel (Debian's hipcc, clang 15, puts the FMA tile
-// engine's register arrays in scratch there). Cached per device on ROCm.
-inline bool wave32_prefill_device() {
-#if defined(KVMULTI_HIP_CPU_HARNESS) || defined(__CUDACC__)
-  return true;
-#else
-  static int known[64] = {};  // 0: not asked yet, 1: no, 2: yes
-  int dev = 0;
-  if (hipGetDevice(&dev) != hipSuccess || dev < 0) return false;
-  if (dev < 64 && known[dev]) return known[dev] == 2;
-  hipDeviceProp_t prop;
-  if (hipGetDeviceProperties(&prop, dev) != hipSuccess) return false;
-  const bool has = std::strncmp(prop.gcnArchName, "gfx11", 5) == 0 || std::strncmp(prop.gcnArchName, "gfx12", 5) == 0;
-  if (dev < 64) known[dev] = has ? 2 : 1;
-  return has;
-#endif
-}
-
 template <typename T, typename C, int HS, int WAVE>
 hipError_t launch_attention(const PagedAttentionParams& p, bool prefill, hipStream_t stream) {
   dim3 block(kvmulti::kNumWarps * WAVE);
-  if constexpr (prefill_served<T, C, HS, WAVE>()) {
-    if (WAVE == 32 && !wave32_prefill_device()) prefill = false;
-  } else {
-    prefill = false;
-  }
+  if constexpr (!prefill_served<T, C, HS, WAVE>()) prefill = false;
   if constexpr (prefill_served<T, C, HS, WAVE>()) {
     if (prefill) {
       const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads, kvmulti::kPrefillRows);
