@@ -207,7 +207,7 @@ __device__ __forceinline__ void fma_tile(const PagedAttentionParams& p, const Fm
 #if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
     // as selects, clang 15 turns these into an index of w's arrays, which go to scratch on gfx10
     const float m_row = lane_pick(rh != 0, w.m[NF + f], w.m[f]), a_row = lane_pick(rh != 0, alpha[NF + f], alpha[f]);
-#else
+#else  // nvcc: the selects (through lane_pick it spilled at 16-bit heads 64 / 128)
     const float m_row = rh ? w.m[NF + f] : w.m[f], a_row = rh ? alpha[NF + f] : alpha[f];
 #endif
     float sum = 0.f;
