@@ -468,19 +468,19 @@ def analyze_function(lines: list[str]) -> dict:
            "hot_loop_min_vmcnt": None,
            "hot_loop_ds_bpermute": 0}
     if hot:
+        body = _loop_bodies(lines)[hot[1]]
+        load_widths = [w for w in map(_load_width, body) if w is not None]
+        flight = head_in_flight(body)
         row.update(hot_loop=hot[1], hot_loop_load_widths_bytes=hot[2]["load_widths_bytes"],
                    bytes_in_flight_per_lane=hot[2]["peak_bytes_per_lane"],
                    bytes_before_vmcnt0_per_lane=hot[2]["bytes_before_vmcnt0_per_lane"],
-                   hot_loop_instructions=instruction_mix(_loop_bodies(lines)[hot[1]]),
-                   hot_loop_serial_share=round(serial_share(_loop_bodies(lines)[hot[1]]), 4),
-                   hot_loop_mfma_flops=mfma_flops(_loop_bodies(lines)[hot[1]]),
-                   hot_loop_narrow_loads=sum(1 for w in map(_load_width, _loop_bodies(lines)[hot[1]])
-                                             if w is not None and w < 16),
-                   hot_loop_loads=sum(1 for w in map(_load_width, _loop_bodies(lines)[hot[1]]) if w is not None))
-        flight = head_in_flight(_loop_bodies(lines)[hot[1]])
-        row.update(head_bytes_in_flight_per_lane=flight["head_bytes_per_lane"], hot_loop_min_vmcnt=flight["min_vmcnt"],
-                   hot_loop_ds_bpermute=sum(1 for l in _loop_bodies(lines)[hot[1]]
-                                            if re.match(r"^\s*ds_bpermute", l)))
+                   hot_loop_instructions=instruction_mix(body),
+                   hot_loop_serial_share=round(serial_share(body), 4),
+                   hot_loop_mfma_flops=mfma_flops(body),
+                   hot_loop_narrow_loads=sum(1 for w in load_widths if w < 16),
+                   hot_loop_loads=len(load_widths),
+                   head_bytes_in_flight_per_lane=flight["head_bytes_per_lane"], hot_loop_min_vmcnt=flight["min_vmcnt"],
+                   hot_loop_ds_bpermute=sum(1 for l in body if re.match(r"^\s*ds_bpermute", l)))
     return row
 
 

@@ -41,7 +41,6 @@ constexpr bool prefill_served() {
 template <typename T, typename C, int HS, int WAVE>
 hipError_t launch_attention(const PagedAttentionParams& p, bool prefill, hipStream_t stream) {
   dim3 block(kvmulti::kNumWarps * WAVE);
-  if constexpr (!prefill_served<T, C, HS, WAVE>()) prefill = false;
   if constexpr (prefill_served<T, C, HS, WAVE>()) {
     if (prefill) {
       const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads, kvmulti::kPrefillRows);
@@ -49,6 +48,8 @@ hipError_t launch_attention(const PagedAttentionParams& p, bool prefill, hipStre
       dim3 grid((unsigned)tiles, (unsigned)(p.num_kv_heads * map.chunks), (unsigned)p.num_partitions);
       hipLaunchKernelGGL((kvmulti::paged_prefill_kernel<T, C, HS, WAVE>), grid, block, 0, stream, p);
     }
+  } else {
+    prefill = false;
   }
   if (!prefill) {
     const kvmulti::RowMap map(p.num_q_heads, p.num_kv_heads, kvmulti::rows_per_block<T, WAVE, C>());
