@@ -8,7 +8,8 @@
 // K element is loaded once per key tile for all rows of the item. The softmax runs per lane (running
 // max and sum per row vector); P.V accumulates O transposed, Ot[dv][row], from the probability
 // vectors times V's element broadcast. Keys go in tiles of kTileKeys: a tile no row can see (causal,
-// window) is skipped whole, and only a tile that crosses a row's limit is masked.
+// window) is skipped whole, and only a tile that crosses a row's limit is masked; inside it, the
+// register tiles no row of their block sees are skipped too (block_keys).
 // Two arithmetic modes, one code:
 //  - bf16 dots (KV_DIRECT_DOT, bf16 query over a bf16 cache or an fp8 one, widened to bf16 exactly):
 //    a 32-bit lane holds an element pair. Qt holds the query's pairs (d, d + 1), a K pair is
@@ -34,19 +35,21 @@ struct TileCtx {
   bool need_mask, causal;
   int window;
   float softcap, qk_scale;
+  bool raw;                // St holds unscaled scores (qk_scale > 0, no softcap, no ALiBi): the softmax scales them
   const vi* pos;           // [Mr / KV_W] each lane's row position
   float* St;               // [npad][Mr] scores, then (fp32 mode) probabilities
   uint32_t* Pp;            // dot mode: [npad / 2][Mr] probability pairs of keys (2k, 2k + 1)
   const vf* slope;         // [Mr / KV_W] each lane's ALiBi slope, or nullptr
 };
 
-// exp(x) for x <= 0 at the precision of a probability rounded to bf16 afterwards (relative error
-// below 6e-6, against bf16's 2^-9); 0 for -inf, and for NaN as vexp_nonpos gives. AVX-512: x clamped
-// at -110 (exp is then below the smallest denormal), 2^(x log2 e) as 2^frac by a degree-5 polynomial
-// on [-1/2, 1/2], scaled by vscalefps: 10 instructions against vexp_nonpos's 17.
+// exp(x) for x = s c - mc <= 0, c and mc in log2 units (c = scale x log2 e), at the precision of a
+// probability rounded to bf16 afterwards (relative error below 6e-6, against bf16's 2^-9); 0 for
+// -inf, and for NaN as vexp_nonpos gives. AVX-512: y = s c - mc by one FMA, clamped at -159 (2^y is
+// then below the smallest denormal), 2^frac by a degree-5 polynomial on [-1/2, 1/2], scaled by
+// vscalefps: 10 instructions against vexp_nonpos's 17 and the scaling.
 #if KV_W == 16 && !defined(KV_PORTABLE_VECTORS)
-static KV_INLINE vf vexp_nonpos_bf16(vf x) {
-  const __m512 y = _mm512_mul_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-110.0f)), _mm512_set1_ps(1.44269504088896341f));
+static KV_INLINE vf vexp2_scaled_bf16(vf s, vf c, vf mc) {
+  const __m512 y = _mm512_max_ps(_mm512_fmsub_ps((__m512)s, (__m512)c, (__m512)mc), _mm512_set1_ps(-159.0f));
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, n);
   __m512 p = _mm512_set1_ps(1.3333558146e-3f);
@@ -58,7 +61,7 @@ static KV_INLINE vf vexp_nonpos_bf16(vf x) {
   return (vf)_mm512_scalef_ps(p, n);
 }
 #else
-static KV_INLINE vf vexp_nonpos_bf16(vf x) { return vexp_nonpos(x); }
+static KV_INLINE vf vexp2_scaled_bf16(vf s, vf c, vf mc) { return vexp_nonpos((s * c - mc) * 0.693147180559945309f); }
 #endif
 
 // Probabilities of keys 2k (p0) and 2k + 1 (p1) as bf16 pairs, p0 in each word's low half, rounded
@@ -87,6 +90,39 @@ static KV_INLINE uint32_t load_u32(const void* p) {
   uint32_t x;
   __builtin_memcpy(&x, p, 4);
   return x;
+}
+
+// tile_qk's epilogue for a tile with a mask, softcap or ALiBi: acc's scores scaled, capped, biased
+// and masked (-inf) into St; m: the running max of row vectors [rv0, rv0 + RB).
+template <int RB, int KB>
+static KV_INLINE void tile_qk_edge(const TileCtx& t, const vf (&acc)[KB][RB], int rv0, int j0, vf (&m)[RB]) {
+  const vf ninf = vsplat(-std::numeric_limits<float>::infinity());
+  const bool need_mask = t.need_mask, causal = t.causal;
+  const int Mr = t.Mr, window = t.window, n = t.n, c0 = t.c0;
+  const float qs = t.raw ? 1.0f : t.qk_scale, cap = t.softcap;
+  const vf* const slope = t.slope;
+  const vi* const pos_v = t.pos;
+  float* const St = t.St;
+#pragma GCC unroll 16
+  for (int j = 0; j < KB; ++j) {
+    const int key = c0 + j0 + j;
+#pragma GCC unroll 4
+    for (int b = 0; b < RB; ++b) {
+      vf s = acc[j][b] * qs;
+      if (cap > 0.0f) s = cap * vtanh(s * (1.0f / cap));
+      if (slope) s += slope[rv0 + b] * __builtin_convertvector(visplat(key) - pos_v[rv0 + b], vf);
+      if (need_mask) {
+        const vi pos = pos_v[rv0 + b];
+        vi valid = visplat(j0 + j < n ? -1 : 0);
+        if (causal) valid &= visplat(key) <= pos;
+        if (window > 0) valid &= (pos - key) < window;
+        if (window > 0 && !causal) valid &= (visplat(key) - pos) < window;   // both sides
+        s = valid ? s : ninf;
+      }
+      vstore(St + (j0 + j) * Mr + (rv0 + b) * KV_W, s);
+      m[b] = vmax(m[b], s);
+    }
+  }
 }
 
 // Scores of keys [j0, j0 + KB) for row vectors [rv0, rv0 + RB) into St; mx: running max per row vector.
@@ -135,33 +171,33 @@ static KV_NOINLINE void tile_qk(const TileCtx& t, const void* Qt, int rv0, int j
       }
     }
   }
-  const vf ninf = vsplat(-std::numeric_limits<float>::infinity());
-#pragma GCC unroll 16
-  for (int j = 0; j < KB; ++j) {
-    const int key = t.c0 + j0 + j;
+  // The epilogue reads t's fields once (a store to St could alias them, and they would be reloaded
+  // and retested for every score); a tile with no mask, softcap or ALiBi takes a branch-free copy.
+  float* const St = t.St;
+  vf m[RB];
 #pragma GCC unroll 4
-    for (int b = 0; b < RB; ++b) {
-      vf s = acc[j][b];
-      if (t.qk_scale != 1.0f) s *= t.qk_scale;
-      if (t.softcap > 0.0f) s = t.softcap * vtanh(s * (1.0f / t.softcap));
-      if (t.slope) s += t.slope[rv0 + b] * __builtin_convertvector(visplat(key) - t.pos[rv0 + b], vf);
-      if (t.need_mask) {
-        const vi pos = t.pos[rv0 + b];
-        vi valid = visplat(j0 + j < t.n ? -1 : 0);
-        if (t.causal) valid &= visplat(key) <= pos;
-        if (t.window > 0) valid &= (pos - key) < t.window;
-        if (t.window > 0 && !t.causal) valid &= (visplat(key) - pos) < t.window;   // both sides
-        s = valid ? s : ninf;
+  for (int b = 0; b < RB; ++b) m[b] = mx[rv0 + b];
+  const float qs = t.qk_scale, cap = t.softcap;
+  const bool raw = t.raw;
+  if (!t.need_mask && cap <= 0.0f && t.slope == nullptr) {
+#pragma GCC unroll 16
+    for (int j = 0; j < KB; ++j)
+#pragma GCC unroll 4
+      for (int b = 0; b < RB; ++b) {
+        const vf s = raw ? acc[j][b] : acc[j][b] * qs;
+        vstore(St + (j0 + j) * Mr + (rv0 + b) * KV_W, s);
+        m[b] = vmax(m[b], s);
       }
-      vstore(t.St + (j0 + j) * Mr + (rv0 + b) * KV_W, s);
-      mx[rv0 + b] = vmax(mx[rv0 + b], s);
-    }
+  } else {
+    tile_qk_edge<RB, KB>(t, acc, rv0, j0, m);
   }
+#pragma GCC unroll 4
+  for (int b = 0; b < RB; ++b) mx[rv0 + b] = m[b];
 }
 
 // Ot[d0, d0 + DB) of row vectors [rv0, rv0 + RB): rescaled by alpha, plus P.V of the tile's keys.
 template <bool DOT, int RB, int DB>
-static KV_NOINLINE void tile_pv(const TileCtx& t, float* Ot, int rv0, int d0, const vf* alpha) {
+static KV_NOINLINE void tile_pv(const TileCtx& t, float* Ot, int rv0, int d0, const vf* alpha, int lo, int hi) {
   const int Mr = t.Mr;
   vf acc[DB][RB];
 #pragma GCC unroll 16
@@ -170,7 +206,7 @@ static KV_NOINLINE void tile_pv(const TileCtx& t, float* Ot, int rv0, int d0, co
     for (int b = 0; b < RB; ++b) acc[i][b] = vload(Ot + (d0 + i) * Mr + (rv0 + b) * KV_W) * alpha[rv0 + b];
   if constexpr (DOT) {
 #if KV_DIRECT_DOT
-    for (int kp = 0; kp < t.npad / 2; ++kp) {
+    for (int kp = lo / 2; kp < hi / 2; ++kp) {
       vu p[RB];
 #pragma GCC unroll 4
       for (int b = 0; b < RB; ++b) __builtin_memcpy(&p[b], t.Pp + kp * Mr + (rv0 + b) * KV_W, sizeof(vu));
@@ -184,7 +220,7 @@ static KV_NOINLINE void tile_pv(const TileCtx& t, float* Ot, int rv0, int d0, co
     }
 #endif
   } else {
-    for (int j = 0; j < t.npad; ++j) {
+    for (int j = lo; j < hi; ++j) {
       vf p[RB];
 #pragma GCC unroll 4
       for (int b = 0; b < RB; ++b) p[b] = vload(t.St + j * Mr + (rv0 + b) * KV_W);
@@ -203,18 +239,47 @@ static KV_NOINLINE void tile_pv(const TileCtx& t, float* Ot, int rv0, int d0, co
     for (int b = 0; b < RB; ++b) vstore(Ot + (d0 + i) * Mr + (rv0 + b) * KV_W, acc[i][b]);
 }
 
-// QK, softmax and P.V of one key tile for all RV row vectors of one KV head.
+// The tile's keys [lo, hi) outside which no row of vectors [rv0, rv0 + RB) sees one (causal, window),
+// in whole groups of `step` keys: the register tiles outside are skipped, their probabilities are 0.
+template <int RB> static inline void block_keys(const TileCtx& t, int rv0, int step, int& lo, int& hi) {
+  lo = 0;
+  hi = t.npad;
+  if (!t.need_mask || (!t.causal && t.window <= 0)) return;
+  int pmin = std::numeric_limits<int>::max(), pmax = std::numeric_limits<int>::min();
+  for (int b = 0; b < RB; ++b)
+    for (int L = 0; L < KV_W; ++L) {
+      pmin = std::min(pmin, int(t.pos[rv0 + b][L]));
+      pmax = std::max(pmax, int(t.pos[rv0 + b][L]));
+    }
+  if (t.causal) hi = std::min(hi, pmax - t.c0 + 1);
+  else hi = std::min(hi, pmax + t.window - t.c0);
+  if (t.window > 0) lo = std::max(lo, pmin - t.window + 1 - t.c0);
+  lo = std::min(lo, t.npad) / step * step;
+  hi = std::max(lo, (std::max(hi, 0) + step - 1) / step * step);
+}
+
+// Scores of one key tile for row vectors [rv0, rv0 + RB): the register tiles no row sees are -inf.
 template <bool DOT, int RB>
-static inline void tile_rows(const TileCtx& t, const void* Qt, float* Ot, int rv0, vf* mx) {
+static inline void tile_rows(const TileCtx& t, const void* Qt, int rv0, vf* mx) {
   constexpr int KB = kTileAcc / RB;
-  for (int j0 = 0; j0 < t.npad; j0 += KB) tile_qk<DOT, RB, KB>(t, Qt, rv0, j0, mx);
+  int lo, hi;
+  block_keys<RB>(t, rv0, KB, lo, hi);
+  const vf ninf = vsplat(-std::numeric_limits<float>::infinity());
+  for (int j = 0; j < t.npad; ++j) {
+    if (j == lo) j = hi;
+    if (j >= t.npad) break;
+    for (int b = 0; b < RB; ++b) vstore(t.St + j * t.Mr + (rv0 + b) * KV_W, ninf);
+  }
+  for (int j0 = lo; j0 < hi; j0 += KB) tile_qk<DOT, RB, KB>(t, Qt, rv0, j0, mx);
 }
 template <bool DOT, int RB>
 static inline void tile_rows_pv(const TileCtx& t, float* Ot, int rv0, const vf* alpha) {
   constexpr int DB = kTileAcc / RB;
+  int lo, hi;
+  block_keys<RB>(t, rv0, kTileAcc / RB, lo, hi);
   int d0 = 0;
-  for (; d0 + DB <= t.Dv; d0 += DB) tile_pv<DOT, RB, DB>(t, Ot, rv0, d0, alpha);
-  for (; d0 < t.Dv; ++d0) tile_pv<DOT, RB, 1>(t, Ot, rv0, d0, alpha);
+  for (; d0 + DB <= t.Dv; d0 += DB) tile_pv<DOT, RB, DB>(t, Ot, rv0, d0, alpha, lo, hi);
+  for (; d0 < t.Dv; ++d0) tile_pv<DOT, RB, 1>(t, Ot, rv0, d0, alpha, lo, hi);
 }
 
 template <bool DOT>
@@ -229,19 +294,24 @@ static void tile_step(const TileCtx& t, const void* Qt, float* Ot, int RV, vf* m
     if (RV - rv >= 2) { fn(std::integral_constant<int, 2>{}, rv); rv += 2; }
     if (RV - rv == 1) fn(std::integral_constant<int, 1>{}, rv);
   };
-  each_block([&](auto rb, int rv) { tile_rows<DOT, decltype(rb)::value>(t, Qt, Ot, rv, mx); });
+  each_block([&](auto rb, int rv) { tile_rows<DOT, decltype(rb)::value>(t, Qt, rv, mx); });
   vf alpha[kTileRowVecs];
+  // Dot mode: p = 2^(s c - msub log2 e), with c = log2 e, times qk_scale where St holds unscaled scores.
+  const float log2e = 1.44269504088896341f;
+  const vf c = vsplat(t.raw ? t.qk_scale * log2e : log2e);
   for (int rv = 0; rv < RV; ++rv) {
+    if (DOT && t.raw) mx[rv] *= t.qk_scale;   // qk_scale > 0: the max of the scaled scores
     const vf mnew = vmax(m[rv], mx[rv]);
     // A row with nothing visible yet (max -inf) subtracts 0: its scores are all -inf, so its p are 0;
     // exp(-inf - -inf) is NaN, which vexp_nonpos turns into 0 like -inf (O and l are 0 there anyway).
     const vf msub = mnew == ninf ? vsplat(0.0f) : mnew;
     alpha[rv] = vexp_nonpos(m[rv] - mnew);
+    const vf mc = msub * log2e;
     vf sum = vsplat(0.0f);
     for (int j = 0; j < t.npad; j += 2) {
       float* s0 = t.St + j * t.Mr + rv * KV_W;
       if constexpr (DOT) {
-        const vf p0 = vexp_nonpos_bf16(vload(s0) - msub), p1 = vexp_nonpos_bf16(vload(s0 + t.Mr) - msub);
+        const vf p0 = vexp2_scaled_bf16(vload(s0), c, mc), p1 = vexp2_scaled_bf16(vload(s0 + t.Mr), c, mc);
         sum += p0 + p1;
         const vu w = bf16_pairs(p0, p1);
         __builtin_memcpy(t.Pp + (j / 2) * t.Mr + rv * KV_W, &w, sizeof w);
@@ -479,7 +549,8 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
       TileCtx t{Mr, D, Dv, kp, vp, Vi, c0, n, npad,
                 npad > n || (P.causal && c0 + n - 1 > p_lo) || (P.window > 0 && p_hi - c0 >= P.window) ||
                     (!P.causal && P.window > 0 && c0 + n - 1 - p_lo >= P.window),
-                P.causal, P.window, P.softcap, DOT ? q_scale : 1.0f, pos, St, Pp, P.alibi ? slope : nullptr};
+                P.causal, P.window, P.softcap, DOT ? q_scale : 1.0f,
+                DOT && q_scale > 0.0f && !(P.softcap > 0.0f) && !P.alibi, pos, St, Pp, P.alibi ? slope : nullptr};
       tile_step<DOT>(t, Qt, Ot, RV, m, l);
     }
 
