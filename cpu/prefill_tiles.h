@@ -34,8 +34,10 @@ struct TileCtx {
   int c0, n, npad;         // first key position, keys, keys padded to whole register tiles
   bool need_mask, causal;
   int window;
-  float softcap, qk_scale;
-  bool raw;                // St holds unscaled scores (qk_scale > 0, no softcap, no ALiBi): the softmax scales them
+  float softcap;
+  float qk_scale;          // the scale the QK epilogue applies to the scores it stores
+  float exp_scale;         // the scale the softmax applies to St's scores (dot mode: the query scale where the
+                           // epilogue leaves them unscaled, a positive scale without softcap or ALiBi), else 1
   const vi* pos;           // [Mr / KV_W] each lane's row position
   float* St;               // [npad][Mr] scores, then (fp32 mode) probabilities
   uint32_t* Pp;            // dot mode: [npad / 2][Mr] probability pairs of keys (2k, 2k + 1)
@@ -99,7 +101,7 @@ static KV_INLINE void tile_qk_edge(const TileCtx& t, const vf (&acc)[KB][RB], in
   const vf ninf = vsplat(-std::numeric_limits<float>::infinity());
   const bool need_mask = t.need_mask, causal = t.causal;
   const int Mr = t.Mr, window = t.window, n = t.n, c0 = t.c0;
-  const float qs = t.raw ? 1.0f : t.qk_scale, cap = t.softcap;
+  const float qs = t.qk_scale, cap = t.softcap;
   const vf* const slope = t.slope;
   const vi* const pos_v = t.pos;
   float* const St = t.St;
@@ -178,13 +180,12 @@ static KV_NOINLINE void tile_qk(const TileCtx& t, const void* Qt, int rv0, int j
 #pragma GCC unroll 4
   for (int b = 0; b < RB; ++b) m[b] = mx[rv0 + b];
   const float qs = t.qk_scale, cap = t.softcap;
-  const bool raw = t.raw;
   if (!t.need_mask && cap <= 0.0f && t.slope == nullptr) {
 #pragma GCC unroll 16
     for (int j = 0; j < KB; ++j)
 #pragma GCC unroll 4
       for (int b = 0; b < RB; ++b) {
-        const vf s = raw ? acc[j][b] : acc[j][b] * qs;
+        const vf s = qs == 1.0f ? acc[j][b] : acc[j][b] * qs;
         vstore(St + (j0 + j) * Mr + (rv0 + b) * KV_W, s);
         m[b] = vmax(m[b], s);
       }
@@ -258,25 +259,22 @@ template <int RB> static inline void block_keys(const TileCtx& t, int rv0, int s
   hi = std::max(lo, (std::max(hi, 0) + step - 1) / step * step);
 }
 
-// Scores of one key tile for row vectors [rv0, rv0 + RB): the register tiles no row sees are -inf.
+// Scores of one key tile for row vectors [rv0, rv0 + RB), keys [lo, hi) (block_keys); the rest are -inf.
 template <bool DOT, int RB>
-static inline void tile_rows(const TileCtx& t, const void* Qt, int rv0, vf* mx) {
+static inline void tile_rows(const TileCtx& t, const void* Qt, int rv0, vf* mx, int lo, int hi) {
   constexpr int KB = kTileAcc / RB;
-  int lo, hi;
-  block_keys<RB>(t, rv0, KB, lo, hi);
   const vf ninf = vsplat(-std::numeric_limits<float>::infinity());
-  for (int j = 0; j < t.npad; ++j) {
-    if (j == lo) j = hi;
-    if (j >= t.npad) break;
-    for (int b = 0; b < RB; ++b) vstore(t.St + j * t.Mr + (rv0 + b) * KV_W, ninf);
-  }
+  auto unseen = [&](int j_begin, int j_end) {
+    for (int j = j_begin; j < j_end; ++j)
+      for (int b = 0; b < RB; ++b) vstore(t.St + j * t.Mr + (rv0 + b) * KV_W, ninf);
+  };
+  unseen(0, lo);
+  unseen(hi, t.npad);
   for (int j0 = lo; j0 < hi; j0 += KB) tile_qk<DOT, RB, KB>(t, Qt, rv0, j0, mx);
 }
 template <bool DOT, int RB>
-static inline void tile_rows_pv(const TileCtx& t, float* Ot, int rv0, const vf* alpha) {
+static inline void tile_rows_pv(const TileCtx& t, float* Ot, int rv0, const vf* alpha, int lo, int hi) {
   constexpr int DB = kTileAcc / RB;
-  int lo, hi;
-  block_keys<RB>(t, rv0, kTileAcc / RB, lo, hi);
   int d0 = 0;
   for (; d0 + DB <= t.Dv; d0 += DB) tile_pv<DOT, RB, DB>(t, Ot, rv0, d0, alpha, lo, hi);
   for (; d0 < t.Dv; ++d0) tile_pv<DOT, RB, 1>(t, Ot, rv0, d0, alpha, lo, hi);
@@ -294,13 +292,18 @@ static void tile_step(const TileCtx& t, const void* Qt, float* Ot, int RV, vf* m
     if (RV - rv >= 2) { fn(std::integral_constant<int, 2>{}, rv); rv += 2; }
     if (RV - rv == 1) fn(std::integral_constant<int, 1>{}, rv);
   };
-  each_block([&](auto rb, int rv) { tile_rows<DOT, decltype(rb)::value>(t, Qt, rv, mx); });
+  int lo[kTileRowVecs], hi[kTileRowVecs];   // each block's keys (indexed by its first row vector)
+  each_block([&](auto rb, int rv) {
+    constexpr int RB = decltype(rb)::value;
+    block_keys<RB>(t, rv, kTileAcc / RB, lo[rv], hi[rv]);
+    tile_rows<DOT, RB>(t, Qt, rv, mx, lo[rv], hi[rv]);
+  });
   vf alpha[kTileRowVecs];
-  // Dot mode: p = 2^(s c - msub log2 e), with c = log2 e, times qk_scale where St holds unscaled scores.
+  // Dot mode: p = 2^(s c - msub log2 e), c = exp_scale x log2 e.
   const float log2e = 1.44269504088896341f;
-  const vf c = vsplat(t.raw ? t.qk_scale * log2e : log2e);
+  const vf c = vsplat(t.exp_scale * log2e);
   for (int rv = 0; rv < RV; ++rv) {
-    if (DOT && t.raw) mx[rv] *= t.qk_scale;   // qk_scale > 0: the max of the scaled scores
+    if (t.exp_scale != 1.0f) mx[rv] *= t.exp_scale;   // exp_scale > 0: the max of the scaled scores
     const vf mnew = vmax(m[rv], mx[rv]);
     // A row with nothing visible yet (max -inf) subtracts 0: its scores are all -inf, so its p are 0;
     // exp(-inf - -inf) is NaN, which vexp_nonpos turns into 0 like -inf (O and l are 0 there anyway).
@@ -325,7 +328,7 @@ static void tile_step(const TileCtx& t, const void* Qt, float* Ot, int RV, vf* m
     l[rv] = l[rv] * alpha[rv] + sum;
     m[rv] = mnew;
   }
-  each_block([&](auto rb, int rv) { tile_rows_pv<DOT, decltype(rb)::value>(t, Ot, rv, alpha); });
+  each_block([&](auto rb, int rv) { tile_rows_pv<DOT, decltype(rb)::value>(t, Ot, rv, alpha, lo[rv], hi[rv]); });
 }
 
 // dst[0:n] = the bf16 bits of src[0:n] (fp8: exact; value / fp8_unit as load_vec gives it).
@@ -431,6 +434,8 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
   for (int hh = 0; hh < it.num_heads; ++hh) {
     const int kvh = it.kv_head + hh;
     const float q_scale = P.scale * (fp8 ? P.k_scale[kvh] * fp8_unit<CT>() : 1.0f);
+    // Dot mode leaves a positive scale to the softmax's exponent where no softcap or ALiBi follows it.
+    const bool unscaled = DOT && q_scale > 0.0f && !(P.softcap > 0.0f) && !P.alibi;
     vf slope[kTileRowVecs];
     if (P.alibi) {
       float lanes[KV_W];
@@ -549,8 +554,8 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
       TileCtx t{Mr, D, Dv, kp, vp, Vi, c0, n, npad,
                 npad > n || (P.causal && c0 + n - 1 > p_lo) || (P.window > 0 && p_hi - c0 >= P.window) ||
                     (!P.causal && P.window > 0 && c0 + n - 1 - p_lo >= P.window),
-                P.causal, P.window, P.softcap, DOT ? q_scale : 1.0f,
-                DOT && q_scale > 0.0f && !(P.softcap > 0.0f) && !P.alibi, pos, St, Pp, P.alibi ? slope : nullptr};
+                P.causal, P.window, P.softcap, unscaled || !DOT ? 1.0f : q_scale, unscaled ? q_scale : 1.0f,
+                pos, St, Pp, P.alibi ? slope : nullptr};
       tile_step<DOT>(t, Qt, Ot, RV, m, l);
     }
 
