@@ -90,7 +90,7 @@ struct PagedAttentionParams {
 // live across the tile loops (clang-19 spilled them on gfx942). Their pointers are generic ones there: accesses
 // through them take global_ptr.
 __device__ __forceinline__ const PagedAttentionParams& kernel_params(const PagedAttentionParams& p) {
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
   (void)p;
   auto k = (const __attribute__((address_space(4))) PagedAttentionParams*)__builtin_amdgcn_kernarg_segment_ptr();
   asm("" : "+s"(k));  // not the argument's pointer: no load through it merges with the entry's
@@ -101,7 +101,7 @@ __device__ __forceinline__ const PagedAttentionParams& kernel_params(const Paged
 }
 
 // x as a pointer into global memory: global, not flat, loads and stores through it.
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
 template <typename X>
 using GlobalPtr = __attribute__((address_space(1))) X*;
 #else
@@ -538,7 +538,7 @@ __device__ __forceinline__ void pass_fence() {
 #if defined(__HIP_DEVICE_COMPILE__) || defined(__CUDA_ARCH__)
   asm volatile("" ::: "memory");
 #endif
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
   __builtin_amdgcn_sched_barrier(0);
 #endif
 }
@@ -636,7 +636,7 @@ __device__ __forceinline__ void fma_stream(const PagedAttentionParams& params, c
     const int ws = win * win_keys, win_end = ws + win_keys;
     for (; tile < tiles.last && tiles.base + tile * KT < win_end; ++tile) {  // the hot loop
       const int t0 = tiles.base + tile * KT;
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
       if constexpr (ALIGNED) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
 #endif
       // the rows of the group's NP keys t0 + i KP + grp, and all their loads
@@ -1033,7 +1033,7 @@ struct MfmaTile {
 // undoes the rotation.
 template <typename C, int HS>
 __device__ __forceinline__ void pin_tile(MfmaTile<C, HS>& x) {
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
   using G = MfmaGeom<C, HS>;
 #pragma unroll
   for (int sub = 0; sub < G::NSUB; ++sub) {
@@ -1055,7 +1055,7 @@ __device__ __forceinline__ void pin_tile(MfmaTile<C, HS>& x) {
 // tile's K loads stay ahead of the softmax; prefill: each sub-tile's LDS reads stay next to its MFMAs
 // instead of all of a tile's being hoisted, fewer registers live); nothing elsewhere.
 __device__ __forceinline__ void sched_fence() {
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
   __builtin_amdgcn_sched_barrier(0);
 #endif
 }
@@ -1208,7 +1208,7 @@ __device__ __forceinline__ void mfma_stream(const PagedAttentionParams& p, const
       mfma_load_v<C, HS, ALIGNED, WHOLE>(p, b, cache, bt_win, ws, inv_bs, tf, x);
       pin_tile(x);
       for (; tile < end; ++tile) {  // the hot loop
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
         if constexpr (ALIGNED) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
 #endif
         const int t0 = tiles.base + tile * KT;

@@ -13,6 +13,14 @@
 #include <stdint.h>
 #include <type_traits>
 
+// Device code for an AMD GPU: not NVIDIA through hip/compat, not the CPU harness (which defines
+// KVMULTI_HIP_CPU_HARNESS in its hip_runtime.h).
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#define KVM_AMDGPU_DEVICE 1
+#else
+#define KVM_AMDGPU_DEVICE 0
+#endif
+
 // Built without AMD's device libraries (clang -nogpulib, KVM_NO_DEVICE_LIBS: Debian's clang-19 for
 // gfx942 / gfx11 / gfx12, whose ROCm 5.2 device libraries lack those targets): the work-item queries
 // the HIP headers' threadIdx / blockIdx / blockDim call and the fence their __syncthreads calls are
@@ -349,7 +357,7 @@ __device__ __forceinline__ Chunk16 load_chunk(const T* __restrict__ p) {
 // select between two elements of an array, the optimizer would turn it into a lane-dependent index into the
 // array, which the AMDGPU backend lowers to a select over every element (and the array to scratch).
 __device__ __forceinline__ float lane_pick(bool up, float x, float y) {
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
   return __uint_as_float(__builtin_amdgcn_perm(__float_as_uint(x), __float_as_uint(y), up ? 0x07060504u : 0x03020100u));
 #else
   return up ? x : y;
@@ -357,7 +365,7 @@ __device__ __forceinline__ float lane_pick(bool up, float x, float y) {
 }
 
 __device__ __forceinline__ uint32_t pair_halves(uint32_t a, uint32_t b, int hi) {
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
   return __builtin_amdgcn_perm(b, a, hi ? 0x07060302u : 0x05040100u);
 #else
   return hi ? (a >> 16) | (b & 0xFFFF0000u) : (a & 0xFFFFu) | (b << 16);
@@ -366,7 +374,7 @@ __device__ __forceinline__ uint32_t pair_halves(uint32_t a, uint32_t b, int hi) 
 
 // 2^x: v_exp_f32 on AMD GPUs (a compiler builtin where the compiler has it, else the device library's
 // native exp2), exp2f elsewhere.
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
 #if __has_builtin(__builtin_amdgcn_exp2f)
 #define KVMULTI_AMDGCN_EXP2(x) __builtin_amdgcn_exp2f(x)
 #else
@@ -375,7 +383,7 @@ extern "C" __device__ float __ocml_native_exp2_f32(float);
 #endif
 #endif
 __device__ __forceinline__ float fast_exp2(float x) {
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
   return KVMULTI_AMDGCN_EXP2(x);
 #else
   return exp2f(x);
@@ -557,7 +565,7 @@ __device__ __forceinline__ uint32_t e4m3_pair_magnitudes(uint32_t pair) {
   return mag | ((mag + 0x00800080u) & 0x40004000u);
 }
 
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
 // AMD devices: the FNUZ widenings below in packed 16-bit integer ops (v_pk_max_u16, v_pk_sub_u16, ...),
 // one per pair where the portable 32-bit forms need three to five.
 typedef unsigned short kvm_u16x2 __attribute__((ext_vector_type(2)));
@@ -628,7 +636,7 @@ __device__ __forceinline__ uint32_t fp8_pair_to_f16x2(uint32_t pair) {
 __device__ __forceinline__ uint32_t f16x2_to_bf16x2(uint32_t h) {
   const uint32_t lo = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(h & 0xFFFFu))));
   const uint32_t hi = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(h >> 16))));
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
   return __builtin_amdgcn_perm(hi, lo, 0x07060302u);  // the two top halves: one v_perm_b32
 #else
   return (lo >> 16) | (hi & 0xFFFF0000u);

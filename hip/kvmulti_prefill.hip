@@ -89,7 +89,7 @@ __host__ __device__ constexpr bool prefill_wmma_path() {
 // arithmetic then takes no SGPRs there (over fp8 caches the loop is short of them; bt_lane is one such value).
 template <bool ON, typename X>
 __device__ __forceinline__ X lane_value(X x) {
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
   if constexpr (ON) asm("" : "+v"(x));
 #endif
   return x;
@@ -270,7 +270,7 @@ __device__ __forceinline__ void prefill_load(const PagedAttentionParams& p, cons
 
 // Codes 2j, 2j + 1 (bytes 2j, 2j + 1 of word x) as an fp8 pair (bits 8..15 and 24..31): one v_perm_b32.
 __device__ __forceinline__ uint32_t fp8_pair_of(uint32_t x, int j) {
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
   return __builtin_amdgcn_perm(x, x, j ? 0x030C020Cu : 0x010C000Cu);
 #else
   return j ? ((x >> 8) & 0xFF00u) | (x & 0xFF000000u) : ((x & 0xFFu) << 8) | ((x & 0xFF00u) << 16);
@@ -743,7 +743,7 @@ __device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, con
     const int t0 = base + ord(k) * KT, t1 = t0 + KT;
     prefill_store<C, HS, L, PrefillVElem<T, C>, WAVE>(sh, pipe.kr, pipe.vr);
     __syncthreads();
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
     if constexpr (ALIGNED && !MASKED && SOFTCAP == 0 && !ALIBI) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
 #endif
     if (k + 1 < ntiles) {  // in flight while this tile computes
@@ -769,7 +769,7 @@ __device__ __forceinline__ void prefill_tiles(const PagedAttentionParams& p, con
 // copy live across the tile loops).
 template <typename X>
 __device__ __forceinline__ X in_vgprs(X x) {
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
   static_assert(sizeof(X) == 8, "8-byte values");
   uint32_t w[2];
   __builtin_memcpy(w, &x, 8);

@@ -204,7 +204,7 @@ __device__ __forceinline__ void fma_tile(const PagedAttentionParams& p, const Fm
   }
 #pragma unroll
   for (int f = 0; f < NF; ++f) {  // the lane's scores' probabilities and its rows' partial sums
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
     // as selects, clang 15 turns these into an index of w's arrays, which go to scratch on gfx10
     const float m_row = lane_pick(rh != 0, w.m[NF + f], w.m[f]), a_row = lane_pick(rh != 0, alpha[NF + f], alpha[f]);
 #else  // nvcc: the selects (through lane_pick it spilled at 16-bit heads 64 / 128)
@@ -264,7 +264,7 @@ __device__ __forceinline__ void fma_tiles(const PagedAttentionParams& p, const B
     const int t0 = base + ord(k) * KT;
     fma_tile_store<C, HS, WAVE>(sh, pipe.kr, pipe.vr);
     __syncthreads();
-#if defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && !defined(KVMULTI_HIP_CPU_HARNESS)
+#if KVM_AMDGPU_DEVICE
     if constexpr (ALIGNED && !MASKED && !TERMS) asm volatile("; kvmulti-hot-loop");  // compile_check's marker
 #endif
     const auto next = [&]() {  // in flight while this tile's PV computes
