@@ -20,7 +20,7 @@ RAM floor is that many bytes at the RAM read bandwidth measured in the same run 
 clean 1 GiB buffer); "GFLOP/s" counts 4 x head size FLOP per visible (query row, key) pair (QK and
 P.V), and "% of peak" divides it by the peak of all threads measured in the same run
 (benchmarks/fma_peak.c): the bf16-dot peak (vdpbf16ps zmm, 64 FLOP each) for bf16 / fp16 / fp8 caches
-on a host with avx512bf16, else the fp32 FMA peak at the width of the variant that ran (vfmadd231ps zmm,
+where the avx512bf16 variant ran, else the fp32 FMA peak at the width of the variant that ran (vfmadd231ps zmm,
 32 FLOP each, for the AVX-512 variants; ymm, 16 FLOP each, otherwise); "n/a" without cc.
 The host's ISA (the native variants /proc/cpuinfo says it runs: avx512bf16, avx512, avx2) is printed first, so a figure is
 never read as another host's; "cache read" is one streaming pass (torch sum) over this very cache's storage,
@@ -110,9 +110,9 @@ def build(case: str, dtype: torch.dtype, block_size: int, order: str, pages: str
 
 def row_peak(dtype: torch.dtype, peaks: dict[str, float | None], threads: int, isa: str | None) -> float | None:
     """The peak a row's FLOP/s is divided by (all threads): the bf16-dot peak for bf16 / fp16 / fp8 caches
-    where the host has it (the kernel's dot tiles), else the fp32 FMA peak of the vector width that
-    ``isa`` (the native variant that ran) computes in: zmm for the AVX-512 variants, ymm otherwise."""
-    if dtype != torch.float32 and peaks["bf16dot"]:
+    where the variant that ran (``isa``; None: not known) has the dot tiles, else the fp32 FMA peak of the
+    vector width that variant computes in: zmm for the AVX-512 variants, ymm otherwise."""
+    if dtype != torch.float32 and peaks["bf16dot"] and isa in ("avx512bf16", None):
         per_core = peaks["bf16dot"]
     else:
         per_core = peaks["fma512"] if isa in ("avx512bf16", "avx512") and peaks["fma512"] else peaks["fma"]
@@ -473,7 +473,8 @@ def main() -> None:
             print(f"vLLM {dtype}: not measured: {error}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(machine=machine(), ram_bw=bw, vllm=(peer.reason if peer else "skipped") or "ok",
+            json.dump(dict(machine=machine(), host_isas=native.host_isas(), native_variant=isa,
+                           peaks_per_core=peaks, ram_bw=bw, vllm=(peer.reason if peer else "skipped") or "ok",
                            vllm_results=list(peer.results.values()) if peer else [], rows=rows), f, indent=1,
                       default=str)
 

@@ -19,7 +19,12 @@
 // fp8 caches: the widened values are value / fp8_unit; the per-head k_scale (and the unit) go into
 // the query scale, v_scale into the output rows, as on the other paths.
 
-// Accumulators of one register tile (AVX-512 has 32 vector registers; AVX2 and SSE 16).
+// Register tiles: RB row vectors x tile_keys<RB>() keys (in P.V: head dims) of accumulators.
+// AVX-512 (32 vector registers): 16 accumulators, in blocks of 4, 2 or 1 row vectors. AVX2 and SSE
+// (16 registers): 12 in blocks of 3 row vectors, whose 3 query (probability) vectors and a broadcast
+// fill the rest, and 8 in blocks of 2; fewer than 8 independent FMAs would wait on their latency.
+template <int RB> constexpr int tile_keys() { return KV_W == 16 ? 16 / RB : (RB == 1 ? 8 : 4); }
+// Keys of a tile are padded to whole multiples of this (every tile_keys<RB>() divides it).
 constexpr int kTileAcc = KV_W == 16 ? 16 : 8;
 // Row vectors of one KV head's rows at most (kTileMaxRows in kvmulti_cpu.h); items with more rows
 // per KV head take the row-block path.
@@ -262,7 +267,7 @@ template <int RB> static inline void block_keys(const TileCtx& t, int rv0, int s
 // Scores of one key tile for row vectors [rv0, rv0 + RB), keys [lo, hi) (block_keys); the rest are -inf.
 template <bool DOT, int RB>
 static inline void tile_rows(const TileCtx& t, const void* Qt, int rv0, vf* mx, int lo, int hi) {
-  constexpr int KB = kTileAcc / RB;
+  constexpr int KB = tile_keys<RB>();
   const vf ninf = vsplat(-std::numeric_limits<float>::infinity());
   auto unseen = [&](int j_begin, int j_end) {
     for (int j = j_begin; j < j_end; ++j)
@@ -274,7 +279,7 @@ static inline void tile_rows(const TileCtx& t, const void* Qt, int rv0, vf* mx, 
 }
 template <bool DOT, int RB>
 static inline void tile_rows_pv(const TileCtx& t, float* Ot, int rv0, const vf* alpha, int lo, int hi) {
-  constexpr int DB = kTileAcc / RB;
+  constexpr int DB = tile_keys<RB>();
   int d0 = 0;
   for (; d0 + DB <= t.Dv; d0 += DB) tile_pv<DOT, RB, DB>(t, Ot, rv0, d0, alpha, lo, hi);
   for (; d0 < t.Dv; ++d0) tile_pv<DOT, RB, 1>(t, Ot, rv0, d0, alpha, lo, hi);
@@ -285,17 +290,22 @@ static void tile_step(const TileCtx& t, const void* Qt, float* Ot, int RV, vf* m
   const vf ninf = vsplat(-std::numeric_limits<float>::infinity());
   vf mx[kTileRowVecs];
   for (int rv = 0; rv < RV; ++rv) mx[rv] = ninf;
-  // Row vectors in register tiles of 4 (then 2, 1) vectors.
+  // Row vectors in register tiles: AVX-512 of 4 (then 2, 1) vectors; otherwise of 3 and 2 (1 alone).
   auto each_block = [&](auto&& fn) {
     int rv = 0;
-    for (; rv + 4 <= RV; rv += 4) fn(std::integral_constant<int, 4>{}, rv);
-    if (RV - rv >= 2) { fn(std::integral_constant<int, 2>{}, rv); rv += 2; }
-    if (RV - rv == 1) fn(std::integral_constant<int, 1>{}, rv);
+    if constexpr (KV_W == 16) {
+      for (; rv + 4 <= RV; rv += 4) fn(std::integral_constant<int, 4>{}, rv);
+    } else {
+      const int twos = RV == 1 ? 0 : (3 - RV % 3) % 3;   // RV = 3 a + 2 twos
+      for (; rv + 3 <= RV - 2 * twos; rv += 3) fn(std::integral_constant<int, 3>{}, rv);
+    }
+    for (; rv + 2 <= RV; rv += 2) fn(std::integral_constant<int, 2>{}, rv);
+    if (rv < RV) fn(std::integral_constant<int, 1>{}, rv);
   };
   int lo[kTileRowVecs], hi[kTileRowVecs];   // each block's keys (indexed by its first row vector)
   each_block([&](auto rb, int rv) {
     constexpr int RB = decltype(rb)::value;
-    block_keys<RB>(t, rv, kTileAcc / RB, lo[rv], hi[rv]);
+    block_keys<RB>(t, rv, tile_keys<RB>(), lo[rv], hi[rv]);
     tile_rows<DOT, RB>(t, Qt, rv, mx, lo[rv], hi[rv]);
   });
   vf alpha[kTileRowVecs];
