@@ -264,17 +264,11 @@ template <int RB> static inline void block_keys(const TileCtx& t, int rv0, int s
   hi = std::max(lo, (std::max(hi, 0) + step - 1) / step * step);
 }
 
-// Scores of one key tile for row vectors [rv0, rv0 + RB), keys [lo, hi) (block_keys); the rest are -inf.
+// Scores of one key tile for row vectors [rv0, rv0 + RB), keys [lo, hi) (block_keys; the softmax and
+// P.V read no other key of these rows).
 template <bool DOT, int RB>
 static inline void tile_rows(const TileCtx& t, const void* Qt, int rv0, vf* mx, int lo, int hi) {
   constexpr int KB = tile_keys<RB>();
-  const vf ninf = vsplat(-std::numeric_limits<float>::infinity());
-  auto unseen = [&](int j_begin, int j_end) {
-    for (int j = j_begin; j < j_end; ++j)
-      for (int b = 0; b < RB; ++b) vstore(t.St + j * t.Mr + (rv0 + b) * KV_W, ninf);
-  };
-  unseen(0, lo);
-  unseen(hi, t.npad);
   for (int j0 = lo; j0 < hi; j0 += KB) tile_qk<DOT, RB, KB>(t, Qt, rv0, j0, mx);
 }
 template <bool DOT, int RB>
@@ -302,10 +296,12 @@ static void tile_step(const TileCtx& t, const void* Qt, float* Ot, int RV, vf* m
     for (; rv + 2 <= RV; rv += 2) fn(std::integral_constant<int, 2>{}, rv);
     if (rv < RV) fn(std::integral_constant<int, 1>{}, rv);
   };
-  int lo[kTileRowVecs], hi[kTileRowVecs];   // each block's keys (indexed by its first row vector)
+  int lo[kTileRowVecs], hi[kTileRowVecs];   // the keys of each row vector's block
   each_block([&](auto rb, int rv) {
     constexpr int RB = decltype(rb)::value;
     block_keys<RB>(t, rv, tile_keys<RB>(), lo[rv], hi[rv]);
+    std::fill(lo + rv + 1, lo + rv + RB, lo[rv]);
+    std::fill(hi + rv + 1, hi + rv + RB, hi[rv]);
     tile_rows<DOT, RB>(t, Qt, rv, mx, lo[rv], hi[rv]);
   });
   vf alpha[kTileRowVecs];
@@ -321,7 +317,7 @@ static void tile_step(const TileCtx& t, const void* Qt, float* Ot, int RV, vf* m
     alpha[rv] = vexp_nonpos(m[rv] - mnew);
     const vf mc = msub * log2e;
     vf sum = vsplat(0.0f);
-    for (int j = 0; j < t.npad; j += 2) {
+    for (int j = lo[rv]; j < hi[rv]; j += 2) {   // lo, hi even: whole register tiles
       float* s0 = t.St + j * t.Mr + rv * KV_W;
       if constexpr (DOT) {
         const vf p0 = vexp2_scaled_bf16(vload(s0), c, mc), p1 = vexp2_scaled_bf16(vload(s0 + t.Mr), c, mc);
@@ -402,6 +398,8 @@ template <int DT> static inline void store_vec(typename Elem<DT>::T* p, vf v, in
 }
 
 static_assert(kTileKeys % kTileAcc == 0, "a key tile is whole register tiles");
+static_assert(tile_keys<1>() % 2 == 0 && tile_keys<2>() % 2 == 0 && tile_keys<KV_W == 16 ? 4 : 3>() % 2 == 0,
+              "register tiles hold whole key pairs (the softmax and the bf16 P.V take keys two at a time)");
 
 template <int QT, int CT, bool DOT>
 static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) {
