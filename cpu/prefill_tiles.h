@@ -47,6 +47,8 @@ struct TileCtx {
   float* St;               // [npad][Mr] scores, then (fp32 mode) probabilities
   uint32_t* Pp;            // dot mode: [npad / 2][Mr] probability pairs of keys (2k, 2k + 1)
   const vf* slope;         // [Mr / KV_W] each lane's ALiBi slope, or nullptr
+  const void* const* pf;   // the next tile's [pf_n] K/V rows of pf_lines cache lines, prefetched during this
+  int pf_n, pf_lines;      // tile's first row block's QK (a burst ahead of the tile lost lines), or nullptr
 };
 
 // exp(x) for x = s c - mc <= 0, c and mc in log2 units (c = scale x log2 e), at the precision of a
@@ -266,10 +268,21 @@ template <int RB> static inline void block_keys(const TileCtx& t, int rv0, int s
 
 // Scores of one key tile for row vectors [rv0, rv0 + RB), keys [lo, hi) (block_keys; the softmax and
 // P.V read no other key of these rows).
+// With pf (the first block): the next tile's rows j0 .. j0 + KB prefetched beside each register tile.
 template <bool DOT, int RB>
-static inline void tile_rows(const TileCtx& t, const void* Qt, int rv0, vf* mx, int lo, int hi) {
+static inline void tile_rows(const TileCtx& t, const void* Qt, int rv0, vf* mx, int lo, int hi, bool pf) {
   constexpr int KB = tile_keys<RB>();
-  for (int j0 = lo; j0 < hi; j0 += KB) tile_qk<DOT, RB, KB>(t, Qt, rv0, j0, mx);
+  auto ahead = [&](int j0, int j1) {
+    j1 = std::min(j1, t.pf_n);
+    if (j1 > j0) prefetch_rows_any(t.pf, j0, j1 - j0, t.pf_lines);
+  };
+  pf = pf && t.pf != nullptr;
+  if (pf) ahead(0, lo);
+  for (int j0 = lo; j0 < hi; j0 += KB) {
+    if (pf) ahead(j0, j0 + KB);
+    tile_qk<DOT, RB, KB>(t, Qt, rv0, j0, mx);
+  }
+  if (pf) ahead(hi, t.pf_n);
 }
 template <bool DOT, int RB>
 static inline void tile_rows_pv(const TileCtx& t, float* Ot, int rv0, const vf* alpha, int lo, int hi) {
@@ -302,7 +315,7 @@ static void tile_step(const TileCtx& t, const void* Qt, float* Ot, int RV, vf* m
     block_keys<RB>(t, rv, tile_keys<RB>(), lo[rv], hi[rv]);
     std::fill(lo + rv + 1, lo + rv + RB, lo[rv]);
     std::fill(hi + rv + 1, hi + rv + RB, hi[rv]);
-    tile_rows<DOT, RB>(t, Qt, rv, mx, lo[rv], hi[rv]);
+    tile_rows<DOT, RB>(t, Qt, rv, mx, lo[rv], hi[rv], rv == 0);
   });
   vf alpha[kTileRowVecs];
   // Dot mode: p = 2^(s c - msub log2 e), c = exp_scale x log2 e.
@@ -519,15 +532,17 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
     for (int c0 = it.k_lo; c0 < it.k_hi; c0 += kTileKeys, cur ^= 1) {
       const int n = std::min(kTileKeys, it.k_hi - c0);
       const int cn = c0 + kTileKeys, nn = std::min(kTileKeys, it.k_hi - cn);
-      if (nn > 0) {   // the next tile's rows: looked up now, their lines requested while this one runs
-        key_rows<T>(P, table, head_off, cn, nn, rows[cur ^ 1]);
-#if KV_PREFETCH
-        if (P.prefetch) prefetch_rows_any(reinterpret_cast<const void* const*>(rows[cur ^ 1]), 0, nn, row_lines);
-#endif
+      // The next tile's rows, looked up now; their lines are requested while this tile runs (or at once,
+      // if this tile is skipped).
+      if (nn > 0) key_rows<T>(P, table, head_off, cn, nn, rows[cur ^ 1]);
+      const void* const* pf = KV_PREFETCH && P.prefetch && nn > 0 ? reinterpret_cast<const void* const*>(rows[cur ^ 1]) : nullptr;
+      const bool skip = (P.causal && c0 > p_hi)                          // after every row
+                        || (P.window > 0 && p_lo - (c0 + n - 1) >= P.window)  // left of every row's window
+                        || (!P.causal && P.window > 0 && c0 - p_hi >= P.window);  // right of every row's window
+      if (skip) {
+        if (pf) prefetch_rows_any(pf, 0, nn, row_lines);
+        continue;
       }
-      if (P.causal && c0 > p_hi) continue;                         // after every row
-      if (P.window > 0 && p_lo - (c0 + n - 1) >= P.window) continue;  // left every row's window
-      if (!P.causal && P.window > 0 && c0 - p_hi >= P.window) continue;  // right of every row's window
       const int npad = int(round_up(n, kTileAcc));
       const T* const* raw = rows[cur];
       for (int j = 0; j < n; ++j) {
@@ -563,7 +578,7 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
                 npad > n || (P.causal && c0 + n - 1 > p_lo) || (P.window > 0 && p_hi - c0 >= P.window) ||
                     (!P.causal && P.window > 0 && c0 + n - 1 - p_lo >= P.window),
                 P.causal, P.window, P.softcap, unscaled || !DOT ? 1.0f : q_scale, unscaled ? q_scale : 1.0f,
-                pos, St, Pp, P.alibi ? slope : nullptr};
+                pos, St, Pp, P.alibi ? slope : nullptr, pf, nn, row_lines};
       tile_step<DOT>(t, Qt, Ot, RV, m, l);
     }
 
