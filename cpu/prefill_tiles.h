@@ -535,7 +535,8 @@ static void run_item_rows_t(const AttnParams& P, const WorkItem& it, float* ws) 
       // The next tile's rows, looked up now; their lines are requested while this tile runs (or at once,
       // if this tile is skipped).
       if (nn > 0) key_rows<T>(P, table, head_off, cn, nn, rows[cur ^ 1]);
-      const void* const* pf = KV_PREFETCH && P.prefetch && nn > 0 ? reinterpret_cast<const void* const*>(rows[cur ^ 1]) : nullptr;
+      const void* const* pf =
+          KV_PREFETCH && P.prefetch && nn > 0 ? reinterpret_cast<const void* const*>(rows[cur ^ 1]) : nullptr;
       const bool skip = (P.causal && c0 > p_hi)                          // after every row
                         || (P.window > 0 && p_lo - (c0 + n - 1) >= P.window)  // left of every row's window
                         || (!P.causal && P.window > 0 && c0 - p_hi >= P.window);  // right of every row's window
