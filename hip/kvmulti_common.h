@@ -26,7 +26,7 @@
 // the HIP headers' threadIdx / blockIdx / blockDim call and the fence their __syncthreads calls are
 // defined here from compiler builtins, so no kernel calls into a device library. With the device
 // libraries (hipcc, ROCm) they come from there.
-#if defined(KVM_NO_DEVICE_LIBS) && defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__)
+#if defined(KVM_NO_DEVICE_LIBS) && KVM_AMDGPU_DEVICE
 extern "C" __device__ inline __attribute__((always_inline, const)) size_t __ockl_get_local_id(uint dim) {
   return dim == 0 ? __builtin_amdgcn_workitem_id_x()
                   : dim == 1 ? __builtin_amdgcn_workitem_id_y() : __builtin_amdgcn_workitem_id_z();
@@ -136,7 +136,7 @@ __host__ __device__ constexpr int rows_per_block() {
 // layouts differ (see wmma_family), and the CPU harness (which emulates either, kvcpu_set_wmma_family).
 #if defined(KVMULTI_HIP_CPU_HARNESS)
 #define KVMULTI_HAS_WMMA 1
-#elif defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__) && (defined(__GFX11__) || defined(__GFX12__))
+#elif KVM_AMDGPU_DEVICE && (defined(__GFX11__) || defined(__GFX12__))
 #define KVMULTI_HAS_WMMA 1
 #else
 #define KVMULTI_HAS_WMMA 0
@@ -395,7 +395,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // to x^7 (truncation under 2e-9 relative); the absolute error stays within a few 1e-7. tanhf elsewhere
 // (with the device libraries: theirs).
 __device__ __forceinline__ float softcap_tanh(float x) {
-#if defined(KVM_NO_DEVICE_LIBS) && defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__)
+#if defined(KVM_NO_DEVICE_LIBS) && KVM_AMDGPU_DEVICE
   const float a = __builtin_fabsf(x);
   const float e = fast_exp2(-2.8853900817779268f * a);   // exp(-2a) = 2^(-2a log2 e)
   const float big = (1.f - e) * __builtin_amdgcn_rcpf(1.f + e);
@@ -415,7 +415,7 @@ __device__ __forceinline__ int wave_read_lane(int x, int src) {
 #if defined(KVMULTI_HIP_CPU_HARNESS)
   if (__shfl(src, 0) != src) ::kvcpu::fail(hipErrorLaunchFailure, "kvcpu: wave_read_lane with a divergent lane");
   return __shfl(x, src);
-#elif defined(__HIP_DEVICE_COMPILE__) && !defined(__CUDA_ARCH__)
+#elif KVM_AMDGPU_DEVICE
   return __builtin_amdgcn_readlane(x, src);
 #else
   return __shfl(x, src);
