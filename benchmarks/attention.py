@@ -18,9 +18,9 @@ of the process used per call (median), which the other jobs on a shared machine 
 reading the KV the step needs (requests x seq_len x KV heads x (K + V) x element size); the
 RAM floor is that many bytes at the RAM read bandwidth measured in the same run (torch sum over a
 clean 1 GiB buffer); "GFLOP/s" counts 4 x head size FLOP per visible (query row, key) pair (QK and
-P.V), and "% of peak" divides it by the peak of all threads measured in the same run
-(benchmarks/fma_peak.c): the bf16-dot peak (vdpbf16ps zmm, 64 FLOP each) for bf16 / fp16 / fp8 caches
-where the avx512bf16 variant ran, else the fp32 FMA peak at the width of the variant that ran (vfmadd231ps zmm,
+P.V), for our kernel and vLLM's alike, and "% of peak" divides it by the peak of all threads measured
+in the same run (benchmarks/fma_peak.c), the same peak for both kernels of a row: the bf16-dot peak
+(vdpbf16ps zmm, 64 FLOP each) for bf16 / fp16 / fp8 caches where the avx512bf16 variant ran, else the fp32 FMA peak at the width of the variant that ran (vfmadd231ps zmm,
 32 FLOP each, for the AVX-512 variants; ymm, 16 FLOP each, otherwise); "n/a" without cc.
 The host's ISA (the native variants /proc/cpuinfo says it runs: avx512bf16, avx512, avx2) is printed first, so a figure is
 never read as another host's; "cache read" is one streaming pass (torch sum) over this very cache's storage,
@@ -494,16 +494,19 @@ def _format_row(row, bw):
     def cpu(v):
         return "n/a" if v is None else f"{v[2] * 1e3:.2f}"
     cpu_ratio = "n/a" if native is None or vl is None else f"{native[2] / vl[2]:.2f}"
-    gflops = "n/a" if native is None else f"{row['flops'] / native[0] / 1e9:.0f}"
-    pct_peak = "n/a" if native is None or not row.get("peak") else f"{100 * row['flops'] / native[0] / row['peak']:.0f}%"
+    def gflops(v):
+        return "n/a" if v is None else f"{row['flops'] / v[0] / 1e9:.0f}"
+
+    def pct_peak(v):
+        return "n/a" if v is None or not row.get("peak") else f"{100 * row['flops'] / v[0] / row['peak']:.0f}%"
     cells = [row["case"], row["dtype"], str(row["block_size"]), row["order"], row["mode"],
              f"{row['kv_bytes'] / 2**20:.0f}", f"{row['floor'] * 1e3:.2f}", ms(read), ms(native), gbs, pct, pct_read,
-             ms(vl), ratio, gflops, pct_peak,
+             ms(vl), ratio, gflops(native), pct_peak(native), gflops(vl), pct_peak(vl),
              cpu(native), cpu(vl), cpu_ratio,
              ms(row.get("gather+SDPA")), ms(row.get("dense SDPA")), ms(row.get("torch path"))]
     line = "| " + " | ".join(cells) + " |"
     header = ("| case | dtype | block | order | mode | KV MiB | RAM floor ms | cache read ms | native ms med (min) | "
-              "native GB/s | % of RAM BW | % of cache read | vLLM ms med (min) | native / vLLM med (min) | native GFLOP/s | % of peak | native CPU ms | vLLM CPU ms | CPU ratio | torch gather+SDPA ms | dense SDPA ms | "
+              "native GB/s | % of RAM BW | % of cache read | vLLM ms med (min) | native / vLLM med (min) | native GFLOP/s | % of peak | vLLM GFLOP/s | vLLM % of peak | native CPU ms | vLLM CPU ms | CPU ratio | torch gather+SDPA ms | dense SDPA ms | "
               "kvmulti torch path ms |")
     sep = "|" + "---|" * (header.count("|") - 1)
     return header + "\n" + sep + "\n" + line, line
