@@ -9,7 +9,8 @@
 // max and sum per row vector); P.V accumulates O transposed, Ot[dv][row], from the probability
 // vectors times V's element broadcast. Keys go in tiles of kTileKeys: a tile no row can see (causal,
 // window) is skipped whole, and only a tile that crosses a row's limit is masked; inside it, the
-// register tiles no row of their block sees are skipped too (block_keys).
+// register tiles no row of their block sees are skipped too, and (causal) those every row of their
+// block sees take the unmasked epilogue (block_keys).
 // Two arithmetic modes, one code:
 //  - bf16 dots (KV_DIRECT_DOT, bf16 query over a bf16 cache or an fp8 one, widened to bf16 exactly):
 //    a 32-bit lane holds an element pair. Qt holds the query's pairs (d, d + 1), a K pair is
@@ -134,11 +135,12 @@ static KV_INLINE void tile_qk_edge(const TileCtx& t, const vf (&acc)[KB][RB], in
   }
 }
 
-// Scores of keys [j0, j0 + KB) for row vectors [rv0, rv0 + RB) into St; mx: running max per row vector.
+// Scores of keys [j0, j0 + KB) for row vectors [rv0, rv0 + RB) into St; mx: running max per row vector;
+// mask: some row may not see some of these keys (tile_qk_edge masks them).
 // tile_qk and tile_pv are functions of their own: inlined into tile_step, they shared its register
 // allocation and kept the P.V operands on the stack.
 template <bool DOT, int RB, int KB>
-static KV_NOINLINE void tile_qk(const TileCtx& t, const void* Qt, int rv0, int j0, vf* mx) {
+static KV_NOINLINE void tile_qk(const TileCtx& t, const void* Qt, int rv0, int j0, vf* mx, bool mask) {
   const int Mr = t.Mr;
   vf acc[KB][RB];
 #pragma GCC unroll 16
@@ -187,7 +189,7 @@ static KV_NOINLINE void tile_qk(const TileCtx& t, const void* Qt, int rv0, int j
 #pragma GCC unroll 4
   for (int b = 0; b < RB; ++b) m[b] = mx[rv0 + b];
   const float qs = t.qk_scale, cap = t.softcap;
-  if (!t.need_mask && cap <= 0.0f && t.slope == nullptr) {
+  if (!mask && cap <= 0.0f && t.slope == nullptr) {
 #pragma GCC unroll 16
     for (int j = 0; j < KB; ++j)
 #pragma GCC unroll 4
@@ -249,9 +251,12 @@ static KV_NOINLINE void tile_pv(const TileCtx& t, float* Ot, int rv0, int d0, co
 
 // The tile's keys [lo, hi) outside which no row of vectors [rv0, rv0 + RB) sees one (causal, window),
 // in whole groups of `step` keys: the register tiles outside are skipped, their probabilities are 0.
-template <int RB> static inline void block_keys(const TileCtx& t, int rv0, int step, int& lo, int& hi) {
+// all: keys [0, all) are real keys every row of the block sees (the whole tile where it needs no mask;
+// causal without a window: up to the block's first row), whose register tiles need no mask.
+template <int RB> static inline void block_keys(const TileCtx& t, int rv0, int step, int& lo, int& hi, int& all) {
   lo = 0;
   hi = t.npad;
+  all = t.need_mask ? 0 : t.npad;
   if (!t.need_mask || (!t.causal && t.window <= 0)) return;
   int pmin = std::numeric_limits<int>::max(), pmax = std::numeric_limits<int>::min();
   for (int b = 0; b < RB; ++b)
@@ -259,6 +264,7 @@ template <int RB> static inline void block_keys(const TileCtx& t, int rv0, int s
       pmin = std::min(pmin, int(t.pos[rv0 + b][L]));
       pmax = std::max(pmax, int(t.pos[rv0 + b][L]));
     }
+  if (t.causal && t.window <= 0) all = std::max(0, std::min(t.n, pmin - t.c0 + 1));   // seen by every row
   if (t.causal) hi = std::min(hi, pmax - t.c0 + 1);
   else hi = std::min(hi, pmax + t.window - t.c0);
   if (t.window > 0) lo = std::max(lo, pmin - t.window + 1 - t.c0);
@@ -270,7 +276,7 @@ template <int RB> static inline void block_keys(const TileCtx& t, int rv0, int s
 // P.V read no other key of these rows).
 // With pf (the first block): the next tile's rows j0 .. j0 + KB prefetched beside each register tile.
 template <bool DOT, int RB>
-static inline void tile_rows(const TileCtx& t, const void* Qt, int rv0, vf* mx, int lo, int hi, bool pf) {
+static inline void tile_rows(const TileCtx& t, const void* Qt, int rv0, vf* mx, int lo, int hi, int all, bool pf) {
   constexpr int KB = tile_keys<RB>();
   auto ahead = [&](int j0, int j1) {
     j1 = std::min(j1, t.pf_n);
@@ -280,7 +286,7 @@ static inline void tile_rows(const TileCtx& t, const void* Qt, int rv0, vf* mx, 
   if (pf) ahead(0, lo);
   for (int j0 = lo; j0 < hi; j0 += KB) {
     if (pf) ahead(j0, j0 + KB);
-    tile_qk<DOT, RB, KB>(t, Qt, rv0, j0, mx);
+    tile_qk<DOT, RB, KB>(t, Qt, rv0, j0, mx, j0 + KB > all);
   }
   if (pf) ahead(hi, t.pf_n);
 }
@@ -312,10 +318,11 @@ static void tile_step(const TileCtx& t, const void* Qt, float* Ot, int RV, vf* m
   int lo[kTileRowVecs], hi[kTileRowVecs];   // the keys of each row vector's block
   each_block([&](auto rb, int rv) {
     constexpr int RB = decltype(rb)::value;
-    block_keys<RB>(t, rv, tile_keys<RB>(), lo[rv], hi[rv]);
+    int all;   // keys [0, all) need no mask in this block
+    block_keys<RB>(t, rv, tile_keys<RB>(), lo[rv], hi[rv], all);
     std::fill(lo + rv + 1, lo + rv + RB, lo[rv]);
     std::fill(hi + rv + 1, hi + rv + RB, hi[rv]);
-    tile_rows<DOT, RB>(t, Qt, rv, mx, lo[rv], hi[rv], rv == 0);
+    tile_rows<DOT, RB>(t, Qt, rv, mx, lo[rv], hi[rv], all, rv == 0);
   });
   vf alpha[kTileRowVecs];
   // Dot mode: p = 2^(s c - msub log2 e), c = exp_scale x log2 e.
