@@ -20,8 +20,9 @@ RAM floor is that many bytes at the RAM read bandwidth measured in the same run 
 clean 1 GiB buffer); "GFLOP/s" counts 4 x head size FLOP per visible (query row, key) pair (QK and
 P.V), for our kernel and vLLM's alike, and "% of peak" divides it by the peak of all threads measured
 in the same run (benchmarks/fma_peak.c), the same peak for both kernels of a row: the bf16-dot peak
-(vdpbf16ps zmm, 64 FLOP each) for bf16 / fp16 / fp8 caches where the avx512bf16 variant ran, else the fp32 FMA peak at the width of the variant that ran (vfmadd231ps zmm,
-32 FLOP each, for the AVX-512 variants; ymm, 16 FLOP each, otherwise); "n/a" without cc.
+(vdpbf16ps zmm, 64 FLOP each) for bf16 / fp16 / fp8 caches where the avx512bf16 variant ran, else the
+fp32 FMA peak at the width of the variant that ran (vfmadd231ps zmm, 32 FLOP each, for the AVX-512
+variants; ymm, 16 FLOP each, otherwise); "n/a" without cc.
 The host's ISA (the native variants /proc/cpuinfo says it runs: avx512bf16, avx512, avx2) is printed first, so a figure is
 never read as another host's; "cache read" is one streaming pass (torch sum) over this very cache's storage,
 timed like the kernels (so, when cold, after the same 1 GiB write and with the same dirty caches).
