@@ -102,12 +102,13 @@ static KV_INLINE uint32_t load_u32(const void* p) {
   return x;
 }
 
-// tile_qk's epilogue for a tile with a mask, softcap or ALiBi: acc's scores scaled, capped, biased
-// and masked (-inf) into St; m: the running max of row vectors [rv0, rv0 + RB).
+// tile_qk's epilogue for a register tile with a mask, softcap or ALiBi: acc's scores scaled, capped,
+// biased and, with need_mask, masked (-inf) into St; m: the running max of row vectors [rv0, rv0 + RB).
 template <int RB, int KB>
-static KV_INLINE void tile_qk_edge(const TileCtx& t, const vf (&acc)[KB][RB], int rv0, int j0, vf (&m)[RB]) {
+static KV_INLINE void tile_qk_edge(const TileCtx& t, const vf (&acc)[KB][RB], int rv0, int j0, vf (&m)[RB],
+                                   bool need_mask) {
   const vf ninf = vsplat(-std::numeric_limits<float>::infinity());
-  const bool need_mask = t.need_mask, causal = t.causal;
+  const bool causal = t.causal;
   const int Mr = t.Mr, window = t.window, n = t.n, c0 = t.c0;
   const float qs = t.qk_scale, cap = t.softcap;
   const vf* const slope = t.slope;
@@ -199,7 +200,7 @@ static KV_NOINLINE void tile_qk(const TileCtx& t, const void* Qt, int rv0, int j
         m[b] = vmax(m[b], s);
       }
   } else {
-    tile_qk_edge<RB, KB>(t, acc, rv0, j0, m);
+    tile_qk_edge<RB, KB>(t, acc, rv0, j0, m, mask);
   }
 #pragma GCC unroll 4
   for (int b = 0; b < RB; ++b) mx[rv0 + b] = m[b];
@@ -250,10 +251,11 @@ static KV_NOINLINE void tile_pv(const TileCtx& t, float* Ot, int rv0, int d0, co
 }
 
 // The tile's keys [lo, hi) outside which no row of vectors [rv0, rv0 + RB) sees one (causal, window),
-// in whole groups of `step` keys: the register tiles outside are skipped, their probabilities are 0.
+// in whole register tiles (tile_keys<RB>() keys): those outside are skipped, their probabilities are 0.
 // all: keys [0, all) are real keys every row of the block sees (the whole tile where it needs no mask;
 // causal without a window: up to the block's first row), whose register tiles need no mask.
-template <int RB> static inline void block_keys(const TileCtx& t, int rv0, int step, int& lo, int& hi, int& all) {
+template <int RB> static inline void block_keys(const TileCtx& t, int rv0, int& lo, int& hi, int& all) {
+  constexpr int step = tile_keys<RB>();
   lo = 0;
   hi = t.npad;
   all = t.need_mask ? 0 : t.npad;
@@ -319,7 +321,7 @@ static void tile_step(const TileCtx& t, const void* Qt, float* Ot, int RV, vf* m
   each_block([&](auto rb, int rv) {
     constexpr int RB = decltype(rb)::value;
     int all;   // keys [0, all) need no mask in this block
-    block_keys<RB>(t, rv, tile_keys<RB>(), lo[rv], hi[rv], all);
+    block_keys<RB>(t, rv, lo[rv], hi[rv], all);
     std::fill(lo + rv + 1, lo + rv + RB, lo[rv]);
     std::fill(hi + rv + 1, hi + rv + RB, hi[rv]);
     tile_rows<DOT, RB>(t, Qt, rv, mx, lo[rv], hi[rv], all, rv == 0);
