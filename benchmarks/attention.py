@@ -7,7 +7,9 @@ gather + SDPA, dense SDPA, vLLM's CPU kernel (when importable) and the RAM-bandw
 Cases (8 query / 2 KV heads, head size 64): decode 32 requests x 1024 context, decode 4 x 16384,
 prefill 4 x 512 and 1 x 4096 new tokens (causal, no context), verify 32 x 1024 q4 (4 new tokens of a
 1024-token context: a speculative verification step); and "decode 8x1024 llama-8b": 8 x 1024 with one
-Llama-3-8B layer's heads (32 query / 8 KV heads, head size 128). "decode 8x256" ... "decode 8x16384"
+Llama-3-8B layer's heads (32 query / 8 KV heads, head size 128). "prefill 8x512 qwen3-0.6b" (16 / 8 heads, head
+128) and "prefill 8x512 llama-3.2-1b" (32 / 8, head 64), named only: one layer of the vLLM engine
+table's 8 x 512 prefill rows. "decode 8x256" ... "decode 8x16384"
 (named only) sweep the context length for benchmarks/plot.py. fp32 and bf16 (and --dtypes fp8_e4m3,fp8_e5m2: an fp8
 cache, bf16 queries, scales 1.0; vLLM with its kv_cache_dtype of that name); block sizes 16 / 32 / 128.
 "hot": back-to-back calls; "cold": a 1 GiB buffer is written before every timed call, so the KV
@@ -86,6 +88,9 @@ CASES = {
     "prefill 1x4096": Case(1, 4096, 4096),
     "verify 32x1024 q4": Case(32, 1024, 4),        # speculative verification: 4 query tokens, 1024 context
     "decode 8x1024 llama-8b": Case(8, 1024, 1, hq=32, hkv=8, head=128),   # one Llama-3-8B attention layer
+    # one attention layer of the engine table's real-shape prefill rows (named only)
+    "prefill 8x512 qwen3-0.6b": Case(8, 512, 512, hq=16, hkv=8, head=128),
+    "prefill 8x512 llama-3.2-1b": Case(8, 512, 512, hq=32, hkv=8, head=64),
     # a context-length sweep for benchmarks/plot.py (not run by default)
     **{f"decode 8x{n}": Case(8, n, 1) for n in (256, 1024, 4096, 16384)},
 }

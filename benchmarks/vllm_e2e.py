@@ -22,7 +22,7 @@ included) and median TTFT of both engines, and their ratios. A row whose KV cach
 uniform attention, so "same ids" there is a weak check; the tiny-model rows are the correctness ones.
 
 ``--json OUT`` writes the rows (batch, mode, tokens/s of both, the ratios, same ids) for
-``benchmarks/plot.py``.
+``benchmarks/plot.py``; a ``--model-config`` row also keeps every round's tokens/s and TTFT.
 """
 
 from __future__ import annotations
@@ -127,7 +127,9 @@ def real_shapes(args: argparse.Namespace) -> None:
             sys.stdout.flush()
             table.append(dict(prompt_len=prompt_len, batch=batch, cpu_attn_tok_s=tok[False], kvmulti_tok_s=tok[True],
                               cpu_attn_ttft_s=first[False], kvmulti_ttft_s=first[True],
-                              same_ids=ids[False] == ids[True]))
+                              same_ids=ids[False] == ids[True], rounds=dict(
+                                  cpu_attn_tok_s=speeds[False], kvmulti_tok_s=speeds[True],
+                                  cpu_attn_ttft_s=ttft[False], kvmulti_ttft_s=ttft[True])))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(model_config=args.model_config, dtype=args.dtype, rounds=args.rounds,
                                                    max_tokens=args.max_tokens, load_average=os.getloadavg(),
